@@ -1,0 +1,126 @@
+"""Backend selection at call time and the per-op kill switch.
+
+The backend is read when an op is called, never cached at import, so a script that
+moves the default device between calls gets the right path for each call.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import mlx.core as mx
+
+OP_NAMES = (
+    "add_rms_norm",
+    "moe_router_topk",
+    "moe_route",
+    "moe_experts",
+    "gated_delta",
+    "attention",
+)
+
+DISABLE_ENV = "MLX_LILY_DISABLE"
+
+
+@functools.lru_cache(maxsize=None)
+def _metal_available() -> bool:
+    try:
+        return bool(mx.metal.is_available())
+    except Exception:
+        return False
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_available() -> bool:
+    try:
+        return bool(mx.cuda.is_available())
+    except Exception:
+        return False
+
+
+def current_backend() -> str:
+    """Return the backend a call made now would run on: ``"metal"``, ``"cuda"`` or ``"cpu"``.
+
+    The default device decides: a GPU default on a machine with Metal is ``"metal"``,
+    with MLX's CUDA build ``"cuda"``; a CPU default (or no GPU backend) is ``"cpu"``.
+    """
+    if mx.default_device() != mx.gpu:
+        return "cpu"
+    if _metal_available():
+        return "metal"
+    if _cuda_available():
+        return "cuda"
+    return "cpu"
+
+
+@functools.lru_cache(maxsize=16)
+def _parse_disabled(raw: str) -> frozenset:
+    names = frozenset(t.strip() for t in raw.split(",") if t.strip())
+    if "all" in names:
+        return frozenset(OP_NAMES) | {"all"}
+    return names
+
+
+def disabled_ops() -> frozenset:
+    """Names of ops turned off by ``MLX_LILY_DISABLE=<op>[,<op>...]`` or ``=all``.
+
+    A disabled op takes the stock mlx-lm code path for every call.
+    """
+    return _parse_disabled(os.environ.get(DISABLE_ENV, ""))
+
+
+_selected_ops: frozenset | None = None
+
+
+def select_ops(ops) -> None:
+    """Restrict Lily to ``ops`` (an iterable of op names) or, with None, allow all.
+
+    Raises:
+        ValueError: an unknown op name.
+    """
+    global _selected_ops
+    if ops is None:
+        _selected_ops = None
+        return
+    ops = frozenset(ops)
+    unknown = ops - set(OP_NAMES)
+    if unknown:
+        raise ValueError(f"unknown mlx-lily op(s) {sorted(unknown)}; known: {list(OP_NAMES)}")
+    _selected_ops = ops
+
+
+def op_enabled(name: str) -> bool:
+    """True unless the kill switch names this op (or ``all``) or ``patch(ops=...)`` left
+    it out."""
+    if _selected_ops is not None and name not in _selected_ops:
+        return False
+    return name not in disabled_ops()
+
+
+def backend_info() -> dict:
+    """Describe what a call would use now.
+
+    Returns:
+        ``{"backend": "metal"|"cuda"|"cpu", "device": str, "ops": {op: mode}}`` where
+        mode is ``"kernel"`` (a custom GPU kernel serves at least its main form on this
+        backend), ``"reference"`` (the pure-MLX reference runs) or ``"disabled"`` (the
+        kill switch sends the op to stock mlx-lm code).
+    """
+    from .ops import kernel_status
+
+    backend = current_backend()
+    ops = {}
+    for name in OP_NAMES:
+        if not op_enabled(name):
+            ops[name] = "disabled"
+        else:
+            ops[name] = "kernel" if kernel_status(name, backend) else "reference"
+    return {"backend": backend, "device": str(mx.default_device()), "ops": ops}
+
+
+def describe() -> str:
+    """One line for stderr: backend and active ops."""
+    info = backend_info()
+    parts = ", ".join(f"{k}={v}" for k, v in info["ops"].items())
+    return f"[mlx-lily] backend={info['backend']} ops: {parts}"

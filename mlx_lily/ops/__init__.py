@@ -1,0 +1,25 @@
+"""mlx-lily ops: one module per fused boundary.
+
+Each module defines a pure-MLX ``*_reference`` (the contract; runs on any backend),
+kernel factories that return None off their backend, and a dispatcher that picks the
+kernel, the reference, or (kill switch) signals the caller to run stock mlx-lm code.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+_MODULES = {
+    "add_rms_norm": "mlx_lily.ops.add_rms_norm",
+    "moe_router_topk": "mlx_lily.ops.moe_router_topk",
+    "moe_route": "mlx_lily.ops.moe_route",
+    "moe_experts": "mlx_lily.ops.moe_experts",
+    "gated_delta": "mlx_lily.ops.gated_delta",
+    "attention": "mlx_lily.ops.attention",
+}
+
+
+def kernel_status(name: str, backend: str) -> bool:
+    """True when op ``name`` has a custom kernel that can serve on ``backend`` now."""
+    mod = importlib.import_module(_MODULES[name])
+    return bool(mod.has_kernel(backend))

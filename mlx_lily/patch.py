@@ -1,0 +1,200 @@
+"""The patch API: turn stock mlx-lm Qwen3.5/3.6 (and Qwen3-Next) models into Lily models.
+
+Patches are class-level (the ``__call__`` of mlx-lm's block classes, where mlx-lm looks
+them up), so they reach models loaded before and after ``patch()``. ``mlx_lm.utils.load_model``
+is wrapped so that models loaded while patched get their one-time weight re-layouts.
+``unpatch()`` restores every original by identity.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import warnings
+
+from . import backend
+
+_ORIGINALS: dict = {}
+_ACTIVE: "PatchHandle | None" = None
+_WARNED_TYPES: set = set()
+
+
+class PatchHandle:
+    """An applied patch: the replaced attributes and their originals.
+
+    Attributes:
+        targets: list of ``(owner, attribute, original, replacement)``.
+        ops: the op selection given to ``patch`` (None = all).
+    """
+
+    def __init__(self, targets, ops):
+        self.targets = targets
+        self.ops = ops
+
+    @property
+    def active(self) -> bool:
+        return _ACTIVE is self
+
+    def __repr__(self):
+        return f"<mlx_lily.PatchHandle {len(self.targets)} targets active={self.active}>"
+
+
+def original(owner, name="__call__"):
+    """The original attribute ``owner.name`` saved by the active patch.
+
+    Raises:
+        KeyError: ``owner.name`` is not patched.
+    """
+    return _ORIGINALS[(owner, name)]
+
+
+def _patch_modules():
+    from mlx_lily.patches import PATCH_MODULES
+
+    return [importlib.import_module(m) for m in PATCH_MODULES]
+
+
+def supported_model_types() -> tuple:
+    """mlx-lm ``model_type`` values Lily serves."""
+    return tuple(t for m in _patch_modules() for t in m.MODEL_TYPES)
+
+
+def _model_type(model):
+    mt = getattr(model, "model_type", None)
+    if mt is None:
+        args = getattr(model, "args", None)
+        mt = getattr(args, "model_type", None)
+    return mt
+
+
+def prepare_model(model, *, warn: bool = True) -> bool:
+    """Apply the one-time weight re-layouts (fused projections) to a loaded model.
+
+    Values are unchanged; each fused layer's arrays become slices of the fused buffer.
+    Nothing is written to disk. Returns False (with one warning per model type) for a
+    model type Lily does not serve, which then runs stock mlx-lm code.
+    """
+    mt = _model_type(model)
+    for m in _patch_modules():
+        if mt in m.MODEL_TYPES:
+            m.prepare(model)
+            return True
+    if warn and mt not in _WARNED_TYPES:
+        _WARNED_TYPES.add(mt)
+        warnings.warn(
+            f"mlx-lily: model type {mt!r} is not supported (supported: "
+            f"{', '.join(supported_model_types())}); running stock mlx-lm.",
+            stacklevel=2)
+    return False
+
+
+def _wrap_load_model(orig):
+    def load_model(*args, **kwargs):
+        model, config = orig(*args, **kwargs)
+        if _ACTIVE is not None:
+            prepare_model(model)
+        return model, config
+
+    load_model.__wrapped__ = orig
+    load_model.__doc__ = orig.__doc__
+    return load_model
+
+
+def _collect_targets():
+    import mlx_lm.utils
+
+    triples = []
+    for m in _patch_modules():
+        triples.extend(m.targets())
+    triples.append((mlx_lm.utils, "load_model", _wrap_load_model(mlx_lm.utils.load_model)))
+    return triples
+
+
+def _get_raw(owner, name):
+    if isinstance(owner, type):
+        for klass in owner.__mro__:
+            if name in klass.__dict__:
+                if klass is not owner:
+                    return None
+                return klass.__dict__[name]
+        return None
+    return getattr(owner, name)
+
+
+def patch(model=None, *, ops=None) -> PatchHandle:
+    """Patch mlx-lm so Qwen3.5/3.6 and Qwen3-Next models run through Lily's ops.
+
+    Args:
+        model: optionally a loaded mlx-lm model to prepare now (fused projections);
+            models loaded later through ``mlx_lm.load`` are prepared automatically. A
+            model of an unsupported type gets one warning and stays stock.
+        ops: iterable of op names to use (see ``mlx_lily.backend.OP_NAMES``); None = all.
+            ``MLX_LILY_DISABLE`` still applies on top.
+    Returns:
+        The active ``PatchHandle`` (the same one when already patched: idempotent).
+    Raises:
+        ValueError: an unknown op name.
+    """
+    global _ACTIVE
+    backend.select_ops(ops)
+    if _ACTIVE is None:
+        applied = []
+        for owner, name, repl in _collect_targets():
+            orig = _get_raw(owner, name)
+            if orig is None:
+                raise RuntimeError(f"mlx-lily: {owner!r} has no attribute {name!r} of its own; "
+                                   "this mlx-lm version is not supported")
+            _ORIGINALS[(owner, name)] = orig
+            setattr(owner, name, repl)
+            applied.append((owner, name, orig, repl))
+        _ACTIVE = PatchHandle(applied, ops)
+    else:
+        _ACTIVE.ops = ops
+    if model is not None:
+        prepare_model(model)
+    return _ACTIVE
+
+
+def unpatch(handle: PatchHandle | None = None) -> bool:
+    """Restore every patched attribute to its original object (by identity).
+
+    Args:
+        handle: the handle to undo; None = whatever is active.
+    Returns:
+        True if a patch was removed, False if none was active (or ``handle`` is stale).
+    """
+    global _ACTIVE
+    if _ACTIVE is None or (handle is not None and handle is not _ACTIVE):
+        return False
+    for owner, name, orig, repl in reversed(_ACTIVE.targets):
+        if _get_raw(owner, name) is not repl:
+            warnings.warn(f"mlx-lily: {owner!r}.{name} was replaced by someone else after "
+                          "patching; restoring the original anyway", stacklevel=2)
+        setattr(owner, name, orig)
+        _ORIGINALS.pop((owner, name), None)
+    _ACTIVE = None
+    backend.select_ops(None)
+    return True
+
+
+def is_patched() -> bool:
+    """True while a Lily patch is active."""
+    return _ACTIVE is not None
+
+
+@contextlib.contextmanager
+def patched(model=None, *, ops=None):
+    """Context manager: patch on entry, restore on exit (only if this call patched).
+
+    Yields the ``PatchHandle``.
+    """
+    was = _ACTIVE
+    prev_ops = was.ops if was is not None else None
+    handle = patch(model, ops=ops)
+    try:
+        yield handle
+    finally:
+        if was is None:
+            unpatch(handle)
+        else:
+            patch(ops=prev_ops)

@@ -1,0 +1,8 @@
+"""Per-model patch modules (installed as ``mlx_lily.patches``).
+
+Each module exposes ``MODEL_TYPES`` (the mlx-lm ``model_type`` values it serves),
+``targets()`` (``(owner, attribute, replacement)`` triples applied by ``mlx_lily.patch``)
+and ``prepare(model)`` (one-time weight re-layouts for a loaded model).
+"""
+
+PATCH_MODULES = ("mlx_lily.patches.qwen3_next", "mlx_lily.patches.qwen3_5")

@@ -1,0 +1,50 @@
+"""Lily forwards for mlx-lm's ``qwen3_5`` module (also serving ``qwen3_5_moe``, whose
+``Model`` subclasses ``qwen3_5.Model``): its own GatedDeltaNet (separate
+``in_proj_qkv``/``in_proj_z``/``in_proj_b``/``in_proj_a``, fused here into one projection)
+and its decoder layer. Attention and MoE blocks are ``qwen3_next``'s classes and are
+patched by ``mlx_lily.patches.qwen3_next``.
+"""
+
+from __future__ import annotations
+
+from mlx_lm.models import qwen3_5
+
+from . import qwen3_next as nxt
+
+MODEL_TYPES = ("qwen3_5", "qwen3_5_moe")
+
+
+def gdn_call(self, inputs, mask=None, cache=None):
+    """``qwen3_5.GatedDeltaNet.__call__`` with one fused input projection."""
+    if not nxt.gdn_supported(self):
+        return nxt._original(qwen3_5.GatedDeltaNet)(self, inputs, mask, cache)
+    B, S, _ = inputs.shape
+    proj = nxt._proj(self, "in_proj",
+                     (self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a))
+    qkv, z, b, a = nxt._run(proj, inputs)
+    z = z.reshape(B, S, self.num_v_heads, self.head_v_dim)
+    return nxt.gdn_core(self, qkv, z, b, a, mask, cache)
+
+
+decoder_call = nxt.make_decoder_call(lambda: qwen3_5.DecoderLayer)
+
+
+def targets():
+    """``(owner, attribute, replacement)`` triples for ``mlx_lily.patch``."""
+    return [
+        (qwen3_5.GatedDeltaNet, "__call__", gdn_call),
+        (qwen3_5.DecoderLayer, "__call__", decoder_call),
+    ]
+
+
+def prepare(model) -> None:
+    """One-time re-layouts for a loaded qwen3_5 / qwen3_5_moe model."""
+    for layer in model.layers:
+        if layer.is_linear:
+            g = layer.linear_attn
+            if isinstance(g, qwen3_5.GatedDeltaNet) and getattr(g, "_lily", None) is None:
+                g._lily = nxt.LilyState(in_proj=nxt.QProj.fuse(
+                    [g.in_proj_qkv, g.in_proj_z, g.in_proj_b, g.in_proj_a]))
+        else:
+            nxt.prepare_attention(layer.self_attn)
+        nxt.prepare_moe(layer.mlp)

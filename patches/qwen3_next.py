@@ -1,0 +1,213 @@
+"""Lily forwards for the blocks mlx-lm's ``qwen3_next`` module defines and ``qwen3_5``
+reuses: gated attention, the sparse MoE block, Qwen3-Next's GatedDeltaNet and the
+decoder layer. Each forward checks first whether this call is one Lily serves and
+otherwise runs the original method unchanged (training, sharding, unsupported caches,
+kill switch); ops pick kernels or their references inside.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models import qwen3_next
+from mlx_lm.models.cache import KVCache
+
+from mlx_lily.backend import op_enabled
+from mlx_lily.ops import attention as attn_ops
+from mlx_lily.ops.add_rms_norm import add_rms_norm
+from mlx_lily.ops.gated_delta import gated_delta
+from mlx_lily.ops.moe_experts import moe_experts
+from mlx_lily.ops.moe_router_topk import moe_router_topk
+from mlx_lily.qproj import QProj
+
+MODEL_TYPES = ("qwen3_next",)
+
+
+class LilyState:
+    """Per-module prepared data (fused projections); a plain object, so it never enters
+    the module's parameter tree."""
+
+    def __init__(self, **projs):
+        self.__dict__.update(projs)
+
+
+def _original(cls, name="__call__"):
+    from mlx_lily.patch import original
+
+    return original(cls, name)
+
+
+def _proj(module, key, layers):
+    """The fused projection prepared for ``module`` under ``key``, or per-layer views."""
+    st = getattr(module, "_lily", None)
+    p = getattr(st, key, None) if st is not None else None
+    if p is not None:
+        return p
+    return [QProj.view([l]) or _CallLayer(l) for l in layers]
+
+
+class _CallLayer:
+    """Adapter making any layer look like a one-part QProj."""
+
+    def __init__(self, layer):
+        self.layer = layer
+
+    def __call__(self, x):
+        return [self.layer(x)]
+
+
+def _run(proj, x):
+    if isinstance(proj, list):
+        out = []
+        for p in proj:
+            out.extend(p(x))
+        return out
+    return proj(x)
+
+
+# ---------------------------------------------------------------- attention
+def _attention_supported(self, cache) -> bool:
+    return (op_enabled(attn_ops.NAME) and not self.training
+            and (cache is None or type(cache) is KVCache)
+            and type(self.rope) is nn.RoPE)
+
+
+def attention_call(self, x, mask=None, cache=None):
+    """Gated GQA attention (``Qwen3NextAttention.__call__`` with Lily ops)."""
+    if not _attention_supported(self, cache):
+        return _original(qwen3_next.Qwen3NextAttention)(self, x, mask, cache)
+    B, L, _ = x.shape
+    Hq, Hkv = self.num_attention_heads, self.num_key_value_heads
+    q_out, keys, values = _run(_proj(self, "qkv", (self.q_proj, self.k_proj, self.v_proj)), x)
+    queries, gate = mx.split(q_out.reshape(B, L, Hq, -1), 2, axis=-1)
+    gate = gate.reshape(B, L, -1)
+    offset = cache.offset if cache is not None else 0
+    rope = self.rope
+    q, k = attn_ops.qk_norm_rope(
+        queries, keys.reshape(B, L, Hkv, -1), self.q_norm.weight, self.k_norm.weight,
+        self.q_norm.eps, rope_dims=rope.dims, base=rope.base, scale=rope.scale,
+        traditional=rope.traditional, offset=offset)
+    v = values.reshape(B, L, Hkv, -1).transpose(0, 2, 1, 3)
+    if cache is not None:
+        k, v = cache.update_and_fetch(k, v)
+    out = attn_ops.sdpa(q, k, v, self.scale, mask)
+    out = out.transpose(0, 2, 1, 3).reshape(B, L, -1)
+    return self.o_proj(attn_ops.output_gate(out, gate))
+
+
+# ---------------------------------------------------------------- MoE
+def _stock_routing(self, x):
+    gates = mx.softmax(self.gate(x), axis=-1, precise=True)
+    k = self.top_k
+    inds = mx.argpartition(gates, kth=-k, axis=-1)[..., -k:]
+    scores = mx.take_along_axis(gates, inds, axis=-1)
+    if self.norm_topk_prob:
+        scores = scores / scores.sum(axis=-1, keepdims=True)
+    return inds, scores, mx.sigmoid(self.shared_expert_gate(x))
+
+
+def moe_call(self, x):
+    """Sparse MoE block (``Qwen3NextSparseMoeBlock.__call__`` with Lily ops)."""
+    use_router = op_enabled("moe_router_topk")
+    use_experts = op_enabled("moe_experts")
+    if self.sharding_group is not None or self.training or not (use_router or use_experts):
+        return _original(qwen3_next.Qwen3NextSparseMoeBlock)(self, x)
+    if use_router:
+        router = _proj(self, "router", (self.gate, self.shared_expert_gate))
+        if isinstance(router, list):
+            parts = router
+            router = lambda t: _run(parts, t)  # noqa: E731
+        inds, scores, shared = moe_router_topk(x, router, self.top_k, self.norm_topk_prob)
+    else:
+        inds, scores, shared = _stock_routing(self, x)
+    if use_experts:
+        return moe_experts(x, inds, scores, self.switch_mlp, self.shared_expert, shared)
+    y = (self.switch_mlp(x, inds) * scores[..., None]).sum(axis=-2)
+    return y + shared * self.shared_expert(x)
+
+
+# ---------------------------------------------------------------- Gated DeltaNet
+def gdn_supported(self) -> bool:
+    return (op_enabled("gated_delta") and not self.training
+            and getattr(self, "sharding_group", None) is None
+            and self.conv1d.groups == self.conv_dim and "bias" not in self.conv1d)
+
+
+def gdn_core(self, qkv, z, b, a, mask, cache):
+    """Shared tail of both GDN variants: conv, recurrence, gated norm, cache update,
+    ``out_proj``. ``qkv [B,S,C]``, ``z [B,S,Hv,Dv]``, ``b``/``a [B,S,Hv]``."""
+    B, S, _ = qkv.shape
+    conv_state = cache[0] if cache is not None else None
+    state = cache[1] if cache is not None else None
+    lengths = cache.lengths if cache is not None else None
+    out, new_conv, new_state = gated_delta(
+        qkv, z, b, a, self.conv1d.weight, conv_state, self.A_log, self.dt_bias, state,
+        self.norm.weight, num_k_heads=self.num_k_heads, head_k_dim=self.head_k_dim,
+        num_v_heads=self.num_v_heads, head_v_dim=self.head_v_dim, eps=self.norm.eps,
+        mask=mask, lengths=lengths)
+    if cache is not None:
+        cache[0] = new_conv
+        cache[1] = new_state
+        cache.advance(S)
+    return self.out_proj(out)
+
+
+def next_gdn_call(self, inputs, mask=None, cache=None):
+    """Qwen3-Next GatedDeltaNet (fused ``in_proj_qkvz``/``in_proj_ba`` layout)."""
+    if not gdn_supported(self):
+        return _original(qwen3_next.Qwen3NextGatedDeltaNet)(self, inputs, mask, cache)
+    B, S, _ = inputs.shape
+    q, k, v, z, b, a = self.fix_query_key_value_ordering(
+        self.in_proj_qkvz(inputs), self.in_proj_ba(inputs))
+    qkv = mx.concatenate([q.reshape(B, S, -1), k.reshape(B, S, -1), v.reshape(B, S, -1)],
+                         axis=-1)
+    return gdn_core(self, qkv, z, b, a, mask, cache)
+
+
+# ---------------------------------------------------------------- decoder layer
+def make_decoder_call(cls_getter):
+    """Decoder layer with the residual add fused into the post-attention RMSNorm."""
+
+    def decoder_call(self, x, mask=None, cache=None):
+        if self.training or not op_enabled("add_rms_norm"):
+            return _original(cls_getter())(self, x, mask, cache)
+        mixer = self.linear_attn if self.is_linear else self.self_attn
+        r = mixer(self.input_layernorm(x), mask, cache)
+        norm = self.post_attention_layernorm
+        h, n = add_rms_norm(x, r, norm.weight, norm.eps)
+        return h + self.mlp(n)
+
+    return decoder_call
+
+
+decoder_call = make_decoder_call(lambda: qwen3_next.Qwen3NextDecoderLayer)
+
+
+def targets():
+    """``(owner, attribute, replacement)`` triples for ``mlx_lily.patch``."""
+    return [
+        (qwen3_next.Qwen3NextAttention, "__call__", attention_call),
+        (qwen3_next.Qwen3NextSparseMoeBlock, "__call__", moe_call),
+        (qwen3_next.Qwen3NextGatedDeltaNet, "__call__", next_gdn_call),
+        (qwen3_next.Qwen3NextDecoderLayer, "__call__", decoder_call),
+    ]
+
+
+def prepare_attention(attn) -> None:
+    """Fuse q|k|v projections of one attention module (once)."""
+    if getattr(attn, "_lily", None) is None:
+        attn._lily = LilyState(qkv=QProj.fuse([attn.q_proj, attn.k_proj, attn.v_proj]))
+
+
+def prepare_moe(moe) -> None:
+    """Fuse the router with the shared-expert gate (once)."""
+    if isinstance(moe, qwen3_next.Qwen3NextSparseMoeBlock) and getattr(moe, "_lily", None) is None:
+        moe._lily = LilyState(router=QProj.fuse([moe.gate, moe.shared_expert_gate]))
+
+
+def prepare(model) -> None:
+    """One-time re-layouts for a loaded qwen3_next model."""
+    for layer in model.layers:
+        if not layer.is_linear:
+            prepare_attention(layer.self_attn)
+        prepare_moe(layer.mlp)
