@@ -14,13 +14,13 @@ Importing this package is cheap: it imports neither MLX nor mlx-lm. The patch AP
 __version__ = "0.1.0"
 
 _LAZY = {
-    "patch": "mlx_lily.patch",
-    "unpatch": "mlx_lily.patch",
-    "patched": "mlx_lily.patch",
-    "is_patched": "mlx_lily.patch",
-    "PatchHandle": "mlx_lily.patch",
-    "prepare_model": "mlx_lily.patch",
-    "supported_model_types": "mlx_lily.patch",
+    "patch": "mlx_lily.patching",
+    "unpatch": "mlx_lily.patching",
+    "patched": "mlx_lily.patching",
+    "is_patched": "mlx_lily.patching",
+    "PatchHandle": "mlx_lily.patching",
+    "prepare_model": "mlx_lily.patching",
+    "supported_model_types": "mlx_lily.patching",
     "backend_info": "mlx_lily.backend",
     "current_backend": "mlx_lily.backend",
 }

@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import importlib.resources
 from pathlib import Path
+from typing import NamedTuple
 
 import mlx.core as mx
 
@@ -53,40 +54,67 @@ def split_header(text: str, marker: str = "// ---- body ----") -> tuple[str, str
     return "", text
 
 
-@functools.lru_cache(maxsize=None)
-def metal_kernel(name: str, filename: str, inputs: tuple, outputs: tuple, *,
-                 atomic_outputs: bool = False, ensure_row_contiguous: bool = True):
-    """Build (once) an ``mx.fast.metal_kernel`` from ``shaders/metal/<filename>``.
+class KernelSpec(NamedTuple):
+    """One kernel's launch contract, shared by its Metal and CUDA twins.
 
-    Returns None when Metal is not available, so callers fall back to the reference.
+    ``name`` is the kernel name on both backends; the body lives in
+    ``shaders/metal/<stem>.metal`` and ``shaders/cuda/<stem>.cu`` (helpers before the
+    ``// ---- body ----`` marker become the ``header``); inputs/outputs are the buffer
+    names in order. Template arguments and the grid formula are documented in the op
+    module that launches it and passed identically to both twins.
     """
-    if not _metal_ok():
-        return None
-    head, body = split_header(shader_source("metal", filename))
-    return mx.fast.metal_kernel(
-        name=name, input_names=list(inputs), output_names=list(outputs),
-        source=body, header=head, ensure_row_contiguous=ensure_row_contiguous,
-        atomic_outputs=atomic_outputs,
-    )
+
+    name: str
+    stem: str
+    inputs: tuple
+    outputs: tuple
+    atomic_outputs: bool = False
+    ensure_row_contiguous: bool = True
+    shared_memory: int = 0
 
 
-@functools.lru_cache(maxsize=None)
-def cuda_kernel(name: str, filename: str, inputs: tuple, outputs: tuple, *,
-                shared_memory: int = 0, ensure_row_contiguous: bool = True):
-    """Build (once) an ``mx.fast.cuda_kernel`` from ``shaders/cuda/<filename>``.
+def build(spec: KernelSpec, backend: str, factory=None):
+    """Construct the kernel object for ``backend`` (``"metal"`` or ``"cuda"``), uncached.
 
-    Returns None when MLX's CUDA backend is not available.
+    ``factory`` overrides ``mx.fast.metal_kernel`` / ``mx.fast.cuda_kernel`` (tests pass
+    the Metal emulator's ``metal_kernel``).
     """
-    if not _cuda_ok():
-        return None
-    head, body = split_header(shader_source("cuda", filename))
-    kwargs = dict(
-        name=name, input_names=list(inputs), output_names=list(outputs),
-        source=body, header=head, ensure_row_contiguous=ensure_row_contiguous,
-    )
-    if shared_memory:
-        kwargs["shared_memory"] = shared_memory
-    return mx.fast.cuda_kernel(**kwargs)
+    if backend == "metal":
+        head, body = split_header(shader_source("metal", spec.stem + ".metal"))
+        factory = factory or mx.fast.metal_kernel
+        return factory(name=spec.name, input_names=list(spec.inputs),
+                       output_names=list(spec.outputs), source=body, header=head,
+                       ensure_row_contiguous=spec.ensure_row_contiguous,
+                       atomic_outputs=spec.atomic_outputs)
+    if backend == "cuda":
+        head, body = split_header(shader_source("cuda", spec.stem + ".cu"))
+        factory = factory or mx.fast.cuda_kernel
+        kwargs = dict(name=spec.name, input_names=list(spec.inputs),
+                      output_names=list(spec.outputs), source=body, header=head,
+                      ensure_row_contiguous=spec.ensure_row_contiguous)
+        if spec.shared_memory:
+            kwargs["shared_memory"] = spec.shared_memory
+        return factory(**kwargs)
+    raise ValueError(f"no kernels for backend {backend!r}")
+
+
+_CACHE: dict = {}
+
+
+def get(spec: KernelSpec, backend: str):
+    """The process-wide kernel object for ``spec`` on ``backend``, built on first use;
+    None when that backend is not available here (callers use the reference)."""
+    key = (spec, backend)
+    k = _CACHE.get(key)
+    if k is None:
+        if backend == "metal" and not _metal_ok():
+            return None
+        if backend == "cuda" and not _cuda_ok():
+            return None
+        if backend not in ("metal", "cuda"):
+            return None
+        k = _CACHE[key] = build(spec, backend)
+    return k
 
 
 def _metal_ok() -> bool:

@@ -32,7 +32,7 @@ class LilyState:
 
 
 def _original(cls, name="__call__"):
-    from mlx_lily.patch import original
+    from mlx_lily.patching import original
 
     return original(cls, name)
 

@@ -1,0 +1,350 @@
+"""The patch API and the patched model end to end against stock mlx-lm (CPU)."""
+
+import copy
+import warnings
+
+import mlx.core as mx
+import mlx.nn as nn
+import pytest
+from mlx_lm.generate import BatchGenerator, generate_step
+from mlx_lm.models import cache as cache_mod
+from mlx_lm.models import qwen3_5, qwen3_next
+
+import _models
+import mlx_lily
+from mlx_lily import backend
+
+PROMPT = [1, 5, 9, 33, 100, 7, 8, 9, 200, 11, 42, 17]
+KINDS = ("qwen3_5_moe", "qwen3_5", "qwen3_next")
+
+PATCHED = [
+    (qwen3_next.Qwen3NextAttention, "__call__"),
+    (qwen3_next.Qwen3NextSparseMoeBlock, "__call__"),
+    (qwen3_next.Qwen3NextGatedDeltaNet, "__call__"),
+    (qwen3_next.Qwen3NextDecoderLayer, "__call__"),
+    (qwen3_5.GatedDeltaNet, "__call__"),
+    (qwen3_5.DecoderLayer, "__call__"),
+]
+
+
+def greedy(model, prompt, n, **kw):
+    out = []
+    for (tok, _), _i in zip(generate_step(mx.array(prompt), model, max_tokens=n, **kw), range(n)):
+        out.append(int(tok))
+    return out
+
+
+def originals():
+    return {(c, n): c.__dict__[n] for c, n in PATCHED}
+
+
+def test_roundtrip_restores_originals_by_identity():
+    import mlx_lm.utils
+
+    before = originals()
+    load_before = mlx_lm.utils.load_model
+    h = mlx_lily.patch()
+    assert mlx_lily.is_patched() and h.active
+    for key, f in before.items():
+        assert key[0].__dict__[key[1]] is not f
+    assert mlx_lm.utils.load_model is not load_before
+    assert mlx_lily.unpatch(h) is True
+    assert not mlx_lily.is_patched()
+    for key, f in before.items():
+        assert key[0].__dict__[key[1]] is f
+    assert mlx_lm.utils.load_model is load_before
+    assert mlx_lily.unpatch() is False
+
+
+def test_patch_is_idempotent():
+    before = originals()
+    h1 = mlx_lily.patch()
+    after_first = originals()
+    h2 = mlx_lily.patch()
+    assert h1 is h2
+    assert originals() == after_first
+    mlx_lily.unpatch()
+    assert originals() == before
+
+
+def test_patched_context_manager_restores():
+    before = originals()
+    with mlx_lily.patched() as h:
+        assert h.active
+    assert originals() == before and not mlx_lily.is_patched()
+
+
+def test_stale_handle_does_nothing():
+    h = mlx_lily.patch()
+    mlx_lily.unpatch(h)
+    h2 = mlx_lily.patch()
+    assert mlx_lily.unpatch(h) is False and mlx_lily.is_patched()
+    mlx_lily.unpatch(h2)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_logits_and_64_greedy_tokens_match_stock(tiny_models, kind):
+    model = tiny_models[kind]
+    x = mx.array([PROMPT])
+    ref_logits = model(x)
+    ref_tokens = greedy(model, PROMPT, 64)
+    with mlx_lily.patched(model):
+        out = model(x)
+        tokens = greedy(model, PROMPT, 64)
+    assert mx.array_equal(out, ref_logits).item(), float(mx.abs(out - ref_logits).max())
+    assert tokens == ref_tokens
+
+
+def test_model_loaded_before_patch_without_prepare_matches(tiny_models):
+    """A model patched globally without prepare() runs unfused projections: same answer."""
+    model = _models.build("qwen3_5_moe", seed=3)
+    ref = model(mx.array([PROMPT]))
+    mlx_lily.patch()
+    try:
+        assert mx.array_equal(model(mx.array([PROMPT])), ref).item()
+    finally:
+        mlx_lily.unpatch()
+
+
+def test_prefill_longer_than_prefill_step_size(tiny_models):
+    model = tiny_models["qwen3_5_moe"]
+    prompt = [(i * 37 + 11) % 500 + 1 for i in range(150)]
+    ref = greedy(model, prompt, 8, prefill_step_size=64)
+    with mlx_lily.patched(model):
+        got = greedy(model, prompt, 8, prefill_step_size=64)
+    assert got == ref
+
+
+def _batch(model, prompts, n):
+    gen = BatchGenerator(model, stop_tokens=[[-1]], prefill_batch_size=len(prompts),
+                         completion_batch_size=len(prompts))
+    uids = gen.insert(prompts, [n] * len(prompts))
+    out = {u: [] for u in uids}
+    while responses := gen.next_generated():
+        for r in responses:
+            out[r.uid].append(int(r.token))
+    gen.close()
+    return [out[u] for u in uids]
+
+
+def test_batch_of_two_matches_each_alone_and_stock(tiny_models):
+    model = tiny_models["qwen3_5_moe"]
+    prompts = [PROMPT, [3, 4, 5, 6, 300]]
+    stock = _batch(model, prompts, 12)
+    with mlx_lily.patched(model):
+        lily = _batch(model, prompts, 12)
+        alone = [greedy(model, p, 12) for p in prompts]
+    assert lily == stock
+    assert lily == alone
+
+
+def test_caches_stay_mlx_lm_own_and_interchange(tiny_models):
+    model = tiny_models["qwen3_5_moe"]
+    c_stock = model.make_cache()
+    model(mx.array([PROMPT]), cache=c_stock)
+    with mlx_lily.patched(model):
+        c_lily = model.make_cache()
+        model(mx.array([PROMPT]), cache=c_lily)
+    for a, b in zip(c_stock, c_lily):
+        assert type(a) is type(b)
+        sa, sb = a.state, b.state
+        if isinstance(a, cache_mod.ArraysCache):
+            for u, v in zip(a.cache, b.cache):
+                assert u.shape == v.shape and u.dtype == v.dtype
+                assert mx.array_equal(u, v).item()
+            assert a.cache[1].dtype == mx.float32
+        else:
+            assert a.offset == b.offset
+            assert mx.array_equal(sa[0][..., :a.offset, :], sb[0][..., :b.offset, :]).item()
+    # continue the Lily-built cache with stock, and the stock-built cache with Lily
+    nxt = mx.array([[77]])
+    ref = model(nxt, cache=copy.deepcopy(c_stock))
+    with_stock = model(nxt, cache=c_lily)
+    with mlx_lily.patched(model):
+        with_lily = model(nxt, cache=c_stock)
+    assert mx.array_equal(ref, with_stock).item() and mx.array_equal(ref, with_lily).item()
+
+
+def test_no_host_sync_inside_patched_forward(tiny_models):
+    """A host sync (.item(), mx.eval, numpy) inside a traced function raises: tracing the
+    patched forward with a fresh cache must succeed."""
+    model = tiny_models["qwen3_5_moe"]
+
+    def step(tokens):
+        c = model.make_cache()
+        return model(tokens, cache=c)
+
+    x = mx.array([PROMPT])
+    with mlx_lily.patched(model):
+        traced = mx.compile(step)
+        out = traced(x)
+        ref = step(x)
+    assert mx.allclose(out, ref, atol=1e-2, rtol=1e-2).item()
+
+
+@pytest.mark.parametrize("op", list(backend.OP_NAMES) + ["all"])
+def test_kill_switch_keeps_answers(tiny_models, monkeypatch, op):
+    model = tiny_models["qwen3_5_moe"]
+    ref = model(mx.array([PROMPT]))
+    monkeypatch.setenv("MLX_LILY_DISABLE", op)
+    with mlx_lily.patched(model):
+        info = mlx_lily.backend_info()
+        out = model(mx.array([PROMPT]))
+    if op == "all":
+        assert set(info["ops"].values()) == {"disabled"}
+    else:
+        assert info["ops"][op] == "disabled"
+    assert mx.array_equal(out, ref).item()
+
+
+def test_kill_switch_routes_to_stock_code(tiny_models, monkeypatch):
+    model = tiny_models["qwen3_5_moe"]
+    calls = []
+    orig = qwen3_next.Qwen3NextSparseMoeBlock.__call__
+
+    monkeypatch.setenv("MLX_LILY_DISABLE", "moe_router_topk,moe_experts")
+    with mlx_lily.patched(model):
+        from mlx_lily.patching import original
+
+        stock = original(qwen3_next.Qwen3NextSparseMoeBlock)
+        assert stock is orig
+
+        def spy(self, x):
+            calls.append(1)
+            return stock(self, x)
+
+        import mlx_lily.patching as P
+
+        P._ORIGINALS[(qwen3_next.Qwen3NextSparseMoeBlock, "__call__")] = spy
+        try:
+            model(mx.array([PROMPT]))
+        finally:
+            P._ORIGINALS[(qwen3_next.Qwen3NextSparseMoeBlock, "__call__")] = stock
+    assert len(calls) == len(model.layers)
+
+
+def test_patch_ops_selection_and_unknown_op(tiny_models):
+    with mlx_lily.patched(ops=["gated_delta"]):
+        ops = mlx_lily.backend_info()["ops"]
+        assert ops["gated_delta"] != "disabled" and ops["attention"] == "disabled"
+    with pytest.raises(ValueError, match="unknown mlx-lily op"):
+        mlx_lily.patch(ops=["nope"])
+    assert not mlx_lily.is_patched()
+
+
+def test_unsupported_model_type_warns_once_and_stays_stock():
+    from mlx_lm.models import llama
+
+    args = llama.ModelArgs(model_type="llama", hidden_size=64, num_hidden_layers=1,
+                           intermediate_size=128, num_attention_heads=2, rms_norm_eps=1e-6,
+                           vocab_size=100, num_key_value_heads=2)
+    model = llama.Model(args)
+    x = mx.array([[1, 2, 3]])
+    ref = model(x)
+    import mlx_lily.patching as P
+
+    P._WARNED_TYPES.discard("llama")
+    with pytest.warns(UserWarning, match="model type 'llama' is not supported"):
+        mlx_lily.patch(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        mlx_lily.prepare_model(model)  # second time: no second warning
+    assert mx.array_equal(model(x), ref).item()
+
+
+def _calls_original(monkeypatch, cls):
+    import mlx_lily.patching as P
+
+    seen = []
+    stock = P._ORIGINALS[(cls, "__call__")]
+
+    def spy(self, *a, **k):
+        seen.append(1)
+        return stock(self, *a, **k)
+
+    monkeypatch.setitem(P._ORIGINALS, (cls, "__call__"), spy)
+    return seen
+
+
+def test_fallback_training_mode(tiny_models, monkeypatch):
+    model = tiny_models["qwen3_5"]
+    ref = model(mx.array([PROMPT]))
+    with mlx_lily.patched(model):
+        seen = _calls_original(monkeypatch, qwen3_5.GatedDeltaNet)
+        model.train()
+        try:
+            out = model(mx.array([PROMPT]))
+        finally:
+            model.eval()
+    assert seen and mx.array_equal(out, ref).item()
+
+
+def test_fallback_quantized_kv_cache(tiny_models, monkeypatch):
+    model = tiny_models["qwen3_5_moe"]
+
+    def run():
+        c = model.make_cache()
+        c = [cache_mod.QuantizedKVCache(group_size=64, bits=8) if isinstance(x, cache_mod.KVCache)
+             else x for x in c]
+        return model(mx.array([PROMPT]), cache=c)
+
+    ref = run()
+    with mlx_lily.patched(model):
+        seen = _calls_original(monkeypatch, qwen3_next.Qwen3NextAttention)
+        out = run()
+    assert seen and mx.array_equal(out, ref).item()
+
+
+def test_fallback_sharded_moe(tiny_models, monkeypatch):
+    model = _models.build("qwen3_5_moe", seed=5)
+    x = mx.random.normal((1, 4, 128)).astype(mx.bfloat16)
+    block = model.layers[0].mlp
+    ref = block(x)
+    with mlx_lily.patched(model):
+        seen = _calls_original(monkeypatch, qwen3_next.Qwen3NextSparseMoeBlock)
+        block.sharding_group = object()  # sharded blocks are never served by Lily
+        try:
+            with pytest.raises(Exception):
+                block(x)  # stock code tries to use the (fake) group
+        finally:
+            block.sharding_group = None
+    assert seen
+
+
+def test_fallback_unsupported_rope_keeps_answer(tiny_models, monkeypatch):
+    model = _models.build("qwen3_5_moe", seed=6)
+    attn = model.layers[3].self_attn
+    ref = model(mx.array([PROMPT]))
+    orig_rope = attn.rope
+
+    class OtherRope(nn.Module):
+        def __call__(self, x, offset=0):
+            return orig_rope(x, offset=offset)
+
+    attn.rope = OtherRope()
+    try:
+        with mlx_lily.patched(model):
+            seen = _calls_original(monkeypatch, qwen3_next.Qwen3NextAttention)
+            out = model(mx.array([PROMPT]))
+    finally:
+        attn.rope = orig_rope
+    assert seen and mx.array_equal(out, ref).item()
+
+
+def test_prepare_keeps_values_and_parameter_tree(tiny_models):
+    from mlx.utils import tree_flatten
+
+    model = _models.build("qwen3_5_moe", seed=7)
+    before = {k: mx.array(v) for k, v in tree_flatten(model.parameters())}
+    mlx_lily.prepare_model(model)
+    after = dict(tree_flatten(model.parameters()))
+    assert before.keys() == after.keys()
+    for k in before:
+        assert before[k].dtype == after[k].dtype and mx.array_equal(before[k], after[k]).item(), k
+
+
+def test_backend_info_shape():
+    info = mlx_lily.backend_info()
+    assert info["backend"] in ("metal", "cuda", "cpu")
+    assert set(info["ops"]) == set(backend.OP_NAMES)
+    assert set(info["ops"].values()) <= {"kernel", "reference", "disabled"}
