@@ -88,10 +88,47 @@ def prepare_model(model, *, warn: bool = True) -> bool:
     return False
 
 
+def check_checkpoint(model_path) -> bool:
+    """Validate a local checkpoint of a Lily model type before mlx-lm loads it.
+
+    Returns True when it is an MLX-quantized checkpoint Lily can prepare; False (with a
+    warning) when it has no ``quantization`` block (stock mlx-lm code then serves it).
+    Other model types and non-directories are left to mlx-lm (True).
+    Raises:
+        mlx_lily.checkpoint.CheckpointError: a missing shard, a tensor of the wrong shape
+            or dtype, an unreadable config: the message names the file and tensor.
+    """
+    import json
+    from pathlib import Path
+
+    from .checkpoint import NO_QUANT_MSG, CheckpointError, validate_checkpoint
+
+    root = Path(model_path)
+    cfg = root / "config.json"
+    if not cfg.is_file():
+        return True
+    try:
+        mt = json.loads(cfg.read_text()).get("model_type")
+    except (OSError, ValueError):
+        mt = None
+    if mt not in supported_model_types():
+        return True
+    try:
+        validate_checkpoint(root)
+    except CheckpointError as e:
+        if str(e) == NO_QUANT_MSG:
+            warnings.warn(f"mlx-lily: {root}: {NO_QUANT_MSG}; running stock mlx-lm for it.",
+                          stacklevel=3)
+            return False
+        raise
+    return True
+
+
 def _wrap_load_model(orig):
-    def load_model(*args, **kwargs):
-        model, config = orig(*args, **kwargs)
-        if _ACTIVE is not None:
+    def load_model(model_path, *args, **kwargs):
+        lily = _ACTIVE is not None and check_checkpoint(model_path)
+        model, config = orig(model_path, *args, **kwargs)
+        if lily:
             prepare_model(model)
         return model, config
 
@@ -101,12 +138,11 @@ def _wrap_load_model(orig):
 
 
 def _collect_targets():
-    import mlx_lm.utils
-
+    utils = importlib.import_module("mlx_lm.utils")
     triples = []
     for m in _patch_modules():
         triples.extend(m.targets())
-    triples.append((mlx_lm.utils, "load_model", _wrap_load_model(mlx_lm.utils.load_model)))
+    triples.append((utils, "load_model", _wrap_load_model(utils.load_model)))
     return triples
 
 
