@@ -27,6 +27,7 @@ def gdn_call(self, inputs, mask=None, cache=None):
 
 
 decoder_call = nxt.make_decoder_call(lambda: qwen3_5.DecoderLayer)
+model_call = nxt.make_text_model_call(qwen3_5, "Qwen3_5TextModel", "DecoderLayer", True)
 
 
 def targets():
@@ -34,6 +35,7 @@ def targets():
     return [
         (qwen3_5.GatedDeltaNet, "__call__", gdn_call),
         (qwen3_5.DecoderLayer, "__call__", decoder_call),
+        (qwen3_5.Qwen3_5TextModel, "__call__", model_call),
     ]
 
 

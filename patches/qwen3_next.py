@@ -183,6 +183,46 @@ def make_decoder_call(cls_getter):
 decoder_call = make_decoder_call(lambda: qwen3_next.Qwen3NextDecoderLayer)
 
 
+def make_text_model_call(module, cls_name, layer_cls_name, with_embeddings):
+    """The decoder stack with each layer's closing residual add fused into the NEXT
+    layer's input RMSNorm (and the last one into the final norm): two ``add_rms_norm``
+    per layer, no separate add or norm. Pipeline-parallel models take the stock code."""
+
+    def text_model_call(self, inputs, cache=None, input_embeddings=None):
+        stock = _original(getattr(module, cls_name))
+        layers = self.pipeline_layers
+        layer_cls = getattr(module, layer_cls_name)
+        if (self.pipeline_size > 1 or self.training or not op_enabled("add_rms_norm")
+                or not layers or any(type(l) is not layer_cls for l in layers)):
+            if with_embeddings:
+                return stock(self, inputs, cache, input_embeddings=input_embeddings)
+            return stock(self, inputs, cache)
+        h = input_embeddings if input_embeddings is not None else self.embed_tokens(inputs)
+        if cache is None:
+            cache = [None] * len(layers)
+        fa_mask = (module.create_attention_mask(h, cache[self.fa_idx])
+                   if self.fa_idx is not None else None)
+        ssm_mask = (module.create_ssm_mask(h, cache[self.ssm_idx])
+                    if self.ssm_idx is not None else None)
+        first = layers[0].input_layernorm
+        x = mx.fast.rms_norm(h, first.weight, first.eps)
+        for i, (layer, c) in enumerate(zip(layers, cache)):
+            if layer.is_linear:
+                r = layer.linear_attn(x, ssm_mask, c)
+            else:
+                r = layer.self_attn(x, fa_mask, c)
+            post = layer.post_attention_layernorm
+            h, n = add_rms_norm(h, r, post.weight, post.eps)
+            nxt = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.norm
+            h, x = add_rms_norm(h, layer.mlp(n), nxt.weight, nxt.eps)
+        return x
+
+    return text_model_call
+
+
+model_call = make_text_model_call(qwen3_next, "Qwen3NextModel", "Qwen3NextDecoderLayer", False)
+
+
 def targets():
     """``(owner, attribute, replacement)`` triples for ``mlx_lily.patch``."""
     return [
@@ -190,6 +230,7 @@ def targets():
         (qwen3_next.Qwen3NextSparseMoeBlock, "__call__", moe_call),
         (qwen3_next.Qwen3NextGatedDeltaNet, "__call__", next_gdn_call),
         (qwen3_next.Qwen3NextDecoderLayer, "__call__", decoder_call),
+        (qwen3_next.Qwen3NextModel, "__call__", model_call),
     ]
 
 

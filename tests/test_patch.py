@@ -24,6 +24,8 @@ PATCHED = [
     (qwen3_next.Qwen3NextDecoderLayer, "__call__"),
     (qwen3_5.GatedDeltaNet, "__call__"),
     (qwen3_5.DecoderLayer, "__call__"),
+    (qwen3_next.Qwen3NextModel, "__call__"),
+    (qwen3_5.Qwen3_5TextModel, "__call__"),
 ]
 
 
@@ -221,6 +223,16 @@ def test_kill_switch_routes_to_stock_code(tiny_models, monkeypatch):
         finally:
             P._ORIGINALS[(qwen3_next.Qwen3NextSparseMoeBlock, "__call__")] = stock
     assert len(calls) == len(model.layers)
+
+
+def test_decoder_layer_patch_matches_stock(tiny_models):
+    """The per-layer forward (used when the model-level fusion is not) matches stock."""
+    model = tiny_models["qwen3_5_moe"]
+    x = mx.random.normal((1, 5, 128)).astype(mx.bfloat16)
+    ref = [layer(x) for layer in model.layers]
+    with mlx_lily.patched(model):
+        got = [layer(x) for layer in model.layers]
+    assert all(mx.array_equal(a, b).item() for a, b in zip(ref, got))
 
 
 def test_patch_ops_selection_and_unknown_op(tiny_models):

@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# The GPU-machine run: install this tree, GPU parity tests, per-op benchmarks, A/B.
+# Run from the repository root on a machine with MLX's CUDA (or Metal) build installed:
+#   STAGES=tests,bench,ab AB_ARGS="--lengths 256,4096" bash benchmarks/gpu/suite.sh
+# Everything lands in one archive, $OUT/results.tgz (the device tool returns at most 8 files),
+# plus $OUT/summary.txt.
+set -uo pipefail
+export PYTHONUNBUFFERED=1
+REPO=$(pwd)
+OUTDIR=${OUT:-/tmp/lily-out}
+W=/tmp/lily-results
+mkdir -p "$OUTDIR" "$W"
+STAGES=${STAGES:-tests,bench,ab}
+S="$OUTDIR/summary.txt"
+say() { echo "$@" | tee -a "$S"; }
+has() { [[ ",$STAGES," == *",$1,"* ]]; }
+
+python3 -m pip install -q --no-deps --no-build-isolation --force-reinstall . > "$W/install.log" 2>&1 \
+  || { say "install failed"; tail -20 "$W/install.log" | tee -a "$S"; }
+(cd /tmp && python3 - <<'PY') 2>&1 | tee "$W/env.txt" | tee -a "$S"
+import mlx.core as mx, mlx_lm, mlx_lily
+print("mlx", mx.__version__, "mlx-lm", mlx_lm.__version__, "device", mx.default_device())
+print(mlx_lily.backend_info())
+PY
+nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv >> "$W/env.txt" 2>&1
+
+if has tests; then
+  say "== GPU parity tests"
+  (cd /tmp && timeout "${T_TESTS:-240}" python3 -m pytest -m gpu -q -p no:cacheprovider \
+     --continue-on-collection-errors -rf "$REPO"/tests/test_op_*.py) > "$W/gpu_tests.log" 2>&1
+  tail -30 "$W/gpu_tests.log" | tee -a "$S"
+fi
+if has bench; then
+  for b in benchmarks/gpu/*_bench.py; do
+    n=$(basename "$b" .py)
+    say "== $n"
+    (cd /tmp && timeout "${T_BENCH:-100}" python3 "$REPO/$b" --out "$W") > "$W/$n.log" 2>&1
+    tail -25 "$W/$n.log" | tee -a "$S"
+  done
+fi
+if has prims; then
+  say "== primitives per decode token"
+  (cd /tmp && timeout 200 python3 "$REPO/benchmarks/primitives.py" --synthetic qwen3.6-35b-a3b --out "$W/primitives.json") > "$W/primitives.log" 2>&1
+  tail -20 "$W/primitives.log" | tee -a "$S"
+fi
+if has ab; then
+  say "== A/B"
+  (cd /tmp && timeout "${T_AB:-420}" python3 "$REPO/benchmarks/ab.py" --synthetic qwen3.6-35b-a3b ${AB_ARGS:-} --out "$W/ab") > "$W/ab.log" 2>&1
+  tail -40 "$W/ab.log" | tee -a "$S"
+fi
+if has numerics; then
+  say "== numerics"
+  (cd /tmp && timeout 200 python3 "$REPO/benchmarks/numerics.py" --model "$REPO/tests/fixtures/qwen35moe-tiny-trained" --out "$W/numerics.json") > "$W/numerics.log" 2>&1
+  tail -20 "$W/numerics.log" | tee -a "$S"
+fi
+tar czf "$OUTDIR/results-$(date +%H%M%S).tgz" -C "$W" .
