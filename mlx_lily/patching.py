@@ -177,6 +177,19 @@ def _get_raw(owner, name):
     return getattr(owner, name)
 
 
+def _default_kernel_cache_dir() -> None:
+    """Point MLX's on-disk cache of compiled CUDA kernels (``MLX_PTX_CACHE_DIR``, default
+    a temp dir that reboots clear) at a persistent per-user folder, unless the user chose
+    one. MLX keys each entry by kernel name and source hash, so every kernel is compiled
+    once per machine."""
+    import os
+    from pathlib import Path
+
+    if "MLX_PTX_CACHE_DIR" not in os.environ:
+        root = Path(os.environ.get("MLX_LILY_CACHE_DIR", Path.home() / ".cache" / "mlx-lily"))
+        os.environ["MLX_PTX_CACHE_DIR"] = str(root / "cuda-kernels")
+
+
 def patch(model=None, *, ops=None) -> PatchHandle:
     """Patch mlx-lm so Qwen3.5/3.6 and Qwen3-Next models run through Lily's ops.
 
@@ -193,6 +206,7 @@ def patch(model=None, *, ops=None) -> PatchHandle:
     """
     global _ACTIVE
     backend.select_ops(ops)
+    _default_kernel_cache_dir()
     if _ACTIVE is None:
         applied = []
         for owner, name, repl in _collect_targets():

@@ -43,6 +43,11 @@ if has prims; then
   (cd /tmp && timeout 200 python3 "$REPO/benchmarks/primitives.py" --synthetic qwen3.6-35b-a3b --out "$W/primitives.json") > "$W/primitives.log" 2>&1
   tail -20 "$W/primitives.log" | tee -a "$S"
 fi
+if has startup; then
+  say "== start-up (cold / warm kernel cache)"
+  (cd /tmp && timeout 300 python3 "$REPO/benchmarks/startup.py" --preset small --out "$W/startup.json") > "$W/startup.log" 2>&1
+  tail -8 "$W/startup.log" | tee -a "$S"
+fi
 if has ab; then
   say "== A/B"
   (cd /tmp && timeout "${T_AB:-420}" python3 "$REPO/benchmarks/ab.py" --synthetic qwen3.6-35b-a3b ${AB_ARGS:-} --out "$W/ab") > "$W/ab.log" 2>&1
