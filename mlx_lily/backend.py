@@ -18,6 +18,7 @@ OP_NAMES = (
     "moe_experts",
     "gated_delta",
     "attention",
+    "qgemv",
 )
 
 DISABLE_ENV = "MLX_LILY_DISABLE"

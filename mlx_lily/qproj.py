@@ -14,6 +14,8 @@ from dataclasses import dataclass
 import mlx.core as mx
 import mlx.nn as nn
 
+from .ops import qgemv as _qgemv
+
 
 @dataclass
 class QProj:
@@ -42,11 +44,19 @@ class QProj:
         return int(self.weight.shape[0])
 
     def __call__(self, x: mx.array) -> list:
-        """Project ``x [..., in]`` and return the parts ``[..., size_i]`` (a list)."""
+        """Project ``x [..., in]`` and return the parts ``[..., size_i]`` (a list).
+
+        A one-row input of a quantized projection runs the ``qgemv`` kernel when it
+        serves on this backend (``mlx_lily.ops.qgemv.for_qproj``), else
+        ``mx.quantized_matmul``.
+        """
         if self.quantized:
-            y = mx.quantized_matmul(x, self.weight, scales=self.scales, biases=self.biases,
-                                    transpose=True, group_size=self.group_size,
-                                    bits=self.bits, mode=self.mode)
+            y = _qgemv.for_qproj(x, self)
+            if y is None:
+                y = mx.quantized_matmul(x, self.weight, scales=self.scales,
+                                        biases=self.biases, transpose=True,
+                                        group_size=self.group_size, bits=self.bits,
+                                        mode=self.mode)
         else:
             y = x @ self.weight.T
         if len(self.sizes) == 1:

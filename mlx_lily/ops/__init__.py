@@ -16,6 +16,7 @@ _MODULES = {
     "moe_experts": "mlx_lily.ops.moe_experts",
     "gated_delta": "mlx_lily.ops.gated_delta",
     "attention": "mlx_lily.ops.attention",
+    "qgemv": "mlx_lily.ops.qgemv",
 }
 
 

@@ -6,29 +6,45 @@ chosen experts ``e = inds[..., j]`` (4-bit affine, group 64, bf16 scales/biases 
 checkpoints), plus ``shared * shared_expert(x)`` when a shared expert exists. The decode
 form is one row per call (a GEMV per expert); the prefill form groups rows by expert
 (``moe_route``) for a grouped GEMM; both compute the same function.
-Source: SwiGLU (Shazeer 2020); Qwen3.5 MoE block.
+
+Decode kernels (two launches; expert ids stay on the GPU):
+``lily_moe_gate_up`` computes, for each row and each of the k routed experts plus the
+shared expert (slot k), the 4/8-bit GEMVs gate and up (rounded to the activation dtype as
+mlx-lm's ``gather_qmm`` outputs are) and ``h = silu(gate) * up`` -> ``h [N, k+1, I]``;
+``lily_moe_down`` computes the k+1 down GEMVs of h weighted by the scores and the shared
+gate, summed per lane in fp32 and reduced once -> ``y [N, D]`` (optionally
+``residual + y``, the decoder layer's add). Both read weights with 16-byte loads and
+accumulate ``scale*dot(q, x) + bias*sum(x)`` per quantization group in fp32.
+Source: SwiGLU (Shazeer 2020); Qwen3.5 MoE block; Lily's fused expert chains.
 """
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import mlx.core as mx
 import mlx.nn as nn
 
-
+from .. import kernels
+from ..backend import current_backend
+from . import qgemv
 
 NAME = "moe_experts"
 
 
 def moe_experts_reference(x: mx.array, inds: mx.array, scores: mx.array,
                           switch_mlp: nn.Module, shared_expert: nn.Module | None,
-                          shared: mx.array | None) -> mx.array:
+                          shared: mx.array | None, residual: mx.array | None = None
+                          ) -> mx.array:
     """Experts' output for each row of ``x``.
 
     Args:
         x: ``[..., D]`` activations; ``inds``: ``[..., k]`` uint32 expert ids;
         scores: ``[..., k]`` routing weights; ``switch_mlp``: mlx-lm ``SwitchGLU`` holding
         the stacked expert weights ``[E, I, D]`` / ``[E, D, I]``; ``shared_expert``: MLP or
-        None; ``shared``: ``[..., 1]`` sigmoid gate of the shared expert or None.
+        None; ``shared``: ``[..., 1]`` sigmoid gate of the shared expert or None;
+        residual: ``[..., D]`` added to the result when given (the decoder layer's
+        ``h + mlp(n)``).
     Returns:
         ``[..., D]`` in the activation dtype.
     """
@@ -37,13 +53,250 @@ def moe_experts_reference(x: mx.array, inds: mx.array, scores: mx.array,
     if shared_expert is not None:
         s = shared_expert(x)
         y = y + (shared * s if shared is not None else s)
+    if residual is not None:
+        y = residual + y
     return y
 
 
+GATE_UP_SPEC = kernels.KernelSpec(
+    name="lily_moe_gate_up", stem="moe_gate_up",
+    inputs=("x", "inds", "gate_w", "gate_s", "gate_b", "up_w", "up_s", "up_b",
+            "sgate_w", "sgate_s", "sgate_b", "sup_w", "sup_s", "sup_b"),
+    outputs=("h",))
+DOWN_SPEC = kernels.KernelSpec(
+    name="lily_moe_down", stem="moe_down",
+    inputs=("h", "inds", "scores", "shared", "down_w", "down_s", "down_b",
+            "sdown_w", "sdown_s", "sdown_b", "res"),
+    outputs=("y",))
+
+#: Most token rows the decode kernels take per call; more go to the grouped GEMM
+#: (``moe_grouped.try_grouped``) or the reference.
+MAX_DECODE_ROWS = 8
+#: Launch shapes: warps per threadgroup and rows per lane group, per kernel.
+GATE_UP_NW, GATE_UP_RPW = 4, 4
+DOWN_NW, DOWN_RPW = 4, 2
+
+_FLOATS = (mx.bfloat16, mx.float16, mx.float32)
+
+
+class DecodeWeights(NamedTuple):
+    """The arrays and quantization parameters the decode kernels read."""
+
+    gate: tuple  # (w [E, I, D*bits/32], scales, biases)
+    up: tuple
+    down: tuple  # (w [E, D, I*bits/32], scales, biases)
+    sgate: tuple  # shared expert (w [I, D*bits/32], scales, biases)
+    sup: tuple
+    sdown: tuple  # (w [D, I*bits/32], scales, biases)
+    num_experts: int
+    hidden: int  # D
+    inter: int  # I
+    bits: int
+    group_size: int
+
+
+def _qparams(layer):
+    return (layer.bits, layer.group_size, getattr(layer, "mode", "affine") or "affine")
+
+
+def decode_weights(switch_mlp, shared_expert) -> DecodeWeights | None:
+    """Collect the weights for the decode kernels, or None when the module layout is
+    not one they implement: mlx-lm ``SwitchGLU`` with SwiGLU activation and
+    ``QuantizedSwitchLinear`` gate/up/down without additive bias, a shared expert with
+    ``QuantizedLinear`` gate/up/down of the same intermediate size, all affine with one
+    (bits in {4, 8}, group in {32, 64, 128})."""
+    from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwiGLU, SwitchGLU
+
+    if type(switch_mlp) is not SwitchGLU or type(switch_mlp.activation) is not SwiGLU:
+        return None
+    if shared_expert is None:
+        return None
+    sw = [switch_mlp.gate_proj, switch_mlp.up_proj, switch_mlp.down_proj]
+    sh = [getattr(shared_expert, n, None) for n in ("gate_proj", "up_proj", "down_proj")]
+    if not all(type(l) is QuantizedSwitchLinear for l in sw):
+        return None
+    if not all(type(l) is nn.QuantizedLinear for l in sh):
+        return None
+    if not _is_swiglu_mlp(shared_expert):
+        return None
+    layers = sw + sh
+    if any("bias" in l or l.get("biases") is None for l in layers):
+        return None
+    if getattr(switch_mlp.gate_proj, "global_scale", None) is not None:
+        return None
+    params = {_qparams(l) for l in layers}
+    if len(params) != 1:
+        return None
+    bits, gs, mode = params.pop()
+    if mode != "affine" or bits not in (4, 8) or gs not in (32, 64, 128):
+        return None
+    gw, uw, dw = (l.weight for l in sw)
+    if gw.ndim != 3 or gw.shape != uw.shape or gw.dtype != mx.uint32:
+        return None
+    e, i, dpk = gw.shape
+    d = dpk * 32 // bits
+    if dw.shape != (e, d, i * bits // 32):
+        return None
+    if sh[0].weight.shape != (i, dpk) or sh[1].weight.shape != (i, dpk):
+        return None
+    if sh[2].weight.shape != (d, i * bits // 32):
+        return None
+    sdt = {l.scales.dtype for l in layers} | {l.biases.dtype for l in layers}
+    if len(sdt) != 1 or sdt.pop() not in _FLOATS:
+        return None
+    if d % gs or i % gs or qgemv.lanes_per_row(d, bits) is None \
+            or qgemv.lanes_per_row(i, bits) is None:
+        return None
+    trip = lambda l: (l.weight, l.scales, l.biases)  # noqa: E731
+    return DecodeWeights(trip(sw[0]), trip(sw[1]), trip(sw[2]), trip(sh[0]), trip(sh[1]),
+                         trip(sh[2]), e, d, i, bits, gs)
+
+
+def _is_swiglu_mlp(m) -> bool:
+    """The shared expert computes ``down(silu(gate(x)) * up(x))`` (mlx-lm's
+    ``Qwen3NextMLP``; ``qwen3_5`` reuses that class)."""
+    try:
+        from mlx_lm.models.qwen3_next import Qwen3NextMLP
+    except ImportError:  # pragma: no cover
+        return False
+    return type(m) is Qwen3NextMLP
+
+
+def supports_decode(x: mx.array, inds: mx.array, scores: mx.array, shared,
+                    wts: DecodeWeights | None, residual=None) -> bool:
+    """True when the decode kernels compute this call (given ``decode_weights``)."""
+    if wts is None or shared is None or x.dtype not in _FLOATS:
+        return False
+    d = x.shape[-1]
+    if d != wts.hidden or inds.shape[:-1] != x.shape[:-1]:
+        return False
+    k = inds.shape[-1]
+    rows = x.size // d
+    if not (1 <= rows <= MAX_DECODE_ROWS) or not (1 <= k <= wts.num_experts):
+        return False
+    if scores.shape != inds.shape or shared.size != rows:
+        return False
+    if residual is not None and residual.shape != x.shape:
+        return False
+    return True
+
+
+def decode_plan(k_gate_up, k_down, wts: DecodeWeights, x_shape, x_dtype, k: int,
+                with_residual: bool, *, gate_up=(GATE_UP_NW, GATE_UP_RPW),
+                down=(DOWN_NW, DOWN_RPW), init_value: float | None = None):
+    """A callable ``run(x, inds, scores, shared, residual) -> y`` launching the two
+    decode kernels for inputs of one shape and dtype (templates, grids and output shapes
+    worked out once). The kernels index flat row-major memory, so no reshapes (each would
+    be a graph node); ids that are not uint32 and scores/gates/residual in another dtype
+    are cast."""
+    d, i = wts.hidden, wts.inter
+    lead = tuple(x_shape[:-1])
+    n = 1
+    for s_ in lead:
+        n *= s_
+    dt = x_dtype
+    common = [("T", dt), ("S", wts.gate[1].dtype), ("D", d), ("I", i), ("K", k),
+              ("E", wts.num_experts), ("BITS", wts.bits), ("GS", wts.group_size)]
+    extra = {} if init_value is None else {"init_value": init_value}
+
+    nw, rpw = gate_up
+    tg = 32 * nw
+    rpb = nw * (32 // qgemv.lanes_per_row(d, wts.bits)) * rpw
+    kw1 = dict(template=common + [("NW", nw), ("RPW", rpw)],
+               grid=(-(-i // rpb) * tg, k + 1, n), threadgroup=(tg, 1, 1),
+               output_shapes=[(n, k + 1, i)], output_dtypes=[dt], **extra)
+    nw, rpw = down
+    tg = 32 * nw
+    rpb = nw * (32 // qgemv.lanes_per_row(i, wts.bits)) * rpw
+    kw2 = dict(template=common + [("NW", nw), ("RPW", rpw), ("RES", bool(with_residual))],
+               grid=(-(-d // rpb) * tg, n, 1), threadgroup=(tg, 1, 1),
+               output_shapes=[lead + (d,)], output_dtypes=[dt], **extra)
+    w1 = [*wts.gate, *wts.up, *wts.sgate, *wts.sup]
+    w2 = [*wts.down, *wts.sdown]
+
+    def run(x, inds, scores, shared, residual=None):
+        ind = inds if inds.dtype == mx.uint32 else inds.astype(mx.uint32)
+        sc = scores if scores.dtype == dt else scores.astype(dt)
+        sh = shared if shared.dtype == dt else shared.astype(dt)
+        if residual is None:
+            res = sc  # placeholder, never read (RES=false)
+        else:
+            res = residual if residual.dtype == dt else residual.astype(dt)
+        (h,) = k_gate_up(inputs=[x, ind, *w1], **kw1)
+        return k_down(inputs=[h, ind, sc, sh, *w2, res], **kw2)[0]
+
+    return run
+
+
+def launch_decode(k_gate_up, k_down, x, inds, scores, shared, wts: DecodeWeights,
+                  residual=None, *, gate_up=(GATE_UP_NW, GATE_UP_RPW),
+                  down=(DOWN_NW, DOWN_RPW), init_value: float | None = None):
+    """Run the gate+up and down+combine kernel objects (either backend, or the Metal
+    emulator's) on a call ``supports_decode`` accepted. Returns ``[..., D]`` in x's
+    dtype (``residual + y`` when ``residual`` is given)."""
+    run = decode_plan(k_gate_up, k_down, wts, x.shape, x.dtype, inds.shape[-1],
+                      residual is not None, gate_up=gate_up, down=down,
+                      init_value=init_value)
+    return run(x, inds, scores, shared, residual)
+
+
 def has_kernel(backend: str) -> bool:
-    return False
+    """True when the decode kernels can run on ``backend`` here."""
+    return (backend in ("metal", "cuda") and kernels.get(GATE_UP_SPEC, backend) is not None
+            and kernels.get(DOWN_SPEC, backend) is not None)
 
 
-def moe_experts(x, inds, scores, switch_mlp, shared_expert, shared):
-    """Dispatcher: the kernel when one serves, else the reference."""
-    return moe_experts_reference(x, inds, scores, switch_mlp, shared_expert, shared)
+def _decode_run(switch_mlp, shared_expert, x, inds, scores, shared, residual, backend):
+    """The cached decode plan for this call, or None when the kernels do not serve it.
+
+    Cached on the SwitchGLU per (backend, weights, shapes, dtypes); re-derived when the
+    expert or shared-expert arrays are replaced."""
+    plans = switch_mlp.__dict__.get("_lily_decode_plans")
+    if plans is None:
+        plans = {}
+        object.__setattr__(switch_mlp, "_lily_decode_plans", plans)
+    key = (backend, id(shared_expert), id(switch_mlp.gate_proj.get("weight")),
+           id(switch_mlp.up_proj.get("weight")), id(switch_mlp.down_proj.get("weight")),
+           x.shape, x.dtype, inds.shape, scores.shape, shared.shape if shared is not None
+           else None, None if residual is None else residual.shape)
+    run = plans.get(key, False)
+    if run is False:
+        run = None
+        wts = decode_weights(switch_mlp, shared_expert)
+        if supports_decode(x, inds, scores, shared, wts, residual):
+            kg = kernels.get(GATE_UP_SPEC, backend)
+            kd = kernels.get(DOWN_SPEC, backend)
+            if kg is not None and kd is not None:
+                run = decode_plan(kg, kd, wts, x.shape, x.dtype, inds.shape[-1],
+                                  residual is not None)
+        if len(plans) > 64:  # stale weights or many shapes: start over
+            plans.clear()
+        plans[key] = run
+    return run
+
+
+def moe_experts(x, inds, scores, switch_mlp, shared_expert, shared, residual=None):
+    """Dispatcher. Few rows (<= ``MAX_DECODE_ROWS``): the two decode kernels (gate+up
+    with SwiGLU, then down + weighted combine + shared expert, optionally + residual)
+    when they serve this backend and layout; more rows: the prefill grouped GEMM
+    (``moe_grouped.try_grouped``) when it serves; otherwise the reference."""
+    backend = current_backend()
+    if backend in ("metal", "cuda"):
+        d = x.shape[-1]
+        rows = x.size // d if d else 0
+        if rows <= MAX_DECODE_ROWS:
+            run = _decode_run(switch_mlp, shared_expert, x, inds, scores, shared, residual,
+                              backend)
+            if run is not None:
+                return run(x, inds, scores, shared, residual)
+        else:
+            try:
+                from .moe_grouped import try_grouped
+            except ImportError:
+                try_grouped = None
+            if try_grouped is not None:
+                y = try_grouped(x, inds, scores, switch_mlp, shared_expert, shared)
+                if y is not None:
+                    return y if residual is None else residual + y
+    return moe_experts_reference(x, inds, scores, switch_mlp, shared_expert, shared,
+                                 residual)

@@ -13,6 +13,16 @@ contract) breaks them towards the LOWEST expert id and orders the k picks by dec
 probability (a stable descending sort). ``tie_break="stock"`` selects exactly as mlx-lm
 does, so the reference path reproduces stock mlx-lm bit for bit; the two agree on every
 row without an exact tie at the k-th place.
+
+Kernel (``lily_moe_router_topk``, ``shaders/{metal,cuda}/moe_router_topk.*``): one launch,
+one threadgroup per token row: the quantized GEMV over the fused router rows (E logits +
+the shared-expert gate, 16-byte weight loads, ``scale*dot(q,x) + bias*sum(x)`` per group
+in fp32, logits rounded to the activation dtype like ``quantized_matmul``'s output), then
+one simdgroup/warp does the fp32 softmax (probabilities rounded to the activation dtype),
+k rounds of a lane-parallel argmax with ties to the lowest id, the renormalisation (sum in
+fp32 rounded to the activation dtype, as MLX's bf16 ``sum`` does) and the sigmoid gate.
+The dispatcher uses it for a fused quantized router (``QProj`` with parts ``(E, 1)`` or
+``(E,)``) and at most ``MAX_ROWS`` rows; everything else runs the reference.
 Source: Qwen3-Next / Qwen3.5 MoE routing (softmax top-k with renormalisation).
 """
 
@@ -20,7 +30,10 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-
+from .. import kernels
+from ..backend import current_backend
+from ..qproj import QProj
+from . import qgemv
 
 NAME = "moe_router_topk"
 
@@ -62,11 +75,123 @@ def moe_router_topk_reference(x: mx.array, router, k: int, norm_topk_prob: bool,
     return inds, scores, shared
 
 
+SPEC = kernels.KernelSpec(
+    name="lily_moe_router_topk", stem="moe_router_topk",
+    inputs=("x", "w", "scales", "biases"), outputs=("inds", "scores", "shared"))
+
+#: Rows (tokens) per call the kernel takes; one threadgroup per row re-reads the router
+#: weights, so long prefill chunks go to the reference (``quantized_matmul``).
+MAX_ROWS = 64
+#: Launch shape: warps per threadgroup (one threadgroup per row); rows per lane group
+#: is chosen so the router rows take two passes (``router_rpw``), at most ``MAX_RPW``.
+NW = 16
+MAX_RPW = 10
+MAX_EXPERTS = 1024
+
+_FLOATS = (mx.bfloat16, mx.float16, mx.float32)
+
+
+def supports(x: mx.array, router, k: int) -> bool:
+    """True when the router kernel computes this call: ``router`` is a quantized
+    ``QProj`` (affine, 4/8-bit, group 32/64/128) with parts ``(E,)`` or ``(E, 1)``
+    (logits, shared-expert gate), ``k <= min(32, E)``, float activations, at most
+    ``MAX_ROWS`` rows, and an input width the lane mapping covers."""
+    if not isinstance(router, QProj) or not router.quantized:
+        return False
+    if (router.mode or "affine") != "affine" or router.bits not in (4, 8):
+        return False
+    if router.group_size not in (32, 64, 128) or router.biases is None:
+        return False
+    sizes = tuple(router.sizes)
+    if len(sizes) not in (1, 2) or (len(sizes) == 2 and sizes[1] != 1):
+        return False
+    e = sizes[0]
+    if not (1 <= k <= min(32, e)) or e > MAX_EXPERTS or router.out_features != sum(sizes):
+        return False
+    if x.dtype not in _FLOATS or router.scales.dtype not in _FLOATS:
+        return False
+    d = x.shape[-1]
+    if router.weight.shape[1] * 32 != d * router.bits or d % router.group_size:
+        return False
+    if qgemv.lanes_per_row(d, router.bits) is None:
+        return False
+    rows = x.size // d
+    return 1 <= rows <= MAX_ROWS
+
+
+def router_rpw(rows: int, d: int, bits: int, nw: int = NW) -> int:
+    """Rows per lane group so that ``rows`` router rows take about two passes of the
+    threadgroup (loads in flight vs registers), clamped to ``[1, MAX_RPW]``."""
+    groups = nw * (32 // qgemv.lanes_per_row(d, bits))
+    return max(1, min(MAX_RPW, -(-rows // (2 * groups))))
+
+
+def plan(kernel, router, x_shape, x_dtype, k: int, norm_topk_prob: bool, *,
+         nw: int = NW, rpw: int | None = None, init_value: float | None = None):
+    """A callable ``run(x) -> (inds, scores, shared)`` launching the kernel object for
+    inputs of one shape and dtype (template, grid and output shapes worked out once)."""
+    d = x_shape[-1]
+    lead = tuple(x_shape[:-1])
+    n = 1
+    for s_ in lead:
+        n *= s_
+    e = router.sizes[0]
+    has_shared = len(router.sizes) == 2
+    if rpw is None:
+        rpw = router_rpw(router.out_features, d, router.bits, nw)
+    tg = 32 * nw
+    kw = dict(
+        template=[("T", x_dtype), ("S", router.scales.dtype), ("D", d), ("E", e), ("K", k),
+                  ("BITS", router.bits), ("GS", router.group_size),
+                  ("HAS_SHARED", has_shared), ("NORM", bool(norm_topk_prob)),
+                  ("NW", nw), ("RPW", rpw)],
+        grid=(tg, n, 1), threadgroup=(tg, 1, 1),
+        output_shapes=[lead + (k,), lead + (k,), lead + (1,)],
+        output_dtypes=[mx.uint32, x_dtype, x_dtype])
+    if init_value is not None:
+        kw["init_value"] = init_value
+    w, sc, bi = router.weight, router.scales, router.biases
+
+    def run(x):
+        inds, scores, shared = kernel(inputs=[x, w, sc, bi], **kw)
+        return inds, scores, (shared if has_shared else None)
+
+    return run
+
+
+def launch(kernel, x: mx.array, router, k: int, norm_topk_prob: bool, *,
+           nw: int = NW, rpw: int | None = None, init_value: float | None = None):
+    """Run the ``lily_moe_router_topk`` kernel object on a call ``supports`` accepted.
+
+    Returns ``(inds uint32 [..., k], scores [..., k], shared [..., 1] or None)`` with
+    the contract of ``moe_router_topk_reference(..., tie_break="lowest_id")``.
+    """
+    return plan(kernel, router, x.shape, x.dtype, k, norm_topk_prob, nw=nw, rpw=rpw,
+                init_value=init_value)(x)
+
+
 def has_kernel(backend: str) -> bool:
-    return False
+    """True when the router kernel can run on ``backend`` here."""
+    return backend in ("metal", "cuda") and kernels.get(SPEC, backend) is not None
 
 
 def moe_router_topk(x, router, k, norm_topk_prob):
-    """Dispatcher: the kernel when one serves (lowest-id ties), else the reference with
-    mlx-lm's own selection (``tie_break="stock"``), bit-identical to stock."""
+    """Dispatcher: the router kernel (one launch; ties to the lowest expert id) when it
+    serves this backend and call (``supports``), else the reference with mlx-lm's own
+    selection (``tie_break="stock"``), bit-identical to stock. The decision and launch
+    parameters are cached on the ``QProj`` per (backend, shape, dtype, k, norm)."""
+    backend = current_backend()
+    if backend in ("metal", "cuda") and type(router) is QProj:
+        plans = router.__dict__.setdefault("_lily_router_plans", {})
+        key = (backend, x.shape, x.dtype, k, bool(norm_topk_prob))
+        run = plans.get(key, False)
+        if run is False:
+            run = None
+            if supports(x, router, k):
+                kern = kernels.get(SPEC, backend)
+                if kern is not None:
+                    run = plan(kern, router, x.shape, x.dtype, k, norm_topk_prob)
+            plans[key] = run
+        if run is not None:
+            return run(x)
     return moe_router_topk_reference(x, router, k, norm_topk_prob, tie_break="stock")

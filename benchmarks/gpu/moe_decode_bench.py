@@ -1,0 +1,380 @@
+"""One MoE layer of Qwen3.6-35B-A3B at batch-1 decode: stock mlx-lm vs Lily's kernels,
+plus Lily's quantized GEMV vs MLX's own qmv at the model's projection shapes.
+
+Run on a CUDA (or Metal) machine from anywhere, with mlx-lily installed:
+    python benchmarks/gpu/moe_decode_bench.py --out DIR      (DIR defaults to $OUT)
+Prints tables and writes DIR/moe_decode_bench.json. Budget: well under a minute on an H200.
+
+Timing: "chain" = 40 dependent layers (one decode token's worth: x <- rms_norm(x + moe(x)))
+built lazily and evaluated once, median over reps, per layer; this includes MLX's host
+cost per primitive, which dominates batch-1 decode. "sync" = one layer per eval
+(includes the launch-to-completion latency). Weights are random, in the exact MLX 4-bit
+layout (8-bit router and shared-expert gate).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import mlx.core as mx
+import mlx.nn as nn
+
+D, I, E, K = 2048, 512, 256, 8
+LAYERS = 40
+
+
+def _setup_block(seed=0):
+    from mlx.utils import tree_flatten, tree_unflatten
+    from mlx_lm.models import qwen3_next
+
+    args = qwen3_next.ModelArgs(
+        model_type="qwen3_next", hidden_size=D, num_hidden_layers=1, intermediate_size=512,
+        num_attention_heads=16, num_key_value_heads=2, head_dim=256, rms_norm_eps=1e-6,
+        vocab_size=32, linear_num_value_heads=32, linear_num_key_heads=16,
+        linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel_dim=4,
+        num_experts=E, num_experts_per_tok=K, decoder_sparse_step=1,
+        shared_expert_intermediate_size=I, moe_intermediate_size=I, mlp_only_layers=[],
+        norm_topk_prob=True, rope_theta=1e7, partial_rotary_factor=0.25,
+        max_position_embeddings=4096, tie_word_embeddings=False, full_attention_interval=4)
+    blk = qwen3_next.Qwen3NextSparseMoeBlock(args)
+
+    def pred(path, m):
+        if not hasattr(m, "to_quantized"):
+            return False
+        if path.endswith("gate") or path.endswith("shared_expert_gate"):
+            return {"group_size": 64, "bits": 8}
+        return {"group_size": 64, "bits": 4}
+
+    nn.quantize(blk, class_predicate=pred)  # lazy: replaced below before any eval
+    mx.random.seed(seed)
+    new = []
+    params = dict(tree_flatten(blk.parameters()))
+    for name, p in params.items():
+        if name.endswith(".weight") and p.dtype == mx.uint32:
+            new.append((name, _rand_u32(p.shape)))
+        elif name.endswith(".scales"):
+            w = params[name[:-len("scales")] + "weight"]
+            bits = w.shape[-1] * 32 // (p.shape[-1] * 64)
+            s = mx.random.uniform(0.5, 1.5, p.shape) * (0.03 / (1 << (bits - 1)))
+            new.append((name, s.astype(mx.bfloat16)))
+            new.append((name[:-len("scales")] + "biases",
+                        (-(1 << (bits - 1)) * s).astype(mx.bfloat16)))
+    blk.update(tree_unflatten(new))
+    mx.eval(blk.parameters())
+    return blk
+
+
+def _rand_u32(shape):
+    hi = mx.random.randint(0, 1 << 16, shape, dtype=mx.uint32)
+    lo = mx.random.randint(0, 1 << 16, shape, dtype=mx.uint32)
+    return (hi << 16) | lo
+
+
+def _bench(fn, reps, warmup=3):
+    for _ in range(warmup):
+        mx.eval(fn())
+    mx.synchronize()
+    ts = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        mx.eval(fn())
+        mx.synchronize()
+        ts.append(time.perf_counter() - t0)
+    return statistics.median(ts)
+
+
+def _nbytes(*arrs):
+    return sum(a.nbytes for a in arrs)
+
+
+def moe_layer(blk, router, reps, out):
+    from mlx_lily.ops import moe_experts as M
+    from mlx_lily.ops import moe_router_topk as R
+
+    backend_ok = R.has_kernel(_backend()) and M.has_kernel(_backend())
+    x0 = mx.random.normal((1, 1, D)).astype(mx.bfloat16)
+    mx.eval(x0)
+    sw = blk.switch_mlp
+    per_expert = _nbytes(*(getattr(sw, p)[n] for p in ("gate_proj", "up_proj", "down_proj")
+                           for n in ("weight", "scales", "biases"))) / E
+    shared_b = _nbytes(*(getattr(blk.shared_expert, p)[n]
+                         for p in ("gate_proj", "up_proj", "down_proj")
+                         for n in ("weight", "scales", "biases")))
+    router_b = _nbytes(router.weight, router.scales, router.biases)
+    layer_bytes = K * per_expert + shared_b + router_b
+
+    def stock_chain():
+        x = x0
+        for _ in range(LAYERS):
+            x = mx.fast.rms_norm(x + blk(x), None, 1e-6)
+        return x
+
+    def lily_layer(x, fused_res=False):
+        inds, scores, shared = R.moe_router_topk(x, router, K, True)
+        if fused_res:
+            return M.moe_experts(x, inds, scores, sw, blk.shared_expert, shared, residual=x)
+        return x + M.moe_experts(x, inds, scores, sw, blk.shared_expert, shared)
+
+    def lily_chain(fused_res):
+        def f():
+            x = x0
+            for _ in range(LAYERS):
+                x = mx.fast.rms_norm(lily_layer(x, fused_res), None, 1e-6)
+            return x
+        return f
+
+    def norm_chain():
+        x = x0
+        for _ in range(LAYERS):
+            x = mx.fast.rms_norm(x + x, None, 1e-6)
+        return x
+
+    rows = []
+    t_norm = _bench(norm_chain, reps) / LAYERS
+    for name, fn, sync_fn in (
+            ("stock mlx-lm block", stock_chain, lambda: x0 + blk(x0)),
+            ("lily kernels (3 launches)", lily_chain(False), lambda: lily_layer(x0)),
+            ("lily kernels + fused residual", lily_chain(True), lambda: lily_layer(x0, True))):
+        if name.startswith("lily") and not backend_ok:
+            continue
+        t_chain = _bench(fn, reps) / LAYERS
+        t_sync = _bench(sync_fn, reps * 4)
+        rows.append({"variant": name, "us_per_layer_chain": 1e6 * t_chain,
+                     "us_per_layer_chain_minus_norm": 1e6 * (t_chain - t_norm),
+                     "us_sync": 1e6 * t_sync,
+                     "GBps_chain": layer_bytes / (t_chain - t_norm) / 1e9})
+    out["moe_layer"] = {"bytes_per_layer": layer_bytes, "rms_norm_add_us": 1e6 * t_norm,
+                        "rows": rows}
+    print(f"\nMoE layer decode, D={D} I={I} E={E} k={K}: {layer_bytes / 1e6:.2f} MB read per "
+          f"layer; chain of {LAYERS} layers (x <- rms_norm(x + moe(x)), add+norm alone "
+          f"{1e6 * t_norm:.1f} us)")
+    print(f"{'variant':32s} {'us/layer chain':>15s} {'minus norm':>11s} {'us sync':>9s} "
+          f"{'GB/s':>8s}")
+    for r in rows:
+        print(f"{r['variant']:32s} {r['us_per_layer_chain']:15.1f} "
+              f"{r['us_per_layer_chain_minus_norm']:11.1f} {r['us_sync']:9.1f} "
+              f"{r['GBps_chain']:8.1f}")
+    if backend_ok:
+        _parity(blk, router, x0, out)
+
+
+def _experts_truth(x, inds, scores, shared, wts):
+    """fp32 experts for one row on the CPU stream, with the stock roundings of the
+    gate/up outputs and h to bf16."""
+    with mx.stream(mx.cpu):
+        rb = lambda a: a.astype(mx.bfloat16).astype(mx.float32)  # noqa: E731
+        deq = lambda t, e=None: mx.dequantize(  # noqa: E731
+            *(a if e is None else a[e] for a in t[:1]),
+            *((a if e is None else a[e]).astype(mx.float32) for a in t[1:]),
+            group_size=wts.group_size, bits=wts.bits)
+        xf = x.reshape(-1).astype(mx.float32)
+        ind = inds.reshape(-1).tolist()
+        coef = scores.reshape(-1).astype(mx.float32).tolist() + \
+            [shared.reshape(-1).astype(mx.float32).item()]
+        y = mx.zeros((x.shape[-1],))
+        for j, c in enumerate(coef):
+            if j < len(ind):
+                g, u, dn = (deq(t, ind[j]) for t in (wts.gate, wts.up, wts.down))
+            else:
+                g, u, dn = (deq(t) for t in (wts.sgate, wts.sup, wts.sdown))
+            gv, uv = rb(g @ xf), rb(u @ xf)
+            y = y + c * (dn @ rb(gv * mx.sigmoid(gv) * uv))
+        mx.eval(y)
+        return y
+
+
+def _parity(blk, router, x, out):
+    """Kernels on one token: the router vs the lowest-id reference on fp32-exact
+    logits; the expert kernels and MLX's own reference vs an fp32 truth fed the same
+    routing; the fused residual vs x + kernel output."""
+    from mlx_lily.ops import moe_experts as M
+    from mlx_lily.ops import moe_router_topk as R
+
+    inds, scores, shared = R.moe_router_topk(x, router, K, True)
+    with mx.stream(mx.cpu):
+        wf = mx.dequantize(router.weight, router.scales.astype(mx.float32),
+                           router.biases.astype(mx.float32), 64, 8)
+        logits = (x.astype(mx.float32) @ wf.T).astype(mx.bfloat16)
+        ti, ts, th = R.moe_router_topk_reference(
+            x, lambda t: [logits[..., :E], logits[..., E:]], K, True)
+        mx.eval(ti, ts, th)
+    same = sorted(inds.reshape(-1).tolist()) == sorted(ti.reshape(-1).tolist())
+    wts = M.decode_weights(blk.switch_mlp, blk.shared_expert)
+    t = _experts_truth(x, inds, scores, shared, wts)
+    y = M.moe_experts(x, inds, scores, blk.switch_mlp, blk.shared_expert, shared)
+    yr = M.moe_experts_reference(x, inds, scores, blk.switch_mlp, blk.shared_expert, shared)
+    yf = M.moe_experts(x, inds, scores, blk.switch_mlp, blk.shared_expert, shared, residual=x)
+    scale = mx.abs(t).max().item()
+    err = mx.abs(y.reshape(-1).astype(mx.float32) - t).max().item()
+    err_ref = mx.abs(yr.reshape(-1).astype(mx.float32) - t).max().item()
+    err_res = mx.abs(yf.astype(mx.float32) - (x + y).astype(mx.float32)).max().item()
+    ok = same and err <= 2 ** -7 * scale + 1e-4 and err_res <= 2 ** -7 * (
+        mx.abs(x).max().item() + scale)
+    out["parity"] = {"router_same_experts_as_fp32_truth": same,
+                     "router_score_max_abs_diff": mx.abs(scores.astype(mx.float32) -
+                                                         ts.astype(mx.float32)).max().item(),
+                     "experts_truth_max_abs": scale,
+                     "experts_kernel_max_abs_err_vs_truth": err,
+                     "experts_mlx_reference_max_abs_err_vs_truth": err_ref,
+                     "fused_residual_max_abs_err": err_res, "ok": ok}
+    print(f"parity: router picks == fp32-truth top-{K}: {same}; experts max err vs fp32 "
+          f"truth: kernel {err:.3g}, MLX reference {err_ref:.3g} (truth max {scale:.3g}); "
+          f"fused residual {err_res:.3g} -> {'OK' if ok else 'MISMATCH'}")
+
+
+QGEMV_SHAPES = [  # (name, K, O, bits)
+    ("attn q|k|v fused", 2048, 8192 + 512 + 512, 4),
+    ("gdn in_proj fused", 2048, 8192 + 4096 + 32 + 32, 4),
+    ("gdn out_proj / attn o_proj", 4096, 2048, 4),
+    ("router+shared gate (8-bit)", 2048, 257, 8),
+    ("shared expert gate|up", 2048, 1024, 4),
+    ("lm_head", 2048, 248320, 4),
+]
+
+
+def qgemv_vs_qmv(reps, out):
+    from mlx_lily import kernels
+    from mlx_lily.ops import qgemv as Q
+
+    if not Q.has_kernel(_backend()):
+        return
+    kern = kernels.get(Q.SPEC, _backend())
+    rows = []
+    chain = 20
+    print(f"\nquantized GEMV, one row, bf16: Lily qgemv vs MLX quantized_matmul "
+          f"(chain of {chain} calls per eval, per call)")
+    print(f"{'shape':28s} {'K':>5s} {'O':>7s} {'b':>2s} {'MLX us':>8s} {'lily us':>8s} "
+          f"{'lily NW4/RPW2':>13s} {'MLX GB/s':>9s} {'lily GB/s':>9s} {'rel diff':>8s}")
+    for name, k, o, bits in QGEMV_SHAPES:
+        w = _rand_u32((o, k * bits // 32))
+        s = (mx.random.uniform(0.5, 1.5, (o, k // 64)) * (0.03 / (1 << (bits - 1)))).astype(mx.bfloat16)
+        b = (-(1 << (bits - 1)) * s).astype(mx.bfloat16)
+        xs = [mx.random.normal((1, k)).astype(mx.bfloat16) for _ in range(chain)]
+        mx.eval(w, s, b, xs)
+        nbytes = _nbytes(w, s, b)
+
+        def mlx_fn():
+            return [mx.quantized_matmul(x, w, s, b, transpose=True, group_size=64, bits=bits)
+                    for x in xs]
+
+        def lily_fn(nw=Q.NW, rpw=Q.RPW):
+            return lambda: [Q.launch(kern, x, w, s, b, 64, bits, nw=nw, rpw=rpw) for x in xs]
+
+        t_mlx = _bench(mlx_fn, reps) / chain
+        t_lily = _bench(lily_fn(), reps) / chain
+        t_alt = _bench(lily_fn(4, 2), reps) / chain
+        ref = mlx_fn()[0].astype(mx.float32)
+        d = mx.abs(ref - lily_fn()()[0].astype(mx.float32)).max() / mx.abs(ref).max()
+        rows.append({"shape": name, "K": k, "O": o, "bits": bits, "mlx_us": 1e6 * t_mlx,
+                     "lily_us": 1e6 * t_lily, "lily_nw4_rpw2_us": 1e6 * t_alt,
+                     "mlx_GBps": nbytes / t_mlx / 1e9, "lily_GBps": nbytes / t_lily / 1e9,
+                     "max_rel_diff": d.item()})
+        r = rows[-1]
+        print(f"{name:28s} {k:5d} {o:7d} {bits:2d} {r['mlx_us']:8.1f} {r['lily_us']:8.1f} "
+              f"{r['lily_nw4_rpw2_us']:13.1f} {r['mlx_GBps']:9.1f} {r['lily_GBps']:9.1f} "
+              f"{r['max_rel_diff']:8.3g}")
+    out["qgemv"] = rows
+
+
+def kernel_variants(blk, router, reps, out):
+    """Launch-shape alternatives for the two expert kernels (one layer, chained)."""
+    from mlx_lily import kernels
+    from mlx_lily.ops import moe_experts as M
+    from mlx_lily.ops import moe_router_topk as R
+
+    if not M.has_kernel(_backend()):
+        return
+    kg = kernels.get(M.GATE_UP_SPEC, _backend())
+    kd = kernels.get(M.DOWN_SPEC, _backend())
+    wts = M.decode_weights(blk.switch_mlp, blk.shared_expert)
+    xs = [mx.random.normal((1, 1, D)).astype(mx.bfloat16) for _ in range(LAYERS)]
+    routed = [R.moe_router_topk(x, router, K, True) for x in xs]
+    mx.eval(xs, routed)
+    rows = []
+    print(f"\nexpert kernels, launch shapes (gate_up NW,RPW / down NW,RPW): {LAYERS} "
+          f"independent layers per eval, per layer")
+    for gu, dn in (((4, 4), (4, 2)), ((4, 2), (4, 1)), ((8, 2), (8, 2)), ((2, 4), (2, 4)),
+                   ((4, 8), (4, 4))):
+        def f():
+            return [M.launch_decode(kg, kd, x, *r, wts, gate_up=gu, down=dn)
+                    for x, r in zip(xs, routed)]
+        t = _bench(f, reps) / LAYERS
+        rows.append({"gate_up": gu, "down": dn, "us_per_layer": 1e6 * t})
+        print(f"  gate_up {gu} down {dn}: {1e6 * t:7.1f} us")
+    out["variants"] = rows
+
+
+def _emulate():
+    """Small dims and the Metal emulator posing as the Metal backend (smoke test)."""
+    global D, I, E, K, LAYERS, QGEMV_SHAPES
+    from mlx_lily import backend, kernels
+    from mlx_lily.testing import metal_emu
+
+    D, I, E, K, LAYERS = 256, 128, 16, 4, 2
+    QGEMV_SHAPES = [("small 4-bit", 256, 72, 4), ("small 8-bit", 256, 17, 8)]
+    mx.fast.metal_kernel = metal_emu.metal_kernel
+    kernels._metal_ok = lambda: True
+    backend.current_backend = lambda: "metal"
+    for mod in ("qgemv", "moe_router_topk", "moe_experts"):
+        m = __import__(f"mlx_lily.ops.{mod}", fromlist=["x"])
+        m.current_backend = lambda: "metal"
+
+
+def _backend():
+    from mlx_lily.backend import current_backend
+
+    return current_backend()
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--reps", type=int, default=15)
+    ap.add_argument("--emulate", action="store_true",
+                    help="CPU smoke test: small dims, Metal kernels run by the emulator "
+                         "(checks the script, measures nothing meaningful)")
+    args = ap.parse_args(argv)
+    if args.emulate:
+        _emulate()
+        args.reps = 2
+    from mlx_lily.qproj import QProj
+
+    out = {"backend": _backend(), "device": str(mx.default_device()),
+           "mlx": mx.__version__}
+    try:
+        import mlx_lm
+        out["mlx_lm"] = mlx_lm.__version__
+    except Exception:
+        pass
+    print(f"backend={out['backend']} mlx={out['mlx']} mlx_lm={out.get('mlx_lm')}")
+    if out["backend"] == "cpu":
+        print("no GPU backend: nothing to measure")
+        return 0
+    t0 = time.time()
+    blk = _setup_block()
+    router = QProj.fuse([blk.gate, blk.shared_expert_gate])
+    print(f"setup {time.time() - t0:.1f}s")
+    for step in (lambda: moe_layer(blk, router, args.reps, out),
+                 lambda: kernel_variants(blk, router, args.reps, out),
+                 lambda: qgemv_vs_qmv(args.reps, out)):
+        try:
+            step()
+        except Exception as exc:  # keep what was measured
+            print(f"FAILED: {type(exc).__name__}: {exc}", file=sys.stderr)
+            out.setdefault("errors", []).append(f"{type(exc).__name__}: {exc}")
+    out["elapsed_s"] = time.time() - t0
+    os.makedirs(args.out, exist_ok=True)
+    path = os.path.join(args.out, "moe_decode_bench.json")
+    with open(path, "w") as f:
+        json.dump(out, f, indent=1)
+    print(f"wrote {path} ({out['elapsed_s']:.0f}s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,253 @@
+"""MoE prefill: routed experts as a grouped GEMM with in-tile 4-bit dequantization.
+
+Computes ``moe_experts_reference`` (mlx-lily's ``moe_experts`` contract: SwitchGLU
+experts, score-weighted combine, plus the gated shared expert) for many rows at once:
+
+1. GPU-resident routing (``moe_route.moe_route_kernels``): (token, expert) pairs grouped
+   by expert, stable, with a tile map of fixed-height row tiles and the inverse
+   permutation; no host synchronisation.
+2. ``moeg_gate_up``: per tile, the token rows of ``x`` gathered, times the expert's gate
+   and up weights dequantized one 64-wide k step at a time in threadgroup / shared memory
+   (the bf16 weights never exist in device memory), fp32 accumulation, epilogue
+   ``silu(gate) * up`` -> ``h [P, I]`` bf16 in sorted-pair order.
+3. ``moeg_down``: per tile, ``h`` times the expert's dequantized down weights ->
+   ``y_pairs [P, D]`` bf16 (sorted order).
+4. ``moeg_combine``: per token, ``sum_j scores[j] * y_pairs[pair_pos[j]]`` in fp32 in j
+   order, plus ``shared * shared_expert(x)`` (the shared expert runs as MLX's own
+   quantized matmuls: a dense GEMM), one rounding. Deterministic; no float atomics.
+
+Intermediates are rounded to bf16 where the reference rounds (h, the per-pair expert
+outputs); sums are fp32. Results match ``moe_experts_reference`` within bf16 tolerance.
+CUDA kernels use ``mma.sync.m16n8k16`` bf16 tensor-core tiles; Metal kernels
+``simdgroup_matrix<float,8,8>``. Tile height (rows per tile) is 16 or 32, chosen from the
+mean rows per expert (``choose_tile_rows``).
+Source: Lily's prefill design (``lily-design.md``: dequantize inside the grouped GEMM,
+GPU-resident routing, tile height by expert load); grouped-GEMM MoE scheduling as in
+common MoE kernels.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import mlx.core as mx
+
+from .. import kernels
+from ..backend import current_backend, op_enabled
+from ..kernels import KernelSpec
+from . import moe_route as _route
+
+NAME = "moe_grouped"
+
+THREADS = 128  # 4 warps / simdgroups per GEMM threadgroup (fixed in the shaders)
+TILE_ROWS = (16, 32)  # supported tile heights (BM template)
+MIN_PAIRS = 64  # below this many (token, expert) pairs, try_grouped declines
+TALL_TILE_MIN_MEAN_ROWS = 32  # mean rows per expert from which 32-row tiles are used
+
+# Kernel launch contracts (Metal and CUDA twins in shaders/*/moeg_*.*):
+#   gate_up: grid (128*Tm, I/64, 1), threadgroup (128, 1, 1);
+#            template T (activation dtype, bf16), DM (=D), DI (=I), TOPK (=k), BM (tile rows).
+#   down:    grid (128*Tm, D/128, 1), threadgroup (128, 1, 1); template T, DM, DI, BM.
+#   combine: grid (D/8, N, 1), threadgroup (min(256, D/8), 1, 1);
+#            template T, ST (scores dtype), GT (shared-gate dtype), DM, TOPK,
+#            HAS_SHARED (0/1), HAS_GATE (0/1).
+# Tm = moe_route.max_tiles(P, E, BM); tiles past the used ones have row_count 0 and exit.
+GATE_UP = KernelSpec("moeg_gate_up", "moeg_gate_up",
+                     ("x", "sorted_pairs", "tiles", "w_gate", "s_gate", "b_gate",
+                      "w_up", "s_up", "b_up"), ("h",))
+DOWN = KernelSpec("moeg_down", "moeg_down", ("h", "tiles", "w_down", "s_down", "b_down"),
+                  ("y",))
+COMBINE = KernelSpec("moeg_combine", "moeg_combine",
+                     ("y_pairs", "pair_pos", "scores", "shared_out", "shared_gate"), ("out",))
+SPECS = (GATE_UP, DOWN, COMBINE)
+
+
+def choose_tile_rows(num_pairs: int, num_experts: int) -> int:
+    """Tile height for ``num_pairs`` (token, expert) pairs over ``num_experts``: 32 rows
+    when the mean load is at least ``TALL_TILE_MIN_MEAN_ROWS`` rows per expert, else 16."""
+    return 32 if num_pairs >= TALL_TILE_MIN_MEAN_ROWS * num_experts else 16
+
+
+def has_kernel(backend: str) -> bool:
+    """True on Metal / CUDA when the grouped-GEMM and routing kernels can be built here."""
+    if backend not in ("metal", "cuda"):
+        return False
+    return _route.has_kernel(backend) and all(
+        kernels.get(s, backend) is not None for s in SPECS)
+
+
+def _qswitch(layer):
+    from mlx_lm.models.switch_layers import QuantizedSwitchLinear
+
+    return isinstance(layer, QuantizedSwitchLinear)
+
+
+def why_unsupported(x, inds, scores, switch_mlp, shared_expert, shared) -> str | None:
+    """None when the grouped path serves this call, else the reason (a short string).
+
+    Checks shapes, dtypes and the expert layout only (no data is read).
+    """
+    from mlx_lm.models.switch_layers import SwiGLU
+
+    if x.dtype != mx.bfloat16:
+        return f"activation dtype {x.dtype} (bf16 only)"
+    if x.ndim < 1 or inds.ndim != x.ndim or scores.shape != inds.shape:
+        return "inds/scores shape does not match x"
+    if tuple(inds.shape[:-1]) != tuple(x.shape[:-1]):
+        return "inds leading dims differ from x"
+    if not mx.issubdtype(inds.dtype, mx.integer):
+        return f"inds dtype {inds.dtype} (integer ids only)"
+    if scores.dtype != x.dtype:
+        return f"scores dtype {scores.dtype} != {x.dtype}"
+    if shared is not None and (shared.dtype != x.dtype or shared.shape[-1] != 1
+                               or tuple(shared.shape[:-1]) != tuple(x.shape[:-1])):
+        return "shared gate dtype/shape"
+    if not all(hasattr(switch_mlp, n) for n in ("gate_proj", "up_proj", "down_proj")):
+        return "switch_mlp is not a SwitchGLU"
+    if type(getattr(switch_mlp, "activation", None)) is not SwiGLU:
+        return "activation is not SwiGLU"
+    D = x.shape[-1]
+    layers = (switch_mlp.gate_proj, switch_mlp.up_proj, switch_mlp.down_proj)
+    for l in layers:
+        if not _qswitch(l):
+            return "experts not quantized (QuantizedSwitchLinear)"
+        if (l.mode != "affine" or l.bits != 4 or l.group_size != 64
+                or l.get("biases") is None or "bias" in l
+                or getattr(l, "global_scale", None) is not None):
+            return "experts not 4-bit affine group-64 without linear bias"
+        if l["weight"].dtype != mx.uint32 or l["scales"].dtype != x.dtype \
+                or l["biases"].dtype != x.dtype:
+            return "weight/scales/biases dtypes"
+    g, u, d = layers
+    E, I = g["weight"].shape[0], g["weight"].shape[1]
+    if D % 128 or I % 64 or D < 128 or I < 64:
+        return f"dims D={D}, I={I} (need D % 128 == 0, I % 64 == 0)"
+    for l, (rows, cols) in ((g, (I, D)), (u, (I, D)), (d, (D, I))):
+        if (tuple(l["weight"].shape) != (E, rows, cols // 8)
+                or tuple(l["scales"].shape) != (E, rows, cols // 64)
+                or tuple(l["biases"].shape) != (E, rows, cols // 64)):
+            return "expert weight shapes"
+    if E > _route.MAX_KERNEL_EXPERTS:
+        return f"{E} experts (at most {_route.MAX_KERNEL_EXPERTS})"
+    N = x.size // D
+    k = inds.shape[-1]
+    if N > 65535:
+        return f"{N} rows in one call (at most 65535)"
+    if N * k * max(D, I) >= 2**31:
+        return "too many pairs for 32-bit indexing"
+    return None
+
+
+def grouped_stages(x: mx.array, inds: mx.array, scores: mx.array, switch_mlp,
+                   shared_expert, shared, *, tile_rows: int,
+                   get_kernel: Callable[[KernelSpec], object],
+                   route_kernels: bool = True) -> dict:
+    """The grouped-GEMM pipeline as lazy arrays per stage (benchmarks evaluate a prefix).
+
+    Same arguments as ``grouped_experts``. Returns ``{"route": MoeRoute, "pair_pos":
+    [P] int32, "h": [P, I], "y_pairs": [P, D] (sorted-pair order), "out": [N, D]}``
+    with ``N`` the flattened rows of ``x`` and ``P = N * k``.
+    """
+    if tile_rows not in TILE_ROWS:
+        raise ValueError(f"tile_rows must be one of {TILE_ROWS}, got {tile_rows}")
+    D = x.shape[-1]
+    k = inds.shape[-1]
+    xf = x.reshape(-1, D)
+    N = xf.shape[0]
+    P = N * k
+    g, u, d = switch_mlp.gate_proj, switch_mlp.up_proj, switch_mlp.down_proj
+    E, I = g["weight"].shape[0], g["weight"].shape[1]
+    T = _route.max_tiles(P, E, tile_rows)
+    if route_kernels:
+        route, pair_pos = _route.moe_route_kernels(inds, E, tile_rows, get_kernel)
+    else:
+        route = _route.moe_route_reference(inds, E, tile_rows)
+        pair_pos = mx.argsort(route.sorted_pairs).astype(mx.int32)
+    dt = x.dtype
+    (h,) = get_kernel(GATE_UP)(
+        inputs=[xf, route.sorted_pairs, route.tiles, g["weight"], g["scales"], g["biases"],
+                u["weight"], u["scales"], u["biases"]],
+        output_shapes=[(P, I)], output_dtypes=[dt],
+        grid=(THREADS * T, I // 64, 1), threadgroup=(THREADS, 1, 1),
+        template=[("T", dt), ("DM", D), ("DI", I), ("TOPK", k), ("BM", tile_rows)])
+    (y_pairs,) = get_kernel(DOWN)(
+        inputs=[h, route.tiles, d["weight"], d["scales"], d["biases"]],
+        output_shapes=[(P, D)], output_dtypes=[dt],
+        grid=(THREADS * T, D // 128, 1), threadgroup=(THREADS, 1, 1),
+        template=[("T", dt), ("DM", D), ("DI", I), ("BM", tile_rows)])
+    if shared_expert is not None:
+        s_out = shared_expert(xf)
+        if s_out.dtype != dt or tuple(s_out.shape) != (N, D):
+            s_out = s_out.astype(dt).reshape(N, D)
+        s_gate = shared.reshape(N) if shared is not None else mx.zeros((1,), dt)
+    else:
+        s_out = mx.zeros((1,), dt)
+        s_gate = mx.zeros((1,), dt)
+    sc = scores.reshape(N, k)
+    (out,) = get_kernel(COMBINE)(
+        inputs=[y_pairs, pair_pos, sc, s_out, s_gate],
+        output_shapes=[(N, D)], output_dtypes=[dt],
+        grid=(D // 8, N, 1), threadgroup=(min(256, D // 8), 1, 1),
+        template=[("T", dt), ("ST", sc.dtype), ("GT", s_gate.dtype), ("DM", D),
+                  ("TOPK", k), ("HAS_SHARED", int(shared_expert is not None)),
+                  ("HAS_GATE", int(shared_expert is not None and shared is not None))])
+    return {"route": route, "pair_pos": pair_pos, "h": h, "y_pairs": y_pairs, "out": out}
+
+
+def grouped_experts(x: mx.array, inds: mx.array, scores: mx.array, switch_mlp,
+                    shared_expert, shared, *, tile_rows: int,
+                    get_kernel: Callable[[KernelSpec], object],
+                    route_kernels: bool = True) -> mx.array:
+    """The grouped-GEMM pipeline, unconditionally (callers check ``why_unsupported``).
+
+    Args:
+        x: ``[..., D]`` bf16; inds: ``[..., k]`` expert ids in ``[0, E)``; scores:
+            ``[..., k]`` bf16; switch_mlp: mlx-lm ``SwitchGLU`` with 4-bit affine
+            group-64 experts (bf16 scales/biases); shared_expert: module
+            ``[N, D] -> [N, D]`` or None; shared: ``[..., 1]`` gate (already sigmoid) or
+            None.
+        tile_rows: 16 or 32 (rows per grouped-GEMM tile).
+        get_kernel: ``spec -> kernel object`` (``moe_route.kernel_getter(backend)``, or
+            a builder around the Metal emulator in tests).
+        route_kernels: False computes the routing with ``moe_route_reference``.
+    Returns:
+        ``[..., D]`` in x's dtype.
+    Raises:
+        ValueError: ``tile_rows`` not in ``TILE_ROWS``.
+    """
+    out = grouped_stages(x, inds, scores, switch_mlp, shared_expert, shared,
+                         tile_rows=tile_rows, get_kernel=get_kernel,
+                         route_kernels=route_kernels)["out"]
+    return out.reshape(x.shape)
+
+
+def try_grouped(x, inds, scores, switch_mlp, shared_expert, shared, *,
+                tile_rows: int | None = None, min_pairs: int = MIN_PAIRS):
+    """The grouped-GEMM MoE for a many-row call, or None when it cannot serve.
+
+    Same arguments and result as ``moe_experts.moe_experts_reference`` (``x [..., D]``
+    bf16, ``inds``/``scores`` ``[..., k]``, SwitchGLU experts 4-bit affine group 64 with
+    bf16 scales/biases, optional shared expert and ``[..., 1]`` gate), equal within bf16
+    tolerance. Returns None (the caller runs its own path) off Metal/CUDA, when the
+    kernels are unavailable, for layouts or dtypes ``why_unsupported`` rejects, and for
+    fewer than ``min_pairs`` (token, expert) pairs. ``tile_rows`` (16 or 32) overrides
+    ``choose_tile_rows``. The routing runs on the GPU unless ``moe_route`` is disabled
+    (``MLX_LILY_DISABLE=moe_route``), then by its reference.
+    """
+    backend = current_backend()
+    if backend not in ("metal", "cuda"):
+        return None
+    if why_unsupported(x, inds, scores, switch_mlp, shared_expert, shared) is not None:
+        return None
+    P = inds.size
+    if P < max(1, min_pairs):
+        return None
+    if not has_kernel(backend):
+        return None
+    E = switch_mlp.gate_proj["weight"].shape[0]
+    tr = tile_rows if tile_rows is not None else choose_tile_rows(P, E)
+    if tr not in TILE_ROWS:
+        return None
+    return grouped_experts(x, inds, scores, switch_mlp, shared_expert, shared,
+                           tile_rows=tr, get_kernel=_route.kernel_getter(backend),
+                           route_kernels=op_enabled(_route.NAME))

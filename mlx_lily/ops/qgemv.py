@@ -1,0 +1,174 @@
+"""Quantized GEMV: ``y = x @ dequant(w)^T`` for a few activation rows (batch-1 decode).
+
+Contract (``qgemv_reference``): exactly ``mx.quantized_matmul(x, w, scales, biases,
+transpose=True, group_size, bits)`` for MLX affine quantization (``w [O, K*bits/32]``
+uint32, value j of a word at bits ``[bits*j, bits*j+bits)``, ``w = scale*q + bias`` per
+group of ``group_size`` along K). The kernel (``lily_qgemv``, ``shaders/*/qgemv.*``)
+serves 4- and 8-bit, group 32/64/128, up to ``MAX_ROWS`` rows: each group of lanes reads
+a weight row with 16-byte loads and accumulates ``scale*dot(q, x) + bias*sum(x)`` per
+quantization group in fp32 (the MLX qmv formulation), one reduction per output row.
+Source: MLX affine quantization (``mx.quantize``); row-parallel GEMV of Lily's decode.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+from .. import kernels
+from ..backend import current_backend, op_enabled
+
+NAME = "qgemv"
+
+SPEC = kernels.KernelSpec(
+    name="lily_qgemv", stem="qgemv",
+    inputs=("x", "w", "scales", "biases"), outputs=("y",))
+
+#: Largest number of activation rows the kernel takes (it re-reads W once per row).
+MAX_ROWS = 8
+#: Launch shape: warps per threadgroup and output rows per lane group.
+NW = 4
+RPW = 4
+#: Whether ``QProj.__call__`` routes one-row inputs to this kernel, per backend. The
+#: GPU bench (``benchmarks/gpu/moe_decode_bench.py``) prints kernel vs MLX qmv times;
+#: flip an entry to False where MLX's own qmv is faster.
+USE_FOR_QPROJ = {"metal": True, "cuda": True}
+
+_FLOATS = (mx.bfloat16, mx.float16, mx.float32)
+
+
+def qgemv_reference(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array,
+                    group_size: int, bits: int) -> mx.array:
+    """``x [..., K]`` times the affine-quantized ``w [O, K*bits/32]`` transposed.
+
+    Args:
+        x: activations (any float dtype); ``scales``/``biases``: ``[O, K/group_size]``.
+    Returns:
+        ``[..., O]`` in x's dtype (MLX's rule for ``quantized_matmul``).
+    """
+    return mx.quantized_matmul(x, w, scales=scales, biases=biases, transpose=True,
+                               group_size=group_size, bits=bits)
+
+
+def lanes_per_row(k: int, bits: int) -> int | None:
+    """Lanes that share one weight row of ``k`` inputs (16-byte words per row, capped at
+    32), or None when the row does not map onto whole aligned lane groups."""
+    if bits not in (4, 8):
+        return None
+    vpl = 128 // bits
+    if k % vpl:
+        return None
+    kw = k // vpl
+    lpr = min(kw, 32)
+    if lpr & (lpr - 1) or kw % lpr:
+        return None
+    return lpr
+
+
+def rows_per_block(k: int, bits: int, nw: int = NW, rpw: int = RPW) -> int:
+    """Output rows one threadgroup computes: warps x lane groups per warp x rows each."""
+    return nw * (32 // lanes_per_row(k, bits)) * rpw
+
+
+def supports(x: mx.array, w: mx.array, scales: mx.array, biases, group_size: int,
+             bits: int, mode: str = "affine") -> bool:
+    """True when the kernel computes this call (shapes, dtypes, quantization mode)."""
+    if mode != "affine" or biases is None or bits not in (4, 8):
+        return False
+    if group_size not in (32, 64, 128) or x.dtype not in _FLOATS:
+        return False
+    if scales.dtype not in _FLOATS or biases.dtype != scales.dtype:
+        return False
+    if w.dtype != mx.uint32 or w.ndim != 2 or scales.ndim != 2:
+        return False
+    k = x.shape[-1]
+    o = w.shape[0]
+    if w.shape[1] * 32 != k * bits or scales.shape != (o, k // group_size):
+        return False
+    if biases.shape != scales.shape or k % group_size or lanes_per_row(k, bits) is None:
+        return False
+    rows = x.size // k if k else 0
+    return 1 <= rows <= MAX_ROWS and w.size >= 8
+
+
+def plan(kernel, x_shape, x_dtype, w: mx.array, scales: mx.array, biases: mx.array,
+         group_size: int, bits: int, *, nw: int = NW, rpw: int = RPW,
+         init_value: float | None = None):
+    """A callable ``run(x) -> y`` launching the kernel object for inputs of one shape
+    and dtype (template, grid and output shape worked out once)."""
+    k = x_shape[-1]
+    o = w.shape[0]
+    lead = tuple(x_shape[:-1])
+    n = 1
+    for s_ in lead:
+        n *= s_
+    tg = 32 * nw
+    nb = -(-o // rows_per_block(k, bits, nw, rpw))
+    kw = dict(template=[("T", x_dtype), ("S", scales.dtype), ("K", k), ("O", o),
+                        ("BITS", bits), ("GS", group_size), ("NW", nw), ("RPW", rpw)],
+              grid=(nb * tg, n, 1), threadgroup=(tg, 1, 1),
+              output_shapes=[lead + (o,)], output_dtypes=[x_dtype])
+    if init_value is not None:
+        kw["init_value"] = init_value
+
+    def run(x):
+        return kernel(inputs=[x, w, scales, biases], **kw)[0]
+
+    return run
+
+
+def launch(kernel, x: mx.array, w: mx.array, scales: mx.array, biases: mx.array,
+           group_size: int, bits: int, *, nw: int = NW, rpw: int = RPW,
+           init_value: float | None = None) -> mx.array:
+    """Run the ``lily_qgemv`` kernel object ``kernel`` (either backend, or the Metal
+    emulator's) on a call ``supports`` accepted; returns ``[..., O]`` in x's dtype."""
+    return plan(kernel, x.shape, x.dtype, w, scales, biases, group_size, bits, nw=nw,
+                rpw=rpw, init_value=init_value)(x)
+
+
+def has_kernel(backend: str) -> bool:
+    """True when the GEMV kernel can run on ``backend`` here."""
+    return backend in ("metal", "cuda") and kernels.get(SPEC, backend) is not None
+
+
+def try_kernel(x, w, scales, biases, group_size, bits, mode="affine") -> mx.array | None:
+    """The kernel's result when it serves this call on the current backend, else None."""
+    backend = current_backend()
+    if backend not in ("metal", "cuda") or not op_enabled(NAME):
+        return None
+    if not supports(x, w, scales, biases, group_size, bits, mode):
+        return None
+    k = kernels.get(SPEC, backend)
+    if k is None:
+        return None
+    return launch(k, x, w, scales, biases, group_size, bits)
+
+
+def qgemv(x, w, scales, biases, group_size, bits):
+    """Dispatcher: the GEMV kernel for few-row inputs it supports, else the reference."""
+    y = try_kernel(x, w, scales, biases, group_size, bits)
+    return y if y is not None else qgemv_reference(x, w, scales, biases, group_size, bits)
+
+
+def for_qproj(x: mx.array, proj) -> mx.array | None:
+    """``QProj.__call__``'s fast path: the kernel's ``[..., out]`` for a one-row input of
+    a quantized projection when it serves on this backend and ``USE_FOR_QPROJ`` allows,
+    else None (the caller runs ``mx.quantized_matmul``). The decision and launch
+    parameters are cached on the projection per (backend, shape, dtype)."""
+    if x.size != x.shape[-1]:
+        return None
+    backend = current_backend()
+    if not USE_FOR_QPROJ.get(backend, False) or not op_enabled(NAME):
+        return None
+    plans = proj.__dict__.setdefault("_lily_qgemv_plans", {})
+    key = (backend, x.shape, x.dtype)
+    run = plans.get(key, False)
+    if run is False:
+        run = None
+        if supports(x, proj.weight, proj.scales, proj.biases, proj.group_size, proj.bits,
+                    proj.mode or "affine"):
+            kern = kernels.get(SPEC, backend)
+            if kern is not None:
+                run = plan(kern, x.shape, x.dtype, proj.weight, proj.scales, proj.biases,
+                           proj.group_size, proj.bits)
+        plans[key] = run
+    return run(x) if run is not None else None

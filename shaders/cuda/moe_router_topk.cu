@@ -1,0 +1,194 @@
+// @kernel lily_moe_router_topk
+// @inputs x[N,D]:T w[R,D*BITS/32]:uint32 scales[R,D/GS]:S biases[R,D/GS]:S   (R = E + HAS_SHARED)
+// @outputs inds[N,K]:uint32 scores[N,K]:T shared[N,1]:T
+// @template T=bfloat16 S=bfloat16 D=2048 E=256 K=8 BITS=8 GS=64 HAS_SHARED=true NORM=true NW=16 RPW=4
+// @template T=float16 S=bfloat16 D=256 E=40 K=4 BITS=4 GS=64 HAS_SHARED=false NORM=false NW=16 RPW=1
+// @grid (32*NW, N, 1)
+// @threadgroup (32*NW, 1, 1)
+// One block per token row: quantized GEMV of the E (+1 shared-gate) router rows into
+// shared memory (logits rounded to T), then warp 0: fp32 softmax over E, probabilities
+// rounded to T, top-K by value with ties to the lowest expert id (picks in decreasing
+// order), renormalisation (sum rounded to T), sigmoid of the shared-gate logit.
+// ---- lily qgemv helpers: identical in every moe_*.cu / qgemv*.cu file ----
+template <class A, class B> struct lily_same { static constexpr bool value = false; };
+template <class A> struct lily_same<A, A> { static constexpr bool value = true; };
+
+template <typename T>
+__device__ __forceinline__ float lily_f(T v) { return static_cast<float>(v); }
+
+// Round an fp32 value through T (the rounding a T-typed MLX result gets).
+template <typename T>
+__device__ __forceinline__ float lily_round(float v) {
+  return static_cast<float>(static_cast<T>(v));
+}
+
+// Load N activations to fp32 registers; return their sum. 16-byte loads for
+// aligned bf16 rows, element loads otherwise.
+template <int N, typename T>
+__device__ __forceinline__ float lily_load_x(const T* p, float* v) {
+  bool done = false;
+  if constexpr (lily_same<T, __nv_bfloat16>::value && N % 8 == 0) {
+    if ((reinterpret_cast<unsigned long long>(p) & 15ull) == 0ull) {
+      const uint4* q = reinterpret_cast<const uint4*>(p);
+#pragma unroll
+      for (int i = 0; i < N / 8; ++i) {
+        const uint4 u = q[i];
+        v[8 * i + 0] = __uint_as_float(u.x << 16);
+        v[8 * i + 1] = __uint_as_float(u.x & 0xffff0000u);
+        v[8 * i + 2] = __uint_as_float(u.y << 16);
+        v[8 * i + 3] = __uint_as_float(u.y & 0xffff0000u);
+        v[8 * i + 4] = __uint_as_float(u.z << 16);
+        v[8 * i + 5] = __uint_as_float(u.z & 0xffff0000u);
+        v[8 * i + 6] = __uint_as_float(u.w << 16);
+        v[8 * i + 7] = __uint_as_float(u.w & 0xffff0000u);
+      }
+      done = true;
+    }
+  }
+  if (!done) {
+#pragma unroll
+    for (int i = 0; i < N; ++i) v[i] = static_cast<float>(p[i]);
+  }
+  float s = 0.f;
+#pragma unroll
+  for (int i = 0; i < N; ++i) s += v[i];
+  return s;
+}
+
+// dot(q, v) over the 128/BITS quantized values packed in one 16-byte word
+// (value j of a uint32 at bits [BITS*j, BITS*j+BITS)). 2^23 + q is built in
+// the mantissa (exact) instead of an int->float conversion.
+template <int BITS>
+__device__ __forceinline__ float lily_qdot(uint4 w, const float* v) {
+  constexpr int PER = 32 / BITS;
+  constexpr unsigned M = (1u << BITS) - 1u;
+  const unsigned ws[4] = {w.x, w.y, w.z, w.w};
+  float a[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    float acc = 0.f;
+#pragma unroll
+    for (int j = 0; j < PER; ++j) {
+      const float q = __uint_as_float(((ws[i] >> (BITS * j)) & M) | 0x4B000000u) - 8388608.0f;
+      acc = fmaf(q, v[i * PER + j], acc);
+    }
+    a[i] = acc;
+  }
+  return (a[0] + a[1]) + (a[2] + a[3]);
+}
+
+// Sum over aligned groups of L lanes (L a power of two <= 32); all lanes call it.
+template <int L>
+__device__ __forceinline__ float lily_group_sum(float v) {
+#pragma unroll
+  for (int o = L / 2; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+// ---- end lily qgemv helpers ----
+// ---- body ----
+  constexpr int VPL = 128 / BITS;            // quantized values per 16-byte word
+  constexpr int KW = D / VPL;                // 16-byte words per weight row
+  constexpr int LPR = KW < 32 ? KW : 32;     // lanes per row
+  constexpr int SG = 32 / LPR;               // rows in flight per warp
+  constexpr int STEPS = KW / LPR;
+  constexpr int NG = D / GS;
+  constexpr int R = E + (HAS_SHARED ? 1 : 0);
+  constexpr int EPL = (E + 31) / 32;
+  static_assert(KW * VPL == D && STEPS * LPR == KW && SG * LPR == 32, "router: bad D");
+  static_assert(GS % VPL == 0 && K <= 32 && K <= E, "router: bad GS/K");
+
+  __shared__ float lg[R];
+  const int lane = threadIdx.x & 31;
+  const int warp = threadIdx.x >> 5;
+  const int sub = lane / LPR;
+  const int sl = lane % LPR;
+  const int n = blockIdx.y;
+  const T* xr = x + (size_t)n * D;
+  const uint4* w4 = reinterpret_cast<const uint4*>(w);
+
+  for (int wb = warp * SG * RPW; wb < R; wb += NW * SG * RPW) {
+    float acc[RPW];
+#pragma unroll
+    for (int r = 0; r < RPW; ++r) acc[r] = 0.f;
+#pragma unroll
+    for (int st = 0; st < STEPS; ++st) {
+      const int c = st * LPR + sl;
+      float xv[VPL];
+      const float xs = lily_load_x<VPL>(xr + c * VPL, xv);
+      const int g = (c * VPL) / GS;
+#pragma unroll
+      for (int r = 0; r < RPW; ++r) {
+        const int row = min(wb + sub * RPW + r, R - 1);
+        const uint4 q = w4[(size_t)row * KW + c];
+        const size_t so = (size_t)row * NG + g;
+        acc[r] += lily_f(scales[so]) * lily_qdot<BITS>(q, xv) + lily_f(biases[so]) * xs;
+      }
+    }
+#pragma unroll
+    for (int r = 0; r < RPW; ++r) {
+      const float s = lily_group_sum<LPR>(acc[r]);
+      const int row = wb + sub * RPW + r;
+      if (sl == 0 && row < R) lg[row] = lily_round<T>(s);
+    }
+  }
+  __syncthreads();
+  if (warp != 0) return;
+
+  float p[EPL];
+  float m = __int_as_float(0xff800000);
+#pragma unroll
+  for (int i = 0; i < EPL; ++i) {
+    const int e = lane + 32 * i;
+    p[i] = e < E ? lg[e] : __int_as_float(0xff800000);
+    m = fmaxf(m, p[i]);
+  }
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+  float den = 0.f;
+#pragma unroll
+  for (int i = 0; i < EPL; ++i) {
+    const int e = lane + 32 * i;
+    p[i] = e < E ? expf(p[i] - m) : 0.f;
+    den += p[i];
+  }
+  den = lily_group_sum<32>(den);
+  const float inv = 1.f / den;
+#pragma unroll
+  for (int i = 0; i < EPL; ++i) {
+    const int e = lane + 32 * i;
+    p[i] = e < E ? lily_round<T>(p[i] * inv) : -1.f;
+  }
+
+  unsigned my_i = 0u;
+  float my_v = 0.f;
+  for (int j = 0; j < K; ++j) {
+    float bv = -2.f;
+    int bi = 0x7fffffff;
+#pragma unroll
+    for (int i = 0; i < EPL; ++i) {
+      if (p[i] > bv) { bv = p[i]; bi = lane + 32 * i; }
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+      const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
+      const int oi = __shfl_xor_sync(0xffffffffu, bi, o);
+      if (ov > bv || (ov == bv && oi < bi)) { bv = ov; bi = oi; }
+    }
+#pragma unroll
+    for (int i = 0; i < EPL; ++i) {
+      if (lane + 32 * i == bi) p[i] = -3.f;
+    }
+    if (lane == j) { my_i = (unsigned)bi; my_v = bv; }
+  }
+
+  const float tot = lily_group_sum<32>(lane < K ? my_v : 0.f);
+  if (lane < K) {
+    const float sc = NORM ? my_v / lily_round<T>(tot) : my_v;
+    inds[(size_t)n * K + lane] = my_i;
+    scores[(size_t)n * K + lane] = static_cast<T>(sc);
+  }
+  if (lane == 0) {
+    float sh = 0.f;
+    if constexpr (HAS_SHARED) sh = 1.f / (1.f + expf(-lg[E]));
+    shared[n] = static_cast<T>(sh);
+  }

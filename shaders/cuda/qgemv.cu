@@ -1,0 +1,130 @@
+// @kernel lily_qgemv
+// @inputs x[N,K]:T w[O,K*BITS/32]:uint32 scales[O,K/GS]:S biases[O,K/GS]:S
+// @outputs y[N,O]:T
+// @template T=bfloat16 S=bfloat16 K=2048 O=8192 BITS=4 GS=64 NW=4 RPW=4
+// @template T=float16 S=float16 K=64 O=7 BITS=4 GS=64 NW=4 RPW=4
+// @grid (ceil(O/RPB)*32*NW, N, 1)   RPB = NW*(32/LPR)*RPW, LPR = min(32, K*BITS/128)
+// @threadgroup (32*NW, 1, 1)
+// y = x @ dequant(w)^T for a few rows (MLX affine quantization, transpose=True):
+// each group of LPR lanes owns RPW output rows, 16-byte weight loads,
+// scale*dot(q,x) + bias*sum(x) per quantization group, fp32 accumulation.
+// ---- lily qgemv helpers: identical in every moe_*.cu / qgemv*.cu file ----
+template <class A, class B> struct lily_same { static constexpr bool value = false; };
+template <class A> struct lily_same<A, A> { static constexpr bool value = true; };
+
+template <typename T>
+__device__ __forceinline__ float lily_f(T v) { return static_cast<float>(v); }
+
+// Round an fp32 value through T (the rounding a T-typed MLX result gets).
+template <typename T>
+__device__ __forceinline__ float lily_round(float v) {
+  return static_cast<float>(static_cast<T>(v));
+}
+
+// Load N activations to fp32 registers; return their sum. 16-byte loads for
+// aligned bf16 rows, element loads otherwise.
+template <int N, typename T>
+__device__ __forceinline__ float lily_load_x(const T* p, float* v) {
+  bool done = false;
+  if constexpr (lily_same<T, __nv_bfloat16>::value && N % 8 == 0) {
+    if ((reinterpret_cast<unsigned long long>(p) & 15ull) == 0ull) {
+      const uint4* q = reinterpret_cast<const uint4*>(p);
+#pragma unroll
+      for (int i = 0; i < N / 8; ++i) {
+        const uint4 u = q[i];
+        v[8 * i + 0] = __uint_as_float(u.x << 16);
+        v[8 * i + 1] = __uint_as_float(u.x & 0xffff0000u);
+        v[8 * i + 2] = __uint_as_float(u.y << 16);
+        v[8 * i + 3] = __uint_as_float(u.y & 0xffff0000u);
+        v[8 * i + 4] = __uint_as_float(u.z << 16);
+        v[8 * i + 5] = __uint_as_float(u.z & 0xffff0000u);
+        v[8 * i + 6] = __uint_as_float(u.w << 16);
+        v[8 * i + 7] = __uint_as_float(u.w & 0xffff0000u);
+      }
+      done = true;
+    }
+  }
+  if (!done) {
+#pragma unroll
+    for (int i = 0; i < N; ++i) v[i] = static_cast<float>(p[i]);
+  }
+  float s = 0.f;
+#pragma unroll
+  for (int i = 0; i < N; ++i) s += v[i];
+  return s;
+}
+
+// dot(q, v) over the 128/BITS quantized values packed in one 16-byte word
+// (value j of a uint32 at bits [BITS*j, BITS*j+BITS)). 2^23 + q is built in
+// the mantissa (exact) instead of an int->float conversion.
+template <int BITS>
+__device__ __forceinline__ float lily_qdot(uint4 w, const float* v) {
+  constexpr int PER = 32 / BITS;
+  constexpr unsigned M = (1u << BITS) - 1u;
+  const unsigned ws[4] = {w.x, w.y, w.z, w.w};
+  float a[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    float acc = 0.f;
+#pragma unroll
+    for (int j = 0; j < PER; ++j) {
+      const float q = __uint_as_float(((ws[i] >> (BITS * j)) & M) | 0x4B000000u) - 8388608.0f;
+      acc = fmaf(q, v[i * PER + j], acc);
+    }
+    a[i] = acc;
+  }
+  return (a[0] + a[1]) + (a[2] + a[3]);
+}
+
+// Sum over aligned groups of L lanes (L a power of two <= 32); all lanes call it.
+template <int L>
+__device__ __forceinline__ float lily_group_sum(float v) {
+#pragma unroll
+  for (int o = L / 2; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+// ---- end lily qgemv helpers ----
+// ---- body ----
+  constexpr int VPL = 128 / BITS;
+  constexpr int KW = K / VPL;
+  constexpr int LPR = KW < 32 ? KW : 32;
+  constexpr int SG = 32 / LPR;
+  constexpr int STEPS = KW / LPR;
+  constexpr int NG = K / GS;
+  constexpr int RPB = NW * SG * RPW;
+  static_assert(KW * VPL == K && STEPS * LPR == KW && SG * LPR == 32, "qgemv: bad K");
+  static_assert(GS % VPL == 0, "qgemv: bad GS");
+
+  const int lane = threadIdx.x & 31;
+  const int warp = threadIdx.x >> 5;
+  const int sub = lane / LPR;
+  const int sl = lane % LPR;
+  const int n = blockIdx.y;
+  const int row0 = blockIdx.x * RPB + (warp * SG + sub) * RPW;
+  if (blockIdx.x * RPB >= O) return;
+  const T* xr = x + (size_t)n * K;
+  const uint4* w4 = reinterpret_cast<const uint4*>(w);
+
+  float acc[RPW];
+#pragma unroll
+  for (int r = 0; r < RPW; ++r) acc[r] = 0.f;
+#pragma unroll
+  for (int st = 0; st < STEPS; ++st) {
+    const int c = st * LPR + sl;
+    float xv[VPL];
+    const float xs = lily_load_x<VPL>(xr + c * VPL, xv);
+    const int g = (c * VPL) / GS;
+#pragma unroll
+    for (int r = 0; r < RPW; ++r) {
+      const int row = min(row0 + r, O - 1);
+      const size_t so = (size_t)row * NG + g;
+      const uint4 q = w4[(size_t)row * KW + c];
+      acc[r] += lily_f(scales[so]) * lily_qdot<BITS>(q, xv) + lily_f(biases[so]) * xs;
+    }
+  }
+#pragma unroll
+  for (int r = 0; r < RPW; ++r) {
+    const float v = lily_group_sum<LPR>(acc[r]);
+    const int row = row0 + r;
+    if (sl == 0 && row < O) y[(size_t)n * O + row] = static_cast<T>(v);
+  }

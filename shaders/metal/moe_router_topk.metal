@@ -1,0 +1,175 @@
+// @kernel lily_moe_router_topk
+// @inputs x[N,D]:T w[R,D*BITS/32]:uint32 scales[R,D/GS]:S biases[R,D/GS]:S   (R = E + HAS_SHARED)
+// @outputs inds[N,K]:uint32 scores[N,K]:T shared[N,1]:T
+// @template T=bfloat16 S=bfloat16 D=2048 E=256 K=8 BITS=8 GS=64 HAS_SHARED=true NORM=true NW=16 RPW=4
+// @template T=float16 S=bfloat16 D=256 E=40 K=4 BITS=4 GS=64 HAS_SHARED=false NORM=false NW=16 RPW=1
+// @grid (32*NW, N, 1)
+// @threadgroup (32*NW, 1, 1)
+// One threadgroup per token row: quantized GEMV of the E (+1 shared-gate) router rows
+// into threadgroup memory (logits rounded to T), then simdgroup 0: fp32 softmax over E,
+// probabilities rounded to T, top-K by value with ties to the lowest expert id (picks in
+// decreasing order), renormalisation (sum rounded to T), sigmoid of the shared-gate logit.
+// ---- lily qgemv helpers: identical in every moe_*.metal / qgemv*.metal file ----
+// Pointer-typed helpers are templates over the pointer type, so they accept
+// both device and constant buffers.
+template <typename T>
+inline float lily_round(float v) {
+  return static_cast<float>(static_cast<T>(v));
+}
+
+// Load N activations to fp32 registers; return their sum.
+template <int N, typename P>
+inline float lily_load_x(P p, thread float* v) {
+  float s = 0.0f;
+  for (int i = 0; i < N; ++i) {
+    v[i] = static_cast<float>(p[i]);
+  }
+  for (int i = 0; i < N; ++i) {
+    s += v[i];
+  }
+  return s;
+}
+
+// dot(q, v) over the 128/BITS quantized values packed in one 16-byte word
+// (value j of a uint32 at bits [BITS*j, BITS*j+BITS)).
+template <int BITS>
+inline float lily_qdot(uint4 w, thread const float* v) {
+  constexpr int PER = 32 / BITS;
+  constexpr uint M = (1u << BITS) - 1u;
+  float a0 = 0.0f, a1 = 0.0f, a2 = 0.0f, a3 = 0.0f;
+  for (int j = 0; j < PER; ++j) {
+    a0 = fma(float((w.x >> (BITS * j)) & M), v[j], a0);
+    a1 = fma(float((w.y >> (BITS * j)) & M), v[PER + j], a1);
+    a2 = fma(float((w.z >> (BITS * j)) & M), v[2 * PER + j], a2);
+    a3 = fma(float((w.w >> (BITS * j)) & M), v[3 * PER + j], a3);
+  }
+  return (a0 + a1) + (a2 + a3);
+}
+
+// Sum over aligned groups of L lanes (L a power of two <= 32); all lanes call it.
+template <int L>
+inline float lily_group_sum(float v) {
+  for (ushort o = L / 2; o > 0; o >>= 1) {
+    v += simd_shuffle_xor(v, o);
+  }
+  return v;
+}
+// ---- end lily qgemv helpers ----
+// ---- body ----
+  constexpr int VPL = 128 / BITS;
+  constexpr int KW = D / VPL;
+  constexpr int LPR = KW < 32 ? KW : 32;
+  constexpr int SG = 32 / LPR;
+  constexpr int STEPS = KW / LPR;
+  constexpr int NG = D / GS;
+  constexpr int R = E + (HAS_SHARED ? 1 : 0);
+  constexpr int EPL = (E + 31) / 32;
+  static_assert(KW * VPL == D && STEPS * LPR == KW && SG * LPR == 32, "router: bad D");
+  static_assert(GS % VPL == 0 && K <= 32 && K <= E, "router: bad GS/K");
+
+  threadgroup float lg[R];
+  const int lane = int(thread_index_in_simdgroup);
+  const int warp = int(simdgroup_index_in_threadgroup);
+  const int sub = lane / LPR;
+  const int sl = lane % LPR;
+  const int n = int(threadgroup_position_in_grid.y);
+  const int xo = n * D;
+  const device uint4* w4 = reinterpret_cast<const device uint4*>(w);
+
+  for (int wb = warp * SG * RPW; wb < R; wb += NW * SG * RPW) {
+    float acc[RPW];
+    for (int r = 0; r < RPW; ++r) {
+      acc[r] = 0.0f;
+    }
+    for (int st = 0; st < STEPS; ++st) {
+      const int c = st * LPR + sl;
+      float xv[VPL];
+      const float xs = lily_load_x<VPL>(x + (xo + c * VPL), xv);
+      const int g = (c * VPL) / GS;
+      for (int r = 0; r < RPW; ++r) {
+        const int row = min(wb + sub * RPW + r, R - 1);
+        const uint4 q = w4[row * KW + c];
+        const int so = row * NG + g;
+        acc[r] += static_cast<float>(scales[so]) * lily_qdot<BITS>(q, xv) +
+                  static_cast<float>(biases[so]) * xs;
+      }
+    }
+    for (int r = 0; r < RPW; ++r) {
+      const float s = lily_group_sum<LPR>(acc[r]);
+      const int row = wb + sub * RPW + r;
+      if (sl == 0 && row < R) {
+        lg[row] = lily_round<T>(s);
+      }
+    }
+  }
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  if (warp != 0) {
+    return;
+  }
+
+  float p[EPL];
+  float m = -INFINITY;
+  for (int i = 0; i < EPL; ++i) {
+    const int e = lane + 32 * i;
+    p[i] = e < E ? lg[e] : -INFINITY;
+    m = max(m, p[i]);
+  }
+  for (ushort o = 16; o > 0; o >>= 1) {
+    m = max(m, simd_shuffle_xor(m, o));
+  }
+  float den = 0.0f;
+  for (int i = 0; i < EPL; ++i) {
+    const int e = lane + 32 * i;
+    p[i] = e < E ? metal::exp(p[i] - m) : 0.0f;
+    den += p[i];
+  }
+  den = lily_group_sum<32>(den);
+  const float inv = 1.0f / den;
+  for (int i = 0; i < EPL; ++i) {
+    const int e = lane + 32 * i;
+    p[i] = e < E ? lily_round<T>(p[i] * inv) : -1.0f;
+  }
+
+  uint my_i = 0u;
+  float my_v = 0.0f;
+  for (int j = 0; j < K; ++j) {
+    float bv = -2.0f;
+    int bi = 0x7fffffff;
+    for (int i = 0; i < EPL; ++i) {
+      if (p[i] > bv) {
+        bv = p[i];
+        bi = lane + 32 * i;
+      }
+    }
+    for (ushort o = 16; o > 0; o >>= 1) {
+      const float ov = simd_shuffle_xor(bv, o);
+      const int oi = simd_shuffle_xor(bi, o);
+      if (ov > bv || (ov == bv && oi < bi)) {
+        bv = ov;
+        bi = oi;
+      }
+    }
+    for (int i = 0; i < EPL; ++i) {
+      if (lane + 32 * i == bi) {
+        p[i] = -3.0f;
+      }
+    }
+    if (lane == j) {
+      my_i = uint(bi);
+      my_v = bv;
+    }
+  }
+
+  const float tot = lily_group_sum<32>(lane < K ? my_v : 0.0f);
+  if (lane < K) {
+    const float sc = NORM ? my_v / lily_round<T>(tot) : my_v;
+    inds[n * K + lane] = my_i;
+    scores[n * K + lane] = static_cast<T>(sc);
+  }
+  if (lane == 0) {
+    float sh = 0.0f;
+    if (HAS_SHARED) {
+      sh = 1.0f / (1.0f + metal::exp(-lg[E]));
+    }
+    shared[n] = static_cast<T>(sh);
+  }

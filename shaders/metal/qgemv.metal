@@ -1,0 +1,105 @@
+// @kernel lily_qgemv
+// @inputs x[N,K]:T w[O,K*BITS/32]:uint32 scales[O,K/GS]:S biases[O,K/GS]:S
+// @outputs y[N,O]:T
+// @template T=bfloat16 S=bfloat16 K=2048 O=8192 BITS=4 GS=64 NW=4 RPW=4
+// @template T=float16 S=float16 K=64 O=7 BITS=4 GS=64 NW=4 RPW=4
+// @grid (ceil(O/RPB)*32*NW, N, 1)   RPB = NW*(32/LPR)*RPW, LPR = min(32, K*BITS/128)
+// @threadgroup (32*NW, 1, 1)
+// y = x @ dequant(w)^T for a few rows (MLX affine quantization, transpose=True):
+// each group of LPR lanes owns RPW output rows, 16-byte weight loads,
+// scale*dot(q,x) + bias*sum(x) per quantization group, fp32 accumulation.
+// ---- lily qgemv helpers: identical in every moe_*.metal / qgemv*.metal file ----
+// Pointer-typed helpers are templates over the pointer type, so they accept
+// both device and constant buffers.
+template <typename T>
+inline float lily_round(float v) {
+  return static_cast<float>(static_cast<T>(v));
+}
+
+// Load N activations to fp32 registers; return their sum.
+template <int N, typename P>
+inline float lily_load_x(P p, thread float* v) {
+  float s = 0.0f;
+  for (int i = 0; i < N; ++i) {
+    v[i] = static_cast<float>(p[i]);
+  }
+  for (int i = 0; i < N; ++i) {
+    s += v[i];
+  }
+  return s;
+}
+
+// dot(q, v) over the 128/BITS quantized values packed in one 16-byte word
+// (value j of a uint32 at bits [BITS*j, BITS*j+BITS)).
+template <int BITS>
+inline float lily_qdot(uint4 w, thread const float* v) {
+  constexpr int PER = 32 / BITS;
+  constexpr uint M = (1u << BITS) - 1u;
+  float a0 = 0.0f, a1 = 0.0f, a2 = 0.0f, a3 = 0.0f;
+  for (int j = 0; j < PER; ++j) {
+    a0 = fma(float((w.x >> (BITS * j)) & M), v[j], a0);
+    a1 = fma(float((w.y >> (BITS * j)) & M), v[PER + j], a1);
+    a2 = fma(float((w.z >> (BITS * j)) & M), v[2 * PER + j], a2);
+    a3 = fma(float((w.w >> (BITS * j)) & M), v[3 * PER + j], a3);
+  }
+  return (a0 + a1) + (a2 + a3);
+}
+
+// Sum over aligned groups of L lanes (L a power of two <= 32); all lanes call it.
+template <int L>
+inline float lily_group_sum(float v) {
+  for (ushort o = L / 2; o > 0; o >>= 1) {
+    v += simd_shuffle_xor(v, o);
+  }
+  return v;
+}
+// ---- end lily qgemv helpers ----
+// ---- body ----
+  constexpr int VPL = 128 / BITS;
+  constexpr int KW = K / VPL;
+  constexpr int LPR = KW < 32 ? KW : 32;
+  constexpr int SG = 32 / LPR;
+  constexpr int STEPS = KW / LPR;
+  constexpr int NG = K / GS;
+  constexpr int RPB = NW * SG * RPW;
+  static_assert(KW * VPL == K && STEPS * LPR == KW && SG * LPR == 32, "qgemv: bad K");
+  static_assert(GS % VPL == 0, "qgemv: bad GS");
+
+  const int lane = int(thread_index_in_simdgroup);
+  const int warp = int(simdgroup_index_in_threadgroup);
+  const int sub = lane / LPR;
+  const int sl = lane % LPR;
+  const int bx = int(threadgroup_position_in_grid.x);
+  const int n = int(threadgroup_position_in_grid.y);
+  const int row0 = bx * RPB + (warp * SG + sub) * RPW;
+  if (bx * RPB >= O) {
+    return;
+  }
+  const int xo = n * K;
+  const device uint4* w4 = reinterpret_cast<const device uint4*>(w);
+
+  float acc[RPW];
+  for (int r = 0; r < RPW; ++r) {
+    acc[r] = 0.0f;
+  }
+  for (int st = 0; st < STEPS; ++st) {
+    const int c = st * LPR + sl;
+    float xv[VPL];
+    const float xs = lily_load_x<VPL>(x + (xo + c * VPL), xv);
+    const int g = (c * VPL) / GS;
+    for (int r = 0; r < RPW; ++r) {
+      const int row = min(row0 + r, O - 1);
+      const ulong so = ulong(row) * NG + g;
+      const uint4 q = w4[ulong(row) * KW + c];
+      acc[r] += static_cast<float>(scales[so]) * lily_qdot<BITS>(q, xv) +
+                static_cast<float>(biases[so]) * xs;
+    }
+  }
+  const ulong yo = ulong(n) * O;
+  for (int r = 0; r < RPW; ++r) {
+    const float v = lily_group_sum<LPR>(acc[r]);
+    const int row = row0 + r;
+    if (sl == 0 && row < O) {
+      y[yo + row] = static_cast<T>(v);
+    }
+  }

@@ -1,0 +1,432 @@
+"""moe_experts: reference vs the stock mlx-lm MoE block, the decode kernels
+(``lily_moe_gate_up`` + ``lily_moe_down``) vs an fp32 truth on every parity backend,
+dispatch (decode kernels, grouped path, reference), nvcc compile, Metal lint."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+
+from mlx_lily import kernels
+from mlx_lily.ops import moe_experts as M
+from mlx_lily.testing.backends import metal_kernel_factory, parity_backends
+from mlx_lily.testing.cuda_check import nvcc_path
+
+BACKENDS = [pytest.param(b, marks=pytest.mark.gpu) if b in ("cuda", "metal") else b
+            for b in parity_backends()]
+for _b in ("cuda", "metal"):
+    if _b not in parity_backends():
+        BACKENDS.append(pytest.param(_b, marks=[pytest.mark.gpu, pytest.mark.skip(
+            reason=f"no {_b} device here")]))
+HAS_EMU = "metal-emu" in parity_backends()
+if HAS_EMU:
+    BACKENDS.append("cuda-emu")  # the CUDA twin's body run by the Metal emulator
+KERNEL_BACKENDS = [b for b in BACKENDS if b != "reference"]
+_MISALIGN = {"bf16": 0}  # byte offset given to bfloat16 inputs under the emulator
+
+
+@pytest.fixture(autouse=True)
+def _aligned_emu_buffers(monkeypatch):
+    """The emulator hands kernels numpy views of MLX CPU memory, which is only 8-byte
+    aligned; Metal buffers are 16-byte aligned and the kernels use 16-byte loads.
+    Copy inputs to 64-byte aligned buffers (a no-op once the emulator aligns)."""
+    try:
+        from mlx_lily.testing.metal_emu import _kernel as ek
+    except Exception:
+        yield
+        return
+    orig = ek._to_numpy
+
+    def aligned(x):
+        a = np.ascontiguousarray(orig(x))
+        off0 = _MISALIGN["bf16"] if x.dtype == mx.bfloat16 else 0
+        buf = np.empty(a.nbytes + 128, np.uint8)
+        off = (-buf.ctypes.data) % 64 + off0
+        out = buf[off:off + a.nbytes].view(a.dtype).reshape(a.shape)
+        out[...] = a
+        return out
+
+    monkeypatch.setattr(ek, "_to_numpy", aligned)
+    yield
+
+
+# CUDA built-ins mapped onto the emulator's Metal ones, so the .cu bodies run on the CPU.
+_CUDA_ON_EMU = r"""
+#define __device__
+#define __forceinline__ inline
+typedef bfloat16_t __nv_bfloat16;
+typedef half __half;
+inline float __uint_as_float(uint u) { return as_type<float>(u); }
+inline float __int_as_float(int u) { return as_type<float>(u); }
+template <typename V> inline V __shfl_xor_sync(uint, V v, int o) { return simd_shuffle_xor(v, ushort(o)); }
+inline float fmaf(float a, float b, float c) { return metal::fma(a, b, c); }
+inline float expf(float a) { return metal::exp(a); }
+inline float fmaxf(float a, float b) { return metal::max(a, b); }
+"""
+
+
+def cuda_on_emu(spec):
+    """The CUDA twin of ``spec`` as an emulated kernel: same body, ``threadIdx`` /
+    ``blockIdx`` / ``__shared__`` / ``__syncthreads`` / warp shuffles mapped onto Metal's
+    (a 32-lane simdgroup is a warp). Checks the CUDA body's logic, not nvcc."""
+    import re
+
+    from mlx_lily.testing import metal_emu
+
+    head, body = kernels.split_header(kernels.shader_source("cuda", spec.stem + ".cu"))
+    body = re.sub(r"\bthreadIdx\b", "__tid3", body)
+    body = re.sub(r"\bblockIdx\b", "__bid3", body)
+    body = body.replace("__shared__", "threadgroup").replace(
+        "__syncthreads()", "threadgroup_barrier(mem_flags::mem_threadgroup)")
+    body = ("const uint3 __tid3 = thread_position_in_threadgroup;\n"
+            "const uint3 __bid3 = threadgroup_position_in_grid;\n" + body)
+    return metal_emu.metal_kernel(name=spec.name + "_cu", input_names=list(spec.inputs),
+                                  output_names=list(spec.outputs), source=body,
+                                  header=_CUDA_ON_EMU + head)
+
+
+def kernel_for(spec, backend):
+    """(kernel object, init_value) for a parity backend; NaN-poisoned outputs."""
+    if backend == "metal-emu":
+        return kernels.build(spec, "metal", factory=metal_kernel_factory("metal-emu")), None
+    if backend == "cuda-emu":
+        return cuda_on_emu(spec), None
+    return kernels.build(spec, backend), float("nan")
+
+
+def kernels_for(backend):
+    """(gate_up kernel, down kernel, init_value) for a parity backend."""
+    kg, init = kernel_for(M.GATE_UP_SPEC, backend)
+    kd, _ = kernel_for(M.DOWN_SPEC, backend)
+    return kg, kd, init
+
+
+def make_block(d=256, e=16, k=4, i=128, seed=0, bits=4, gs=64, dtype=mx.bfloat16):
+    """A quantized mlx-lm ``Qwen3NextSparseMoeBlock`` (8-bit router and shared gate,
+    experts and shared expert at ``bits``/``gs``)."""
+    from mlx.utils import tree_flatten, tree_unflatten
+    from mlx_lm.models import qwen3_next
+
+    args = qwen3_next.ModelArgs(
+        model_type="qwen3_next", hidden_size=d, num_hidden_layers=1, intermediate_size=256,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=64, rms_norm_eps=1e-6,
+        vocab_size=32, linear_num_value_heads=1, linear_num_key_heads=1,
+        linear_key_head_dim=32, linear_value_head_dim=32, linear_conv_kernel_dim=4,
+        num_experts=e, num_experts_per_tok=k, decoder_sparse_step=1,
+        shared_expert_intermediate_size=i, moe_intermediate_size=i, mlp_only_layers=[],
+        norm_topk_prob=True, rope_theta=1e6, partial_rotary_factor=0.25,
+        max_position_embeddings=128, tie_word_embeddings=False, full_attention_interval=4)
+    mx.random.seed(seed)
+    blk = qwen3_next.Qwen3NextSparseMoeBlock(args)
+    blk.update(tree_unflatten([
+        (n, (mx.random.normal(p.shape) * p.shape[-1] ** -0.5).astype(dtype))
+        for n, p in tree_flatten(blk.parameters())]))
+
+    def pred(path, m):
+        if not hasattr(m, "to_quantized"):
+            return False
+        if path.endswith("gate") or path.endswith("shared_expert_gate"):
+            return {"group_size": 64, "bits": 8}
+        return {"group_size": gs, "bits": bits}
+
+    nn.quantize(blk, class_predicate=pred)
+    return blk
+
+
+def route(blk, x):
+    """mlx-lm's routing (stock lines)."""
+    gates = mx.softmax(blk.gate(x), axis=-1, precise=True)
+    k = blk.top_k
+    inds = mx.argpartition(gates, kth=-k, axis=-1)[..., -k:]
+    scores = mx.take_along_axis(gates, inds, axis=-1)
+    scores = scores / scores.sum(axis=-1, keepdims=True)
+    return inds, scores, mx.sigmoid(blk.shared_expert_gate(x))
+
+
+def _deq(t, wts, idx=None):
+    w, s, b = t
+    if idx is not None:
+        w, s, b = w[idx], s[idx], b[idx]
+    return mx.dequantize(w, s.astype(mx.float32), b.astype(mx.float32), wts.group_size,
+                         wts.bits)
+
+
+def truth(x, inds, scores, shared, wts, residual=None):
+    """fp32 experts with the stock roundings kept (gate/up outputs and h rounded to the
+    activation dtype); returns (y fp32, magnitude bound for fp32 summation error).
+    Computed on the CPU stream (no TF32 on a GPU)."""
+    with mx.stream(mx.cpu):
+        out = _truth(x, inds, scores, shared, wts, residual)
+        mx.eval(out)
+        return out
+
+
+def _truth(x, inds, scores, shared, wts, residual):
+    dt = x.dtype
+    rb = lambda a: a.astype(dt).astype(mx.float32)  # noqa: E731
+    d = x.shape[-1]
+    xf = x.astype(mx.float32).reshape(-1, d)
+    n = xf.shape[0]
+    k = inds.shape[-1]
+    ind = inds.reshape(n, k)
+    sc = scores.reshape(n, k).astype(mx.float32)
+    sh = shared.reshape(n, 1).astype(mx.float32)
+    out, mags = [], []
+    for r in range(n):
+        acc = mx.zeros((d,))
+        mag = mx.zeros((d,))
+        for j in range(k + 1):
+            if j < k:
+                e = ind[r, j]
+                g_, u_, d_ = (_deq(t, wts, e) for t in (wts.gate, wts.up, wts.down))
+                c = sc[r, j]
+            else:
+                g_, u_, d_ = (_deq(t, wts) for t in (wts.sgate, wts.sup, wts.sdown))
+                c = sh[r, 0]
+            g = rb(g_ @ xf[r])
+            u = rb(u_ @ xf[r])
+            h = rb(g * mx.sigmoid(g) * u)
+            acc = acc + c * (d_ @ h)
+            mag = mag + mx.abs(c) * (mx.abs(d_) @ mx.abs(h))
+        out.append(acc)
+        mags.append(mag)
+    y = mx.stack(out).reshape(x.shape)
+    if residual is not None:
+        y = residual.astype(mx.float32) + rb(y)
+    return y, mx.stack(mags).reshape(x.shape)
+
+
+def check_close(y, t, mag, dtype):
+    y = y.astype(mx.float32)
+    assert y.shape == t.shape and y.dtype == mx.float32
+    assert bool(mx.all(mx.isfinite(y)).item()), "unwritten (NaN) or non-finite outputs"
+    ulp = {mx.bfloat16: 2 ** -8, mx.float16: 2 ** -11, mx.float32: 2 ** -22}[dtype]
+    # output rounding + fp32 summation-order error + a gate/up value landing on the
+    # other side of a rounding boundary of h (one ulp of one h element)
+    tol = 2 * ulp * mx.abs(t) + 4 * ulp * mag / 64 + 1e-5 * mag + 1e-6
+    bad = mx.abs(y - t) > tol
+    assert not bool(mx.any(bad).item()), f"max err {mx.abs(y - t).max().item()}"
+
+
+# ------------------------------------------------------------------ reference
+def test_reference_is_bit_identical_to_stock_block():
+    with mx.stream(mx.cpu):  # the dispatcher takes the reference path on the CPU
+        _reference_vs_stock()
+
+
+def _reference_vs_stock():
+    blk = make_block(seed=1)
+    x = mx.random.normal((2, 3, 256)).astype(mx.bfloat16)
+    inds, scores, shared = route(blk, x)
+    y = M.moe_experts_reference(x, inds, scores, blk.switch_mlp, blk.shared_expert, shared)
+    assert y.dtype == mx.bfloat16 and mx.array_equal(y, blk(x)).item()
+    # CPU dispatcher: reference path; residual variant adds in the activation dtype
+    r = mx.random.normal((2, 3, 256)).astype(mx.bfloat16)
+    y2 = M.moe_experts(x, inds, scores, blk.switch_mlp, blk.shared_expert, shared,
+                       residual=r)
+    assert mx.array_equal(y2, r + blk(x)).item()
+
+
+def test_decode_weights_layouts():
+    blk = make_block(seed=0)
+    wts = M.decode_weights(blk.switch_mlp, blk.shared_expert)
+    assert wts is not None and (wts.num_experts, wts.hidden, wts.inter) == (16, 256, 128)
+    assert M.decode_weights(blk.switch_mlp, None) is None
+    blk2 = make_block(seed=0, d=320)  # 10 words per row: no lane mapping
+    assert M.decode_weights(blk2.switch_mlp, blk2.shared_expert) is None
+    from mlx_lm.models import qwen3_next
+    raw = qwen3_next.Qwen3NextMLP(256, 128)  # not quantized
+    assert M.decode_weights(blk.switch_mlp, raw) is None
+
+
+# ------------------------------------------------------------------ kernel parity
+CASES = [  # (D, I, E, k, rows, bits, gs, dtype, residual)
+    (256, 128, 16, 4, 1, 4, 64, mx.bfloat16, False),
+    (256, 128, 16, 4, 3, 4, 64, mx.bfloat16, True),
+    (2048, 512, 6, 2, 1, 4, 64, mx.bfloat16, True),   # production D and I
+    (128, 64, 5, 3, 2, 4, 32, mx.float16, False),     # odd E and k, 2-4 lanes per row
+    (256, 128, 8, 8, 2, 8, 128, mx.float32, False),   # 8-bit experts, group 128
+]
+
+
+@pytest.mark.parametrize("backend", KERNEL_BACKENDS)
+@pytest.mark.parametrize("case", CASES,
+                         ids=lambda c: "D{}-I{}-E{}-k{}-n{}-b{}-g{}-{}-r{}".format(
+                             *c[:7], str(c[7]).split(".")[-1], int(c[8])))
+def test_decode_kernels_match_truth(backend, case):
+    d, i, e, k, rows, bits, gs, dtype, use_res = case
+    blk = make_block(d=d, e=e, k=k, i=i, seed=d + i + e + k, bits=bits, gs=gs, dtype=dtype)
+    x = mx.random.normal((rows, 1, d)).astype(dtype)
+    inds, scores, shared = route(blk, x)
+    res = mx.random.normal(x.shape).astype(dtype) if use_res else None
+    wts = M.decode_weights(blk.switch_mlp, blk.shared_expert)
+    assert M.supports_decode(x, inds, scores, shared, wts, res)
+    kg, kd, init = kernels_for(backend)
+    y = M.launch_decode(kg, kd, x, inds, scores, shared, wts, res, init_value=init)
+    assert y.dtype == dtype and y.shape == x.shape
+    t, mag = truth(x, inds, scores, shared, wts, res)
+    check_close(y, t, mag, dtype)
+
+
+@pytest.mark.parametrize("backend", KERNEL_BACKENDS)
+def test_decode_kernels_int32_inds_and_repeated_experts(backend):
+    """int32 ids are accepted; the same expert twice in a row's picks counts twice."""
+    blk = make_block(seed=4)
+    x = mx.random.normal((1, 256)).astype(mx.bfloat16)
+    inds = mx.array([[3, 3, 15, 0]], dtype=mx.int32)
+    scores = mx.array([[0.4, 0.3, 0.2, 0.1]], dtype=mx.bfloat16)
+    shared = mx.array([[0.7]], dtype=mx.bfloat16)
+    wts = M.decode_weights(blk.switch_mlp, blk.shared_expert)
+    kg, kd, init = kernels_for(backend)
+    y = M.launch_decode(kg, kd, x, inds, scores, shared, wts, init_value=init)
+    t, mag = truth(x, inds, scores, shared, wts)
+    check_close(y, t, mag, mx.bfloat16)
+
+
+@pytest.mark.parametrize("backend", KERNEL_BACKENDS)
+def test_parity_check_can_fail(backend):
+    blk = make_block(seed=5)
+    x = mx.random.normal((1, 256)).astype(mx.bfloat16)
+    inds, scores, shared = route(blk, x)
+    wts = M.decode_weights(blk.switch_mlp, blk.shared_expert)
+    kg, kd, init = kernels_for(backend)
+    y = M.launch_decode(kg, kd, x, inds, scores, shared, wts, init_value=init)
+    wrong = mx.concatenate([scores[:, :1] * 1.1, scores[:, 1:]], axis=-1)
+    t, mag = truth(x, inds, wrong, shared, wts)
+    with pytest.raises(AssertionError):
+        check_close(y, t, mag, mx.bfloat16)
+
+
+# ------------------------------------------------------------------ dispatch
+def _emu_dispatch(monkeypatch):
+    from mlx_lily.testing import metal_emu
+
+    monkeypatch.setattr(kernels, "_CACHE", {})
+    monkeypatch.setattr(kernels, "_metal_ok", lambda: True)
+    monkeypatch.setattr(M, "current_backend", lambda: "metal")
+    monkeypatch.setattr(mx.fast, "metal_kernel", metal_emu.metal_kernel)
+
+
+def _count_kernel_calls(monkeypatch):
+    """Wrap ``kernels.get`` so every launch of a kernel object is recorded by name."""
+    calls = []
+    orig_get = kernels.get
+
+    def get(spec, backend):
+        k = orig_get(spec, backend)
+        if k is None:
+            return None
+
+        def counted(**kw):
+            calls.append(spec.name)
+            return k(**kw)
+
+        return counted
+
+    monkeypatch.setattr(kernels, "get", get)
+    return calls
+
+
+@pytest.mark.skipif(not HAS_EMU, reason="Metal emulator unavailable")
+def test_dispatcher_routes_by_rows(monkeypatch):
+    _emu_dispatch(monkeypatch)
+    calls = _count_kernel_calls(monkeypatch)
+    decode = [M.GATE_UP_SPEC.name, M.DOWN_SPEC.name]
+    grouped = []
+    try:
+        from mlx_lily.ops import moe_grouped
+        monkeypatch.setattr(moe_grouped, "try_grouped",
+                            lambda *a: grouped.append(a[0].shape) or None)
+    except ImportError:
+        moe_grouped = None
+    blk = make_block(seed=6)
+    x = mx.random.normal((1, 1, 256)).astype(mx.bfloat16)
+    inds, scores, shared = route(blk, x)
+    y = M.moe_experts(x, inds, scores, blk.switch_mlp, blk.shared_expert, shared)
+    assert calls == decode
+    wts = M.decode_weights(blk.switch_mlp, blk.shared_expert)
+    t, mag = truth(x, inds, scores, shared, wts)
+    check_close(y, t, mag, mx.bfloat16)
+    # residual variant through the dispatcher
+    r = mx.random.normal(x.shape).astype(mx.bfloat16)
+    y = M.moe_experts(x, inds, scores, blk.switch_mlp, blk.shared_expert, shared, r)
+    t, mag = truth(x, inds, scores, shared, wts, r)
+    check_close(y, t, mag, mx.bfloat16)
+    # many rows: grouped path asked (returns None here), then the reference
+    xb = mx.random.normal((1, M.MAX_DECODE_ROWS + 1, 256)).astype(mx.bfloat16)
+    ib, sb, hb = route(blk, xb)
+    yb = M.moe_experts(xb, ib, sb, blk.switch_mlp, blk.shared_expert, hb)
+    assert calls == decode * 2
+    if moe_grouped is not None:
+        assert grouped == [xb.shape]
+    assert mx.array_equal(yb, blk(xb)).item()
+    # no shared expert: reference
+    M.moe_experts(x, inds, scores, blk.switch_mlp, None, None)
+    assert calls == decode * 2
+
+
+@pytest.mark.skipif(nvcc_path() is None, reason="nvcc not installed")
+@pytest.mark.parametrize("which", ["gate_up", "down_res"])
+def test_cuda_twins_compile(which):
+    from mlx_lily.testing import cuda_check
+
+    bf = mx.bfloat16
+    common = [("T", bf), ("S", bf), ("D", 2048), ("I", 512), ("K", 8), ("E", 256),
+              ("BITS", 4), ("GS", 64)]
+    if which == "gate_up":
+        head, body = kernels.split_header(kernels.shader_source("cuda", "moe_gate_up.cu"))
+        ins = [("x", bf, 2), ("inds", mx.uint32, 2)]
+        for p in ("gate", "up"):
+            ins += [(f"{p}_w", mx.uint32, 3), (f"{p}_s", bf, 3), (f"{p}_b", bf, 3)]
+        for p in ("sgate", "sup"):
+            ins += [(f"{p}_w", mx.uint32, 2), (f"{p}_s", bf, 2), (f"{p}_b", bf, 2)]
+        cuda_check.check("lily_moe_gate_up", ins, [("h", bf)], body, head,
+                         template=common + [("NW", M.GATE_UP_NW), ("RPW", M.GATE_UP_RPW)])
+    else:
+        head, body = kernels.split_header(kernels.shader_source("cuda", "moe_down.cu"))
+        ins = [("h", bf, 3), ("inds", mx.uint32, 2), ("scores", bf, 2), ("shared", bf, 2),
+               ("down_w", mx.uint32, 3), ("down_s", bf, 3), ("down_b", bf, 3),
+               ("sdown_w", mx.uint32, 2), ("sdown_s", bf, 2), ("sdown_b", bf, 2),
+               ("res", bf, 2)]
+        cuda_check.check("lily_moe_down", ins, [("y", bf)], body, head,
+                         template=common + [("NW", M.DOWN_NW), ("RPW", M.DOWN_RPW),
+                                            ("RES", True)])
+
+
+@pytest.mark.parametrize("stem,small", [("moe_gate_up", {"inds"}),
+                                        ("moe_down", {"inds", "scores", "shared", "res"})])
+def test_metal_twins_lint(stem, small):
+    """MSL address-space typing, also with the per-row inputs in ``constant`` memory
+    (fewer than 8 elements at decode)."""
+    from mlx_lily.testing import msl_lint
+
+    try:
+        spec = msl_lint.parse_body_file(kernels.shader_path("metal", f"{stem}.metal"))
+        for kinds in ([k for _, _, k in spec.inputs],
+                      ["small" if n in small else k for n, _, k in spec.inputs]):
+            r = msl_lint.lint_metal_source(
+                spec.body, spec.header, spec.input_names, spec.output_names,
+                spec.templates[0], name=spec.name,
+                input_dtypes=[dt for _, dt, _ in spec.inputs], input_kinds=kinds,
+                output_dtypes=[dt for _, dt in spec.outputs])
+            r.raise_for_issues()
+    except (FileNotFoundError, RuntimeError) as exc:
+        pytest.skip(f"lint unavailable: {exc}")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not any(b in parity_backends() for b in ("cuda", "metal")),
+                    reason="no GPU backend")
+def test_gpu_production_dims():
+    """Production layer (D=2048, I=512, E=256, k=8) on the device, through the
+    dispatcher, with and without the residual."""
+    blk = make_block(d=2048, i=512, e=256, k=8, seed=41)
+    x = mx.random.normal((1, 1, 2048)).astype(mx.bfloat16)
+    inds, scores, shared = route(blk, x)
+    wts = M.decode_weights(blk.switch_mlp, blk.shared_expert)
+    for res in (None, mx.random.normal(x.shape).astype(mx.bfloat16)):
+        y = M.moe_experts(x, inds, scores, blk.switch_mlp, blk.shared_expert, shared, res)
+        t, mag = truth(x, inds, scores, shared, wts, res)
+        check_close(y, t, mag, mx.bfloat16)

@@ -1,0 +1,308 @@
+"""qgemv: reference vs stock ``QuantizedLinear``, the ``lily_qgemv`` kernel vs an fp32
+truth on every parity backend, QProj routing, and the CUDA twin's nvcc compile."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+
+from mlx_lily import kernels
+from mlx_lily.ops import qgemv as Q
+from mlx_lily.qproj import QProj
+from mlx_lily.testing.backends import metal_kernel_factory, parity_backends
+from mlx_lily.testing.cuda_check import nvcc_path
+
+BACKENDS = [pytest.param(b, marks=pytest.mark.gpu) if b in ("cuda", "metal") else b
+            for b in parity_backends()]
+for _b in ("cuda", "metal"):
+    if _b not in parity_backends():
+        BACKENDS.append(pytest.param(_b, marks=[pytest.mark.gpu, pytest.mark.skip(
+            reason=f"no {_b} device here")]))
+HAS_EMU = "metal-emu" in parity_backends()
+if HAS_EMU:
+    BACKENDS.append("cuda-emu")  # the CUDA twin's body run by the Metal emulator
+KERNEL_BACKENDS = [b for b in BACKENDS if b != "reference"]
+_MISALIGN = {"bf16": 0}  # byte offset given to bfloat16 inputs under the emulator
+
+
+@pytest.fixture(autouse=True)
+def _aligned_emu_buffers(monkeypatch):
+    """The emulator hands kernels numpy views of MLX CPU memory, which is only 8-byte
+    aligned; Metal buffers are 16-byte aligned and the kernels use 16-byte loads.
+    Copy inputs to 64-byte aligned buffers (a no-op once the emulator aligns)."""
+    try:
+        from mlx_lily.testing.metal_emu import _kernel as ek
+    except Exception:
+        yield
+        return
+    orig = ek._to_numpy
+
+    def aligned(x):
+        a = np.ascontiguousarray(orig(x))
+        off0 = _MISALIGN["bf16"] if x.dtype == mx.bfloat16 else 0
+        buf = np.empty(a.nbytes + 128, np.uint8)
+        off = (-buf.ctypes.data) % 64 + off0
+        out = buf[off:off + a.nbytes].view(a.dtype).reshape(a.shape)
+        out[...] = a
+        return out
+
+    monkeypatch.setattr(ek, "_to_numpy", aligned)
+    yield
+
+
+# CUDA built-ins mapped onto the emulator's Metal ones, so the .cu bodies run on the CPU.
+_CUDA_ON_EMU = r"""
+#define __device__
+#define __forceinline__ inline
+typedef bfloat16_t __nv_bfloat16;
+typedef half __half;
+inline float __uint_as_float(uint u) { return as_type<float>(u); }
+inline float __int_as_float(int u) { return as_type<float>(u); }
+template <typename V> inline V __shfl_xor_sync(uint, V v, int o) { return simd_shuffle_xor(v, ushort(o)); }
+inline float fmaf(float a, float b, float c) { return metal::fma(a, b, c); }
+inline float expf(float a) { return metal::exp(a); }
+inline float fmaxf(float a, float b) { return metal::max(a, b); }
+"""
+
+
+def cuda_on_emu(spec):
+    """The CUDA twin of ``spec`` as an emulated kernel: same body, ``threadIdx`` /
+    ``blockIdx`` / ``__shared__`` / ``__syncthreads`` / warp shuffles mapped onto Metal's
+    (a 32-lane simdgroup is a warp). Checks the CUDA body's logic, not nvcc."""
+    import re
+
+    from mlx_lily.testing import metal_emu
+
+    head, body = kernels.split_header(kernels.shader_source("cuda", spec.stem + ".cu"))
+    body = re.sub(r"\bthreadIdx\b", "__tid3", body)
+    body = re.sub(r"\bblockIdx\b", "__bid3", body)
+    body = body.replace("__shared__", "threadgroup").replace(
+        "__syncthreads()", "threadgroup_barrier(mem_flags::mem_threadgroup)")
+    body = ("const uint3 __tid3 = thread_position_in_threadgroup;\n"
+            "const uint3 __bid3 = threadgroup_position_in_grid;\n" + body)
+    return metal_emu.metal_kernel(name=spec.name + "_cu", input_names=list(spec.inputs),
+                                  output_names=list(spec.outputs), source=body,
+                                  header=_CUDA_ON_EMU + head)
+
+
+def kernel_for(spec, backend):
+    """(kernel object, init_value) for a parity backend; NaN-poisoned outputs."""
+    if backend == "metal-emu":
+        return kernels.build(spec, "metal", factory=metal_kernel_factory("metal-emu")), None
+    if backend == "cuda-emu":
+        return cuda_on_emu(spec), None
+    return kernels.build(spec, backend), float("nan")
+
+
+def make_weights(o, k, bits, gs, dtype=mx.bfloat16, sdtype=mx.bfloat16):
+    w = (mx.random.normal((o, k)) * k ** -0.5).astype(sdtype)
+    q, s, b = mx.quantize(w, gs, bits)
+    return q, s, b
+
+
+def truth(x, q, s, b, gs, bits):
+    """fp32 dequantize-and-matmul (on the CPU: no TF32 or fast-math on a GPU)."""
+    with mx.stream(mx.cpu):
+        wf = mx.dequantize(q, s.astype(mx.float32), b.astype(mx.float32), gs, bits)
+        return x.astype(mx.float32) @ wf.T  # ops keep the stream they were made on
+
+
+def check_close(y, t, x, q, s, b, gs, bits, dtype):
+    y = y.astype(mx.float32)
+    assert y.shape == t.shape
+    assert bool(mx.all(mx.isfinite(y)).item()), "unwritten (NaN) or non-finite outputs"
+    with mx.stream(mx.cpu):
+        wf = mx.dequantize(q, s.astype(mx.float32), b.astype(mx.float32), gs, bits)
+        mag = mx.abs(x.astype(mx.float32)) @ mx.abs(wf).T  # scale of fp32 rounding error
+    rt = {mx.bfloat16: 2 ** -8, mx.float16: 2 ** -11, mx.float32: 2 ** -22}[dtype]
+    tol = rt * mx.abs(t) + 1e-5 * mag + 1e-6
+    bad = mx.abs(y - t) > tol
+    assert not bool(mx.any(bad).item()), f"max err {mx.abs(y - t).max().item()}"
+
+
+def test_reference_matches_quantized_linear():
+    with mx.stream(mx.cpu):
+        _reference_matches_quantized_linear()
+
+
+def _reference_matches_quantized_linear():
+    mx.random.seed(0)
+    for bits in (4, 8):
+        lin = nn.Linear(256, 40, bias=False)
+        lin.weight = (mx.random.normal((40, 256)) * 0.06).astype(mx.bfloat16)
+        ql = nn.QuantizedLinear.from_linear(lin, 64, bits)
+        x = mx.random.normal((1, 1, 256)).astype(mx.bfloat16)
+        y = Q.qgemv_reference(x, ql.weight, ql.scales, ql.biases, 64, bits)
+        assert mx.array_equal(y, ql(x)).item()
+
+
+def test_supports_rejects_unmappable_shapes():
+    x = mx.zeros((1, 320), mx.bfloat16)  # 10 words per row: not whole lane groups
+    q, s, b = make_weights(8, 320, 4, 64)
+    assert not Q.supports(x, q, s, b, 64, 4)
+    x = mx.zeros((9, 256), mx.bfloat16)  # too many rows
+    q, s, b = make_weights(8, 256, 4, 64)
+    assert not Q.supports(x, q, s, b, 64, 4)
+    assert Q.supports(x[:2], q, s, b, 64, 4)
+    assert not Q.supports(x[:1], q, s, None, 64, 4)
+    assert not Q.supports(x[:1], q, s, b, 64, 4, mode="mxfp4")
+
+
+CASES = [  # (K, O, bits, gs, rows, dtype)
+    (2048, 40, 4, 64, 1, mx.bfloat16),   # production input width, 4-bit
+    (2048, 24, 8, 64, 2, mx.bfloat16),   # production input width, 8-bit (router)
+    (512, 33, 4, 32, 3, mx.bfloat16),    # odd row count, group 32
+    (128, 17, 8, 128, 1, mx.float16),    # 8 lanes per row
+    (64, 7, 4, 64, 1, mx.float32),       # 2 lanes per row, 16 rows per warp
+]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"K{c[0]}-O{c[1]}-b{c[2]}-g{c[3]}-n{c[4]}")
+def test_kernel_parity(backend, case):
+    k, o, bits, gs, rows, dtype = case
+    mx.random.seed(hash(case) % 1000)
+    q, s, b = make_weights(o, k, bits, gs)
+    x = mx.random.normal((rows, k)).astype(dtype)
+    t = truth(x, q, s, b, gs, bits)
+    if backend == "reference":
+        with mx.stream(mx.cpu):
+            y = Q.qgemv(x, q, s, b, gs, bits)  # CPU: the reference
+        # (MLX's CPU quantized_matmul accumulates in the activation dtype: no truth check.)
+        assert mx.array_equal(y, Q.qgemv_reference(x, q, s, b, gs, bits)).item()
+        return
+    kern, init = kernel_for(Q.SPEC, backend)
+    assert Q.supports(x, q, s, b, gs, bits)
+    y = Q.launch(kern, x, q, s, b, gs, bits, init_value=init)
+    assert y.dtype == dtype
+    check_close(y, t, x, q, s, b, gs, bits, dtype)
+
+
+@pytest.mark.parametrize("backend", KERNEL_BACKENDS)
+def test_kernel_detects_wrong_answer(backend):
+    """The parity check fails for a corrupted weight (the test can fail)."""
+    mx.random.seed(3)
+    q, s, b = make_weights(16, 256, 4, 64)
+    x = mx.random.normal((1, 256)).astype(mx.bfloat16)
+    kern, init = kernel_for(Q.SPEC, backend)
+    y = Q.launch(kern, x, q, s, b, 64, 4, init_value=init)
+    s2 = s.at[3, 1].add(mx.array(0.5, mx.bfloat16))
+    with pytest.raises(AssertionError):
+        check_close(y, truth(x, q, s2, b, 64, 4), x, q, s2, b, 64, 4, mx.bfloat16)
+
+
+@pytest.mark.parametrize("backend", [b for b in KERNEL_BACKENDS if isinstance(b, str) and b.endswith("-emu")])
+def test_kernel_unaligned_activations(backend, monkeypatch):
+    """bf16 activations 2 bytes off a 16-byte boundary (a row-contiguous view at an odd
+    offset): the CUDA twin takes its element-load path; results unchanged."""
+    monkeypatch.setitem(_MISALIGN, "bf16", 2)
+    mx.random.seed(8)
+    q, s, b = make_weights(24, 2048, 4, 64)
+    x = mx.random.normal((2, 2048)).astype(mx.bfloat16)
+    kern, init = kernel_for(Q.SPEC, backend)
+    y = Q.launch(kern, x, q, s, b, 64, 4, init_value=init)
+    check_close(y, truth(x, q, s, b, 64, 4), x, q, s, b, 64, 4, mx.bfloat16)
+
+
+def _emu_dispatch(monkeypatch):
+    """Make the dispatchers see a Metal backend served by the emulator."""
+    from mlx_lily.testing import metal_emu
+
+    monkeypatch.setattr(kernels, "_CACHE", {})
+    monkeypatch.setattr(kernels, "_metal_ok", lambda: True)
+    monkeypatch.setattr(Q, "current_backend", lambda: "metal")
+    monkeypatch.setattr(mx.fast, "metal_kernel", metal_emu.metal_kernel)
+
+
+def _count_kernel_calls(monkeypatch):
+    """Wrap ``kernels.get`` so every launch of a kernel object is recorded by name."""
+    calls = []
+    orig_get = kernels.get
+
+    def get(spec, backend):
+        k = orig_get(spec, backend)
+        if k is None:
+            return None
+
+        def counted(**kw):
+            calls.append(spec.name)
+            return k(**kw)
+
+        return counted
+
+    monkeypatch.setattr(kernels, "get", get)
+    return calls
+
+
+@pytest.mark.skipif("metal-emu" not in parity_backends(), reason="Metal emulator unavailable")
+def test_qproj_routes_one_row_to_kernel(monkeypatch):
+    _emu_dispatch(monkeypatch)
+    mx.random.seed(5)
+    layers = []
+    for o in (24, 8):
+        lin = nn.Linear(256, o, bias=False)
+        lin.weight = (mx.random.normal((o, 256)) * 0.06).astype(mx.bfloat16)
+        layers.append(nn.QuantizedLinear.from_linear(lin, 64, 4))
+    proj = QProj.fuse(layers)
+    calls = _count_kernel_calls(monkeypatch)
+    x = mx.random.normal((1, 1, 256)).astype(mx.bfloat16)
+    parts = proj(x)
+    assert len(calls) == 1 and [p.shape for p in parts] == [(1, 1, 24), (1, 1, 8)]
+    t = truth(x.reshape(1, 256), proj.weight, proj.scales, proj.biases, 64, 4)
+    y = mx.concatenate(parts, axis=-1).reshape(1, 32)
+    check_close(y, t, x.reshape(1, 256), proj.weight, proj.scales, proj.biases, 64, 4,
+                mx.bfloat16)
+    proj(mx.random.normal((1, 3, 256)).astype(mx.bfloat16))  # 3 rows: quantized_matmul
+    assert len(calls) == 1
+    monkeypatch.setitem(Q.USE_FOR_QPROJ, "metal", False)
+    proj(x)
+    assert len(calls) == 1
+    monkeypatch.setenv("MLX_LILY_DISABLE", "qgemv")
+    monkeypatch.setitem(Q.USE_FOR_QPROJ, "metal", True)
+    proj(x)
+    assert len(calls) == 1
+
+
+@pytest.mark.skipif(nvcc_path() is None, reason="nvcc not installed")
+def test_cuda_twin_compiles():
+    from mlx_lily.testing import cuda_check
+
+    head, body = kernels.split_header(kernels.shader_source("cuda", "qgemv.cu"))
+    bf = mx.bfloat16
+    cuda_check.check(
+        "lily_qgemv", [("x", bf, 2), ("w", mx.uint32, 2), ("scales", bf, 2), ("biases", bf, 2)],
+        [("y", bf)], body, head,
+        template=[("T", bf), ("S", bf), ("K", 2048), ("O", 8192), ("BITS", 4), ("GS", 64),
+                  ("NW", Q.NW), ("RPW", Q.RPW)])
+
+
+def test_helper_blocks_identical_across_shaders():
+    """The GEMV helpers are duplicated in each kernel file (no includes in MLX JIT
+    sources); keep the copies identical."""
+    import re
+
+    for backend, ext in (("cuda", "cu"), ("metal", "metal")):
+        blocks = set()
+        for stem in ("qgemv", "moe_router_topk", "moe_gate_up", "moe_down"):
+            text = kernels.shader_source(backend, f"{stem}.{ext}")
+            m = re.search(r"// ---- lily qgemv helpers.*?// ---- end lily qgemv helpers ----",
+                          text, re.S)
+            assert m, (backend, stem)
+            blocks.add(m.group(0))
+        assert len(blocks) == 1, backend
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not any(b in parity_backends() for b in ("cuda", "metal")),
+                    reason="no GPU backend")
+def test_gpu_production_shapes():
+    backend = "cuda" if "cuda" in parity_backends() else "metal"
+    mx.random.seed(11)
+    for k, o, bits in ((2048, 8192 + 1024, 4), (4096, 2048, 4), (2048, 257, 8)):
+        q, s, b = make_weights(o, k, bits, 64)
+        x = mx.random.normal((1, k)).astype(mx.bfloat16)
+        kern, init = kernel_for(Q.SPEC, backend)
+        y = Q.launch(kern, x, q, s, b, 64, bits, init_value=init)
+        check_close(y, truth(x, q, s, b, 64, bits), x, q, s, b, 64, bits, mx.bfloat16)
