@@ -80,7 +80,6 @@ def attention_call(self, x, mask=None, cache=None):
     Hq, Hkv = self.num_attention_heads, self.num_key_value_heads
     q_out, keys, values = _run(_proj(self, "qkv", (self.q_proj, self.k_proj, self.v_proj)), x)
     queries, gate = mx.split(q_out.reshape(B, L, Hq, -1), 2, axis=-1)
-    gate = gate.reshape(B, L, -1)
     offset = cache.offset if cache is not None else 0
     rope = self.rope
     q, k = attn_ops.qk_norm_rope(
@@ -90,9 +89,8 @@ def attention_call(self, x, mask=None, cache=None):
     v = values.reshape(B, L, Hkv, -1).transpose(0, 2, 1, 3)
     if cache is not None:
         k, v = cache.update_and_fetch(k, v)
-    out = attn_ops.sdpa(q, k, v, self.scale, mask)
-    out = out.transpose(0, 2, 1, 3).reshape(B, L, -1)
-    return self.o_proj(attn_ops.output_gate(out, gate))
+    out = attn_ops.sdpa_gated(q, k, v, self.scale, mask, gate)  # [B, L, Hq*D], gate fused
+    return self.o_proj(out)
 
 
 # ---------------------------------------------------------------- MoE

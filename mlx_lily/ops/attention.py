@@ -10,19 +10,82 @@ Contract:
   Decode kernels use a general path below ``SPLIT_K_MIN_CONTEXT`` cached tokens and a
   fixed-block split-K path with a two-pass combine at or above it.
 - ``output_gate_reference``: ``out * sigmoid(gate)``.
-Source: Qwen3-Next / Qwen3.5 gated attention; RoPE (Su et al. 2021); GQA (Ainslie et al. 2023).
+Source: Qwen3-Next / Qwen3.5 gated attention; RoPE (Su et al. 2021); GQA (Ainslie et al. 2023);
+FlashAttention-2 (Dao 2023) and Flash-Decoding split-K (Dao et al. 2023) for the kernels.
+
+Kernels (one launch contract per kernel, Metal and CUDA twins; see each shader's header):
+- ``lily_attn_qk_norm_rope``: q/k RMSNorm + RoPE in one launch, offset as a 1-element
+  int32 array (no recompilation per token).
+- ``lily_attn_decode_partial`` + ``lily_attn_decode_combine``: decode (L == 1) split-K
+  attention. Every simdgroup/warp owns one block of ``CH`` cached tokens of one KV head
+  and all ``G = Hq/Hkv`` query heads that share it (GQA packing: each K/V row is read
+  once for the G heads, rows read contiguously by neighbouring lanes); the combine kernel
+  merges the per-block (max, sum, acc) partials and applies the optional output gate.
+  Block size (``decode_block``): below ``SPLIT_K_MIN_CONTEXT`` the "general" rule sizes
+  blocks so that ``B*Hkv*ceil(T/CH)`` simdgroups fill the GPU (Qwen3.6 has 2 KV heads, so
+  without a split a batch-1 decode would occupy 2 of 132 SMs on an H200); at or above it
+  the block is fixed (``FIXED_BLOCK``) and the number of blocks grows with the cache.
+- ``lily_attn_prefill``: causal (or unmasked) flash attention of an L-token chunk over
+  the whole cache (T = offset + L keys), GQA rows packed as ``i*G + h``; tensor cores on
+  CUDA (mma m16n8k16), ``simdgroup_matrix`` on Metal; optional fused output gate.
+Both SDPA kernels write ``[B, L, Hq, D]`` (the layout ``o_proj`` reads), so ``sdpa_gated``
+returns the gated ``[B, L, Hq*D]`` attention output without a transpose copy.
 """
 
 from __future__ import annotations
 
+import math
+
 import mlx.core as mx
 
-
+from mlx_lily import kernels
+from mlx_lily.backend import current_backend
+from mlx_lily.kernels import KernelSpec
 
 NAME = "attention"
 SPLIT_K_MIN_CONTEXT = 32768
 
+# Decode split-K plan. NSG simdgroups (warps) per threadgroup; each owns CH keys.
+DECODE_SIMDGROUPS = 4
+DECODE_BLOCK_MIN = 32
+# Fixed block (keys per simdgroup) at T >= SPLIT_K_MIN_CONTEXT, per backend.
+FIXED_BLOCK = {"cuda": 128, "metal": 256}
+# Simdgroups the general rule aims for (H200: 132 SMs x 8 resident warps of this kernel;
+# Apple: up to 40 GPU cores x 8).
+TARGET_SIMDGROUPS = {"cuda": 1056, "metal": 320}
 
+# Prefill rows (packed query-head rows) per threadgroup, per backend (same grid formula).
+PREFILL_ROWS = {"cuda": 64, "metal": 32}
+PREFILL_THREADS = 128
+PREFILL_SHARED_MEMORY = 98304  # CUDA dynamic shared memory (Q + 2 x (K + V) tiles, D <= 256)
+# The prefill kernel has no key split: a call with few row blocks over a long cache (e.g. the
+# short last chunk of a long prompt) would run on a handful of SMs/cores. Such calls
+# (fewer than PREFILL_MIN_BLOCKS threadgroups and T > PREFILL_SMALL_T) use the reference.
+PREFILL_MIN_BLOCKS = {"cuda": 64, "metal": 16}
+PREFILL_SMALL_T = 8192
+
+_DTYPES = (mx.bfloat16, mx.float16)
+_HEAD_DIMS = (128, 256)
+_LOG2E = 1.4426950408889634
+
+QK_NORM_ROPE = KernelSpec(
+    "lily_attn_qk_norm_rope", "attn_qk_norm_rope",
+    ("queries", "keys", "q_weight", "k_weight", "rope", "offset"), ("q_out", "k_out"),
+    ensure_row_contiguous=False)
+DECODE_PARTIAL = KernelSpec(
+    "lily_attn_decode_partial", "attn_decode_partial",
+    ("q", "k", "v", "params"), ("part_o", "part_ml"), ensure_row_contiguous=False)
+DECODE_COMBINE = KernelSpec(
+    "lily_attn_decode_combine", "attn_decode_combine",
+    ("part_o", "part_ml", "gate"), ("out",), ensure_row_contiguous=False)
+PREFILL = KernelSpec(
+    "lily_attn_prefill", "attn_prefill",
+    ("q", "k", "v", "gate", "params"), ("out",), ensure_row_contiguous=False,
+    shared_memory=PREFILL_SHARED_MEMORY)
+SPECS = (QK_NORM_ROPE, DECODE_PARTIAL, DECODE_COMBINE, PREFILL)
+
+
+# ----------------------------------------------------------------------------- references
 def qk_norm_rope_reference(queries, keys, q_norm_weight, k_norm_weight, eps, *,
                            rope_dims, base, scale=1.0, traditional=False, offset=0):
     """Normalise and rotate q and k.
@@ -54,20 +117,284 @@ def output_gate_reference(out, gate):
     return out * mx.sigmoid(gate)
 
 
+def sdpa_gated_reference(q, k, v, scale, mask, gate):
+    """``output_gate(sdpa(q, k, v).transpose(0, 2, 1, 3).reshape(B, L, -1), gate)``.
+
+    Args:
+        q: ``[B, Hq, L, D]``; k/v: ``[B, Hkv, T, D]``; gate: ``[B, L, Hq, D]`` or
+            ``[B, L, Hq*D]`` (e.g. the strided gate half of ``q_proj``'s output).
+    Returns:
+        ``[B, L, Hq*D]`` in q's dtype.
+    """
+    B, _, L, _ = q.shape
+    out = sdpa_reference(q, k, v, scale, mask).transpose(0, 2, 1, 3).reshape(B, L, -1)
+    return output_gate_reference(out, gate.reshape(B, L, -1))
+
+
+# ----------------------------------------------------------------------------- kernels
+def _kernel(spec: KernelSpec, backend: str):
+    """The kernel object for ``spec`` on ``backend`` (None when unavailable). Tests
+    replace this to run the twins under the Metal emulator."""
+    return kernels.get(spec, backend)
+
+
 def has_kernel(backend: str) -> bool:
-    return False
+    """True when the decode/prefill attention kernels can serve on ``backend``."""
+    if backend not in ("metal", "cuda"):
+        return False
+    return _kernel(DECODE_PARTIAL, backend) is not None
 
 
-def qk_norm_rope(queries, keys, q_norm_weight, k_norm_weight, eps, **rope):
-    """Dispatcher for ``qk_norm_rope_reference``."""
-    return qk_norm_rope_reference(queries, keys, q_norm_weight, k_norm_weight, eps, **rope)
+_CONST_CACHE: dict = {}  # small constant input arrays (data arrays, no graph nodes)
+
+
+def _dummy_gate(dtype):
+    key = ("gate", dtype)
+    a = _CONST_CACHE.get(key)
+    if a is None:
+        a = mx.array([[[[0.0]]]], dtype=dtype)
+        _CONST_CACHE[key] = a
+    return a
+
+
+def _params(scale: float):
+    key = ("scale", float(scale))
+    a = _CONST_CACHE.get(key)
+    if a is None:
+        a = mx.array([float(scale) * _LOG2E], dtype=mx.float32)
+        _CONST_CACHE[key] = a
+    return a
+
+
+def _rope_params(eps, base, scale):
+    key = ("rope", float(eps), float(base), float(scale))
+    a = _CONST_CACHE.get(key)
+    if a is None:
+        a = mx.array([float(eps), math.log2(float(base)), float(scale)], dtype=mx.float32)
+        _CONST_CACHE[key] = a
+    return a
+
+
+def decode_block(T: int, B: int, Hkv: int, backend: str) -> int:
+    """Keys per simdgroup (``CH``) for a decode over ``T`` cached tokens.
+
+    General rule (``T < SPLIT_K_MIN_CONTEXT``): the smallest power of two >= 32 with
+    ``B*Hkv*ceil(T/CH)`` close to ``TARGET_SIMDGROUPS[backend]``, capped at the fixed
+    block. Fixed-block rule (``T >= SPLIT_K_MIN_CONTEXT``): ``FIXED_BLOCK[backend]``.
+    """
+    fixed = FIXED_BLOCK.get(backend, 256)
+    if T >= SPLIT_K_MIN_CONTEXT:
+        return fixed
+    target = TARGET_SIMDGROUPS.get(backend, 320)
+    want = max(1, -(-T * B * Hkv // target))
+    ch = min(DECODE_BLOCK_MIN, fixed)
+    while ch < want and ch < fixed:
+        ch *= 2
+    return ch
+
+
+def _check_qk(queries, keys, q_norm_weight, k_norm_weight, rope_dims, traditional, offset):
+    if queries.ndim != 4 or keys.ndim != 4:
+        return False
+    B, L, Hq, D = queries.shape
+    if keys.shape[0] != B or keys.shape[1] != L or keys.shape[3] != D or L < 1:
+        return False
+    dt = queries.dtype
+    if dt not in _DTYPES or keys.dtype != dt:
+        return False
+    if q_norm_weight.dtype != dt or k_norm_weight.dtype != dt:
+        return False
+    if q_norm_weight.shape != (D,) or k_norm_weight.shape != (D,):
+        return False
+    if D % 32 != 0 or not 32 <= D <= 512:
+        return False
+    if traditional or rope_dims % 2 != 0 or not 2 <= rope_dims <= D:
+        return False
+    if isinstance(offset, mx.array) and offset.size != 1:
+        return False
+    return True
+
+
+def qk_norm_rope(queries, keys, q_norm_weight, k_norm_weight, eps, *, rope_dims, base,
+                 scale=1.0, traditional=False, offset=0):
+    """Dispatcher for ``qk_norm_rope_reference`` (same arguments and results).
+
+    Uses ``lily_attn_qk_norm_rope`` for bf16/fp16, head_dim % 32 == 0 (<= 512), rotate-half
+    RoPE and a scalar offset (int or 1-element array); otherwise the reference.
+    """
+    backend = current_backend()
+    kern = None
+    if backend in ("metal", "cuda") and _check_qk(queries, keys, q_norm_weight, k_norm_weight,
+                                                   rope_dims, traditional, offset):
+        kern = _kernel(QK_NORM_ROPE, backend)
+    if kern is None:
+        return qk_norm_rope_reference(queries, keys, q_norm_weight, k_norm_weight, eps,
+                                      rope_dims=rope_dims, base=base, scale=scale,
+                                      traditional=traditional, offset=offset)
+    B, L, Hq, D = queries.shape
+    Hkv = keys.shape[2]
+    dt = queries.dtype
+    if isinstance(offset, mx.array):
+        off = offset.reshape(1).astype(mx.int32)
+    else:
+        off = mx.array([int(offset)], dtype=mx.int32)
+    rope = _rope_params(eps, base, scale)
+    q_out, k_out = kern(
+        inputs=[queries, keys, q_norm_weight, k_norm_weight, rope, off],
+        output_shapes=[(B, Hq, L, D), (B, Hkv, L, D)], output_dtypes=[dt, dt],
+        grid=(32 * B * L * (Hq + Hkv), 1, 1), threadgroup=(32, 1, 1),
+        template=[("T", dt), ("D", D), ("HQ", Hq), ("HKV", Hkv), ("R", int(rope_dims))])
+    return q_out, k_out
+
+
+def _sdpa_route(q, k, v, mask, gate, backend="cuda"):
+    """``"decode"``, ``"prefill"`` or None (reference) for this call."""
+    if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
+        return None
+    B, Hq, L, D = q.shape
+    Bk, Hkv, T, Dk = k.shape
+    if Bk != B or v.shape != k.shape or Dk != D or D not in _HEAD_DIMS:
+        return None
+    dt = q.dtype
+    if dt not in _DTYPES or k.dtype != dt or v.dtype != dt:
+        return None
+    if Hkv < 1 or Hq % Hkv != 0 or T < 1 or L < 1:
+        return None
+    if gate is not None:
+        if gate.dtype != dt or gate.shape not in ((B, L, Hq, D), (B, L, Hq * D)):
+            return None
+    if not (mask is None or (isinstance(mask, str) and mask == "causal")):
+        return None
+    G = Hq // Hkv
+    if L == 1:
+        return "decode" if G <= 8 else None
+    if isinstance(mask, str) and T < L:
+        return None
+    blocks = -(-(G * L) // PREFILL_ROWS.get(backend, 32)) * Hkv * B
+    if T > PREFILL_SMALL_T and blocks < PREFILL_MIN_BLOCKS.get(backend, 16):
+        return None
+    return "prefill"
+
+
+def decode_attention(q, k, v, scale, gate=None, *, block=None, backend=None):
+    """Split-K GQA decode attention with the Lily kernels (no routing checks).
+
+    Args:
+        q: ``[B, Hq, 1, D]``; k/v: ``[B, Hkv, T, D]`` (cache views fine); gate: None or
+            ``[B, 1, Hq, D]`` / ``[B, 1, Hq*D]`` in q's dtype; block: keys per simdgroup
+            (default ``decode_block``); backend: default ``current_backend()``.
+    Returns:
+        ``[B, 1, Hq, D]`` (``attn * sigmoid(gate)`` when gate is given), q's dtype.
+    Raises:
+        RuntimeError: no kernel for the backend.
+    """
+    backend = backend or current_backend()
+    kp = _kernel(DECODE_PARTIAL, backend)
+    kc = _kernel(DECODE_COMBINE, backend)
+    if kp is None or kc is None:
+        raise RuntimeError(f"no attention decode kernel on backend {backend!r}")
+    B, Hq, _, D = q.shape
+    Hkv, T = k.shape[1], k.shape[2]
+    G = Hq // Hkv
+    dt = q.dtype
+    ch = int(block) if block else decode_block(T, B, Hkv, backend)
+    ns = -(-T // ch)
+    nsg = DECODE_SIMDGROUPS
+    nblk = -(-ns // nsg)
+    part_o, part_ml = kp(
+        inputs=[q, k, v, _params(scale)],
+        output_shapes=[(B, Hq, ns, D), (B, Hq, ns, 2)], output_dtypes=[mx.float32, mx.float32],
+        grid=(32 * nsg * nblk, Hkv, B), threadgroup=(32 * nsg, 1, 1),
+        template=[("T", dt), ("D", D), ("G", G), ("CH", ch), ("NSG", nsg)])
+    gated = gate is not None
+    g = gate.reshape(B, 1, Hq, D) if gated else _dummy_gate(dt)
+    (out,) = kc(
+        inputs=[part_o, part_ml, g], output_shapes=[(B, 1, Hq, D)], output_dtypes=[dt],
+        grid=(256 * (D // 64), Hq, B), threadgroup=(256, 1, 1),
+        template=[("T", dt), ("D", D), ("GATED", gated)])
+    return out
+
+
+def prefill_attention(q, k, v, scale, causal=True, gate=None, *, backend=None):
+    """Flash attention of an L-token chunk over T >= L keys with the Lily kernel.
+
+    Args:
+        q: ``[B, Hq, L, D]``; k/v: ``[B, Hkv, T, D]`` (the chunk's queries are the last
+            L positions); causal: query i sees keys ``<= T-L+i``; gate: None or
+            ``[B, L, Hq, D]`` / ``[B, L, Hq*D]``; backend: default ``current_backend()``.
+    Returns:
+        ``[B, L, Hq, D]`` in q's dtype (gated when gate is given).
+    Raises:
+        RuntimeError: no kernel for the backend.
+    """
+    backend = backend or current_backend()
+    kern = _kernel(PREFILL, backend)
+    if kern is None:
+        raise RuntimeError(f"no attention prefill kernel on backend {backend!r}")
+    B, Hq, L, D = q.shape
+    Hkv = k.shape[1]
+    G = Hq // Hkv
+    dt = q.dtype
+    br = PREFILL_ROWS[backend]
+    gated = gate is not None
+    g = gate.reshape(B, L, Hq, D) if gated else _dummy_gate(dt)
+    (out,) = kern(
+        inputs=[q, k, v, g, _params(scale)], output_shapes=[(B, L, Hq, D)],
+        output_dtypes=[dt], grid=(PREFILL_THREADS * (-(-(G * L) // br)), Hkv, B),
+        threadgroup=(PREFILL_THREADS, 1, 1),
+        template=[("T", dt), ("D", D), ("G", G), ("BR", br), ("CAUSAL", bool(causal)),
+                  ("GATED", gated)])
+    return out
+
+
+def _sdpa_kernel(q, k, v, scale, mask, gate):
+    """``[B, L, Hq, D]`` from a kernel, or None when this call goes to the reference."""
+    backend = current_backend()
+    if backend not in ("metal", "cuda"):
+        return None
+    route = _sdpa_route(q, k, v, mask, gate, backend)
+    if route == "decode":
+        if _kernel(DECODE_PARTIAL, backend) is None:
+            return None
+        return decode_attention(q, k, v, scale, gate, backend=backend)
+    if route == "prefill":
+        if _kernel(PREFILL, backend) is None:
+            return None
+        return prefill_attention(q, k, v, scale, isinstance(mask, str), gate,
+                                 backend=backend)
+    return None
 
 
 def sdpa(q, k, v, scale, mask=None):
-    """Dispatcher for ``sdpa_reference`` (decode kernels take L == 1, no array mask)."""
-    return sdpa_reference(q, k, v, scale, mask)
+    """Dispatcher for ``sdpa_reference``.
+
+    Kernels serve bf16/fp16, head_dim 128/256, ``Hq % Hkv == 0``, mask None or
+    ``"causal"``: L == 1 (any B, G <= 8) -> split-K decode; L > 1 (T >= L when causal)
+    -> flash prefill, except few-row calls over long caches (``PREFILL_MIN_BLOCKS``,
+    ``PREFILL_SMALL_T``). Array masks and everything else use the reference. The kernel result
+    is a ``[B, Hq, L, D]`` transposed view of a ``[B, L, Hq, D]`` buffer.
+    """
+    out = _sdpa_kernel(q, k, v, scale, mask, None)
+    if out is None:
+        return sdpa_reference(q, k, v, scale, mask)
+    return out.transpose(0, 2, 1, 3)
+
+
+def sdpa_gated(q, k, v, scale, mask, gate):
+    """Dispatcher for ``sdpa_gated_reference``: attention + output gate, ``[B, L, Hq*D]``.
+
+    ``gate`` may be the ``[B, L, Hq, D]`` strided view of ``q_proj``'s gate half (read
+    through its strides, no copy). Routing as ``sdpa``; the gate is fused into the decode
+    combine / prefill epilogue.
+    """
+    out = _sdpa_kernel(q, k, v, scale, mask, gate)
+    if out is None:
+        return sdpa_gated_reference(q, k, v, scale, mask, gate)
+    B, L = out.shape[0], out.shape[1]
+    return out.reshape(B, L, -1)
 
 
 def output_gate(out, gate):
-    """Dispatcher for ``output_gate_reference``."""
+    """Dispatcher for ``output_gate_reference`` (reference on every backend: one fused
+    elementwise pair; the gate is fused into the SDPA kernels via ``sdpa_gated``)."""
     return output_gate_reference(out, gate)

@@ -1,0 +1,90 @@
+// @kernel lily_attn_qk_norm_rope
+// @inputs queries[B,L,HQ,D] keys[B,L,HKV,D] q_weight[D] k_weight[D] rope[3]:float32 offset[1]:int32 (all read through *_strides)
+// @outputs q_out[B,HQ,L,D]:T k_out[B,HKV,L,D]:T
+// @template T=bfloat16 D=256 HQ=16 HKV=2 R=64
+// @grid (32*B*L*(HQ+HKV), 1, 1)
+// @threadgroup (32, 1, 1)
+// @ensure_row_contiguous false
+// CUDA twin of shaders/metal/attn_qk_norm_rope.metal: one warp per (batch, position,
+// head) row; RMSNorm (rounded to T as mx.fast.rms_norm) then rotate-half RoPE on the
+// first R dims (as mx.fast.rope). rope = (eps, log2(base), scale).
+
+__device__ __forceinline__ float lily_qk_warp_sum(float v) {
+  v += __shfl_xor_sync(0xffffffffu, v, 1);
+  v += __shfl_xor_sync(0xffffffffu, v, 2);
+  v += __shfl_xor_sync(0xffffffffu, v, 4);
+  v += __shfl_xor_sync(0xffffffffu, v, 8);
+  v += __shfl_xor_sync(0xffffffffu, v, 16);
+  return v;
+}
+
+// ---- body ----
+  constexpr int EPL = D / 32;
+  constexpr int HALF = R / 2;
+  __shared__ float y[D];
+
+  const int lane = threadIdx.x & 31;
+  const int row = blockIdx.x;
+  const int L = queries_shape[1];
+  const int hh = row % (HQ + HKV);
+  const int bt = row / (HQ + HKV);
+  const int t = bt % L;
+  const int b = bt / L;
+  const bool isq = hh < HQ;
+  const int h = isq ? hh : hh - HQ;
+
+  const T* src;
+  const T* w;
+  int64_t ws;
+  T* dst;
+  if (isq) {
+    src = queries + int64_t(b) * queries_strides[0] + int64_t(t) * queries_strides[1] +
+          int64_t(h) * queries_strides[2];
+    w = q_weight;
+    ws = q_weight_strides[0];
+    dst = q_out + ((int64_t(b) * HQ + h) * L + t) * D;
+  } else {
+    src = keys + int64_t(b) * keys_strides[0] + int64_t(t) * keys_strides[1] +
+          int64_t(h) * keys_strides[2];
+    w = k_weight;
+    ws = k_weight_strides[0];
+    dst = k_out + ((int64_t(b) * HKV + h) * L + t) * D;
+  }
+
+  const int64_t es = isq ? queries_strides[3] : keys_strides[3];
+  float x[EPL];
+  float ss = 0.0f;
+#pragma unroll
+  for (int i = 0; i < EPL; ++i) {
+    x[i] = static_cast<float>(src[int64_t(lane + 32 * i) * es]);
+    ss += x[i] * x[i];
+  }
+  ss = lily_qk_warp_sum(ss);
+  const float inv = rsqrtf(ss / float(D) + rope[0]);
+#pragma unroll
+  for (int i = 0; i < EPL; ++i) {
+    const int e = lane + 32 * i;
+    const T yn = static_cast<T>(x[i] * inv);
+    y[e] = static_cast<float>(static_cast<T>(static_cast<float>(w[int64_t(e) * ws]) * static_cast<float>(yn)));
+  }
+  __syncthreads();
+
+  const float pos = rope[2] * float(offset[0] + t);
+#pragma unroll
+  for (int i = 0; i < EPL; ++i) {
+    const int e = lane + 32 * i;
+    float o = y[e];
+    if (e < R) {
+      const int j = e < HALF ? e : e - HALF;
+      const float inv_freq = exp2f(-(float(j) / float(HALF)) * rope[1]);
+      const float theta = pos * inv_freq;
+      const float cs = cosf(theta);
+      const float sn = sinf(theta);
+      if (e < HALF) {
+        o = y[e] * cs - y[e + HALF] * sn;
+      } else {
+        o = y[e - HALF] * sn + y[e] * cs;
+      }
+    }
+    dst[e] = static_cast<T>(o);
+  }
