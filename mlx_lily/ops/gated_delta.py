@@ -16,16 +16,36 @@ its input projections and ``out_proj``:
 5. ``out = (norm_weight * rmsnorm(y)) * silu(z)`` per v-head (fp32 math, cast to the
    input dtype), returned as ``[B, S, Hv*Dv]``.
 
+Kernels (``gated_delta`` routes to them on Metal and CUDA when ``kernel_unsupported`` is
+None; everything else runs the reference):
+
+- S == 1: ``lily_gdn_decode``, ONE launch per layer and step: conv step + SiLU + l2norm +
+  gates + delta rule with the fp32 state in registers (read once, written once) + gated
+  RMSNorm; new conv state and state as outputs.
+- S > 1: ``lily_gdn_prep`` (conv over the chunk with the carried state, SiLU, l2norm,
+  gates), ``lily_gdn_scan`` (register-resident sequential scan over the chunk),
+  ``lily_gdn_norm`` (gated RMSNorm): three launches per layer and chunk.
+
+Numerics: activations are rounded to the input dtype where mlx-lm materialises arrays
+(conv output, the sigmoid inside SiLU, normalised q/k, y, normalised y), so q/k/v match
+the reference bit for bit but for rare 1-ulp flips; the gates (beta, g) are computed in
+fp32 throughout (the reference rounds sigmoid(b) and softplus to bf16), so kernel and
+reference states differ by ~1e-3 relative, the size of the reference's own gate rounding.
+Reductions run in a different order than the reference's.
+
 Source: Yang et al., "Gated Delta Networks: Improving Mamba2 with Delta Rule" (2024);
 Qwen3-Next / Qwen3.5 linear-attention layers.
 """
 
 from __future__ import annotations
 
+import os
+
 import mlx.core as mx
 import mlx.nn as nn
 
-
+from .. import kernels as _k
+from ..backend import current_backend
 
 NAME = "gated_delta"
 
@@ -95,13 +115,270 @@ def gated_delta_reference(qkv, z, b, a, conv_weight, conv_state, A_log, dt_bias,
     return out.reshape(B, S, -1), new_conv, new_state
 
 
+# ---------------------------------------------------------------- kernels
+# Launch contracts (Metal and CUDA twins share names, buffers, templates and grids).
+# Every input is read through its *_strides (ensure_row_contiguous=False): the patched
+# forward passes row-slice views of one fused projection, which would otherwise be copied
+# on every call.
+#
+# lily_gdn_decode (S == 1): template T, Hk, Hv, Dk, Dv, KS, NW, HAS_MASK, HAS_LEN;
+#   grid (32*NW, B*Hv, 1), threadgroup (32*NW, 1, 1).
+# lily_gdn_prep (S > 1): template T, Hk, Hv, D, KS, TT, HAS_MASK, HAS_LEN;
+#   grid (D*(2*Hk+Hv)*ceil(S/TT), B, 1), threadgroup (D, 1, 1).
+# lily_gdn_scan: template T, Hk, Hv, Dk, Dv, LPR, RPL, WPB;
+#   grid (32*WPB, Dv/(WPB*(32/LPR)*RPL), B*Hv), threadgroup (32*WPB, 1, 1).
+# lily_gdn_norm: template T, Hv, Dv, RPB; grid (32*RPB*ceil(B*S*Hv/RPB), 1, 1),
+#   threadgroup (32*RPB, 1, 1).
+DECODE = _k.KernelSpec(
+    "lily_gdn_decode", "gdn_decode",
+    ("qkv", "z", "b", "a", "conv_w", "conv_state", "A_log", "dt_bias", "state", "norm_w",
+     "eps", "mask", "lengths"),
+    ("out", "conv_out", "state_out"), ensure_row_contiguous=False)
+PREP = _k.KernelSpec(
+    "lily_gdn_prep", "gdn_prep",
+    ("qkv", "conv_w", "conv_state", "a", "b", "A_log", "dt_bias", "mask", "lengths"),
+    ("qn", "kn", "vv", "g", "beta", "conv_out"), ensure_row_contiguous=False)
+SCAN = _k.KernelSpec(
+    "lily_gdn_scan", "gdn_scan",
+    ("qn", "kn", "vv", "g", "beta", "state"), ("y", "state_out"),
+    ensure_row_contiguous=False)
+NORM = _k.KernelSpec(
+    "lily_gdn_norm", "gdn_norm", ("y", "z", "norm_w", "eps"), ("out",),
+    ensure_row_contiguous=False)
+SPECS = (DECODE, PREP, SCAN, NORM)
+
+_FLOATS = (mx.bfloat16, mx.float16, mx.float32)
+PREP_TT = 16
+NORM_RPB = 4
+# (lanes per state row, rows per lane group, warps per block) of the scan, per backend
+SCAN_CONFIG = {"cuda": (8, 2, 4), "metal": (8, 1, 4)}
+SCAN_ENV = "MLX_LILY_GDN_SCAN"
+
+
+def scan_config(backend: str) -> tuple:
+    """``(LPR, RPL, WPB)`` for ``lily_gdn_scan`` on ``backend``; ``MLX_LILY_GDN_SCAN=8,2,4``
+    overrides (benchmark sweeps)."""
+    raw = os.environ.get(SCAN_ENV)
+    if raw:
+        try:
+            lpr, rpl, wpb = (int(v) for v in raw.split(","))
+            return lpr, rpl, wpb
+        except ValueError:
+            pass
+    return SCAN_CONFIG.get(backend, (8, 1, 4))
+
+
+def _scan_ok(cfg, Dk, Dv) -> bool:
+    lpr, rpl, wpb = cfg
+    rb = wpb * (32 // lpr) * rpl
+    return (lpr in (1, 2, 4, 8, 16, 32) and Dk % lpr == 0 and rpl >= 1
+            and 1 <= wpb <= 32 and Dv % rb == 0)
+
+
+def decode_warps(Dv: int) -> int:
+    """Warps per threadgroup of ``lily_gdn_decode`` (8 state rows per warp, at most 16)."""
+    return max(1, min(16, Dv // 8))
+
+
+_EPS: dict = {}
+_DUMMY: dict = {}
+
+
+def _dummy(name):
+    """Stand-in for an absent mask / lengths input (never read: HAS_MASK / HAS_LEN false)."""
+    a = _DUMMY.get(name)
+    if a is None:
+        a = _DUMMY[name] = (mx.array([True]) if name == "mask"
+                            else mx.array([0], dtype=mx.int32))
+    return a
+
+
+def _eps_array(eps: float) -> mx.array:
+    a = _EPS.get(eps)
+    if a is None:
+        a = _EPS[eps] = mx.array([eps], dtype=mx.float32)
+    return a
+
+
+_PARAMS_OK: dict = {}
+
+
+def _params_reason(conv_weight, A_log, dt_bias, norm_weight, T, C, Hv, Dv):
+    """(reason or None, conv kernel size) for a layer's parameters; cached per parameter
+    objects (weak references), since they are the same arrays every step."""
+    import weakref
+
+    key = id(conv_weight)
+    hit = _PARAMS_OK.get(key)
+    if (hit is not None and hit[0]() is conv_weight and hit[1]() is A_log
+            and hit[2]() is dt_bias and hit[3]() is norm_weight and hit[4] == (C, Hv, Dv)
+            and hit[5] == T):
+        return None, hit[6]
+    ws = conv_weight.shape
+    if len(ws) != 3 or ws[0] != C or ws[2] != 1:
+        return "conv weight shape", 0
+    K = ws[1]
+    if not 2 <= K <= 8:
+        return "conv kernel size", 0
+    if conv_weight.dtype != T or norm_weight.dtype != T:
+        return "mixed dtypes", 0
+    if A_log.shape != (Hv,) or dt_bias.shape != (Hv,) or norm_weight.shape != (Dv,):
+        return "parameter shapes", 0
+    if A_log.dtype not in _FLOATS or dt_bias.dtype not in _FLOATS:
+        return "parameter dtypes", 0
+    try:
+        refs = tuple(weakref.ref(t) for t in (conv_weight, A_log, dt_bias, norm_weight))
+        if len(_PARAMS_OK) > 4096:
+            _PARAMS_OK.clear()
+        _PARAMS_OK[key] = refs + ((C, Hv, Dv), T, K)
+    except TypeError:
+        pass
+    return None, K
+
+
+def kernel_unsupported(qkv, z, b, a, conv_weight, conv_state, A_log, dt_bias, state,
+                       norm_weight, *, num_k_heads, head_k_dim, num_v_heads, head_v_dim,
+                       eps=1e-6, mask=None, lengths=None, scan_cfg=(8, 1, 4)):
+    """Why the fused kernels cannot serve this call, or None when they can.
+
+    Served: mask None or bool ``[B, S]``, lengths None or int32 ``[B]`` (mlx-lm's batched
+    ``ArraysCache``); ``Dk == Dv``, a multiple of 32 up to 256;
+    ``Hv % Hk == 0``; conv kernel size 2..8; one float dtype ``T`` for qkv, z, b, a,
+    conv weight, conv state and norm weight; ``A_log``/``dt_bias`` ``[Hv]`` of any float
+    dtype; state None or fp32 ``[B, Hv, Dv, Dk]``; any B and S >= 1 (S > 1 also needs the
+    scan config ``(LPR, RPL, WPB)`` to tile Dv). Any strides (inputs are read through
+    them). Kept lean: it runs on every decode step of every GDN layer.
+    """
+    Hk, Dk, Hv, Dv = num_k_heads, head_k_dim, num_v_heads, head_v_dim
+    qs = qkv.shape
+    if len(qs) != 3:
+        return "qkv rank"
+    B, S, C = qs
+    if mask is not None and (mask.shape != (B, S) or mask.dtype != mx.bool_):
+        return "mask"
+    if lengths is not None and (lengths.shape != (B,) or lengths.dtype != mx.int32):
+        return "lengths"
+    if S < 1 or B < 1:
+        return "empty"
+    if Dk != Dv or Dk % 32 or not 32 <= Dk <= 256:
+        return "head dims"
+    if Hk < 1 or Hv % Hk:
+        return "heads"
+    if C != 2 * Hk * Dk + Hv * Dv:
+        return "channels"
+    T = qkv.dtype
+    if T not in _FLOATS:
+        return "dtype"
+    reason, K = _params_reason(conv_weight, A_log, dt_bias, norm_weight, T, C, Hv, Dv)
+    if reason is not None:
+        return reason
+    if z.shape != (B, S, Hv, Dv) or b.shape != (B, S, Hv) or a.shape != (B, S, Hv):
+        return "z/b/a shape"
+    if z.dtype != T or b.dtype != T or a.dtype != T:
+        return "mixed dtypes"
+    if conv_state is not None and (conv_state.shape != (B, K - 1, C) or conv_state.dtype != T):
+        return "conv state"
+    if state is not None and (state.shape != (B, Hv, Dv, Dk) or state.dtype != mx.float32):
+        return "state"
+    if S > 1 and not _scan_ok(scan_cfg, Dk, Dv):
+        return "scan config"
+    return None
+
+
+def gated_delta_fused(qkv, z, b, a, conv_weight, conv_state, A_log, dt_bias, state,
+                      norm_weight, *, num_k_heads, head_k_dim, num_v_heads, head_v_dim,
+                      eps, get_kernel, scan_cfg=(8, 1, 4), decode_nw=None, mask=None,
+                      lengths=None, init_value=None):
+    """The fused kernels for a call ``kernel_unsupported`` accepted.
+
+    S == 1: one ``lily_gdn_decode`` launch. S > 1: ``lily_gdn_prep`` (conv, SiLU, l2norm,
+    gates), ``lily_gdn_scan`` (register-resident recurrence), ``lily_gdn_norm`` (gated
+    RMSNorm). ``get_kernel(spec)`` returns the kernel object (``kernels.get`` for the
+    current backend, or an emulator-built one in tests); ``scan_cfg`` = (LPR, RPL, WPB) of
+    the scan, ``decode_nw`` the decode kernel's warps (default ``decode_warps(Dv)``; must
+    divide Dv). ``mask``/``lengths`` as in the reference: masked rows enter the conv as
+    zeros and leave the state unchanged (their outputs are padding, not compared); lengths
+    pick the new conv state. ``init_value`` (tests: NaN) pre-fills every output so an
+    element a kernel never writes shows up. Returns ``(out [B,S,Hv*Dv], new_conv_state,
+    new_state)``, the results of ``gated_delta_reference`` within rounding (module
+    docstring, Numerics).
+    """
+    B, S, C = qkv.shape
+    Hk, Dk, Hv, Dv = num_k_heads, head_k_dim, num_v_heads, head_v_dim
+    T = qkv.dtype
+    K = conv_weight.shape[1]
+    if conv_state is None:
+        conv_state = mx.zeros((B, K - 1, C), dtype=T)
+    if state is None:
+        state = mx.zeros((B, Hv, Dv, Dk), dtype=mx.float32)
+    eps_a = _eps_array(float(eps))
+    extra = {} if init_value is None else {"init_value": init_value}
+    flags = [("HAS_MASK", mask is not None), ("HAS_LEN", lengths is not None)]
+    if mask is None:
+        mask = _dummy("mask")
+    if lengths is None:
+        lengths = _dummy("lengths")
+    if S == 1:
+        nw = decode_nw or decode_warps(Dv)
+        out, new_conv, new_state = get_kernel(DECODE)(
+            inputs=[qkv, z, b, a, conv_weight, conv_state, A_log, dt_bias, state,
+                    norm_weight, eps_a, mask, lengths],
+            template=[("T", T), ("Hk", Hk), ("Hv", Hv), ("Dk", Dk),
+                      ("Dv", Dv), ("KS", K), ("NW", nw)] + flags,
+            grid=(32 * nw, B * Hv, 1), threadgroup=(32 * nw, 1, 1),
+            output_shapes=[(B, 1, Hv * Dv), (B, K - 1, C), (B, Hv, Dv, Dk)],
+            output_dtypes=[T, T, mx.float32], **extra)
+        return out, new_conv, new_state
+    D = Dk
+    n_tiles = -(-S // PREP_TT)
+    qn, kn, vv, g, beta, new_conv = get_kernel(PREP)(
+        inputs=[qkv, conv_weight, conv_state, a, b, A_log, dt_bias, mask, lengths],
+        template=[("T", T), ("Hk", Hk), ("Hv", Hv), ("D", D), ("KS", K),
+                  ("TT", PREP_TT)] + flags,
+        grid=(D * (2 * Hk + Hv) * n_tiles, B, 1), threadgroup=(D, 1, 1),
+        output_shapes=[(B, S, Hk, Dk), (B, S, Hk, Dk), (B, S, Hv, Dv), (B, S, Hv),
+                       (B, S, Hv), (B, K - 1, C)],
+        output_dtypes=[mx.float32, mx.float32, T, mx.float32, mx.float32, T], **extra)
+    lpr, rpl, wpb = scan_cfg
+    rb = wpb * (32 // lpr) * rpl
+    y, new_state = get_kernel(SCAN)(
+        inputs=[qn, kn, vv, g, beta, state],
+        template=[("T", T), ("Hk", Hk), ("Hv", Hv), ("Dk", Dk), ("Dv", Dv), ("LPR", lpr),
+                  ("RPL", rpl), ("WPB", wpb)],
+        grid=(32 * wpb, Dv // rb, B * Hv), threadgroup=(32 * wpb, 1, 1),
+        output_shapes=[(B, S, Hv, Dv), (B, Hv, Dv, Dk)],
+        output_dtypes=[T, mx.float32], **extra)
+    rows = B * S * Hv
+    (out,) = get_kernel(NORM)(
+        inputs=[y, z, norm_weight, eps_a],
+        template=[("T", T), ("Hv", Hv), ("Dv", Dv), ("RPB", NORM_RPB)],
+        grid=(32 * NORM_RPB * (-(-rows // NORM_RPB)), 1, 1),
+        threadgroup=(32 * NORM_RPB, 1, 1),
+        output_shapes=[(B, S, Hv * Dv)], output_dtypes=[T], **extra)
+    return out, new_conv, new_state
+
+
 def has_kernel(backend: str) -> bool:
-    return False
+    """True on ``"metal"`` / ``"cuda"`` when that backend is available here: the fused
+    decode step and prefill kernels then serve the calls ``kernel_unsupported`` accepts."""
+    if backend not in ("metal", "cuda"):
+        return False
+    return _k.get(DECODE, backend) is not None
 
 
 def gated_delta(qkv, z, b, a, conv_weight, conv_state, A_log, dt_bias, state, norm_weight,
                 **dims):
-    """Dispatcher: a fused kernel when one serves this backend and shape, else the
-    reference. Same arguments and results as ``gated_delta_reference``."""
+    """Dispatcher: the fused kernels when they serve this backend and call (see
+    ``kernel_unsupported``), else the reference. Same arguments and results as
+    ``gated_delta_reference``."""
+    backend = current_backend()
+    if backend == "metal" or backend == "cuda":
+        cfg = scan_config(backend) if qkv.shape[1] > 1 else (8, 1, 4)
+        if (kernel_unsupported(qkv, z, b, a, conv_weight, conv_state, A_log, dt_bias, state,
+                               norm_weight, scan_cfg=cfg, **dims) is None
+                and _k.get(DECODE, backend) is not None):
+            return gated_delta_fused(
+                qkv, z, b, a, conv_weight, conv_state, A_log, dt_bias, state, norm_weight,
+                get_kernel=lambda spec: _k.get(spec, backend), scan_cfg=cfg, **dims)
     return gated_delta_reference(qkv, z, b, a, conv_weight, conv_state, A_log, dt_bias,
                                  state, norm_weight, **dims)

@@ -1,0 +1,155 @@
+// @kernel lily_gdn_scan
+// @inputs qn[B,T,Hk,Dk]:float32 kn[B,T,Hk,Dk]:float32 vv[B,T,Hv,Dv] g[B,T,Hv]:float32 beta[B,T,Hv]:float32 (contiguous, from lily_gdn_prep) state[B,Hv,Dv,Dk]:float32 (read through state_strides; T = qn_shape[1])
+// @outputs y[B,T,Hv,Dv]:T state_out[B,Hv,Dv,Dk]:float32
+// @template T=bfloat16 Hk=16 Hv=32 Dk=128 Dv=128 LPR=8 RPL=2 WPB=4
+// @template T=float16 Hk=2 Hv=4 Dk=128 Dv=128 LPR=16 RPL=1 WPB=4
+// @grid (32*WPB, Dv / (WPB*(32/LPR)*RPL), B*Hv)
+// @threadgroup (32*WPB, 1, 1)
+// @ensure_row_contiguous false
+// CUDA twin of shaders/metal/gdn_scan.metal (register-resident sequential scan, one
+// warp-shuffle reduction round per step, next step's raw inputs loaded one iteration
+// ahead). q/k arrive as fp32 (bf16-rounded values; no conversions in the loop), read
+// with 16-byte loads (qn/kn are MLX allocations, lane chunks of Dk/LPR floats).
+
+template <int E>
+__device__ __forceinline__ void lily_ld4(const float* p, float (&o)[E]) {
+  if constexpr ((E % 4) == 0) {
+#pragma unroll
+    for (int v = 0; v < E / 4; ++v) {
+      const float4 x = reinterpret_cast<const float4*>(p)[v];
+      o[4 * v] = x.x;
+      o[4 * v + 1] = x.y;
+      o[4 * v + 2] = x.z;
+      o[4 * v + 3] = x.w;
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < E; ++i) {
+      o[i] = p[i];
+    }
+  }
+}
+
+// ---- body ----
+  constexpr int E = Dk / LPR;
+  constexpr int GPW = 32 / LPR;
+  constexpr int RB = WPB * GPW * RPL;
+  constexpr int G = Hv / Hk;
+
+  const int T_ = qn_shape[1];
+  const int lane = threadIdx.x & 31;
+  const int warp = threadIdx.x >> 5;
+  const int gi = lane / LPR;
+  const int li = lane % LPR;
+  const int n = blockIdx.z;
+  const int bi = n / Hv;
+  const int h = n % Hv;
+  const int hk = h / G;
+  const int r0 = blockIdx.y * RB + (warp * GPW + gi) * RPL;
+
+  float s[RPL][E];
+  const int64_t sb = int64_t(bi) * state_strides[0] + int64_t(h) * state_strides[1];
+#pragma unroll
+  for (int i = 0; i < RPL; ++i) {
+#pragma unroll
+    for (int j = 0; j < E; ++j) {
+      s[i][j] = state[sb + (r0 + i) * state_strides[2] + (li * E + j) * state_strides[3]];
+    }
+  }
+
+  constexpr int QK_STEP = Hk * Dk;
+  constexpr int V_STEP = Hv * Dv;
+  const float* qp = qn + (int64_t(bi) * T_ * Hk + hk) * Dk + li * E;
+  const float* kp = kn + (int64_t(bi) * T_ * Hk + hk) * Dk + li * E;
+  const T* vp = vv + (int64_t(bi) * T_ * Hv + h) * Dv + r0;
+  const float* gp = g + int64_t(bi) * T_ * Hv + h;
+  const float* bp = beta + int64_t(bi) * T_ * Hv + h;
+  T* yp = y + (int64_t(bi) * T_ * Hv + h) * Dv + r0;
+
+  // raw inputs of the next step, loaded one iteration ahead; converted at its start
+  float kr[E], qr[E];
+  T vr[RPL];
+  float gr = 0.0f, br = 0.0f;
+  if (T_ > 0) {
+    lily_ld4<E>(kp, kr);
+    lily_ld4<E>(qp, qr);
+#pragma unroll
+    for (int i = 0; i < RPL; ++i) {
+      vr[i] = vp[i];
+    }
+    gr = gp[0];
+    br = bp[0];
+  }
+
+  for (int t = 0; t < T_; ++t) {
+    float kc[E], qc[E], vc[RPL];
+#pragma unroll
+    for (int j = 0; j < E; ++j) {
+      kc[j] = kr[j];
+      qc[j] = qr[j];
+    }
+#pragma unroll
+    for (int i = 0; i < RPL; ++i) {
+      vc[i] = static_cast<float>(vr[i]);
+    }
+    const float gc = gr, bc = br;
+    if (t + 1 < T_) {
+      const int64_t o = int64_t(t + 1);
+      lily_ld4<E>(kp + o * QK_STEP, kr);
+      lily_ld4<E>(qp + o * QK_STEP, qr);
+#pragma unroll
+      for (int i = 0; i < RPL; ++i) {
+        vr[i] = vp[o * V_STEP + i];
+      }
+      gr = gp[o * Hv];
+      br = bp[o * Hv];
+    }
+
+    float pkq = 0.0f;
+    float pk[RPL], py[RPL];
+#pragma unroll
+    for (int j = 0; j < E; ++j) {
+      pkq += kc[j] * qc[j];
+    }
+#pragma unroll
+    for (int i = 0; i < RPL; ++i) {
+      float ak = 0.0f, ay = 0.0f;
+#pragma unroll
+      for (int j = 0; j < E; ++j) {
+        ak += s[i][j] * kc[j];
+        ay += s[i][j] * qc[j];
+      }
+      pk[i] = ak;
+      py[i] = ay;
+    }
+#pragma unroll
+    for (int m = 1; m < LPR; m <<= 1) {
+      pkq += __shfl_xor_sync(0xffffffffu, pkq, m);
+#pragma unroll
+      for (int i = 0; i < RPL; ++i) {
+        pk[i] += __shfl_xor_sync(0xffffffffu, pk[i], m);
+        py[i] += __shfl_xor_sync(0xffffffffu, py[i], m);
+      }
+    }
+#pragma unroll
+    for (int i = 0; i < RPL; ++i) {
+      const float delta = (vc[i] - gc * pk[i]) * bc;
+      const float yy = gc * py[i] + delta * pkq;
+#pragma unroll
+      for (int j = 0; j < E; ++j) {
+        s[i][j] = fmaf(gc, s[i][j], delta * kc[j]);
+      }
+      if (li == i % LPR) {
+        yp[int64_t(t) * V_STEP + i] = static_cast<T>(yy);
+      }
+    }
+  }
+
+  const int64_t ob = (int64_t(n) * Dv + r0) * Dk + li * E;
+#pragma unroll
+  for (int i = 0; i < RPL; ++i) {
+#pragma unroll
+    for (int j = 0; j < E; ++j) {
+      state_out[ob + i * Dk + j] = s[i][j];
+    }
+  }

@@ -1,0 +1,209 @@
+// @kernel lily_gdn_decode
+// @inputs qkv[B,1,C] z[B,1,Hv,Dv] b[B,1,Hv] a[B,1,Hv] conv_w[C,KS,1] conv_state[B,KS-1,C] A_log[Hv] dt_bias[Hv] state[B,Hv,Dv,Dk]:float32 norm_w[Dv] eps[1]:float32 mask[B,1]:bool lengths[B]:int32 (all read through *_strides; mask/lengths read only when HAS_MASK/HAS_LEN)
+// @outputs out[B,1,Hv*Dv]:T conv_out[B,KS-1,C]:T state_out[B,Hv,Dv,Dk]:float32
+// @template T=bfloat16 Hk=16 Hv=32 Dk=128 Dv=128 KS=4 NW=16 HAS_MASK=false HAS_LEN=false
+// @template T=float16 Hk=2 Hv=6 Dk=64 Dv=64 KS=3 NW=8 HAS_MASK=true HAS_LEN=true
+// @grid (32*NW, B*Hv, 1)
+// @threadgroup (32*NW, 1, 1)
+// @ensure_row_contiguous false
+// One threadgroup per (batch, v-head): conv step + SiLU + l2norm of the head's q/k/v
+// channels into threadgroup memory, gates, then NW simdgroups own Dv/NW state rows each
+// (lane owns columns lane + 32*j), delta-rule update in registers, gated RMSNorm.
+// Activations are rounded to T where mlx-lm materialises T arrays (conv out, sigmoid
+// inside SiLU, normalised q/k, y, normalised y); gates (beta, g) stay fp32 throughout.
+// Batched calls: a masked row (HAS_MASK, mask false) enters the conv as zeros and leaves
+// the state unchanged (g = 1, beta = 0; its output is padding); HAS_LEN takes the new
+// conv state at min(lengths, 1) as mlx-lm does.
+
+template <typename T>
+inline float lily_rnd(float x) {
+  return static_cast<float>(static_cast<T>(x));
+}
+
+inline float lily_sigmoid(float x) {
+  return 1.0f / (1.0f + metal::exp(-x));
+}
+
+inline float lily_softplus(float x) {
+  // logaddexp(x, 0)
+  float m = metal::max(x, 0.0f);
+  return m + metal::log(1.0f + metal::exp(-metal::abs(x)));
+}
+
+inline float lily_warp_sum(float v) {
+  v += simd_shuffle_xor(v, 1);
+  v += simd_shuffle_xor(v, 2);
+  v += simd_shuffle_xor(v, 4);
+  v += simd_shuffle_xor(v, 8);
+  v += simd_shuffle_xor(v, 16);
+  return v;
+}
+
+// ---- body ----
+  constexpr int NC = Dk / 32;          // state columns per lane
+  constexpr int RW = Dv / NW;          // state rows per simdgroup
+  constexpr int G = Hv / Hk;           // v-heads per q/k head
+  constexpr int NCH = 2 * Dk + Dv;     // channels this head reads
+  constexpr int NT = 32 * NW;
+  constexpr int C = 2 * Hk * Dk + Hv * Dv;
+
+  const uint tid = thread_position_in_threadgroup.x;
+  const uint lane = thread_index_in_simdgroup;
+  const uint warp = simdgroup_index_in_threadgroup;
+  const uint n = threadgroup_position_in_grid.y;
+  const uint bi = n / Hv;
+  const uint h = n % Hv;
+  const uint hk = h / G;
+
+  threadgroup float qs[Dk];
+  threadgroup float ks[Dk];
+  threadgroup float vs[Dv];
+  threadgroup float red[NW];
+
+  // 1. state rows into registers (issued first; latency overlaps the conv phase)
+  float s[RW][NC];
+  const int64_t sbase = int64_t(bi) * state_strides[0] + int64_t(h) * state_strides[1];
+  for (int i = 0; i < RW; ++i) {
+    const int r = int(warp) * RW + i;
+    for (int j = 0; j < NC; ++j) {
+      const int c = int(lane) + 32 * j;
+      s[i][j] = state[sbase + r * state_strides[2] + c * state_strides[3]];
+    }
+  }
+
+  const bool live = !HAS_MASK || bool(mask[int64_t(bi) * mask_strides[0]]);
+  // new conv state = rows end .. end+KS-2 of concat(conv_state, x)
+  int end = 1;
+  if (HAS_LEN) {
+    const int len = int(lengths[int64_t(bi) * lengths_strides[0]]);
+    end = len < 0 ? 0 : (len > 1 ? 1 : len);
+  }
+  // 2. conv step + SiLU for the head's q, k, v channels; new conv state
+  for (int e = int(tid); e < NCH; e += NT) {
+    int c;
+    if (e < Dk) {
+      c = int(hk) * Dk + e;
+    } else if (e < 2 * Dk) {
+      c = Hk * Dk + int(hk) * Dk + (e - Dk);
+    } else {
+      c = 2 * Hk * Dk + int(h) * Dv + (e - 2 * Dk);
+    }
+    const int64_t cs0 = int64_t(bi) * conv_state_strides[0] + c * conv_state_strides[2];
+    const int64_t w0 = int64_t(c) * conv_w_strides[0];
+    const T xraw = live ? qkv[int64_t(bi) * qkv_strides[0] + c * qkv_strides[2]] : static_cast<T>(0.0f);
+    const float xin = static_cast<float>(xraw);
+    float acc = 0.0f;
+    for (int j = 0; j < KS - 1; ++j) {
+      acc += static_cast<float>(conv_w[w0 + j * conv_w_strides[1]]) *
+             static_cast<float>(conv_state[cs0 + j * conv_state_strides[1]]);
+    }
+    acc += static_cast<float>(conv_w[w0 + (KS - 1) * conv_w_strides[1]]) * xin;
+    const float xb = lily_rnd<T>(acc);
+    const float y = lily_rnd<T>(xb * lily_rnd<T>(lily_sigmoid(xb)));
+    if (e < Dk) {
+      qs[e] = y;
+    } else if (e < 2 * Dk) {
+      ks[e - Dk] = y;
+    } else {
+      vs[e - 2 * Dk] = y;
+    }
+    // q/k channels are shared by G v-heads: the first of them writes
+    if (e >= 2 * Dk || (h % G) == 0) {
+      const int64_t o0 = int64_t(bi) * (KS - 1) * C + c;
+      for (int j = 0; j < KS - 1; ++j) {
+        const int p = end + j;
+        conv_out[o0 + j * C] = p < KS - 1 ? conv_state[cs0 + p * conv_state_strides[1]] : xraw;
+      }
+    }
+  }
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+
+  // 3. l2norm of q and k (each simdgroup redundantly; lanes hold their columns)
+  float kf[NC], qf[NC];
+  float ssq = 0.0f, ssk = 0.0f;
+  for (int j = 0; j < NC; ++j) {
+    const int c = int(lane) + 32 * j;
+    qf[j] = qs[c];
+    kf[j] = ks[c];
+    ssq += qf[j] * qf[j];
+    ssk += kf[j] * kf[j];
+  }
+  ssq = lily_warp_sum(ssq);
+  ssk = lily_warp_sum(ssk);
+  const float qk_eps = 1e-6f / float(Dk);
+  const float rq = metal::precise::rsqrt(ssq / float(Dk) + qk_eps);
+  const float rk = metal::precise::rsqrt(ssk / float(Dk) + qk_eps);
+  const float qscale = lily_rnd<T>(1.0f / float(Dk));
+  const float kscale = lily_rnd<T>(metal::precise::rsqrt(float(Dk)));
+  for (int j = 0; j < NC; ++j) {
+    qf[j] = lily_rnd<T>(lily_rnd<T>(qf[j] * rq) * qscale);
+    kf[j] = lily_rnd<T>(lily_rnd<T>(kf[j] * rk) * kscale);
+  }
+
+  // 4. gates, all fp32
+  const int64_t bo = int64_t(bi) * b_strides[0] + int64_t(h) * b_strides[2];
+  const int64_t ao = int64_t(bi) * a_strides[0] + int64_t(h) * a_strides[2];
+  const float beta = live ? lily_sigmoid(static_cast<float>(b[bo])) : 0.0f;
+  const float sp = lily_softplus(static_cast<float>(a[ao]) +
+                                 static_cast<float>(dt_bias[h * dt_bias_strides[0]]));
+  const float g = live ? metal::exp(-metal::exp(static_cast<float>(A_log[h * A_log_strides[0]])) * sp) : 1.0f;
+
+  // 5. delta rule: S *= g; kv = S k; delta = (v - kv) beta; S += delta k^T; y = S q
+  float kv[RW];
+  for (int i = 0; i < RW; ++i) {
+    float acc = 0.0f;
+    for (int j = 0; j < NC; ++j) {
+      s[i][j] *= g;
+      acc += s[i][j] * kf[j];
+    }
+    kv[i] = acc;
+  }
+  for (int i = 0; i < RW; ++i) {
+    kv[i] = lily_warp_sum(kv[i]);
+  }
+  float yv[RW];
+  for (int i = 0; i < RW; ++i) {
+    const float delta = (vs[int(warp) * RW + i] - kv[i]) * beta;
+    float acc = 0.0f;
+    for (int j = 0; j < NC; ++j) {
+      s[i][j] += kf[j] * delta;
+      acc += s[i][j] * qf[j];
+    }
+    yv[i] = acc;
+  }
+  for (int i = 0; i < RW; ++i) {
+    yv[i] = lily_rnd<T>(lily_warp_sum(yv[i]));
+  }
+
+  // 6. new state
+  const int64_t obase = (int64_t(n) * Dv + int64_t(warp) * RW) * Dk;
+  for (int i = 0; i < RW; ++i) {
+    for (int j = 0; j < NC; ++j) {
+      state_out[obase + i * Dk + int(lane) + 32 * j] = s[i][j];
+    }
+  }
+
+  // 7. gated RMSNorm over the Dv outputs of this head
+  float sq = 0.0f;
+  for (int i = 0; i < RW; ++i) {
+    sq += yv[i] * yv[i];
+  }
+  if (lane == 0) {
+    red[warp] = sq;
+  }
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  float tot = 0.0f;
+  for (int w = 0; w < NW; ++w) {
+    tot += red[w];
+  }
+  const float rstd = metal::precise::rsqrt(tot / float(Dv) + eps[0]);
+  for (int i = 0; i < RW; ++i) {
+    if (int(lane) == i % 32) {
+      const int r = int(warp) * RW + i;
+      const float nw = lily_rnd<T>(lily_rnd<T>(yv[i] * rstd) *
+                                   static_cast<float>(norm_w[r * norm_w_strides[0]]));
+      const float zf = static_cast<float>(
+          z[int64_t(bi) * z_strides[0] + int64_t(h) * z_strides[2] + r * z_strides[3]]);
+      out[int64_t(n) * Dv + r] = static_cast<T>(zf * lily_sigmoid(zf) * nw);
+    }
+  }
