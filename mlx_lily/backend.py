@@ -16,6 +16,7 @@ OP_NAMES = (
     "moe_router_topk",
     "moe_route",
     "moe_experts",
+    "moe_grouped",
     "gated_delta",
     "attention",
     "qgemv",

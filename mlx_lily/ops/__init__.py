@@ -14,6 +14,7 @@ _MODULES = {
     "moe_router_topk": "mlx_lily.ops.moe_router_topk",
     "moe_route": "mlx_lily.ops.moe_route",
     "moe_experts": "mlx_lily.ops.moe_experts",
+    "moe_grouped": "mlx_lily.ops.moe_grouped",
     "gated_delta": "mlx_lily.ops.gated_delta",
     "attention": "mlx_lily.ops.attention",
     "qgemv": "mlx_lily.ops.qgemv",

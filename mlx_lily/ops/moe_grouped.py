@@ -231,11 +231,11 @@ def try_grouped(x, inds, scores, switch_mlp, shared_expert, shared, *,
     tolerance. Returns None (the caller runs its own path) off Metal/CUDA, when the
     kernels are unavailable, for layouts or dtypes ``why_unsupported`` rejects, and for
     fewer than ``min_pairs`` (token, expert) pairs. ``tile_rows`` (16 or 32) overrides
-    ``choose_tile_rows``. The routing runs on the GPU unless ``moe_route`` is disabled
+    ``choose_tile_rows``. ``MLX_LILY_DISABLE=moe_grouped`` turns it off. The routing runs on the GPU unless ``moe_route`` is disabled
     (``MLX_LILY_DISABLE=moe_route``), then by its reference.
     """
     backend = current_backend()
-    if backend not in ("metal", "cuda"):
+    if backend not in ("metal", "cuda") or not op_enabled(NAME):
         return None
     if why_unsupported(x, inds, scores, switch_mlp, shared_expert, shared) is not None:
         return None
