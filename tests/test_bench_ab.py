@@ -1,0 +1,154 @@
+"""The A/B harness end to end on the trained tiny fixture (CPU): schema, outputs, gate."""
+import copy
+import json
+from pathlib import Path
+
+import pytest
+
+FIXTURE = Path(__file__).resolve().parent / "fixtures" / "qwen35moe-tiny-trained"
+
+pytestmark = pytest.mark.skipif(
+    not (FIXTURE / "config.json").is_file(),
+    reason="trained fixture missing: run `python benchmarks/train_fixture.py`")
+
+
+@pytest.fixture(scope="module")
+def ab_run(tmp_path_factory):
+    """One short harness run: two lengths, both sweeps, 4 decode steps."""
+    from mlx_lily.bench import ab
+
+    out = tmp_path_factory.mktemp("ab")
+    code = ab.main([str(FIXTURE), "--lengths", "32,64", "--decode-steps", "4", "--warmup", "1",
+                    "--out", str(out)])
+    return code, out, json.loads((out / "ab.json").read_text())
+
+
+def test_end_to_end_outputs_and_schema(ab_run):
+    from mlx_lily.bench import ab
+
+    code, out, res = ab_run
+    assert code == 0
+    assert ab.validate_result(res)
+    assert (out / "ab.md").stat().st_size > 0
+    png = out / "ab.png"
+    assert png.is_file() and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert res["gate"]["passed"] is True
+    assert res["backend"] in ("cpu", "metal", "cuda")
+    assert res["checkpoint"]["kind"] == "path" and len(res["checkpoint"]["tensors_sha256"]) == 64
+    assert set(res["lily_backend_info"]["ops"]) >= {"gated_delta", "attention"}
+    rows = {(r["sweep"], r["length"]): r for r in res["rows"]}
+    assert set(rows) == {("prefill", 32), ("prefill", 64), ("decode", 32), ("decode", 64)}
+    for (sweep, length), r in rows.items():
+        assert r["status"] == "ok", r
+        assert r["ratio"] > 0
+        for arm in ("stock", "lily"):
+            rounds = r["arms"][arm]["rounds"]
+            assert [x["round"] for x in rounds] == [0, 1]
+            # round 1: stock first; round 2: lily first
+            assert [x["position"] for x in rounds] == ([0, 1] if arm == "stock" else [1, 0])
+            assert r["arms"][arm]["tok_s"] > 0
+            if sweep == "decode":
+                assert all(x["n_intervals"] == 4 for x in rounds)
+        if sweep == "decode":
+            assert r["context_built_by"] == "lily"
+            # identical caches + matching numerics: both arms decode the same tokens
+            assert not any(f.startswith("decode-tokens-diverge") for f in r["flags"])
+    md = (out / "ab.md").read_text()
+    assert "| 32 |" in md and "| 64 |" in md and "PASSED" in md
+
+
+def test_validator_rejects_bad_results(ab_run):
+    from mlx_lily.bench import ab
+
+    res = ab_run[2]
+    bad = copy.deepcopy(res)
+    del bad["checkpoint"]["tensors_sha256"]
+    with pytest.raises(ValueError, match="tensors_sha256"):
+        ab.validate_result(bad)
+    bad = copy.deepcopy(res)
+    bad["gate"]["passed"] = False
+    with pytest.raises(ValueError, match="gate failed"):
+        ab.validate_result(bad)
+    bad = copy.deepcopy(res)
+    bad["rows"][0]["arms"]["lily"]["rounds"].pop()
+    with pytest.raises(ValueError, match="rounds"):
+        ab.validate_result(bad)
+    bad = copy.deepcopy(res)
+    bad["rows"][0]["status"] = "fast"
+    with pytest.raises(ValueError, match="status"):
+        ab.validate_result(bad)
+
+
+def test_gate_refuses_injected_wrong_result(tmp_path):
+    from mlx_lily.bench import ab
+
+    code = ab.main([str(FIXTURE), "--lengths", "32", "--decode-steps", "4", "--warmup", "0",
+                    "--inject-wrong", "--out", str(tmp_path)])
+    assert code != 0
+    res = json.loads((tmp_path / "ab.json").read_text())
+    assert ab.validate_result(res)
+    assert res["gate"]["passed"] is False and res["gate"]["injected_wrong"] is True
+    assert res["rows"] == []
+    assert not (tmp_path / "ab.png").exists()
+    assert "FAILED" in (tmp_path / "ab.md").read_text()
+
+
+def test_budget_marks_rows_not_run(tmp_path):
+    from mlx_lily.bench import ab
+
+    code = ab.main([str(FIXTURE), "--sweeps", "prefill", "--lengths", "16,8K", "--budget-s", "0.001",
+                    "--warmup", "0", "--out", str(tmp_path)])
+    assert code == 0
+    res = json.loads((tmp_path / "ab.json").read_text())
+    ab.validate_result(res)
+    r16, r8k = res["rows"]
+    assert r16["status"] == "ok"  # the first length has nothing to predict from
+    assert r8k["status"] == "not_run" and "budget" in r8k["reason"]
+    assert r8k["arms"]["stock"]["rounds"] == [] and r8k["ratio"] is None
+
+
+def test_parse_lengths_and_prompt_ids():
+    from mlx_lily.bench import ab
+
+    assert ab.parse_lengths("256,1K,2k,128K") == [256, 1024, 2048, 131072]
+    with pytest.raises(ValueError):
+        ab.parse_lengths("12x")
+    a = ab.synthetic_ids(500, 100, [0, 5, 99], seed=3)
+    b = ab.synthetic_ids(500, 100, [0, 5, 99], seed=3)
+    assert (a == b).all() and a.max() < 100 and not set(a.tolist()) & {0, 5, 99}
+    hi, exclude = ab.vocab_bounds({"text_config": {"vocab_size": 248320}})
+    assert hi == 248044 and exclude == []
+
+
+def test_copy_cache_is_independent():
+    import mlx.core as mx
+    import mlx_lm
+    from mlx_lily.bench import ab
+
+    model, _ = mlx_lm.load(str(FIXTURE))
+    ids = list(range(10, 30))
+    ctx = ab.build_context(model, ids, 2048)
+    before = [mx.array(a) for c in ctx for a in (c.state[:2] if hasattr(c, "offset") else c.state[0])]
+    offsets = [getattr(c, "offset", None) for c in ctx]
+    c2 = ab.copy_cache(ctx)
+    assert [type(c) for c in c2] == [type(c) for c in ctx]
+    ab.measure_decode(model, c2, 7, 3)
+    after = [a for c in ctx for a in (c.state[:2] if hasattr(c, "offset") else c.state[0])]
+    assert [getattr(c, "offset", None) for c in ctx] == offsets
+    assert all(mx.array_equal(x, y).item() for x, y in zip(before, after))
+    assert [getattr(c, "offset", None) for c in c2] != offsets
+
+
+def test_primitive_count_smoke(tmp_path):
+    from mlx_lily.bench import primitives
+
+    out = tmp_path / "prim.json"
+    assert primitives.main([str(FIXTURE), "--context", "16", "--out", str(out)]) == 0
+    r = json.loads(out.read_text())
+    assert r["n_layers"] == 4
+    for arm in ("stock", "lily"):
+        a = r["arms"][arm]
+        assert a["step"]["total"] > a["forward"]["total"] > 50
+        assert a["per_layer_step"] == pytest.approx(a["step"]["total"] / 4)
+        assert sum(a["step"]["by_label"].values()) == a["step"]["total"]
+        assert any(k.startswith("Quantized") or k.startswith("Gather") for k in a["step"]["by_label"])
