@@ -3,6 +3,7 @@
 # Usage (Apple Silicon, macOS 15+, after `pip install ".[test]"`):  bash benchmarks/mac_check.sh
 #   MODEL=DIR to benchmark a checkpoint you have; LENGTHS=256,...,8192 to change the sweep.
 set -uo pipefail
+export MLX_LILY_KERNELS=${MLX_LILY_KERNELS:-all}  # every Metal kernel (none is on by default before this check)
 cd "$(dirname "$0")/.."
 report="mac-report-$(date +%Y%m%d-%H%M%S).txt"
 {

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import importlib.resources
+import os
 from pathlib import Path
 from typing import NamedTuple
 
@@ -100,10 +101,59 @@ def build(spec: KernelSpec, backend: str, factory=None):
 
 _CACHE: dict = {}
 
+# Which op a kernel serves, by shader stem prefix (first match wins).
+_STEM_OPS = (
+    ("gdn_", "gated_delta"), ("add_rms_norm", "add_rms_norm"), ("attn_", "attention"),
+    ("moe_router_topk", "moe_router_topk"), ("moe_gate_up", "moe_experts"),
+    ("moe_down", "moe_experts"), ("moeg_route_", "moe_route"), ("moeg_", "moe_grouped"),
+    ("qgemv", "qgemv"),
+)
+
+# Ops whose kernels were verified END TO END on that backend's hardware (the A/B
+# correctness gate on the full-size model passed with them on): on by default there.
+# Evidence: benchmarks/results/2026-11-30-cuda-h200/README.md. No Metal kernel has run
+# on Apple hardware yet (the emulator proves semantics only), so none is on by default.
+VERIFIED = {"cuda": frozenset({"qgemv"}), "metal": frozenset()}
+
+KERNELS_ENV = "MLX_LILY_KERNELS"
+
+
+def op_of(spec: KernelSpec) -> str | None:
+    """The op whose kernels include ``spec`` (by shader stem), or None."""
+    for prefix, op in _STEM_OPS:
+        if spec.stem.startswith(prefix):
+            return op
+    return None
+
+
+@functools.lru_cache(maxsize=16)
+def _parse_allowed(raw: str):
+    names = {t.strip() for t in raw.split(",") if t.strip()}
+    return names or {"verified"}
+
+
+def kernels_allowed(op: str | None, backend: str) -> bool:
+    """Whether op's custom kernels may run on ``backend``.
+
+    ``MLX_LILY_KERNELS`` (read at call time): ``verified`` (default: only ops in
+    ``VERIFIED[backend]``), ``all`` (every kernel, including those verified only by
+    per-op parity tests or the Metal emulator), or a comma list of op names (``verified``
+    may be one of them). Ops not allowed run their pure-MLX reference.
+    """
+    names = _parse_allowed(os.environ.get(KERNELS_ENV, "verified"))
+    if "all" in names:
+        return True
+    if "verified" in names and op in VERIFIED.get(backend, ()):
+        return True
+    return op in names
+
 
 def get(spec: KernelSpec, backend: str):
     """The process-wide kernel object for ``spec`` on ``backend``, built on first use;
-    None when that backend is not available here (callers use the reference)."""
+    None when that backend is not available here or ``kernels_allowed`` says no for the
+    spec's op (callers then use the reference)."""
+    if not kernels_allowed(op_of(spec), backend):
+        return None
     key = (spec, backend)
     k = _CACHE.get(key)
     if k is None:

@@ -9,6 +9,9 @@ import mlx.core as mx  # noqa: E402
 
 mx.set_default_device(mx.cpu) if not (mx.metal.is_available() or mx.cuda.is_available()) else None
 
+# The tests exercise every kernel, not only those on by default (mlx_lily.kernels.VERIFIED).
+os.environ.setdefault("MLX_LILY_KERNELS", "all")
+
 
 @pytest.fixture(autouse=True)
 def _no_leaked_patch():

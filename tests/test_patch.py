@@ -360,3 +360,22 @@ def test_backend_info_shape():
     assert info["backend"] in ("metal", "cuda", "cpu")
     assert set(info["ops"]) == set(backend.OP_NAMES)
     assert set(info["ops"].values()) <= {"kernel", "reference", "disabled"}
+
+
+def test_kernel_policy_default_is_verified_only(monkeypatch):
+    from mlx_lily import kernels
+
+    monkeypatch.setenv("MLX_LILY_KERNELS", "verified")
+    assert kernels.kernels_allowed("qgemv", "cuda")
+    assert not kernels.kernels_allowed("attention", "cuda")
+    assert not kernels.kernels_allowed("qgemv", "metal")
+    monkeypatch.setenv("MLX_LILY_KERNELS", "all")
+    assert kernels.kernels_allowed("attention", "metal")
+    monkeypatch.setenv("MLX_LILY_KERNELS", "verified,gated_delta")
+    assert kernels.kernels_allowed("gated_delta", "cuda") and kernels.kernels_allowed("qgemv", "cuda")
+    assert not kernels.kernels_allowed("attention", "cuda")
+    spec_ops = {s: kernels.op_of(kernels.KernelSpec("n", s, (), ())) for s in
+                ("gdn_scan", "attn_prefill", "moeg_route_scan", "moeg_down", "moe_down", "qgemv")}
+    assert spec_ops == {"gdn_scan": "gated_delta", "attn_prefill": "attention",
+                        "moeg_route_scan": "moe_route", "moeg_down": "moe_grouped",
+                        "moe_down": "moe_experts", "qgemv": "qgemv"}

@@ -6,6 +6,7 @@
 # plus $OUT/summary.txt.
 set -uo pipefail
 export PYTHONUNBUFFERED=1
+export MLX_LILY_KERNELS=${MLX_LILY_KERNELS:-all}  # exercise every kernel; MLX_LILY_DISABLE narrows it
 if [ -f /tmp/lily-disable ] && [ -z "${MLX_LILY_DISABLE:-}" ]; then
   export MLX_LILY_DISABLE=$(cat /tmp/lily-disable)
 fi
