@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import importlib.resources
 import os
+import re
 from pathlib import Path
 from typing import NamedTuple
 
@@ -40,8 +41,18 @@ def shader_path(backend: str, filename: str) -> Path:
 
 @functools.lru_cache(maxsize=None)
 def shader_source(backend: str, filename: str) -> str:
-    """Text of a kernel source file, with its ``// @`` header lines kept (they are comments)."""
-    return shader_path(backend, filename).read_text()
+    """Text of a kernel source file, with its ``// @`` lines kept (they are comments).
+
+    A ``// @header <file>`` line (a helper file beside it, shared by several kernels)
+    puts that file's text in front, so it lands in the kernel's ``header`` part; the Metal
+    lint and emulator read the same directive.
+    """
+    text = shader_path(backend, filename).read_text()
+    m = re.search(r"^\s*//\s*@header\s+(\S+)", text, flags=re.M)
+    if m:
+        helpers = shader_path(backend, m.group(1)).read_text()
+        text = helpers + ("" if helpers.endswith("\n") else "\n") + text
+    return text
 
 
 def split_header(text: str, marker: str = "// ---- body ----") -> tuple[str, str]:

@@ -279,8 +279,7 @@ def test_cuda_twin_compiles():
 
 
 def test_helper_blocks_identical_across_shaders():
-    """The GEMV helpers are duplicated in each kernel file (no includes in MLX JIT
-    sources); keep the copies identical."""
+    """Every GEMV-family kernel gets the one shared helper file (``// @header``)."""
     import re
 
     for backend, ext in (("cuda", "cu"), ("metal", "metal")):

@@ -1,0 +1,77 @@
+// ---- lily qgemv helpers: shared by qgemv, moe_router_topk, moe_gate_up, moe_down ----
+// (each kernel file pulls this in with its `// @header` line)
+template <class A, class B> struct lily_same { static constexpr bool value = false; };
+template <class A> struct lily_same<A, A> { static constexpr bool value = true; };
+
+template <typename T>
+__device__ __forceinline__ float lily_f(T v) { return static_cast<float>(v); }
+
+// Round an fp32 value through T (the rounding a T-typed MLX result gets).
+template <typename T>
+__device__ __forceinline__ float lily_round(float v) {
+  return static_cast<float>(static_cast<T>(v));
+}
+
+// Load N activations to fp32 registers; return their sum. 16-byte loads for
+// aligned bf16 rows, element loads otherwise.
+template <int N, typename T>
+__device__ __forceinline__ float lily_load_x(const T* p, float* v) {
+  bool done = false;
+  if constexpr (lily_same<T, __nv_bfloat16>::value && N % 8 == 0) {
+    if ((reinterpret_cast<unsigned long long>(p) & 15ull) == 0ull) {
+      const uint4* q = reinterpret_cast<const uint4*>(p);
+#pragma unroll
+      for (int i = 0; i < N / 8; ++i) {
+        const uint4 u = q[i];
+        v[8 * i + 0] = __uint_as_float(u.x << 16);
+        v[8 * i + 1] = __uint_as_float(u.x & 0xffff0000u);
+        v[8 * i + 2] = __uint_as_float(u.y << 16);
+        v[8 * i + 3] = __uint_as_float(u.y & 0xffff0000u);
+        v[8 * i + 4] = __uint_as_float(u.z << 16);
+        v[8 * i + 5] = __uint_as_float(u.z & 0xffff0000u);
+        v[8 * i + 6] = __uint_as_float(u.w << 16);
+        v[8 * i + 7] = __uint_as_float(u.w & 0xffff0000u);
+      }
+      done = true;
+    }
+  }
+  if (!done) {
+#pragma unroll
+    for (int i = 0; i < N; ++i) v[i] = static_cast<float>(p[i]);
+  }
+  float s = 0.f;
+#pragma unroll
+  for (int i = 0; i < N; ++i) s += v[i];
+  return s;
+}
+
+// dot(q, v) over the 128/BITS quantized values packed in one 16-byte word
+// (value j of a uint32 at bits [BITS*j, BITS*j+BITS)). 2^23 + q is built in
+// the mantissa (exact) instead of an int->float conversion.
+template <int BITS>
+__device__ __forceinline__ float lily_qdot(uint4 w, const float* v) {
+  constexpr int PER = 32 / BITS;
+  constexpr unsigned M = (1u << BITS) - 1u;
+  const unsigned ws[4] = {w.x, w.y, w.z, w.w};
+  float a[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    float acc = 0.f;
+#pragma unroll
+    for (int j = 0; j < PER; ++j) {
+      const float q = __uint_as_float(((ws[i] >> (BITS * j)) & M) | 0x4B000000u) - 8388608.0f;
+      acc = fmaf(q, v[i * PER + j], acc);
+    }
+    a[i] = acc;
+  }
+  return (a[0] + a[1]) + (a[2] + a[3]);
+}
+
+// Sum over aligned groups of L lanes (L a power of two <= 32); all lanes call it.
+template <int L>
+__device__ __forceinline__ float lily_group_sum(float v) {
+#pragma unroll
+  for (int o = L / 2; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+// ---- end lily qgemv helpers ----
