@@ -365,6 +365,7 @@ def test_backend_info_shape():
 def test_kernel_policy_default_is_verified_only(monkeypatch):
     from mlx_lily import kernels
 
+    monkeypatch.setitem(kernels.VERIFIED, "cuda", frozenset({"qgemv"}))
     monkeypatch.setenv("MLX_LILY_KERNELS", "verified")
     assert kernels.kernels_allowed("qgemv", "cuda")
     assert not kernels.kernels_allowed("attention", "cuda")
@@ -373,6 +374,8 @@ def test_kernel_policy_default_is_verified_only(monkeypatch):
     assert kernels.kernels_allowed("attention", "metal")
     monkeypatch.setenv("MLX_LILY_KERNELS", "verified,gated_delta")
     assert kernels.kernels_allowed("gated_delta", "cuda") and kernels.kernels_allowed("qgemv", "cuda")
+    assert not kernels.kernels_allowed("attention", "cuda")
+    monkeypatch.delenv("MLX_LILY_KERNELS")
     assert not kernels.kernels_allowed("attention", "cuda")
     spec_ops = {s: kernels.op_of(kernels.KernelSpec("n", s, (), ())) for s in
                 ("gdn_scan", "attn_prefill", "moeg_route_scan", "moeg_down", "moe_down", "qgemv")}
