@@ -152,3 +152,28 @@ def test_primitive_count_smoke(tmp_path):
         assert a["per_layer_step"] == pytest.approx(a["step"]["total"] / 4)
         assert sum(a["step"]["by_label"].values()) == a["step"]["total"]
         assert any(k.startswith("Quantized") or k.startswith("Gather") for k in a["step"]["by_label"])
+
+
+def test_gate_fp32_anchor():
+    """The fp32 anchor accepts a Lily that is as close to fp32 as stock (here: identical),
+    even when the fixed thresholds are made impossible, and still refuses a wrong Lily;
+    the model's own parameter arrays are restored by identity."""
+    from mlx.utils import tree_flatten
+
+    from mlx_lily.bench import ab
+
+    import mlx_lily
+
+    target = ab.load_target(synthetic="tiny")
+    mlx_lily.prepare_model(target.model)  # the Lily arm's one-time re-layout, done up front
+    before = {k: id(v) for k, v in tree_flatten(target.model.parameters())}
+    ids = list(range(5, 21))
+    strict = dict(rel_tol=-1.0, top1_min=1.01, greedy_tokens=2)
+    g = ab.correctness_gate(target, ids, ids[:4], **strict)
+    assert g["fp32_anchor"]["passed"] and g["passed"]
+    assert g["fp32_anchor"]["lily_rel_to_fp32"] == g["fp32_anchor"]["stock_rel_to_fp32"]
+    bad = ab.correctness_gate(target, ids, ids[:4], inject_wrong=True, **strict)
+    assert not bad["passed"] and not bad["fp32_anchor"]["passed"]
+    none = ab.correctness_gate(target, ids, ids[:4], anchor="none", **strict)
+    assert not none["passed"] and none["fp32_anchor"] is None
+    assert {k: id(v) for k, v in tree_flatten(target.model.parameters())} == before
