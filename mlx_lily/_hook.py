@@ -24,14 +24,12 @@ def _entry_point(argv0: str, orig: list) -> bool:
     return False
 
 
-class _PatchAfterUtils:
+class _PatchAfterMlxLm:
     """Meta-path finder: when the ``mlx_lm`` package finishes importing, patch mlx-lm."""
 
     def find_spec(self, fullname, path=None, target=None):
         if fullname != "mlx_lm":
             return None
-        import importlib.machinery
-
         for finder in sys.meta_path:
             if finder is self or not hasattr(finder, "find_spec"):
                 continue
@@ -50,7 +48,7 @@ class _PatchAfterUtils:
 
 def _apply():
     try:
-        sys.meta_path[:] = [f for f in sys.meta_path if not isinstance(f, _PatchAfterUtils)]
+        sys.meta_path[:] = [f for f in sys.meta_path if not isinstance(f, _PatchAfterMlxLm)]
         import mlx_lily
         from mlx_lily.backend import describe
 
@@ -73,7 +71,7 @@ def activate() -> bool:
     if "mlx_lm" in sys.modules:
         _apply()
     else:
-        sys.meta_path.insert(0, _PatchAfterUtils())
+        sys.meta_path.insert(0, _PatchAfterMlxLm())
     return True
 
 

@@ -6,94 +6,20 @@ from __future__ import annotations
 
 import mlx.core as mx
 import mlx.nn as nn
-import numpy as np
 import pytest
 
 from mlx_lily import kernels
 from mlx_lily.ops import moe_experts as M
-from mlx_lily.testing.backends import metal_kernel_factory, parity_backends
+from mlx_lily.testing.backends import parity_backends
 from mlx_lily.testing.cuda_check import nvcc_path
 
-BACKENDS = [pytest.param(b, marks=pytest.mark.gpu) if b in ("cuda", "metal") else b
-            for b in parity_backends()]
-for _b in ("cuda", "metal"):
-    if _b not in parity_backends():
-        BACKENDS.append(pytest.param(_b, marks=[pytest.mark.gpu, pytest.mark.skip(
-            reason=f"no {_b} device here")]))
-HAS_EMU = "metal-emu" in parity_backends()
-if HAS_EMU:
-    BACKENDS.append("cuda-emu")  # the CUDA twin's body run by the Metal emulator
-KERNEL_BACKENDS = [b for b in BACKENDS if b != "reference"]
-_MISALIGN = {"bf16": 0}  # byte offset given to bfloat16 inputs under the emulator
+from mlx_lily.testing.cuda_emu import (
+    HAS_EMU, KERNEL_BACKENDS, aligned_emu_buffers, kernel_for)
 
 
 @pytest.fixture(autouse=True)
 def _aligned_emu_buffers(monkeypatch):
-    """The emulator hands kernels numpy views of MLX CPU memory, which is only 8-byte
-    aligned; Metal buffers are 16-byte aligned and the kernels use 16-byte loads.
-    Copy inputs to 64-byte aligned buffers (a no-op once the emulator aligns)."""
-    try:
-        from mlx_lily.testing.metal_emu import _kernel as ek
-    except Exception:
-        yield
-        return
-    orig = ek._to_numpy
-
-    def aligned(x):
-        a = np.ascontiguousarray(orig(x))
-        off0 = _MISALIGN["bf16"] if x.dtype == mx.bfloat16 else 0
-        buf = np.empty(a.nbytes + 128, np.uint8)
-        off = (-buf.ctypes.data) % 64 + off0
-        out = buf[off:off + a.nbytes].view(a.dtype).reshape(a.shape)
-        out[...] = a
-        return out
-
-    monkeypatch.setattr(ek, "_to_numpy", aligned)
-    yield
-
-
-# CUDA built-ins mapped onto the emulator's Metal ones, so the .cu bodies run on the CPU.
-_CUDA_ON_EMU = r"""
-#define __device__
-#define __forceinline__ inline
-typedef bfloat16_t __nv_bfloat16;
-typedef half __half;
-inline float __uint_as_float(uint u) { return as_type<float>(u); }
-inline float __int_as_float(int u) { return as_type<float>(u); }
-template <typename V> inline V __shfl_xor_sync(uint, V v, int o) { return simd_shuffle_xor(v, ushort(o)); }
-inline float fmaf(float a, float b, float c) { return metal::fma(a, b, c); }
-inline float expf(float a) { return metal::exp(a); }
-inline float fmaxf(float a, float b) { return metal::max(a, b); }
-"""
-
-
-def cuda_on_emu(spec):
-    """The CUDA twin of ``spec`` as an emulated kernel: same body, ``threadIdx`` /
-    ``blockIdx`` / ``__shared__`` / ``__syncthreads`` / warp shuffles mapped onto Metal's
-    (a 32-lane simdgroup is a warp). Checks the CUDA body's logic, not nvcc."""
-    import re
-
-    from mlx_lily.testing import metal_emu
-
-    head, body = kernels.split_header(kernels.shader_source("cuda", spec.stem + ".cu"))
-    body = re.sub(r"\bthreadIdx\b", "__tid3", body)
-    body = re.sub(r"\bblockIdx\b", "__bid3", body)
-    body = body.replace("__shared__", "threadgroup").replace(
-        "__syncthreads()", "threadgroup_barrier(mem_flags::mem_threadgroup)")
-    body = ("const uint3 __tid3 = thread_position_in_threadgroup;\n"
-            "const uint3 __bid3 = threadgroup_position_in_grid;\n" + body)
-    return metal_emu.metal_kernel(name=spec.name + "_cu", input_names=list(spec.inputs),
-                                  output_names=list(spec.outputs), source=body,
-                                  header=_CUDA_ON_EMU + head)
-
-
-def kernel_for(spec, backend):
-    """(kernel object, init_value) for a parity backend; NaN-poisoned outputs."""
-    if backend == "metal-emu":
-        return kernels.build(spec, "metal", factory=metal_kernel_factory("metal-emu")), None
-    if backend == "cuda-emu":
-        return cuda_on_emu(spec), None
-    return kernels.build(spec, backend), float("nan")
+    yield from aligned_emu_buffers(monkeypatch)
 
 
 def kernels_for(backend):
