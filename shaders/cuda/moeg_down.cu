@@ -10,54 +10,7 @@
 // shared memory as bf16; mma.sync m16n8k16 bf16, fp32 accumulators; y stored bf16 in
 // sorted-pair order (the combine kernel reorders and weights it). Shared tiles hold k
 // in the order (0,4,1,5,2,6,3,7) within each 8; h rows are permuted the same way.
-#define MOEG_LD 72
-
-__device__ __forceinline__ void moeg_ldsm_x4(unsigned int (&r)[4], const void* p) {
-  const unsigned int a = static_cast<unsigned int>(__cvta_generic_to_shared(p));
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(a));
-}
-
-__device__ __forceinline__ void moeg_mma(float (&c)[4], const unsigned int (&a)[4],
-                                         unsigned int b0, unsigned int b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
-      "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
-// 8 nibbles of one word -> bf16 pairs (q0,q4),(q1,q5),(q2,q6),(q3,q7), each s*q+b with
-// one rounding (128+q built exactly in bf16 bits, minus 128 exactly, then fma).
-__device__ __forceinline__ unsigned int moeg_dq_pair(unsigned int w, int j,
-                                                     __nv_bfloat162 s2, __nv_bfloat162 b2) {
-  unsigned int t = ((w >> (4 * j)) & 0x000F000Fu) | 0x43004300u;
-  const unsigned int k128u = 0x43004300u;
-  __nv_bfloat162 q = __hsub2(*reinterpret_cast<__nv_bfloat162*>(&t),
-                             *reinterpret_cast<const __nv_bfloat162*>(&k128u));
-  __nv_bfloat162 v = __hfma2(q, s2, b2);
-  return *reinterpret_cast<unsigned int*>(&v);
-}
-
-__device__ __forceinline__ uint4 moeg_dq8(unsigned int w, __nv_bfloat162 s2, __nv_bfloat162 b2) {
-  uint4 o;
-  o.x = moeg_dq_pair(w, 0, s2, b2);
-  o.y = moeg_dq_pair(w, 1, s2, b2);
-  o.z = moeg_dq_pair(w, 2, s2, b2);
-  o.w = moeg_dq_pair(w, 3, s2, b2);
-  return o;
-}
-
-// 8 bf16 (e0..e7) -> (e0,e4,e1,e5,e2,e6,e3,e7)
-__device__ __forceinline__ uint4 moeg_perm8(uint4 v) {
-  uint4 o;
-  o.x = __byte_perm(v.x, v.z, 0x5410);
-  o.y = __byte_perm(v.x, v.z, 0x7632);
-  o.z = __byte_perm(v.y, v.w, 0x5410);
-  o.w = __byte_perm(v.y, v.w, 0x7632);
-  return o;
-}
+// @header moeg_common.cuh
 // ---- body ----
   constexpr int LD = MOEG_LD;
   constexpr int KC = DI / 64;
