@@ -78,8 +78,10 @@ def prepare_model(model, *, warn: bool = True) -> bool:
     for m in _patch_modules():
         if mt in m.MODEL_TYPES:
             m.prepare(model)
-            if backend.current_backend() != "cpu" and _ACTIVE is not None:
+            if (backend.current_backend() != "cpu" and _ACTIVE is not None
+                    and not getattr(model, "_lily_warm", False)):
                 warmup(model)
+                model._lily_warm = True
             return True
     if warn and mt not in _WARNED_TYPES:
         _WARNED_TYPES.add(mt)
