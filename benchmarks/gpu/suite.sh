@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # The GPU-machine run: install this tree, GPU parity tests, per-op benchmarks, A/B.
 # Run from the repository root on a machine with MLX's CUDA (or Metal) build installed:
-#   STAGES=tests,bench,ab AB_ARGS="--lengths 256,4096" bash benchmarks/gpu/suite.sh
+#   STAGES=install,tests,bench,ab AB_ARGS="--lengths 256,4096" bash benchmarks/gpu/suite.sh
+# Stages: install, tests (per op file, T_TESTS seconds each; TEST_OPS=a,b selects files; NVRTC
+# compiles of every template make a cold file take 1-3 min), bench, startup, prims, ab, numerics.
+# The device tool allows 10 min per command: split stages over calls on the warm machine.
 # Everything lands in one archive, $OUT/results.tgz (the device tool returns at most 8 files),
 # plus $OUT/summary.txt.
 set -uo pipefail
@@ -36,7 +39,8 @@ if has tests; then
   : > /tmp/lily-disable
   for f in tests/test_op_*.py; do
     op=$(basename "$f" .py); op=${op#test_op_}
-    (cd /tmp && timeout "${T_TESTS:-60}" python3 -m pytest -m gpu -q -p no:cacheprovider -rf \
+    if [ -n "${TEST_OPS:-}" ] && [[ ",$TEST_OPS," != *",$op,"* ]]; then continue; fi
+    (cd /tmp && timeout "${T_TESTS:-150}" python3 -m pytest -m gpu -q -p no:cacheprovider -rf \
        "$REPO/$f" --junitxml="$W/junit-$op.xml") > "$W/gpu_tests-$op.log" 2>&1
     rc=$?
     say "$op: rc=$rc $(grep -E '[0-9]+ (passed|failed)' "$W/gpu_tests-$op.log" | tail -1)"
