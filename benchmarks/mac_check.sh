@@ -12,9 +12,9 @@ report="mac-report-$(date +%Y%m%d-%H%M%S).txt"
   echo; echo "## Metal parity tests on the GPU"
   pytest -m gpu -q -p no:cacheprovider 2>&1 | tail -40
   echo; echo "## Numerics on the trained fixture"
-  python benchmarks/numerics.py --model tests/fixtures/qwen35moe-tiny-trained 2>&1 | tail -20
+  python benchmarks/numerics.py tests/fixtures/qwen35moe-tiny-trained 2>&1 | tail -20
   echo; echo "## A/B benchmark"
-  if [ -n "${MODEL:-}" ]; then src=(--model "$MODEL"); else src=(--synthetic small); fi
+  if [ -n "${MODEL:-}" ]; then src=("$MODEL"); else src=(--synthetic small); fi
   python benchmarks/ab.py "${src[@]}" --lengths "${LENGTHS:-256,1024,4096}" --out "mac-ab-results" 2>&1 | tail -40
 } > "$report" 2>&1
 echo "wrote $report (and mac-ab-results/): please share them"

@@ -77,7 +77,7 @@ if has ab; then
 fi
 if has numerics; then
   say "== numerics"
-  (cd /tmp && timeout 200 python3 "$REPO/benchmarks/numerics.py" --model "$REPO/tests/fixtures/qwen35moe-tiny-trained" --out "$W/numerics.json") > "$W/numerics.log" 2>&1
+  (cd /tmp && timeout 200 python3 "$REPO/benchmarks/numerics.py" "$REPO/tests/fixtures/qwen35moe-tiny-trained" --out "$W/numerics.json") > "$W/numerics.log" 2>&1
   tail -20 "$W/numerics.log" | tee -a "$S"
 fi
 tar czf "$OUTDIR/results-$(date +%H%M%S).tgz" -C "$W" .
