@@ -56,9 +56,20 @@ def current_backend() -> str:
     return "cpu"
 
 
+def warn_unknown_ops(env: str, names, extra=()) -> None:
+    """One warning naming what an environment variable lists that is no op."""
+    unknown = sorted(set(names) - set(OP_NAMES) - set(extra))
+    if unknown:
+        import warnings
+
+        warnings.warn(f"mlx-lily: unknown op(s) in {env}: {unknown}; known: {list(OP_NAMES)}",
+                      stacklevel=3)
+
+
 @functools.lru_cache(maxsize=16)
 def _parse_disabled(raw: str) -> frozenset:
     names = frozenset(t.strip() for t in raw.split(",") if t.strip())
+    warn_unknown_ops(DISABLE_ENV, names, ("all",))
     if "all" in names:
         return frozenset(OP_NAMES) | {"all"}
     return names

@@ -1,4 +1,4 @@
-"""``python -m mlx_lily.demo`` (also ``mlx_lily.demo``): the one-command A/B demo.
+"""mlx-lily demo: the same chat prompt through stock mlx-lm and through Lily, side by side.
 
 Builds (once, cached) the tiny synthetic Qwen3.6-format checkpoint with the real Qwen
 tokenizer, then runs the same chat prompt through stock mlx-lm and through Lily, and
@@ -25,7 +25,7 @@ def _run(model, tokenizer, prompt_ids, max_tokens):
 
 def main(argv=None) -> int:
     """Run the demo; returns 0 when both engines produced the same text."""
-    p = argparse.ArgumentParser(prog="mlx_lily.demo", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="mlx_lily.demo", description=__doc__.splitlines()[0] + " (random weights: the text is nonsense; what matters is that both outputs match)")
     p.add_argument("--model", help="model directory (default: the cached tiny synthetic one)")
     p.add_argument("--prompt", default=PROMPT)
     p.add_argument("--max-tokens", type=int, default=48)

@@ -141,6 +141,9 @@ def op_of(spec: KernelSpec) -> str | None:
 @functools.lru_cache(maxsize=16)
 def _parse_allowed(raw: str):
     names = {t.strip() for t in raw.split(",") if t.strip()}
+    from .backend import warn_unknown_ops
+
+    warn_unknown_ops(KERNELS_ENV, names, ("all", "verified"))
     return names or {"verified"}
 
 

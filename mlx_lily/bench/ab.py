@@ -95,8 +95,10 @@ _T0 = time.perf_counter()
 
 
 def log(msg: str) -> None:
-    """Progress line on stderr."""
-    print(f"[mlx_lily.ab {time.perf_counter() - _T0:8.1f}s] {msg}", file=sys.stderr, flush=True)
+    """Progress line on stderr, prefixed with the running tool's name."""
+    tool = os.path.splitext(os.path.basename(sys.argv[0] or "ab"))[0] or "ab"
+    tool = tool if tool.startswith("mlx_lily") else f"mlx_lily.{tool}"
+    print(f"[{tool} {time.perf_counter() - _T0:8.1f}s] {msg}", file=sys.stderr, flush=True)
 
 
 # ----------------------------------------------------------------------------
