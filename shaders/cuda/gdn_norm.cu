@@ -8,24 +8,7 @@
 // CUDA twin of shaders/metal/gdn_norm.metal. Gated RMSNorm of the scan output, one simdgroup per (b, t, v-head) row:
 // out = silu(z) * T(T(y * rsqrt(mean(y^2) + eps)) * w), statistics in fp32.
 
-template <typename T>
-__device__ __forceinline__ float lily_rnd(float x) {
-  return static_cast<float>(static_cast<T>(x));
-}
-
-__device__ __forceinline__ float lily_sigmoid(float x) {
-  return 1.0f / (1.0f + expf(-x));
-}
-
-__device__ __forceinline__ float lily_warp_sum(float v) {
-  v += __shfl_xor_sync(0xffffffffu, v, 1);
-  v += __shfl_xor_sync(0xffffffffu, v, 2);
-  v += __shfl_xor_sync(0xffffffffu, v, 4);
-  v += __shfl_xor_sync(0xffffffffu, v, 8);
-  v += __shfl_xor_sync(0xffffffffu, v, 16);
-  return v;
-}
-
+// @header gdn_common.cuh
 // ---- body ----
   constexpr int NC = Dv / 32;
   const int T_ = y_shape[1];

@@ -15,30 +15,7 @@
 // the state unchanged (g = 1, beta = 0; its output is padding); HAS_LEN takes the new
 // conv state at min(lengths, 1) as mlx-lm does.
 
-template <typename T>
-inline float lily_rnd(float x) {
-  return static_cast<float>(static_cast<T>(x));
-}
-
-inline float lily_sigmoid(float x) {
-  return 1.0f / (1.0f + metal::exp(-x));
-}
-
-inline float lily_softplus(float x) {
-  // logaddexp(x, 0)
-  float m = metal::max(x, 0.0f);
-  return m + metal::log(1.0f + metal::exp(-metal::abs(x)));
-}
-
-inline float lily_warp_sum(float v) {
-  v += simd_shuffle_xor(v, 1);
-  v += simd_shuffle_xor(v, 2);
-  v += simd_shuffle_xor(v, 4);
-  v += simd_shuffle_xor(v, 8);
-  v += simd_shuffle_xor(v, 16);
-  return v;
-}
-
+// @header gdn_common.h
 // ---- body ----
   constexpr int NC = Dk / 32;          // state columns per lane
   constexpr int RW = Dv / NW;          // state rows per simdgroup

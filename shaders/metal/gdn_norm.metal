@@ -8,24 +8,7 @@
 // Gated RMSNorm of the scan output, one simdgroup per (b, t, v-head) row:
 // out = silu(z) * T(T(y * rsqrt(mean(y^2) + eps)) * w), statistics in fp32.
 
-template <typename T>
-inline float lily_rnd(float x) {
-  return static_cast<float>(static_cast<T>(x));
-}
-
-inline float lily_sigmoid(float x) {
-  return 1.0f / (1.0f + metal::exp(-x));
-}
-
-inline float lily_warp_sum(float v) {
-  v += simd_shuffle_xor(v, 1);
-  v += simd_shuffle_xor(v, 2);
-  v += simd_shuffle_xor(v, 4);
-  v += simd_shuffle_xor(v, 8);
-  v += simd_shuffle_xor(v, 16);
-  return v;
-}
-
+// @header gdn_common.h
 // ---- body ----
   constexpr int NC = Dv / 32;
   const int T_ = y_shape[1];

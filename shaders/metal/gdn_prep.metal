@@ -13,29 +13,7 @@
 // leaves the state unchanged); HAS_LEN takes the new conv state at min(lengths, T).
 // Rounding points as in mlx-lm (see gdn_decode).
 
-template <typename T>
-inline float lily_rnd(float x) {
-  return static_cast<float>(static_cast<T>(x));
-}
-
-inline float lily_sigmoid(float x) {
-  return 1.0f / (1.0f + metal::exp(-x));
-}
-
-inline float lily_softplus(float x) {
-  float m = metal::max(x, 0.0f);
-  return m + metal::log(1.0f + metal::exp(-metal::abs(x)));
-}
-
-inline float lily_warp_sum(float v) {
-  v += simd_shuffle_xor(v, 1);
-  v += simd_shuffle_xor(v, 2);
-  v += simd_shuffle_xor(v, 4);
-  v += simd_shuffle_xor(v, 8);
-  v += simd_shuffle_xor(v, 16);
-  return v;
-}
-
+// @header gdn_common.h
 // ---- body ----
   constexpr int NS = 2 * Hk + Hv;     // head slots: q heads, k heads, v heads
   constexpr int C = NS * D;
