@@ -2,8 +2,10 @@
 # The GPU-machine run: install this tree, GPU parity tests, per-op benchmarks, A/B.
 # Run from the repository root on a machine with MLX's CUDA (or Metal) build installed:
 #   STAGES=install,tests,bench,ab AB_ARGS="--lengths 256,4096" bash benchmarks/gpu/suite.sh
-# Stages: install, tests (per op file, T_TESTS seconds each; TEST_OPS=a,b selects files; NVRTC
-# compiles of every template make a cold file take 1-3 min), bench, startup, prims, ab, numerics.
+# Stages: install, tests (all op files in parallel, T_TESTS seconds cap each, default 300;
+# TEST_OPS=a,b selects files; NVRTC compiles of every template make a cold file take 1-3 min),
+# bench (BENCHES=a,b selects scripts), startup, prims, ab, numerics. With tests, prims and
+# numerics run alongside the test processes (they count nodes / measure accuracy, not time).
 # The device tool allows 10 min per command: split stages over calls on the warm machine.
 # Everything lands in one archive, $OUT/results.tgz (the device tool returns at most 8 files),
 # plus $OUT/summary.txt.
@@ -34,15 +36,34 @@ print(mlx_lily.backend_info())
 PY
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv >> "$W/env.txt" 2>&1
 
+run_prims() {
+  (cd /tmp && timeout 200 python3 "$REPO/benchmarks/primitives.py" --synthetic ${PRIMS_PRESET:-qwen3.6-35b-a3b} --out "$W/primitives.json") > "$W/primitives.log" 2>&1
+}
+run_numerics() {
+  (cd /tmp && timeout 240 python3 "$REPO/benchmarks/numerics.py" "$REPO/tests/fixtures/qwen35moe-tiny-trained" --out "$W/numerics.json") > "$W/numerics.log" 2>&1
+}
+report_prims() { say "== primitives per decode token"; tail -20 "$W/primitives.log" | tee -a "$S"; }
+report_numerics() { say "== numerics (trained fixture)"; tail -20 "$W/numerics.log" | tee -a "$S"; }
+
 if has tests; then
-  say "== GPU parity tests, per op (an op whose tests fail is disabled for the later stages)"
+  say "== GPU parity tests, per op file, all files at once (an op whose tests fail is disabled for the later stages)"
   : > /tmp/lily-disable
+  # NVRTC compiles are CPU-bound: one process per file, each with its own kernel cache
+  # (no two processes write one cache entry), merged into the default cache afterwards.
+  pids=()
+  bg=()
+  if has prims; then MLX_PTX_CACHE_DIR=/tmp/lily-ptx-prims run_prims & bg+=("$!"); fi
+  if has numerics; then MLX_PTX_CACHE_DIR=/tmp/lily-ptx-numerics run_numerics & bg+=("$!"); fi
   for f in tests/test_op_*.py; do
     op=$(basename "$f" .py); op=${op#test_op_}
     if [ -n "${TEST_OPS:-}" ] && [[ ",$TEST_OPS," != *",$op,"* ]]; then continue; fi
-    (cd /tmp && timeout "${T_TESTS:-150}" python3 -m pytest -m gpu -q -p no:cacheprovider -rf \
-       "$REPO/$f" --junitxml="$W/junit-$op.xml") > "$W/gpu_tests-$op.log" 2>&1
-    rc=$?
+    (cd /tmp && MLX_PTX_CACHE_DIR=/tmp/lily-ptx-$op timeout "${T_TESTS:-300}" python3 -m pytest -m gpu -q \
+       -p no:cacheprovider -rf --durations=5 "$REPO/$f" --junitxml="$W/junit-$op.xml") > "$W/gpu_tests-$op.log" 2>&1 &
+    pids+=("$!:$op")
+  done
+  for pe in "${pids[@]}"; do
+    pid=${pe%%:*}; op=${pe#*:}
+    wait "$pid"; rc=$?
     say "$op: rc=$rc $(grep -E '[0-9]+ (passed|failed)' "$W/gpu_tests-$op.log" | tail -1)"
     grep -E "^FAILED" "$W/gpu_tests-$op.log" | head -5 | tee -a "$S"
     if [ $rc -ne 0 ] && [ $rc -ne 124 ] && [ $rc -ne 5 ]; then
@@ -50,20 +71,25 @@ if has tests; then
         echo -n "$op," >> /tmp/lily-disable;; esac
     fi
   done
+  for p in "${bg[@]}"; do wait "$p"; done
+  has prims && report_prims
+  has numerics && report_numerics
+  mkdir -p ~/.cache/mlx-lily/cuda-kernels
+  for d in /tmp/lily-ptx-*; do [ -d "$d" ] && cp -n "$d"/* ~/.cache/mlx-lily/cuda-kernels/ 2>/dev/null; done
   say "disabled after tests: $(cat /tmp/lily-disable)"
+fi
+if ! has tests; then
+  has prims && { run_prims; report_prims; }
+  has numerics && { run_numerics; report_numerics; }
 fi
 if has bench; then
   for b in benchmarks/gpu/*_bench.py; do
     n=$(basename "$b" .py)
+    if [ -n "${BENCHES:-}" ] && [[ ",$BENCHES," != *",${n%_bench},"* ]]; then continue; fi
     say "== $n"
     (cd /tmp && timeout "${T_BENCH:-100}" python3 "$REPO/$b" --out "$W") > "$W/$n.log" 2>&1
     tail -25 "$W/$n.log" | tee -a "$S"
   done
-fi
-if has prims; then
-  say "== primitives per decode token"
-  (cd /tmp && timeout 200 python3 "$REPO/benchmarks/primitives.py" --synthetic ${PRIMS_PRESET:-qwen3.6-35b-a3b} --out "$W/primitives.json") > "$W/primitives.log" 2>&1
-  tail -20 "$W/primitives.log" | tee -a "$S"
 fi
 if has startup; then
   say "== start-up (cold / warm kernel cache)"
@@ -74,10 +100,5 @@ if has ab; then
   say "== A/B"
   (cd /tmp && timeout "${T_AB:-420}" python3 "$REPO/benchmarks/ab.py" --synthetic qwen3.6-35b-a3b ${AB_ARGS:-} --out "$W/ab") > "$W/ab.log" 2>&1
   tail -40 "$W/ab.log" | tee -a "$S"
-fi
-if has numerics; then
-  say "== numerics"
-  (cd /tmp && timeout 200 python3 "$REPO/benchmarks/numerics.py" "$REPO/tests/fixtures/qwen35moe-tiny-trained" --out "$W/numerics.json") > "$W/numerics.log" 2>&1
-  tail -20 "$W/numerics.log" | tee -a "$S"
 fi
 tar czf "$OUTDIR/results-$(date +%H%M%S).tgz" -C "$W" .
