@@ -137,6 +137,9 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--quick", action="store_true", help="fewer reps / sweeps")
+    ap.add_argument("--sweep-budget-s", type=float, default=120.0,
+                    help="stop the scan-configuration sweep after this many seconds of run time "
+                         "(at least one configuration always runs)")
     args = ap.parse_args()
     backend = current_backend()
     if backend not in ("cuda", "metal"):
@@ -173,6 +176,8 @@ def main():
         rows.append((f"decode B={B}", r["lily"]["batch_ms"], r["lily"]["sync_ms"],
                      r["reference"]["batch_ms"], r["reference"]["sync_ms"],
                      r["lily"]["GBps"], par))
+        print(f"decode B={B}: lily {r['lily']['batch_ms']:.4f} ms/step ({r['lily']['GBps']:.0f} GB/s), "
+              f"reference {r['reference']['batch_ms']:.3f} ms/step, parity {par}", flush=True)
     # decode warps sweep (B=1)
     p = inputs(1, 1, seed=7)
     sweep = {}
@@ -203,6 +208,8 @@ def main():
             _sync_eval(ops_fn(p))
             r["ops_ms"] = (time.perf_counter() - t0) * 1e3
         res["prefill"][f"S{S}"] = r
+        print(f"prefill S={S}: lily {t_k * 1e3:.2f} ms ({S / t_k:.0f} tok/s per layer), reference "
+              f"{t_ref * 1e3:.1f} ms, parity {par}", flush=True)
         rows.append((f"prefill S={S}", t_k * 1e3, None, t_ref * 1e3, None, None, par))
 
     # ---- scan configuration sweep
@@ -215,7 +222,7 @@ def main():
     sweep = {}
     for cfg in cfgs:
         fn = kernel_fn(backend, scan_cfg=cfg)
-        if time.perf_counter() - t_start > 50:
+        if sweep and time.perf_counter() - t_start > args.sweep_budget_s:
             break
         got = fn(p)
         _sync_eval(got)

@@ -4,11 +4,11 @@
 #   STAGES=install,tests,bench,ab AB_ARGS="--lengths 256,4096" bash benchmarks/gpu/suite.sh
 # Stages: install, tests (all op files in parallel, T_TESTS seconds cap each, default 300;
 # TEST_OPS=a,b selects files; NVRTC compiles of every template make a cold file take 1-3 min),
-# bench (BENCHES=a,b selects scripts), startup, prims, ab, numerics. With tests, prims and
+# bench (BENCHES=a,b selects scripts), startup, prims, ab, numerics, profile (decode_profile.py). With tests, prims and
 # numerics run alongside the test processes (they count nodes / measure accuracy, not time).
 # The device tool allows 10 min per command: split stages over calls on the warm machine.
-# Everything lands in one archive, $OUT/results.tgz (the device tool returns at most 8 files),
-# plus $OUT/summary.txt.
+# Everything lands in one archive, $OUT/results.tgz, rewritten after each stage (the device
+# tool returns at most 8 files), plus $OUT/summary.txt.
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 export MLX_LILY_KERNELS=${MLX_LILY_KERNELS:-all}  # exercise every kernel; MLX_LILY_DISABLE narrows it
@@ -22,6 +22,8 @@ mkdir -p "$OUTDIR" "$W"
 STAGES=${STAGES:-install,tests,bench,ab}
 S="$OUTDIR/summary.txt"
 say() { echo "$@" | tee -a "$S"; }
+# one archive, rewritten after every stage: a run cut short still returns what finished
+snapshot() { tar czf "$OUTDIR/results.tgz" -C "$W" . 2>/dev/null; }
 has() { [[ ",$STAGES," == *",$1,"* ]]; }
 
 if has install; then
@@ -77,6 +79,7 @@ if has tests; then
   mkdir -p ~/.cache/mlx-lily/cuda-kernels
   for d in /tmp/lily-ptx-*; do [ -d "$d" ] && cp -n "$d"/* ~/.cache/mlx-lily/cuda-kernels/ 2>/dev/null; done
   say "disabled after tests: $(cat /tmp/lily-disable)"
+  snapshot
 fi
 if ! has tests; then
   has prims && { run_prims; report_prims; }
@@ -100,5 +103,12 @@ if has ab; then
   say "== A/B"
   (cd /tmp && timeout "${T_AB:-420}" python3 "$REPO/benchmarks/ab.py" --synthetic qwen3.6-35b-a3b ${AB_ARGS:-} --out "$W/ab") > "$W/ab.log" 2>&1
   tail -40 "$W/ab.log" | tee -a "$S"
+  snapshot
 fi
-tar czf "$OUTDIR/results-$(date +%H%M%S).tgz" -C "$W" .
+if has profile; then
+  say "== decode profile (host build / eval / pipelined, per primitive dispatch cost)"
+  (cd /tmp && timeout "${T_PROFILE:-150}" python3 "$REPO/benchmarks/decode_profile.py" --synthetic ${PROFILE_PRESET:-qwen3.6-35b-a3b} \
+     --context ${PROFILE_CONTEXT:-4096} --out "$W") > "$W/decode_profile.log" 2>&1
+  tail -8 "$W/decode_profile.log" | tee -a "$S"; snapshot
+fi
+snapshot

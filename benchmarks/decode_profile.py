@@ -1,0 +1,147 @@
+"""Where a decode step's time goes, stock vs Lily: Python graph building, the eval (MLX's
+per-primitive dispatch + GPU work), the pipelined interval ``generate_step`` reaches, and
+the primitives per step; plus the host's dispatch cost per primitive (long chains of a
+built-in add and of a trivial custom kernel).
+
+    python benchmarks/decode_profile.py --synthetic qwen3.6-35b-a3b --context 4096 --out DIR
+
+Per arm, from one Lily-built cache (deep-copied per arm, as in ``benchmarks/ab.py``):
+``build_ms`` = wall time of ``model(token, cache)`` + argmax without evaluating (Python and
+graph recording only); ``sync_ms`` = build + ``mx.eval`` + synchronize, one step at a time;
+``eval_ms`` = sync_ms - build_ms; ``pipelined_ms`` = median interval of ``generate_step``
+(next step built while the previous one runs). Medians over ``--steps`` steps after
+``--warmup`` untimed ones. Writes DIR/decode_profile.json and prints a table.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import mlx.core as mx
+
+from mlx_lily.bench.ab import (ARMS, arm_context, build_context, copy_cache, environment, ids_array,
+                               load_target, log, measure_decode, synthetic_ids, vocab_bounds)
+from mlx_lily.bench.primitives import _state_arrays, count_graph
+
+
+def _step(model, cache, tok):
+    logits = model(ids_array([tok])[None], cache=cache)
+    return mx.argmax(logits[:, -1, :], axis=-1)
+
+
+def profile_arm(model, ctx, tok: int, steps: int, warmup: int) -> dict:
+    cache = copy_cache(ctx)
+    y = _step(model, cache, tok)
+    prims = count_graph(y, *_state_arrays(cache))["total"]
+    mx.eval(y, *_state_arrays(cache))
+    for _ in range(warmup):
+        y = _step(model, cache, int(y.item()))
+        mx.eval(y, *_state_arrays(cache))
+    build, sync = [], []
+    for _ in range(steps):
+        t = int(y.item())
+        mx.synchronize()
+        t0 = time.perf_counter()
+        y = _step(model, cache, t)
+        t1 = time.perf_counter()
+        mx.eval(y, *_state_arrays(cache))
+        mx.synchronize()
+        t2 = time.perf_counter()
+        build.append(t1 - t0)
+        sync.append(t2 - t0)
+    del cache
+    pipe = measure_decode(model, copy_cache(ctx), tok, steps)
+    b, s = statistics.median(build) * 1e3, statistics.median(sync) * 1e3
+    return {"prims_per_step": prims, "build_ms": b, "sync_ms": s, "eval_ms": s - b,
+            "pipelined_ms": pipe["interval_s_median"] * 1e3, "pipelined_tok_s": pipe["tok_s_median"]}
+
+
+def dispatch_cost(n: int = 2000) -> dict:
+    """Host cost per primitive in long chains: built-in add, and a trivial custom kernel
+    (CUDA or Metal, when available)."""
+    x = mx.zeros((1,), mx.float32)
+    mx.eval(x)
+
+    def chain(f):
+        y = x
+        for _ in range(n):
+            y = f(y)
+        return y
+
+    out = {}
+    for name, f in (("builtin_add", lambda y: y + 1),):
+        mx.eval(chain(f))
+        t0 = time.perf_counter()
+        mx.eval(chain(f))
+        mx.synchronize()
+        out[name + "_us"] = (time.perf_counter() - t0) / n * 1e6
+    kern = None
+    if hasattr(mx.fast, "cuda_kernel") and mx.default_device() == mx.gpu:
+        try:
+            k = mx.fast.cuda_kernel(name="lily_probe_add1", input_names=["a"], output_names=["b"],
+                                    source="int i = blockIdx.x * blockDim.x + threadIdx.x;"
+                                           " if (i < 1) b[i] = a[i] + 1.0f;")
+            kern = lambda y: k(inputs=[y], output_shapes=[(1,)], output_dtypes=[mx.float32],  # noqa: E731
+                               grid=(32, 1, 1), threadgroup=(32, 1, 1))[0]
+            mx.eval(kern(x))
+        except Exception as e:  # Metal-only build or no CUDA backend
+            out["custom_kernel_error"] = f"{type(e).__name__}: {e}"
+            kern = None
+    if kern is None and hasattr(mx.fast, "metal_kernel") and mx.metal.is_available():
+        k = mx.fast.metal_kernel(name="lily_probe_add1", input_names=["a"], output_names=["b"],
+                                 source="uint i = thread_position_in_grid.x; if (i < 1) b[i] = a[i] + 1.0f;")
+        kern = lambda y: k(inputs=[y], output_shapes=[(1,)], output_dtypes=[mx.float32],  # noqa: E731
+                           grid=(32, 1, 1), threadgroup=(32, 1, 1))[0]
+    if kern is not None:
+        mx.eval(chain(kern))
+        t0 = time.perf_counter()
+        r = chain(kern)
+        mx.eval(r)
+        mx.synchronize()
+        out["custom_kernel_us"] = (time.perf_counter() - t0) / n * 1e6
+        out["custom_kernel_check"] = float(r.item()) == float(n)
+    return out
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("model", nargs="?")
+    src.add_argument("--synthetic", metavar="PRESET")
+    p.add_argument("--context", type=int, default=4096)
+    p.add_argument("--steps", type=int, default=24)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--ops", default=None)
+    p.add_argument("--out", type=Path, default=None)
+    a = p.parse_args(argv)
+    ops = a.ops.split(",") if a.ops else None
+    t = load_target(a.model, synthetic=a.synthetic)
+    hi, ex = vocab_bounds(t.config, t.tokenizer)
+    ids = synthetic_ids(a.context + 1, hi, ex, seed=0)
+    res = {"environment": environment(ops), "context": a.context, "steps": a.steps,
+           "dispatch": dispatch_cost(), "arms": {}}
+    log(f"dispatch cost per primitive: {res['dispatch']}")
+    with arm_context("lily", t.model, ops):
+        ctx = build_context(t.model, ids[:a.context], 2048)
+    for arm in ARMS:
+        with arm_context(arm, t.model, ops):
+            r = res["arms"][arm] = profile_arm(t.model, ctx, int(ids[a.context]), a.steps, a.warmup)
+        log(f"{arm}: {r}")
+    print(f"\ndecode step at context {a.context} (ms, medians of {a.steps})")
+    print(f"{'arm':6s}{'prims':>7s}{'build':>9s}{'eval':>9s}{'sync':>9s}{'pipelined':>11s}{'tok/s':>8s}")
+    for arm, r in res["arms"].items():
+        print(f"{arm:6s}{r['prims_per_step']:7d}{r['build_ms']:9.2f}{r['eval_ms']:9.2f}{r['sync_ms']:9.2f}"
+              f"{r['pipelined_ms']:11.2f}{r['pipelined_tok_s']:8.1f}")
+    if a.out:
+        a.out.mkdir(parents=True, exist_ok=True)
+        (a.out / "decode_profile.json").write_text(json.dumps(res, indent=1, default=str))
+        log(f"wrote {a.out / 'decode_profile.json'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
