@@ -6,6 +6,7 @@ moves the default device between calls gets the right path for each call.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 
@@ -24,6 +25,26 @@ OP_NAMES = (
 
 DISABLE_ENV = "MLX_LILY_DISABLE"
 
+_ENV_DATA = getattr(os.environ, "_data", None)
+_ENV_KEY = getattr(os.environ, "encodekey", None)
+
+
+@functools.lru_cache(maxsize=64)
+def _env_key(name: str):
+    return _ENV_KEY(name)
+
+
+def env_value(name: str, default: str = "") -> str:
+    """``os.environ.get(name, default)`` at a fraction of its cost (it runs several times
+    per layer per decode step): reads the mapping behind ``os.environ`` directly where
+    CPython has one, so changes made through ``os.environ`` are seen at once."""
+    if _ENV_DATA is None or _ENV_KEY is None:
+        return os.environ.get(name, default)
+    raw = _ENV_DATA.get(_env_key(name))
+    if raw is None:
+        return default
+    return raw.decode("utf-8", "surrogateescape") if isinstance(raw, bytes) else raw
+
 
 @functools.lru_cache(maxsize=None)
 def _metal_available() -> bool:
@@ -41,12 +62,39 @@ def _cuda_available() -> bool:
         return False
 
 
+_TRACE_BACKEND: str | None = None
+
+
+@contextlib.contextmanager
+def tracing_backend(name: str = "metal"):
+    """Make dispatchers take ``name``'s kernel path on a machine without that GPU, for
+    graph recording only (``mx.export_function`` tracing counts primitives and times the
+    Python build without evaluating; evaluating such a graph raises "No Metal back-end").
+    Only ``"metal"`` works on MLX's CPU and CUDA builds (``mx.fast.cuda_kernel`` cannot be
+    constructed without CUDA).
+
+    Raises:
+        ValueError: ``name`` is not ``"metal"`` or ``"cuda"``.
+    """
+    global _TRACE_BACKEND
+    if name not in ("metal", "cuda"):
+        raise ValueError(f"tracing_backend: expected 'metal' or 'cuda', got {name!r}")
+    prev, _TRACE_BACKEND = _TRACE_BACKEND, name
+    try:
+        yield
+    finally:
+        _TRACE_BACKEND = prev
+
+
 def current_backend() -> str:
     """Return the backend a call made now would run on: ``"metal"``, ``"cuda"`` or ``"cpu"``.
 
     The default device decides: a GPU default on a machine with Metal is ``"metal"``,
     with MLX's CUDA build ``"cuda"``; a CPU default (or no GPU backend) is ``"cpu"``.
+    Inside ``tracing_backend(name)`` it is ``name``.
     """
+    if _TRACE_BACKEND is not None:
+        return _TRACE_BACKEND
     if mx.default_device() != mx.gpu:
         return "cpu"
     if _metal_available():
@@ -80,7 +128,7 @@ def disabled_ops() -> frozenset:
 
     A disabled op takes the stock mlx-lm code path for every call.
     """
-    return _parse_disabled(os.environ.get(DISABLE_ENV, ""))
+    return _parse_disabled(env_value(DISABLE_ENV, ""))
 
 
 _selected_ops: frozenset | None = None

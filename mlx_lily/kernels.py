@@ -120,16 +120,24 @@ _STEM_OPS = (
     ("qgemv", "qgemv"),
 )
 
-# Ops whose kernels were verified END TO END on that backend's hardware (the A/B
-# correctness gate on the full-size model passed with them running): on by default there.
-# None yet: on the H200 every gate run with kernels launching failed the gate's fixed
-# thresholds, and no Metal kernel has run on Apple hardware (the emulator proves
-# semantics only). See benchmarks/results/2026-11-30-cuda-h200/README.md.
-VERIFIED: dict = {"cuda": frozenset(), "metal": frozenset()}
+# Ops whose kernels were verified on that backend's hardware (their per-op parity tests
+# passed on the device AND the A/B correctness gate on the full-size model passed with them
+# running): on by default there.
+# CUDA, H200 session 3 (benchmarks/results/2026-11-30-cuda-h200-session3/README.md): the
+# seven below passed their GPU tests and the gate (fp32-anchored) in the A/B run with
+# gated_delta off. gated_delta's kernels passed the float64-oracle checks on the H200 but
+# no gate has finished with them on yet. Metal: no kernel has run on Apple hardware (the
+# emulator proves semantics only).
+VERIFIED: dict = {
+    "cuda": frozenset({"add_rms_norm", "moe_router_topk", "moe_route", "moe_experts",
+                       "moe_grouped", "attention", "qgemv"}),
+    "metal": frozenset(),
+}
 
 KERNELS_ENV = "MLX_LILY_KERNELS"
 
 
+@functools.lru_cache(maxsize=None)
 def op_of(spec: KernelSpec) -> str | None:
     """The op whose kernels include ``spec`` (by shader stem), or None."""
     for prefix, op in _STEM_OPS:
@@ -155,10 +163,18 @@ def kernels_allowed(op: str | None, backend: str) -> bool:
     per-op parity tests or the Metal emulator), or a comma list of op names (``verified``
     may be one of them). Ops not allowed run their pure-MLX reference.
     """
-    names = _parse_allowed(os.environ.get(KERNELS_ENV, "verified"))
+    from .backend import env_value
+
+    return _allowed(env_value(KERNELS_ENV, "verified"), op, backend,
+                    VERIFIED.get(backend, frozenset()))
+
+
+@functools.lru_cache(maxsize=256)
+def _allowed(raw: str, op: str | None, backend: str, verified: frozenset) -> bool:
+    names = _parse_allowed(raw)
     if "all" in names:
         return True
-    if "verified" in names and op in VERIFIED.get(backend, ()):
+    if "verified" in names and op in verified:
         return True
     return op in names
 
@@ -183,12 +199,12 @@ def get(spec: KernelSpec, backend: str):
 
 
 def _metal_ok() -> bool:
-    from .backend import _metal_available
+    from . import backend
 
-    return _metal_available()
+    return backend._TRACE_BACKEND == "metal" or backend._metal_available()
 
 
 def _cuda_ok() -> bool:
-    from .backend import _cuda_available
+    from . import backend
 
-    return _cuda_available() and hasattr(mx.fast, "cuda_kernel")
+    return (backend._TRACE_BACKEND == "cuda" or backend._cuda_available()) and hasattr(mx.fast, "cuda_kernel")

@@ -154,6 +154,40 @@ def test_primitive_count_smoke(tmp_path):
         assert any(k.startswith("Quantized") or k.startswith("Gather") for k in a["step"]["by_label"])
 
 
+def test_primitive_count_traced_kernel_path(tmp_path):
+    """``--trace-backend metal`` records Lily's step on the Metal kernel path on a machine
+    without Metal: custom kernels replace most of stock's primitives, nothing is
+    evaluated, and the forced backend is gone afterwards."""
+    from mlx_lily import backend
+    from mlx_lily.bench import primitives
+
+    out = tmp_path / "prim.json"
+    assert primitives.main([str(FIXTURE), "--context", "16", "--trace-backend", "metal",
+                            "--out", str(out)]) == 0
+    r = json.loads(out.read_text())
+    lily, stock = r["arms"]["lily"], r["arms"]["stock"]
+    assert lily["traced_backend"] == "metal"
+    assert lily["step"]["by_label"].get("CustomKernel", 0) >= 4 * 4
+    assert "CustomKernel" not in stock["step"]["by_label"]
+    assert lily["step"]["total"] < stock["step"]["total"] / 2
+    assert lily["build_ms_median"] > 0
+    assert backend.current_backend() == "cpu"
+
+
+def test_tracing_backend_rejects_unknown_and_restores():
+    from mlx_lily import backend
+
+    with pytest.raises(ValueError, match="expected 'metal' or 'cuda'"):
+        with backend.tracing_backend("vulkan"):
+            pass
+    with backend.tracing_backend("metal"):
+        assert backend.current_backend() == "metal"
+        with backend.tracing_backend("cuda"):
+            assert backend.current_backend() == "cuda"
+        assert backend.current_backend() == "metal"
+    assert backend.current_backend() == "cpu"
+
+
 def test_gate_fp32_anchor():
     """The fp32 anchor accepts a Lily that is as close to fp32 as stock (here: identical),
     even when the fixed thresholds are made impossible, and still refuses a wrong Lily;

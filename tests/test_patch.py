@@ -382,3 +382,17 @@ def test_kernel_policy_default_is_verified_only(monkeypatch):
     assert spec_ops == {"gdn_scan": "gated_delta", "attn_prefill": "attention",
                         "moeg_route_scan": "moe_route", "moeg_down": "moe_grouped",
                         "moe_down": "moe_experts", "qgemv": "qgemv"}
+
+
+def test_env_value_follows_os_environ(monkeypatch):
+    """The fast environment read sees changes made through ``os.environ`` at once."""
+    from mlx_lily.backend import env_value, op_enabled
+
+    monkeypatch.delenv("MLX_LILY_TEST_ENV", raising=False)
+    assert env_value("MLX_LILY_TEST_ENV", "dflt") == "dflt"
+    monkeypatch.setenv("MLX_LILY_TEST_ENV", "on,é")
+    assert env_value("MLX_LILY_TEST_ENV") == "on,é"
+    monkeypatch.setenv("MLX_LILY_DISABLE", "qgemv")
+    assert not op_enabled("qgemv") and op_enabled("attention")
+    monkeypatch.setenv("MLX_LILY_DISABLE", "")
+    assert op_enabled("qgemv")

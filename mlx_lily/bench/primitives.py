@@ -61,9 +61,13 @@ def _state_arrays(cache) -> list:
 
 def decode_step_counts(model, cache, token: int) -> dict:
     """Counts for one decode step of ``model`` on ``cache`` (which it mutates, lazily)."""
+    import time
+
     import mlx.core as mx
 
+    t0 = time.perf_counter()
     logits = model(ids_array([token])[None], cache=cache)
+    build_ms = (time.perf_counter() - t0) * 1e3
     states = _state_arrays(cache)
     last = logits[:, -1, :]
     logprobs = last - mx.logsumexp(last, keepdims=True)
@@ -71,11 +75,57 @@ def decode_step_counts(model, cache, token: int) -> dict:
     forward = count_graph(logits, *states)
     step = count_graph(tok, logprobs, *states)
     mx.eval(tok, logprobs, *states)  # release the graph
-    return {"forward": forward, "step": step}
+    return {"forward": forward, "step": step, "build_ms_median": build_ms}
 
 
-def run_primitives(target, context: int = 256, seed: int = 0, ops=None) -> dict:
-    """Per-arm primitive counts of one decode step at ``context`` tokens."""
+def traced_step_counts(model, ctx, token: int, backend_name: str, repeats: int = 5) -> dict:
+    """Primitive counts and Python build time of one decode step recorded with the
+    dispatchers on ``backend_name``'s kernel path (``mlx_lily.backend.tracing_backend``)
+    inside ``mx.export_function`` tracing: nothing is evaluated, so a CPU-only machine
+    can count the Metal kernel graph. ``build_ms_median`` is the wall time of the forward
+    call alone (graph recording), median of ``repeats``, each on a fresh copy of ``ctx``.
+    Fast ops that export decomposes (the first layer's ``mx.fast.rms_norm``) count as
+    their parts here."""
+    import os
+    import statistics
+    import time
+
+    import mlx.core as mx
+
+    from ..backend import tracing_backend
+
+    res: dict = {}
+    times: list[float] = []
+
+    def fn(tok):
+        out = None
+        for _ in range(repeats):
+            cache = copy_cache(ctx)
+            t0 = time.perf_counter()
+            out = model(tok, cache=cache)
+            times.append(time.perf_counter() - t0)
+        states = _state_arrays(cache)
+        last = out[:, -1, :]
+        logprobs = last - mx.logsumexp(last, keepdims=True)
+        res["forward"] = count_graph(out, *states)
+        res["step"] = count_graph(mx.argmax(logprobs, axis=-1), logprobs, *states)
+        return out
+
+    with tracing_backend(backend_name), tempfile.TemporaryDirectory() as d:
+        try:
+            mx.export_function(os.path.join(d, "step.mlxfn"), fn, ids_array([token])[None])
+        except ValueError:
+            pass  # serialising the traced graph is not needed (some primitives cannot be)
+    res["build_ms_median"] = statistics.median(times) * 1e3
+    res["traced_backend"] = backend_name
+    return res
+
+
+def run_primitives(target, context: int = 300, seed: int = 0, ops=None,
+                   trace_backend: str | None = None) -> dict:
+    """Per-arm primitive counts of one decode step at ``context`` tokens. With
+    ``trace_backend`` the Lily arm is recorded on that backend's kernel path without
+    evaluation (:func:`traced_step_counts`)."""
     model = target.model
     hi, exclude = vocab_bounds(target.config, target.tokenizer)
     ids = synthetic_ids(context + 1, hi, exclude, seed=seed)
@@ -86,7 +136,10 @@ def run_primitives(target, context: int = 256, seed: int = 0, ops=None) -> dict:
     for arm in ARMS:
         c = copy_cache(ctx)
         with arm_context(arm, model, ops):
-            r = decode_step_counts(model, c, int(ids[context]))
+            if trace_backend and arm == "lily":
+                r = traced_step_counts(model, c, int(ids[context]), trace_backend)
+            else:
+                r = decode_step_counts(model, c, int(ids[context]))
         r["per_layer_forward"] = r["forward"]["total"] / n_layers
         r["per_layer_step"] = r["step"]["total"] / n_layers
         out[arm] = r
@@ -101,10 +154,13 @@ def render_table(result: dict) -> str:
     a = result["arms"]
     lines = [f"primitives per decode token ({result['backend']} / {result['device']['name']}, context "
              f"{result['context']}, {result['n_layers']} layers)", "",
-             "| arm | step total | forward total | per layer (step) |", "|---|---:|---:|---:|"]
+             "| arm | step total | forward total | per layer (step) | forward build ms | recorded as |",
+             "|---|---:|---:|---:|---:|---|"]
     for arm in ARMS:
+        b = a[arm].get("build_ms_median")
         lines.append(f"| {arm} | {a[arm]['step']['total']} | {a[arm]['forward']['total']} | "
-                     f"{a[arm]['per_layer_step']:.1f} |")
+                     f"{a[arm]['per_layer_step']:.1f} | {'' if b is None else f'{b:.2f}'} | "
+                     f"{a[arm].get('traced_backend') or result['backend']} |")
     lines += ["", "| primitive | stock | lily |", "|---|---:|---:|"]
     labels = sorted(set(a["stock"]["step"]["by_label"]) | set(a["lily"]["step"]["by_label"]),
                     key=lambda k: -(a["stock"]["step"]["by_label"].get(k, 0) + a["lily"]["step"]["by_label"].get(k, 0)))
@@ -120,9 +176,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("model", nargs="?", default=None, help="checkpoint directory")
     p.add_argument("--synthetic", metavar="PRESET", default=None)
     p.add_argument("--model-seed", type=int, default=0)
-    p.add_argument("--context", type=int, default=256)
+    p.add_argument("--context", type=int, default=300,
+                   help="cached tokens before the counted step (300: not a multiple of 256, "
+                        "where mlx-lm's KVCache grows its buffer and adds nodes)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--ops", default=None)
+    p.add_argument("--trace-backend", choices=("metal",), default=None,
+                   help="record Lily's step on this backend's kernel path without running it "
+                        "(counts kernel graphs on a machine without that GPU)")
     p.add_argument("--out", type=Path, default=None, help="write the JSON result here")
     return p
 
@@ -137,7 +198,7 @@ def main(argv=None) -> int:
     ops = [o.strip() for o in a.ops.split(",")] if a.ops else None
     target = load_target(a.model if a.synthetic is None else None, a.synthetic, a.model_seed)
     env = environment(ops)
-    res = run_primitives(target, a.context, a.seed, ops)
+    res = run_primitives(target, a.context, a.seed, ops, trace_backend=a.trace_backend)
     result = {"schema": SCHEMA_NAME, "schema_version": SCHEMA_VERSION,
               "created": _dt.datetime.now().astimezone().isoformat(timespec="seconds"),
               **env, "checkpoint": target.identity, **res}
