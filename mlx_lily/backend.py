@@ -25,25 +25,10 @@ OP_NAMES = (
 
 DISABLE_ENV = "MLX_LILY_DISABLE"
 
-_ENV_DATA = getattr(os.environ, "_data", None)
-_ENV_KEY = getattr(os.environ, "encodekey", None)
-
-
-@functools.lru_cache(maxsize=64)
-def _env_key(name: str):
-    return _ENV_KEY(name)
-
-
 def env_value(name: str, default: str = "") -> str:
-    """``os.environ.get(name, default)`` at a fraction of its cost (it runs several times
-    per layer per decode step): reads the mapping behind ``os.environ`` directly where
-    CPython has one, so changes made through ``os.environ`` are seen at once."""
-    if _ENV_DATA is None or _ENV_KEY is None:
-        return os.environ.get(name, default)
-    raw = _ENV_DATA.get(_env_key(name))
-    if raw is None:
-        return default
-    return raw.decode("utf-8", "surrogateescape") if isinstance(raw, bytes) else raw
+    """The switch ``name`` as the environment holds it now (``os.environ.get``): read at
+    every call, never cached, so a change made while a model runs applies to the next call."""
+    return os.environ.get(name, default)
 
 
 @functools.lru_cache(maxsize=None)

@@ -137,7 +137,6 @@ VERIFIED: dict = {
 KERNELS_ENV = "MLX_LILY_KERNELS"
 
 
-@functools.lru_cache(maxsize=None)
 def op_of(spec: KernelSpec) -> str | None:
     """The op whose kernels include ``spec`` (by shader stem), or None."""
     for prefix, op in _STEM_OPS:
@@ -163,18 +162,10 @@ def kernels_allowed(op: str | None, backend: str) -> bool:
     per-op parity tests or the Metal emulator), or a comma list of op names (``verified``
     may be one of them). Ops not allowed run their pure-MLX reference.
     """
-    from .backend import env_value
-
-    return _allowed(env_value(KERNELS_ENV, "verified"), op, backend,
-                    VERIFIED.get(backend, frozenset()))
-
-
-@functools.lru_cache(maxsize=256)
-def _allowed(raw: str, op: str | None, backend: str, verified: frozenset) -> bool:
-    names = _parse_allowed(raw)
+    names = _parse_allowed(os.environ.get(KERNELS_ENV, "verified"))
     if "all" in names:
         return True
-    if "verified" in names and op in verified:
+    if "verified" in names and op in VERIFIED.get(backend, ()):
         return True
     return op in names
 
@@ -205,6 +196,6 @@ def _metal_ok() -> bool:
 
 
 def _cuda_ok() -> bool:
-    from . import backend
+    from .backend import _cuda_available
 
-    return (backend._TRACE_BACKEND == "cuda" or backend._cuda_available()) and hasattr(mx.fast, "cuda_kernel")
+    return _cuda_available() and hasattr(mx.fast, "cuda_kernel")

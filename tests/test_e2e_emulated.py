@@ -25,6 +25,7 @@ import _models
 import mlx_lily
 from mlx_lily import backend, kernels
 from mlx_lily.testing import metal_emu
+from mlx_lily.testing.dispatch import count_kernel_launches, emulated_metal_dispatch
 
 try:
     from mlx_lily.testing.metal_emu import available as _emu_available
@@ -58,17 +59,11 @@ TOP1_SLACK = 0.2
 @contextlib.contextmanager
 def emulated_metal():
     """Make every Lily dispatcher see the Metal backend, with the emulator's kernels."""
-    with pytest.MonkeyPatch.context() as mp, metal_emu.install():
-        mp.setattr(kernels, "_CACHE", {})
-        mp.setattr(kernels, "_metal_ok", lambda: True)
+    with metal_emu.install(), pytest.MonkeyPatch.context() as mp:
+        ops = [importlib.import_module(f"mlx_lily.ops.{name}") for name in _OP_MODULES]
+        emulated_metal_dispatch(mp, backend, *[m for m in ops if hasattr(m, "current_backend")])
         mp.setenv(kernels.KERNELS_ENV, "all")
         mp.delenv(backend.DISABLE_ENV, raising=False)
-        metal = lambda: "metal"  # noqa: E731
-        mp.setattr(backend, "current_backend", metal)
-        for name in _OP_MODULES:
-            mod = importlib.import_module(f"mlx_lily.ops.{name}")
-            if hasattr(mod, "current_backend"):
-                mp.setattr(mod, "current_backend", metal)
         # prepare() runs warmup() on GPU backends: skip it (it only compiles kernels).
         from mlx_lily import patching
 
@@ -198,21 +193,7 @@ def test_attention_kernels_on_model_tensors(monkeypatch):
 
     monkeypatch.setattr(A, "qk_norm_rope", qk)
     monkeypatch.setattr(A, "sdpa_gated", sdpa)
-    calls = []
-    orig_get = kernels.get
-
-    def counted(spec, be):
-        kern = orig_get(spec, be)
-        if kern is None:
-            return None
-
-        def run(**kw):
-            calls.append(spec.name)
-            return kern(**kw)
-
-        return run
-
-    monkeypatch.setattr(kernels, "get", counted)
+    calls = count_kernel_launches(monkeypatch)
     logits = lily_run(model, [287, 427, 158], ["attention"], prompt=prompt)
     assert np.isfinite(logits).all()
     assert {A.QK_NORM_ROPE.name, A.PREFILL.name, A.DECODE_PARTIAL.name,

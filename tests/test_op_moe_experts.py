@@ -10,6 +10,7 @@ import pytest
 
 from mlx_lily import kernels
 from mlx_lily.ops import moe_experts as M
+from mlx_lily.testing.dispatch import count_kernel_launches, emulated_metal_dispatch
 from mlx_lily.testing.backends import parity_backends
 from mlx_lily.testing.cuda_check import nvcc_path
 
@@ -226,39 +227,10 @@ def test_parity_check_can_fail(backend):
 
 
 # ------------------------------------------------------------------ dispatch
-def _emu_dispatch(monkeypatch):
-    from mlx_lily.testing import metal_emu
-
-    monkeypatch.setattr(kernels, "_CACHE", {})
-    monkeypatch.setattr(kernels, "_metal_ok", lambda: True)
-    monkeypatch.setattr(M, "current_backend", lambda: "metal")
-    monkeypatch.setattr(mx.fast, "metal_kernel", metal_emu.metal_kernel)
-
-
-def _count_kernel_calls(monkeypatch):
-    """Wrap ``kernels.get`` so every launch of a kernel object is recorded by name."""
-    calls = []
-    orig_get = kernels.get
-
-    def get(spec, backend):
-        k = orig_get(spec, backend)
-        if k is None:
-            return None
-
-        def counted(**kw):
-            calls.append(spec.name)
-            return k(**kw)
-
-        return counted
-
-    monkeypatch.setattr(kernels, "get", get)
-    return calls
-
-
 @pytest.mark.skipif(not HAS_EMU, reason="Metal emulator unavailable")
 def test_dispatcher_routes_by_rows(monkeypatch):
-    _emu_dispatch(monkeypatch)
-    calls = _count_kernel_calls(monkeypatch)
+    emulated_metal_dispatch(monkeypatch, M)
+    calls = count_kernel_launches(monkeypatch)
     decode = [M.GATE_UP_SPEC.name, M.DOWN_SPEC.name]
     grouped = []
     try:

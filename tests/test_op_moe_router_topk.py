@@ -12,6 +12,7 @@ import pytest
 from mlx_lily import kernels
 from mlx_lily.ops import moe_router_topk as R
 from mlx_lily.qproj import QProj
+from mlx_lily.testing.dispatch import count_kernel_launches, emulated_metal_dispatch
 from mlx_lily.testing.backends import parity_backends
 from mlx_lily.testing.cuda_check import nvcc_path
 
@@ -291,35 +292,10 @@ def test_supports():
     assert not R.supports(x.astype(mx.int32), router, 4)
 
 
-def _count_kernel_calls(monkeypatch):
-    """Wrap ``kernels.get`` so every launch of a kernel object is recorded by name."""
-    calls = []
-    orig_get = kernels.get
-
-    def get(spec, backend):
-        k = orig_get(spec, backend)
-        if k is None:
-            return None
-
-        def counted(**kw):
-            calls.append(spec.name)
-            return k(**kw)
-
-        return counted
-
-    monkeypatch.setattr(kernels, "get", get)
-    return calls
-
-
 @pytest.mark.skipif(not HAS_EMU, reason="Metal emulator unavailable")
 def test_dispatcher_uses_kernel_on_gpu_backend(monkeypatch):
-    from mlx_lily.testing import metal_emu
-
-    monkeypatch.setattr(kernels, "_CACHE", {})
-    monkeypatch.setattr(kernels, "_metal_ok", lambda: True)
-    monkeypatch.setattr(R, "current_backend", lambda: "metal")
-    monkeypatch.setattr(mx.fast, "metal_kernel", metal_emu.metal_kernel)
-    calls = _count_kernel_calls(monkeypatch)
+    emulated_metal_dispatch(monkeypatch, R)
+    calls = count_kernel_launches(monkeypatch)
     proj, wf, _ = exact_router(256, 16, 8, True, seed=3)
     x = grid_x((1, 1, 256), mx.bfloat16, seed=3)
     got = R.moe_router_topk(x, proj, 4, True)

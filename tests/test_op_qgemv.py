@@ -10,6 +10,7 @@ import pytest
 from mlx_lily import kernels
 from mlx_lily.ops import qgemv as Q
 from mlx_lily.qproj import QProj
+from mlx_lily.testing.dispatch import count_kernel_launches, emulated_metal_dispatch
 from mlx_lily.testing.backends import parity_backends
 from mlx_lily.testing.cuda_check import nvcc_path
 
@@ -132,39 +133,9 @@ def test_kernel_unaligned_activations(backend, monkeypatch):
     check_close(y, truth(x, q, s, b, 64, 4), x, q, s, b, 64, 4, mx.bfloat16)
 
 
-def _emu_dispatch(monkeypatch):
-    """Make the dispatchers see a Metal backend served by the emulator."""
-    from mlx_lily.testing import metal_emu
-
-    monkeypatch.setattr(kernels, "_CACHE", {})
-    monkeypatch.setattr(kernels, "_metal_ok", lambda: True)
-    monkeypatch.setattr(Q, "current_backend", lambda: "metal")
-    monkeypatch.setattr(mx.fast, "metal_kernel", metal_emu.metal_kernel)
-
-
-def _count_kernel_calls(monkeypatch):
-    """Wrap ``kernels.get`` so every launch of a kernel object is recorded by name."""
-    calls = []
-    orig_get = kernels.get
-
-    def get(spec, backend):
-        k = orig_get(spec, backend)
-        if k is None:
-            return None
-
-        def counted(**kw):
-            calls.append(spec.name)
-            return k(**kw)
-
-        return counted
-
-    monkeypatch.setattr(kernels, "get", get)
-    return calls
-
-
 @pytest.mark.skipif("metal-emu" not in parity_backends(), reason="Metal emulator unavailable")
 def test_qproj_routes_one_row_to_kernel(monkeypatch):
-    _emu_dispatch(monkeypatch)
+    emulated_metal_dispatch(monkeypatch, Q)
     mx.random.seed(5)
     layers = []
     for o in (24, 8):
@@ -172,7 +143,7 @@ def test_qproj_routes_one_row_to_kernel(monkeypatch):
         lin.weight = (mx.random.normal((o, 256)) * 0.06).astype(mx.bfloat16)
         layers.append(nn.QuantizedLinear.from_linear(lin, 64, 4))
     proj = QProj.fuse(layers)
-    calls = _count_kernel_calls(monkeypatch)
+    calls = count_kernel_launches(monkeypatch)
     x = mx.random.normal((1, 1, 256)).astype(mx.bfloat16)
     parts = proj(x)
     assert len(calls) == 1 and [p.shape for p in parts] == [(1, 1, 24), (1, 1, 8)]

@@ -59,23 +59,26 @@ def _state_arrays(cache) -> list:
     return [v for c in cache for _, v in tree_flatten(c.state) if isinstance(v, mx.array)]
 
 
-def decode_step_counts(model, cache, token: int) -> dict:
-    """Counts for one decode step of ``model`` on ``cache`` (which it mutates, lazily)."""
-    import time
-
+def _step_graph_counts(logits, cache) -> tuple[dict, list]:
+    """``{"forward", "step"}`` counts for the step behind ``logits`` (``step`` adds
+    ``generate_step``'s sampling tail), and the arrays that end the step's graph."""
     import mlx.core as mx
 
-    t0 = time.perf_counter()
-    logits = model(ids_array([token])[None], cache=cache)
-    build_ms = (time.perf_counter() - t0) * 1e3
     states = _state_arrays(cache)
     last = logits[:, -1, :]
     logprobs = last - mx.logsumexp(last, keepdims=True)
     tok = mx.argmax(logprobs, axis=-1)
-    forward = count_graph(logits, *states)
-    step = count_graph(tok, logprobs, *states)
-    mx.eval(tok, logprobs, *states)  # release the graph
-    return {"forward": forward, "step": step, "build_ms_median": build_ms}
+    counts = {"forward": count_graph(logits, *states), "step": count_graph(tok, logprobs, *states)}
+    return counts, [tok, logprobs, *states]
+
+
+def decode_step_counts(model, cache, token: int) -> dict:
+    """Counts for one decode step of ``model`` on ``cache`` (which it mutates, lazily)."""
+    import mlx.core as mx
+
+    counts, ends = _step_graph_counts(model(ids_array([token])[None], cache=cache), cache)
+    mx.eval(ends)  # release the graph
+    return counts
 
 
 def traced_step_counts(model, ctx, token: int, backend_name: str, repeats: int = 5) -> dict:
@@ -104,18 +107,15 @@ def traced_step_counts(model, ctx, token: int, backend_name: str, repeats: int =
             t0 = time.perf_counter()
             out = model(tok, cache=cache)
             times.append(time.perf_counter() - t0)
-        states = _state_arrays(cache)
-        last = out[:, -1, :]
-        logprobs = last - mx.logsumexp(last, keepdims=True)
-        res["forward"] = count_graph(out, *states)
-        res["step"] = count_graph(mx.argmax(logprobs, axis=-1), logprobs, *states)
+        res.update(_step_graph_counts(out, cache)[0])
         return out
 
     with tracing_backend(backend_name), tempfile.TemporaryDirectory() as d:
         try:
             mx.export_function(os.path.join(d, "step.mlxfn"), fn, ids_array([token])[None])
-        except ValueError:
-            pass  # serialising the traced graph is not needed (some primitives cannot be)
+        except ValueError as e:  # serialising the traced graph is not needed
+            if "serialize" not in str(e) or "step" not in res:
+                raise
     res["build_ms_median"] = statistics.median(times) * 1e3
     res["traced_backend"] = backend_name
     return res
