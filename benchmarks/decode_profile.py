@@ -10,12 +10,14 @@ Per arm, from one Lily-built cache (deep-copied per arm, as in ``benchmarks/ab.p
 graph recording only); ``sync_ms`` = build + ``mx.eval`` + synchronize, one step at a time;
 ``eval_ms`` = sync_ms - build_ms; ``pipelined_ms`` = median interval of ``generate_step``
 (next step built while the previous one runs). Medians over ``--steps`` steps after
-``--warmup`` untimed ones. Writes DIR/decode_profile.json and prints a table.
+``--warmup`` untimed ones. Arm ``lily-eager`` is Lily with its compiled decode layers off
+(``MLX_LILY_COMPILE=0``). Writes DIR/decode_profile.json and prints a table.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -26,6 +28,7 @@ import mlx.core as mx
 from mlx_lily.bench.ab import (ARMS, arm_context, build_context, copy_cache, environment, ids_array,
                                load_target, log, measure_decode, synthetic_ids, vocab_bounds)
 from mlx_lily.bench.primitives import _state_arrays, count_graph
+from mlx_lily.patches.qwen3_next import COMPILE_ENV
 
 
 def _step(model, cache, tok):
@@ -116,6 +119,8 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=24)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--ops", default=None)
+    p.add_argument("--no-eager-arm", action="store_true",
+                   help="skip the 'lily-eager' arm (Lily with MLX_LILY_COMPILE=0)")
     p.add_argument("--out", type=Path, default=None)
     a = p.parse_args(argv)
     ops = a.ops.split(",") if a.ops else None
@@ -127,14 +132,27 @@ def main(argv=None) -> int:
     log(f"dispatch cost per primitive: {res['dispatch']}")
     with arm_context("lily", t.model, ops):
         ctx = build_context(t.model, ids[:a.context], 2048)
-    for arm in ARMS:
-        with arm_context(arm, t.model, ops):
-            r = res["arms"][arm] = profile_arm(t.model, ctx, int(ids[a.context]), a.steps, a.warmup)
+    arms = list(ARMS) + ([] if a.no_eager_arm else ["lily-eager"])
+    for arm in arms:
+        eager = arm == "lily-eager"
+        prev = os.environ.get(COMPILE_ENV)
+        if eager:
+            os.environ[COMPILE_ENV] = "0"
+        try:
+            with arm_context("lily" if eager else arm, t.model, ops):
+                r = res["arms"][arm] = profile_arm(t.model, ctx, int(ids[a.context]), a.steps,
+                                                   a.warmup)
+        finally:
+            if eager:
+                if prev is None:
+                    os.environ.pop(COMPILE_ENV, None)
+                else:
+                    os.environ[COMPILE_ENV] = prev
         log(f"{arm}: {r}")
     print(f"\ndecode step at context {a.context} (ms, medians of {a.steps})")
-    print(f"{'arm':6s}{'prims':>7s}{'build':>9s}{'eval':>9s}{'sync':>9s}{'pipelined':>11s}{'tok/s':>8s}")
+    print(f"{'arm':11s}{'prims':>7s}{'build':>9s}{'eval':>9s}{'sync':>9s}{'pipelined':>11s}{'tok/s':>8s}")
     for arm, r in res["arms"].items():
-        print(f"{arm:6s}{r['prims_per_step']:7d}{r['build_ms']:9.2f}{r['eval_ms']:9.2f}{r['sync_ms']:9.2f}"
+        print(f"{arm:11s}{r['prims_per_step']:7d}{r['build_ms']:9.2f}{r['eval_ms']:9.2f}{r['sync_ms']:9.2f}"
               f"{r['pipelined_ms']:11.2f}{r['pipelined_tok_s']:8.1f}")
     if a.out:
         a.out.mkdir(parents=True, exist_ok=True)

@@ -55,8 +55,9 @@ def tracing_backend(name: str = "metal"):
     """Make dispatchers take ``name``'s kernel path on a machine without that GPU, for
     graph recording only (``mx.export_function`` tracing counts primitives and times the
     Python build without evaluating; evaluating such a graph raises "No Metal back-end").
-    Only ``"metal"`` works on MLX's CPU and CUDA builds (``mx.fast.cuda_kernel`` cannot be
-    constructed without CUDA).
+    ``"metal"`` works with MLX's own ``metal_kernel`` (construction needs no GPU);
+    ``"cuda"`` needs a stand-in ``mx.fast.cuda_kernel`` off-GPU (tests record launches
+    for ``mlx_lily.cuda_cache`` that way).
 
     Raises:
         ValueError: ``name`` is not ``"metal"`` or ``"cuda"``.

@@ -16,6 +16,8 @@ from typing import NamedTuple
 
 import mlx.core as mx
 
+from . import cuda_cache
+
 _REPO_SHADERS = Path(__file__).resolve().parent.parent / "shaders"
 
 
@@ -185,8 +187,28 @@ def get(spec: KernelSpec, backend: str):
             return None
         if backend not in ("metal", "cuda"):
             return None
-        k = _CACHE[key] = build(spec, backend)
+        k = build(spec, backend)
+        if backend == "cuda":
+            k = RecordedCudaKernel(k, spec)
+        _CACHE[key] = k
     return k
+
+
+class RecordedCudaKernel:
+    """A ``mx.fast.cuda_kernel`` object that reports each launch to an open
+    ``mlx_lily.cuda_cache.recording()`` (for compiling ahead of time), then launches."""
+
+    __slots__ = ("kernel", "spec", "header", "body")
+
+    def __init__(self, kernel, spec: KernelSpec):
+        self.kernel = kernel
+        self.spec = spec
+        self.header, self.body = split_header(shader_source("cuda", spec.stem + ".cu"))
+
+    def __call__(self, **kw):
+        if cuda_cache._RECORDER is not None:
+            cuda_cache.record(self.spec, self.header, self.body, kw)
+        return self.kernel(**kw)
 
 
 def _metal_ok() -> bool:
@@ -196,6 +218,8 @@ def _metal_ok() -> bool:
 
 
 def _cuda_ok() -> bool:
-    from .backend import _cuda_available
+    from . import backend
 
-    return _cuda_available() and hasattr(mx.fast, "cuda_kernel")
+    if backend._TRACE_BACKEND == "cuda":
+        return hasattr(mx.fast, "cuda_kernel")
+    return backend._cuda_available() and hasattr(mx.fast, "cuda_kernel")

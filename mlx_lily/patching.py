@@ -16,6 +16,7 @@ from . import backend
 
 _ORIGINALS: dict = {}
 _ACTIVE: "PatchHandle | None" = None
+_GENERATION = 0  # bumped by every patch(): state built under an earlier patch is stale
 _WARNED_TYPES: set = set()
 
 
@@ -128,21 +129,46 @@ def check_checkpoint(model_path) -> bool:
     return True
 
 
-def warmup(model, prompt_len: int = 8) -> float:
-    """Compile every kernel the model's forward uses (a short prefill and one decode step on
-    a throw-away cache), so the first real token pays no JIT cost. Returns seconds spent.
+WARMUP_RECORD_LENGTHS = (2048,)
+PRECOMPILE_ENV = "MLX_LILY_PRECOMPILE"  # "0": leave every CUDA kernel to MLX's own JIT
+last_warmup: dict = {}
 
-    Runs at prepare time on GPU backends only (on the CPU there is nothing to compile).
+
+def warmup(model, prompt_len: int = 8, record_lengths=WARMUP_RECORD_LENGTHS) -> float:
+    """Compile every kernel the model's forward uses, so the first real token pays no JIT
+    cost: a short prefill and one decode step on a throw-away cache. Returns seconds spent.
+
+    On CUDA the graphs of those calls, and of prefills of ``record_lengths`` tokens (built,
+    never evaluated: they pick the long-prompt kernel variants), are recorded first and
+    their kernels compiled concurrently into MLX's on-disk cache
+    (``mlx_lily.cuda_cache.precompile``); a later process finds them there. The report
+    lands in ``last_warmup``. Runs at prepare time on GPU backends only.
     """
     import time
 
     import mlx.core as mx
 
     t = time.perf_counter()
-    cache = model.make_cache() if hasattr(model, "make_cache") else None
-    tokens = mx.zeros((1, prompt_len), dtype=mx.int32)
-    mx.eval(model(tokens, cache=cache))
-    mx.eval(model(tokens[:, :1], cache=cache))
+    if backend.current_backend() == "cuda":
+        from . import cuda_cache
+
+        outs, launches = cuda_cache.record_forward(model, prompt_len, record_lengths)
+        t_rec = time.perf_counter()
+        if backend.env_value(PRECOMPILE_ENV, "1") == "0":
+            report = {"skipped": f"{PRECOMPILE_ENV}=0"}
+        else:
+            report = cuda_cache.precompile(launches)
+        report["record_s"] = t_rec - t
+        t_eval = time.perf_counter()
+        mx.eval(outs)
+        report["first_eval_s"] = time.perf_counter() - t_eval
+        last_warmup.clear()
+        last_warmup.update(report)
+    else:
+        cache = model.make_cache() if hasattr(model, "make_cache") else None
+        tokens = mx.zeros((1, prompt_len), dtype=mx.int32)
+        mx.eval(model(tokens, cache=cache))
+        mx.eval(model(tokens[:, :1], cache=cache))
     return time.perf_counter() - t
 
 
@@ -206,10 +232,11 @@ def patch(model=None, *, ops=None) -> PatchHandle:
     Raises:
         ValueError: an unknown op name.
     """
-    global _ACTIVE
+    global _ACTIVE, _GENERATION
     backend.select_ops(ops)
     _default_kernel_cache_dir()
     if _ACTIVE is None:
+        _GENERATION += 1
         applied = []
         for owner, name, repl in _collect_targets():
             orig = _get_raw(owner, name)

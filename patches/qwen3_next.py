@@ -181,10 +181,99 @@ def make_decoder_call(cls_getter):
 decoder_call = make_decoder_call(lambda: qwen3_next.Qwen3NextDecoderLayer)
 
 
+COMPILE_ENV = "MLX_LILY_COMPILE"  # "0" off, "1" on everywhere, default: on GPU backends
+
+
+class _StepCache:
+    """An ``ArraysCache`` stand-in for one traced decode step: it collects the new conv
+    and recurrent states instead of mutating the real cache (compiled functions must not
+    have Python side effects)."""
+
+    lengths = None
+    left_padding = None
+
+    def __init__(self, conv, state):
+        self.cache = [conv, state]
+
+    def __getitem__(self, i):
+        return self.cache[i]
+
+    def __setitem__(self, i, v):
+        self.cache[i] = v
+
+    def __bool__(self):
+        return True
+
+    def advance(self, n):
+        pass
+
+
+class _CompiledSteps:
+    """Per-model compiled decode functions, valid for one dispatch configuration."""
+
+    def __init__(self, key):
+        self.key = key
+        self.fns: dict = {}
+
+
+def _compile_key():
+    """What the traced functions depend on beyond shapes: backend, op selection, switches."""
+    import os
+
+    from mlx_lily import backend, patching
+
+    mode = os.environ.get(COMPILE_ENV, "")
+    be = backend.current_backend()
+    if mode == "0" or (mode != "1" and be not in ("cuda", "metal")):
+        return None
+    return (be, backend.disabled_ops(), backend._selected_ops,
+            os.environ.get("MLX_LILY_KERNELS", ""), patching._GENERATION)
+
+
+def _layer_tail(layer, nxt_norm, h, r):
+    """``(h, r) -> (h', x')``: the residual add fused into the post-attention RMSNorm, the
+    MLP/MoE, and its residual add fused into the next layer's input norm (or the final
+    norm)."""
+    post = layer.post_attention_layernorm
+    h, n = add_rms_norm(h, r, post.weight, post.eps)
+    return add_rms_norm(h, layer.mlp(n), nxt_norm.weight, nxt_norm.eps)
+
+
+def _gdn_step(layer, nxt_norm):
+    """One decode step of a GDN decoder layer, compiled and pure: ``(h, x, conv, state) ->
+    (h', x', conv', state')`` (mixer, post-attention add+norm, MLP/MoE, add+next norm)."""
+    mixer = layer.linear_attn
+
+    def step(h, x, conv, state):
+        c = _StepCache(conv, state)
+        h, x = _layer_tail(layer, nxt_norm, h, mixer(x, None, c))
+        return h, x, c[0], c[1]
+
+    return mx.compile(step)
+
+
+def _mlp_tail(layer, nxt_norm):
+    """``(h, r) -> (h', x')`` compiled: ``_layer_tail`` of an attention layer."""
+    return mx.compile(lambda h, r: _layer_tail(layer, nxt_norm, h, r))
+
+
+def _compiled_steps(model, key):
+    st = model.__dict__.get("_lily_steps")
+    if st is None or st.key != key:
+        st = _CompiledSteps(key)
+        object.__setattr__(model, "_lily_steps", st)
+    return st
+
+
 def make_text_model_call(module, cls_name, layer_cls_name, with_embeddings):
     """The decoder stack with each layer's closing residual add fused into the NEXT
     layer's input RMSNorm (and the last one into the final norm): two ``add_rms_norm``
-    per layer, no separate add or norm. Pipeline-parallel models take the stock code."""
+    per layer, no separate add or norm. Pipeline-parallel models take the stock code.
+
+    Decode steps (one token, no masks, plain caches) on a GPU backend run each GDN layer,
+    and each attention layer's MoE half, as an ``mx.compile``d function: Python builds the
+    layer's graph once, later steps replay it (``MLX_LILY_COMPILE=0`` turns this off).
+    """
 
     def text_model_call(self, inputs, cache=None, input_embeddings=None):
         stock = _original(getattr(module, cls_name))
@@ -204,18 +293,69 @@ def make_text_model_call(module, cls_name, layer_cls_name, with_embeddings):
                     if self.ssm_idx is not None else None)
         first = layers[0].input_layernorm
         x = mx.fast.rms_norm(h, first.weight, first.eps)
+        steps = None
+        if h.shape[1] == 1 and fa_mask is None and ssm_mask is None:
+            key = _compile_key()
+            if key is not None:
+                steps = _compiled_steps(self, key).fns
+        n_layers = len(layers)
         for i, (layer, c) in enumerate(zip(layers, cache)):
+            nxt = layers[i + 1].input_layernorm if i + 1 < n_layers else self.norm
+            if steps is not None and (not layer.is_linear or _gdn_step_ok(layer, c)):
+                if steps.get(i) is not False:
+                    h, x = _run_compiled(steps, i, layer, nxt, h, x, c, fa_mask)
+                    continue
             if layer.is_linear:
                 r = layer.linear_attn(x, ssm_mask, c)
             else:
                 r = layer.self_attn(x, fa_mask, c)
-            post = layer.post_attention_layernorm
-            h, n = add_rms_norm(h, r, post.weight, post.eps)
-            nxt = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.norm
-            h, x = add_rms_norm(h, layer.mlp(n), nxt.weight, nxt.eps)
+            h, x = _layer_tail(layer, nxt, h, r)
         return x
 
     return text_model_call
+
+
+def _gdn_step_ok(layer, c) -> bool:
+    """Whether this GDN layer's decode step can run compiled: a plain ``ArraysCache``
+    holding both states, no batch lengths or padding, and the Lily GDN forward serving."""
+    from mlx_lm.models.cache import ArraysCache
+
+    return (type(c) is ArraysCache and c.lengths is None and c.left_padding is None
+            and c[0] is not None and c[1] is not None and gdn_supported(layer.linear_attn))
+
+
+def _run_compiled(steps, i, layer, nxt_norm, h, x, c, fa_mask):
+    """Layer ``i``'s decode step through its compiled function (built on first use).
+    If building or tracing it raises, the layer is marked uncompiled (``steps[i] = False``,
+    one warning) and this step runs uncompiled. Returns ``(h, x)``."""
+    fn = steps.get(i)
+    first = fn is None
+    if first:
+        fn = _gdn_step(layer, nxt_norm) if layer.is_linear else _mlp_tail(layer, nxt_norm)
+    if layer.is_linear:
+        args = (h, x, c[0], c[1])
+    else:
+        args = (h, layer.self_attn(x, fa_mask, c))
+    if not first:
+        out = fn(*args)
+    else:
+        try:
+            out = fn(*args)
+            steps[i] = fn
+        except Exception as e:  # noqa: BLE001  (any tracing failure: run uncompiled)
+            import warnings
+
+            warnings.warn(f"mlx-lily: compiling decode layer {i} failed ({e!r}); it runs "
+                          "uncompiled", stacklevel=3)
+            steps[i] = False
+            if layer.is_linear:
+                r = layer.linear_attn(x, None, c)
+                return _layer_tail(layer, nxt_norm, h, r)
+            return _layer_tail(layer, nxt_norm, *args)
+    if layer.is_linear:
+        h, x, c[0], c[1] = out
+        return h, x
+    return out
 
 
 model_call = make_text_model_call(qwen3_next, "Qwen3NextModel", "Qwen3NextDecoderLayer", False)

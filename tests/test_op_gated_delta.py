@@ -247,9 +247,19 @@ def cpu_reference(**kw):
     On the H200, MLX's CUDA evaluation of the same reference sat ~0.5% (L2, state) from
     its CPU evaluation while the kernels passed the tight float64-oracle checks
     (2026-11-30, benchmarks/results/2026-11-30-cuda-h200), so GPU runs compare the
-    kernels with the CPU evaluation."""
+    kernels with the CPU evaluation. Array inputs are copied through numpy first: the CPU
+    stream evaluating arrays still pending on the GPU stream crashed MLX 0.32.4's CUDA
+    build (segfault, H200, 2026-11-30 session 4)."""
+    def host(v):
+        if not isinstance(v, mx.array):
+            return v
+        a = np.array(v.astype(mx.float32) if v.dtype == mx.bfloat16 else v)
+        return mx.array(a, dtype=v.dtype)
+
+    mx.eval([v for v in kw.values() if isinstance(v, mx.array)])
+    mx.synchronize()
     with mx.stream(mx.cpu):
-        out = G.gated_delta_reference(**kw)
+        out = G.gated_delta_reference(**{k: host(v) for k, v in kw.items()})
         mx.eval(out)
     return out
 

@@ -97,6 +97,83 @@ def test_logits_and_64_greedy_tokens_match_stock(tiny_models, kind):
     assert tokens == ref_tokens
 
 
+def _inner(model):
+    return getattr(model, "language_model", model).model
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_compiled_decode_steps_match_stock(tiny_models, kind, monkeypatch):
+    """MLX_LILY_COMPILE=1: every layer's decode step runs as an mx.compile'd function
+    (default on GPU backends only); 64 greedy tokens and their log-probs equal stock's."""
+    model = tiny_models[kind]
+    ref = [(int(t), lp) for (t, lp), _ in zip(
+        generate_step(mx.array(PROMPT), model, max_tokens=64), range(64))]
+    monkeypatch.setenv("MLX_LILY_COMPILE", "1")
+    with mlx_lily.patched(model):
+        got = [(int(t), lp) for (t, lp), _ in zip(
+            generate_step(mx.array(PROMPT), model, max_tokens=64), range(64))]
+        steps = _inner(model)._lily_steps
+    assert [t for t, _ in got] == [t for t, _ in ref]
+    assert all(mx.array_equal(a, b).item() for (_, a), (_, b) in zip(got, ref))
+    assert sorted(steps.fns) == list(range(len(_inner(model).layers)))
+    assert all(callable(f) for f in steps.fns.values())
+
+
+def test_compiled_decode_follows_switches(tiny_models, monkeypatch):
+    """A kill switch set between steps gives a fresh set of compiled functions (traced
+    under the new switches); answers stay stock's. Off on the CPU by default."""
+    model = tiny_models["qwen3_5_moe"]
+    c_ref = model.make_cache()
+    model(mx.array([PROMPT]), cache=c_ref)
+    refs = [model(mx.array([[t]]), cache=c_ref) for t in (5, 6)]
+    with mlx_lily.patched(model):
+        c = model.make_cache()
+        model(mx.array([PROMPT]), cache=c)
+        monkeypatch.delenv("MLX_LILY_COMPILE", raising=False)
+        _inner(model).__dict__.pop("_lily_steps", None)
+        model(mx.array([[1]]), cache=copy.deepcopy(c))
+        assert "_lily_steps" not in _inner(model).__dict__
+        monkeypatch.setenv("MLX_LILY_COMPILE", "1")
+        out1 = model(mx.array([[5]]), cache=c)
+        first = _inner(model)._lily_steps
+        monkeypatch.setenv("MLX_LILY_DISABLE", "moe_experts")
+        out2 = model(mx.array([[6]]), cache=c)
+        second = _inner(model)._lily_steps
+    assert first is not second and first.key != second.key
+    assert "moe_experts" in second.key[1]
+    assert mx.array_equal(out1, refs[0]).item() and mx.array_equal(out2, refs[1]).item()
+
+
+def test_compiled_decode_failure_falls_back(tiny_models, monkeypatch):
+    """A layer whose compiled step fails to build runs uncompiled (one warning each)."""
+    from mlx_lily.patches import qwen3_next as nxt
+
+    model = tiny_models["qwen3_5_moe"]
+    c_ref = model.make_cache()
+    model(mx.array([PROMPT]), cache=c_ref)
+    ref = model(mx.array([[9]]), cache=c_ref)
+
+    def broken(*_):
+        def fn(*__):
+            raise RuntimeError("trace failed")
+        return fn
+
+    monkeypatch.setattr(nxt, "_gdn_step", broken)
+    monkeypatch.setenv("MLX_LILY_COMPILE", "1")
+    with mlx_lily.patched(model):
+        c = model.make_cache()
+        model(mx.array([PROMPT]), cache=c)
+        with pytest.warns(UserWarning, match="runs uncompiled"):
+            out = model(mx.array([[9]]), cache=c)
+        fns = _inner(model)._lily_steps.fns
+    layers = _inner(model).layers
+    assert all((fns[i] is False) == l.is_linear for i, l in enumerate(layers))
+    assert mx.array_equal(out, ref).item()
+    for a, b in zip(c, c_ref):
+        assert all(mx.array_equal(u, v).item() for u, v in zip(a.state, b.state)
+                   if u is not None and hasattr(u, "shape") and u.shape == v.shape)
+
+
 def test_model_loaded_before_patch_without_prepare_matches(tiny_models):
     """A model patched globally without prepare() runs unfused projections: same answer."""
     model = _models.build("qwen3_5_moe", seed=3)

@@ -56,8 +56,8 @@ if has tests; then
   bg=()
   if has prims; then MLX_PTX_CACHE_DIR=/tmp/lily-ptx-prims run_prims & bg+=("$!"); fi
   if has numerics; then MLX_PTX_CACHE_DIR=/tmp/lily-ptx-numerics run_numerics & bg+=("$!"); fi
-  for f in tests/test_op_*.py; do
-    op=$(basename "$f" .py); op=${op#test_op_}
+  for f in tests/test_op_*.py tests/test_cuda_cache.py; do
+    op=$(basename "$f" .py); op=${op#test_op_}; op=${op#test_}
     if [ -n "${TEST_OPS:-}" ] && [[ ",$TEST_OPS," != *",$op,"* ]]; then continue; fi
     (cd /tmp && MLX_PTX_CACHE_DIR=/tmp/lily-ptx-$op timeout "${T_TESTS:-300}" python3 -m pytest -m gpu -q \
        -p no:cacheprovider -rf --durations=5 "$REPO/$f" --junitxml="$W/junit-$op.xml") > "$W/gpu_tests-$op.log" 2>&1 &
@@ -96,8 +96,9 @@ if has bench; then
 fi
 if has startup; then
   say "== start-up (cold / warm kernel cache)"
-  (cd /tmp && timeout 300 python3 "$REPO/benchmarks/startup.py" --preset small --out "$W/startup.json") > "$W/startup.log" 2>&1
-  tail -8 "$W/startup.log" | tee -a "$S"
+  (cd /tmp && timeout "${T_STARTUP:-300}" python3 "$REPO/benchmarks/startup.py" ${STARTUP_ARGS:---preset qwen3.6-35b-a3b --layers 4} \
+     --out "$W/startup.json") > "$W/startup.log" 2>&1
+  tail -8 "$W/startup.log" | tee -a "$S"; snapshot
 fi
 if has ab; then
   say "== A/B"

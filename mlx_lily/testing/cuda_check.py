@@ -15,17 +15,10 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-import mlx.core as mx
+from ..cuda_cache import CUDA_TYPES, Launch  # noqa: F401  (CUDA_TYPES: re-exported)
+from ..cuda_cache import render as _render
 
 _STUB = Path(__file__).resolve().parent / "cuda_stub"
-
-CUDA_TYPES = {
-    mx.float32: "float", mx.float16: "__half", mx.bfloat16: "__nv_bfloat16",
-    mx.int32: "int32_t", mx.uint32: "uint32_t", mx.int64: "int64_t",
-    mx.uint64: "uint64_t", mx.int8: "int8_t", mx.uint8: "uint8_t", mx.bool_: "bool",
-    mx.int16: "int16_t", mx.uint16: "uint16_t",
-}
-
 
 def nvcc_path() -> str | None:
     """Path of nvcc, or None."""
@@ -34,36 +27,16 @@ def nvcc_path() -> str | None:
 
 
 def render(name: str, inputs, outputs, source: str, header: str = "", template=()) -> str:
-    """Render a kernel as MLX does.
+    """Render a kernel as MLX does (``mlx_lily.cuda_cache.render``).
 
     Args:
         inputs: ``[(name, mx.Dtype, ndim)]``; outputs: ``[(name, mx.Dtype)]``;
         template: ``[(name, int | bool | mx.Dtype)]``.
     """
-    s = ['#include "mlx/backend/cuda/device/utils.cuh"\n\n#include <cooperative_groups.h>\n\n',
-         header, "namespace mlx::core::cu {\n\nnamespace cg = cooperative_groups;\n\n",
-         f"__global__ void custom_kernel_{name}(\n"]
-    for n, dt, ndim in inputs:
-        s.append(f"    const {CUDA_TYPES[dt]}* {n},\n")
-        if ndim > 0:
-            if n + "_shape" in source:
-                s.append(f"    const __grid_constant__ Shape {n}_shape,\n")
-            if n + "_strides" in source:
-                s.append(f"    const __grid_constant__ Strides {n}_strides,\n")
-            if n + "_ndim" in source:
-                s.append(f"    const __grid_constant__ int {n}_ndim,\n")
-    outs = [f"    {CUDA_TYPES[dt]}* {n}" for n, dt in outputs]
-    s.append(",\n".join(outs) + ") {\n")
-    for n, v in template:
-        if isinstance(v, bool):
-            s.append(f"  constexpr bool {n} = {'true' if v else 'false'};\n")
-        elif isinstance(v, int):
-            s.append(f"  constexpr int {n} = {v};\n")
-        else:
-            s.append(f"  using {n} = {CUDA_TYPES[v]};\n")
-    s.append(source)
-    s.append("\n}\n\n} // namespace mlx::core::cu\n")
-    return "".join(s)
+    return _render(Launch(name, header, source, tuple(n for n, _, _ in inputs),
+                          tuple((dt, nd) for _, dt, nd in inputs),
+                          tuple(n for n, _ in outputs), tuple(dt for _, dt in outputs),
+                          tuple(template)))
 
 
 def check(name, inputs, outputs, source, header="", template=(), arch="sm_90a") -> str:

@@ -1,0 +1,317 @@
+"""Ahead-of-time CUDA kernel compilation into MLX's disk cache (mlx_lily.cuda_cache).
+
+CPU: the libstdc++ hash, the source rendering, launch recording through the dispatchers
+with a stand-in ``cuda_kernel``, the cache writer. Where an NVRTC library is found
+(``MLX_LILY_NVRTC``): every kernel of a production-dims forward compiles for sm_90a.
+GPU: the rendering equals what MLX generates, and a kernel served from the written cache
+matches its reference in a fresh process.
+"""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from mlx_lily import backend, cuda_cache, kernels
+from mlx_lily.ops import add_rms_norm as arn
+
+# std::hash<std::string> values printed by a g++/libstdc++ program (x86-64).
+KNOWN_HASHES = {
+    b"": 0x553E93901E462A6E,
+    b"a": 0x454DDEE488C1ED6B,
+    b"abcdefg": 0xDEEE6830A3AF82AF,
+    b"abcdefgh": 0x783DB3E38DB898BB,
+    b"abcdefghi": 0xB4EC9257851C8AAF,
+    b"custom_kernel_lily_qgemv_bfloat16_t_2048\n\nxyz\xff\x01": 0x5005B6D5429BDD02,
+}
+
+
+def test_hash_matches_libstdcxx_values():
+    for data, want in KNOWN_HASHES.items():
+        assert cuda_cache.libstdcxx_hash(data) == want, data
+    big = bytes((i * 131) % 256 for i in range(100003))
+    assert cuda_cache.libstdcxx_hash(big) == 0xD546DAAF67B4D2BE
+
+
+def test_hash_matches_compiled_std_hash(tmp_path):
+    """Against std::hash compiled here, on random strings of every tail length."""
+    import shutil
+
+    gxx = shutil.which("g++")
+    if gxx is None:
+        pytest.skip("no g++")
+    src = tmp_path / "h.cpp"
+    src.write_text(textwrap.dedent("""
+        #include <functional>
+        #include <iostream>
+        #include <iterator>
+        #include <string>
+        int main() {
+          std::string s((std::istreambuf_iterator<char>(std::cin)), {});
+          std::cout << std::hash<std::string>{}(s) << std::endl;
+        }"""))
+    exe = tmp_path / "h"
+    subprocess.run([gxx, "-O1", str(src), "-o", str(exe)], check=True)
+    rng = np.random.default_rng()
+    for n in list(range(0, 17)) + [int(rng.integers(100, 5000))]:
+        data = rng.integers(0, 256, size=n, dtype=np.uint8).tobytes()
+        out = subprocess.run([str(exe)], input=data, capture_output=True, check=True)
+        assert cuda_cache.libstdcxx_hash(data) == int(out.stdout), n
+
+
+def _launch(template=(("T", mx.bfloat16), ("D", 2048), ("E", 8), ("B", True)), ndim=2):
+    return cuda_cache.Launch(
+        "demo", "// helper\n", "out[0] = x[0]; // x_strides\n", ("x", "w"),
+        ((mx.bfloat16, ndim), (mx.float32, 0)), ("out", "aux"), (mx.bfloat16, mx.float32),
+        tuple(template))
+
+
+def test_render_layout():
+    src = cuda_cache.render(_launch())
+    assert src.startswith('\n#include "mlx/backend/cuda/device/utils.cuh"\n\n#include '
+                          "<cooperative_groups.h>\n\n// helper\nnamespace mlx::core::cu {")
+    assert ("__global__ void custom_kernel_demo_bfloat16_t_2048_8_t(\n"
+            "    const __nv_bfloat16* x,\n"
+            "    const __grid_constant__ Strides x_strides,\n"
+            "    const float* w,\n"
+            "    __nv_bfloat16* out,\n"
+            "    float* aux) {\n"
+            "  using T = __nv_bfloat16;\n  constexpr int D = 2048;\n  constexpr int E = 8;\n"
+            "  constexpr bool B = true;\n\n") in src
+    assert src.endswith("// x_strides\n\n}\n\n} // namespace mlx::core::cu\n")
+    # a 0-d input gets no shape parameters; no template: no constants block
+    bare = cuda_cache.render(_launch(template=(), ndim=0))
+    assert "x_strides,\n" not in bare and "float* aux) {\nout[0]" in bare
+
+
+def test_module_name_tracks_source():
+    a, b = _launch(), _launch(template=(("T", mx.bfloat16), ("D", 1024), ("E", 8), ("B", True)))
+    ma, mb = cuda_cache.module_name(a), cuda_cache.module_name(b)
+    assert ma.startswith("custom_kernel_demo_bfloat16_t_2048_8_t_")
+    assert ma != mb and cuda_cache.module_name(a) == ma
+    assert int(ma.rsplit("_", 1)[1], 16) == cuda_cache.libstdcxx_hash(cuda_cache.render(a))
+
+
+def test_cache_paths_split_long_names(tmp_path):
+    img, txt = cuda_cache.cache_paths(tmp_path, "k" * 600)
+    assert img.name == "k" * 110 + ".ptx" and txt.name == "k" * 110 + ".txt"
+    assert img.parent == tmp_path / ("k" * 245) / ("k" * 245)
+
+
+def _stub_cuda_dispatch(monkeypatch):
+    """Dispatchers take their CUDA kernel path on this machine; kernels return zeros."""
+
+    def factory(**_):
+        def call(*, inputs, output_shapes, output_dtypes, **__):
+            return [mx.zeros(s, d) for s, d in zip(output_shapes, output_dtypes)]
+
+        return call
+
+    monkeypatch.setattr(kernels, "_CACHE", {})
+    monkeypatch.setattr(mx.fast, "cuda_kernel", factory)
+
+
+def test_recording_through_dispatch(monkeypatch):
+    _stub_cuda_dispatch(monkeypatch)
+    x = mx.random.normal((3, 2048)).astype(mx.bfloat16)
+    w = mx.ones((2048,), dtype=mx.bfloat16)
+    with backend.tracing_backend("cuda"):
+        with cuda_cache.recording() as rec:
+            arn.add_rms_norm(x, x, w, 1e-6)
+        arn.add_rms_norm(x, x, w, 1e-6)  # not recorded
+    assert len(rec) == 1
+    ln = rec[0]
+    assert ln.name == arn.SPEC.name and ln.input_names == tuple(arn.SPEC.inputs)
+    assert ln.inputs[0] == (mx.bfloat16, 2) and ("D", 2048) in ln.template
+    assert f"custom_kernel_{arn.SPEC.name}_bfloat16_t_2048_" in cuda_cache.module_name(ln)
+
+
+class _FakeNvrtc:
+    version = (13, 0)
+
+    def __init__(self):
+        self.calls = []
+
+    def compile(self, source, name, expression, options, headers=None, sass=True):
+        self.calls.append((name, expression, options, headers))
+        if "FAIL" in source:
+            raise cuda_cache.CompileError(f"{name}: error")
+        return b"IMAGE:" + name.encode(), "_Z" + expression.replace("::", "_")
+
+
+def test_precompile_writes_mlx_cache_files(tmp_path):
+    good, bad = _launch(), _launch()._replace(source="FAIL\n")
+    nv = _FakeNvrtc()
+    rep = cuda_cache.precompile([good, good, bad], directory=tmp_path, arch=(9, 0),
+                                include_dirs=["/inc"], nvrtc=nv, workers=2)
+    assert rep["kernels"] == 2 and rep["compiled"] == 1 and rep["cached"] == 0
+    assert list(rep["failed"]) == [cuda_cache.module_name(bad)]
+    mod = cuda_cache.module_name(good)
+    img, txt = cuda_cache.cache_paths(tmp_path, mod)
+    assert img.read_bytes() == b"IMAGE:" + mod.encode()
+    expr = "mlx::core::cu::custom_kernel_demo_bfloat16_t_2048_8_t"
+    assert txt.read_text() == f"{expr}\t_Z{expr.replace('::', '_')}\n"
+    opts = nv.calls[0][2]
+    assert opts[:2] == ["--device-as-default-execution-space", "--gpu-architecture=sm_90a"]
+    assert "--include-path=/inc" in opts and cuda_cache.SHIM_NAME in nv.calls[0][3]
+    assert not list(tmp_path.glob(".*.tmp"))
+    again = cuda_cache.precompile([good], directory=tmp_path, arch=(9, 0), nvrtc=_FakeNvrtc())
+    assert again["cached"] == 1 and again["compiled"] == 0
+
+
+def test_precompile_without_nvrtc_reports_skip(tmp_path, monkeypatch):
+    monkeypatch.setattr(cuda_cache, "find_nvrtc", lambda: None)
+    rep = cuda_cache.precompile([_launch()], directory=tmp_path, arch=(9, 0))
+    assert "NVRTC not found" in rep["skipped"] and rep["compiled"] == 0
+
+
+def _production_launches(monkeypatch, layers=4):
+    """Kernel launches of a production-dims (Qwen3.6-35B-A3B, ``layers`` layers) forward,
+    recorded on a lazy model: nothing is evaluated but the fused projections."""
+    import mlx_lily
+    from mlx_lily import synth
+
+    _stub_cuda_dispatch(monkeypatch)
+    monkeypatch.setenv("MLX_LILY_KERNELS", "all")
+    model, _ = synth._lazy_model(synth._text_config(num_hidden_layers=layers))
+    model.eval()
+    model.set_dtype(mx.bfloat16)
+    with backend.tracing_backend("cuda"):
+        mlx_lily.patch()
+        mlx_lily.prepare_model(model)
+        _, launches = cuda_cache.record_forward(model)
+    return launches
+
+
+@pytest.mark.slow
+def test_production_forward_records_every_op(monkeypatch):
+    launches = _production_launches(monkeypatch)
+    ops = {kernels.op_of(kernels.KernelSpec(l.name, _stem(l.name), (), ())) for l in launches}
+    assert ops >= {"add_rms_norm", "attention", "gated_delta", "moe_router_topk",
+                   "moe_experts", "moe_route", "moe_grouped", "qgemv"}
+
+
+def _stem(name):
+    for spec in _all_specs():
+        if spec.name == name:
+            return spec.stem
+    raise KeyError(name)
+
+
+def _all_specs():
+    import importlib
+
+    from mlx_lily.backend import OP_NAMES
+
+    out = []
+    for op in OP_NAMES:
+        m = importlib.import_module(f"mlx_lily.ops.{op}")
+        out += [v for v in vars(m).values() if isinstance(v, kernels.KernelSpec)]
+    return out
+
+
+@pytest.mark.slow
+def test_production_kernels_compile_with_nvrtc(monkeypatch, tmp_path):
+    """Every kernel of a production forward compiles under the stand-in header, in two
+    worker processes (needs an NVRTC library: MLX_LILY_NVRTC, or MLX's CUDA build)."""
+    try:
+        cuda_cache.Nvrtc()
+    except OSError:
+        pytest.skip("no NVRTC library (set MLX_LILY_NVRTC)")
+    inc = tmp_path / "inc" / "mlx" / "backend" / "cuda" / "device"
+    inc.mkdir(parents=True)
+    (inc / "config.h").write_text("#pragma once\n#define MAX_NDIM 10\n#define WARP_SIZE 32\n")
+    cuda_inc = [d for d in (os.environ.get("CUDA_HOME", "/usr/local/cuda") + "/include",)
+                if os.path.exists(os.path.join(d, "cuda_bf16.h"))]
+    if not cuda_inc:
+        pytest.skip("no CUDA headers (set CUDA_HOME)")
+    dirs = [str(tmp_path / "inc"), cuda_inc[0]]
+    if os.path.isdir(os.path.join(cuda_inc[0], "cccl")):
+        dirs.append(os.path.join(cuda_inc[0], "cccl"))
+    launches = _production_launches(monkeypatch)
+    rep = cuda_cache.precompile(launches, directory=tmp_path / "cache", arch=(9, 0),
+                                include_dirs=dirs, workers=2)
+    assert rep["failed"] == {} and rep["compiled"] == rep["kernels"] >= 15, rep
+    assert rep["workers"] == 2
+    for p in (tmp_path / "cache").glob("*.ptx"):
+        assert p.read_bytes()[:4] == b"\x7fELF"  # a cubin
+        assert p.with_suffix(".txt").read_text().startswith("mlx::core::cu::custom_kernel_")
+
+
+# ----------------------------------------------------------------------------- GPU
+@pytest.mark.gpu
+@pytest.mark.skipif(not backend._cuda_available(), reason="needs MLX's CUDA backend")
+def test_render_equals_mlx_generated_source(tmp_path):
+    """The source MLX prints with verbose=True is byte for byte ours."""
+    D = 2048
+    x = mx.random.normal((2, D)).astype(mx.bfloat16)
+    w = mx.ones((D,), dtype=mx.bfloat16)
+    k = kernels.build(arn.SPEC, "cuda")
+    head, body = kernels.split_header(kernels.shader_source("cuda", arn.SPEC.stem + ".cu"))
+    out_file = tmp_path / "stdout.txt"
+    with cuda_cache.recording() as rec:
+        kernels.RecordedCudaKernel(k, arn.SPEC)  # construction records nothing
+    assert rec == []
+    fd = os.dup(1)
+    with open(out_file, "w") as f:
+        sys.stdout.flush()
+        os.dup2(f.fileno(), 1)
+        try:
+            verbose = kernels.RecordedCudaKernel(lambda **kw: k(verbose=True, **kw), arn.SPEC)
+            with cuda_cache.recording() as rec:
+                arn.add_rms_norm_fused(x, x, w, 1e-6, kernel=verbose)
+        finally:
+            os.dup2(fd, 1)
+            os.close(fd)
+    printed = out_file.read_text()
+    start = printed.index("```\n") + 4
+    end = printed.index("\n```", start)
+    assert len(rec) == 1
+    assert printed[start:end] == cuda_cache.render(rec[0])
+
+
+CHILD = r"""
+import json, os, sys
+import mlx.core as mx
+from mlx_lily import cuda_cache, kernels
+from mlx_lily.ops import add_rms_norm as arn
+D = 2048
+x = mx.random.normal((5, D), key=mx.random.key(1)).astype(mx.bfloat16)
+r = mx.random.normal((5, D), key=mx.random.key(2)).astype(mx.bfloat16)
+w = mx.random.normal((D,), key=mx.random.key(3)).astype(mx.bfloat16)
+k = kernels.get(arn.SPEC, "cuda")
+with cuda_cache.recording() as rec:
+    h, n = arn.add_rms_norm_fused(x, r, w, 1e-6, kernel=k)
+rep = cuda_cache.precompile(rec) if sys.argv[1] == "compile" else {}
+mx.eval(h, n)
+hr, nr = arn.add_rms_norm_reference(x, r, w, 1e-6)
+err = max(float(mx.abs(h.astype(mx.float32) - hr.astype(mx.float32)).max()),
+          float(mx.abs(n.astype(mx.float32) - nr.astype(mx.float32)).max()))
+print(json.dumps({"report": rep, "err": err, "modules": [cuda_cache.module_name(l) for l in rec]}))
+"""
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not backend._cuda_available(), reason="needs MLX's CUDA backend")
+def test_kernel_served_from_written_cache(tmp_path):
+    """Process 1 compiles the kernel into a fresh cache and runs it; process 2 loads it
+    from there. Both match the reference."""
+    import json
+
+    env = dict(os.environ, MLX_PTX_CACHE_DIR=str(tmp_path), MLX_LILY_KERNELS="all")
+    outs = []
+    for mode in ("compile", "load"):
+        p = subprocess.run([sys.executable, "-c", CHILD, mode], env=env, capture_output=True,
+                           text=True, timeout=600)
+        assert p.returncode == 0, p.stderr[-3000:]
+        outs.append(json.loads(p.stdout.strip().splitlines()[-1]))
+    assert outs[0]["report"]["compiled"] == 1, outs[0]
+    mod = outs[0]["modules"][0]
+    assert outs[1]["modules"] == [mod]
+    assert cuda_cache.cache_paths(tmp_path, mod)[0].stat().st_size > 0
+    for o in outs:
+        assert o["err"] <= 0.05, o
