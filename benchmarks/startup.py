@@ -61,6 +61,9 @@ def main():
     p.add_argument("--preset", default="small")
     p.add_argument("--layers", type=int, default=0, help="override the layer count (0: keep)")
     p.add_argument("--no-jit-arm", action="store_true", help="skip the lily_cold_jit arm")
+    p.add_argument("--mlx-cache", default=None,
+                   help="seed the fresh cache with MLX's own kernels from this cache folder "
+                        "(files not named custom_kernel_*), so stock starts warm")
     p.add_argument("--out", default=None)
     a = p.parse_args()
     res = {"preset": a.preset, "layers": a.layers, "rows": {}, "time": time.time()}
@@ -79,6 +82,12 @@ def main():
                 json.dump(res, f, indent=1)
 
     with tempfile.TemporaryDirectory() as d, tempfile.TemporaryDirectory() as d2:
+        if a.mlx_cache:
+            for f in os.listdir(a.mlx_cache):
+                if not f.startswith("custom_kernel_"):
+                    src = os.path.join(a.mlx_cache, f)
+                    (shutil.copytree if os.path.isdir(src) else shutil.copy2)(src, os.path.join(d, f))
+        res["mlx_cache_seeded"] = bool(a.mlx_cache)
         row("stock", "stock", d)
         shutil.copytree(d, d2, dirs_exist_ok=True)  # MLX's own kernels, warm, for the JIT arm
         row("lily_cold", "lily", d)
