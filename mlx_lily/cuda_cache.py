@@ -441,35 +441,39 @@ def _run_workers(buckets, nvrtc_path, directory, opts, sass) -> tuple[list, dict
     libdir = str(Path(nvrtc_path).parent)
     env["LD_LIBRARY_PATH"] = libdir + (":" + env["LD_LIBRARY_PATH"]
                                        if env.get("LD_LIBRARY_PATH") else "")
+    import tempfile
+
     procs = []
-    for b in buckets:
-        payload = json.dumps({"nvrtc": nvrtc_path, "dir": str(directory), "opts": opts,
-                              "sass": sass, "jobs": b})
-        p = subprocess.Popen([sys.executable, "-m", "mlx_lily.cuda_cache"], env=env,
-                             stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                             stderr=subprocess.PIPE, text=True)
-        procs.append((p, payload, b))
-    compiled, failed = [], {}
-    for p, payload, b in procs:
-        out, err = p.communicate(payload)
-        try:
-            res = json.loads(out.strip().splitlines()[-1])
-        except (ValueError, IndexError):
-            for mod, _, _ in b:
-                failed[mod] = f"compile worker exited {p.returncode}: {err[-1500:]}"
-            continue
-        compiled += res["compiled"]
-        failed.update(res["failed"])
+    with tempfile.TemporaryDirectory() as tmp:
+        for i, b in enumerate(buckets):  # start every worker before waiting on any
+            job_file = Path(tmp) / f"jobs{i}.json"
+            job_file.write_text(json.dumps({"nvrtc": nvrtc_path, "dir": str(directory),
+                                            "opts": opts, "sass": sass, "jobs": b}))
+            p = subprocess.Popen([sys.executable, "-m", "mlx_lily.cuda_cache", str(job_file)],
+                                 env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                 stderr=subprocess.PIPE, text=True)
+            procs.append((p, b))
+        compiled, failed = [], {}
+        for p, b in procs:
+            out, err = p.communicate()
+            try:
+                res = json.loads(out.strip().splitlines()[-1])
+            except (ValueError, IndexError):
+                for mod, _, _ in b:
+                    failed[mod] = f"compile worker exited {p.returncode}: {err[-1500:]}"
+                continue
+            compiled += res["compiled"]
+            failed.update(res["failed"])
     return compiled, failed
 
 
 def _worker_main() -> int:
-    """``python -m mlx_lily.cuda_cache``: read a JSON job list on stdin, compile each
-    into the cache, print ``{"compiled": [...], "failed": {module: error}}``."""
+    """``python -m mlx_lily.cuda_cache JOBS.json``: compile each job of the file into the
+    cache, print ``{"compiled": [...], "failed": {module: error}}``."""
     import json
     import sys
 
-    req = json.loads(sys.stdin.read())
+    req = json.loads(Path(sys.argv[1]).read_text())
     nvrtc = Nvrtc(req["nvrtc"])
     compiled, failed = [], {}
     for mod, src, expr in req["jobs"]:

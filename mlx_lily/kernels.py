@@ -125,14 +125,14 @@ _STEM_OPS = (
 # Ops whose kernels were verified on that backend's hardware (their per-op parity tests
 # passed on the device AND the A/B correctness gate on the full-size model passed with them
 # running): on by default there.
-# CUDA, H200 session 3 (benchmarks/results/2026-11-30-cuda-h200-session3/README.md): the
-# seven below passed their GPU tests and the gate (fp32-anchored) in the A/B run with
-# gated_delta off. gated_delta's kernels passed the float64-oracle checks on the H200 but
-# no gate has finished with them on yet. Metal: no kernel has run on Apple hardware (the
-# emulator proves semantics only).
+# CUDA, H200: the seven ops of session 3 (benchmarks/results/2026-11-30-cuda-h200-session3/),
+# and gated_delta in session 4 (benchmarks/results/2026-11-30-cuda-h200-session4/: its 28
+# GPU tests passed against the CPU-evaluated reference, and the A/B gate passed with every
+# kernel on, compiled decode steps included). Metal: no kernel has run on Apple hardware
+# (the emulator proves semantics only).
 VERIFIED: dict = {
     "cuda": frozenset({"add_rms_norm", "moe_router_topk", "moe_route", "moe_experts",
-                       "moe_grouped", "attention", "qgemv"}),
+                       "moe_grouped", "attention", "qgemv", "gated_delta"}),
     "metal": frozenset(),
 }
 

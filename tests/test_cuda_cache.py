@@ -171,11 +171,14 @@ def test_precompile_without_nvrtc_reports_skip(tmp_path, monkeypatch):
 
 def _production_launches(monkeypatch, layers=4):
     """Kernel launches of a production-dims (Qwen3.6-35B-A3B, ``layers`` layers) forward,
-    recorded on a lazy model: nothing is evaluated but the fused projections."""
+    recorded on a lazy model: nothing is evaluated but the fused projections. The decode
+    step runs through the compiled layer functions, traced (and so recorded) here first:
+    prepare's own warm-up is skipped."""
     import mlx_lily
-    from mlx_lily import synth
+    from mlx_lily import patching, synth
 
     _stub_cuda_dispatch(monkeypatch)
+    monkeypatch.setattr(patching, "warmup", lambda *a, **k: 0.0)
     monkeypatch.setenv("MLX_LILY_KERNELS", "all")
     model, _ = synth._lazy_model(synth._text_config(num_hidden_layers=layers))
     model.eval()
@@ -193,6 +196,8 @@ def test_production_forward_records_every_op(monkeypatch):
     ops = {kernels.op_of(kernels.KernelSpec(l.name, _stem(l.name), (), ())) for l in launches}
     assert ops >= {"add_rms_norm", "attention", "gated_delta", "moe_router_topk",
                    "moe_experts", "moe_route", "moe_grouped", "qgemv"}
+    names = {l.name for l in launches}
+    assert {"lily_gdn_decode", "lily_moe_gate_up", "lily_moe_down"} <= names  # decode step
 
 
 def _stem(name):
