@@ -107,6 +107,50 @@ def test_budget_marks_rows_not_run(tmp_path):
     assert r8k["arms"]["stock"]["rounds"] == [] and r8k["ratio"] is None
 
 
+def test_lily_only_rows_over_budget(tmp_path, monkeypatch):
+    """--lily-only-over-budget: where only stock is predicted over budget, Lily runs alone
+    and the stock figure is a labelled linear prediction (timings faked: stock 10 ms/token,
+    Lily 10 us/token, budget 1 s)."""
+    from mlx_lily.bench import ab
+
+    arm_now = {}
+    orig_ctx = ab.arm_context
+
+    def ctx(arm, *a, **k):
+        arm_now["arm"] = arm
+        return orig_ctx(arm, *a, **k)
+
+    def fake_prefill(model, ids, step):
+        dt = len(ids) * (1e-2 if arm_now["arm"] == "stock" else 1e-5)
+        return {"seconds": dt, "tok_s": len(ids) / dt, "peak_memory_bytes": 1 << 20,
+                "first_token": 0}
+
+    monkeypatch.setattr(ab, "arm_context", ctx)
+    monkeypatch.setattr(ab, "measure_prefill", fake_prefill)
+    code = ab.main([str(FIXTURE), "--sweeps", "prefill", "--lengths", "16,8K", "--budget-s", "1",
+                    "--warmup", "0", "--lily-only-over-budget", "--out", str(tmp_path)])
+    assert code == 0
+    res = json.loads((tmp_path / "ab.json").read_text())
+    ab.validate_result(res)
+    r16, r8k = res["rows"]
+    assert r16["status"] == "ok" and r16["ratio"] == pytest.approx(1000.0)
+    assert r8k["status"] == "lily_only" and r8k["ratio"] is None
+    assert r8k["arms"]["stock"]["rounds"] == [] and len(r8k["arms"]["lily"]["rounds"]) == 2
+    assert r8k["stock_predicted_tok_s"] == pytest.approx(100.0)
+    assert res["summary"]["prefill"]["rows_lily_only"] == 1
+    md = (tmp_path / "ab.md").read_text()
+    assert "not run (predicted 100.0)" in md and "~1000.0 vs predicted" in md
+    bad = json.loads(json.dumps(res))
+    bad["rows"][1]["arms"]["stock"]["rounds"] = [r16["arms"]["stock"]["rounds"][0]]
+    with pytest.raises(ValueError, match="stock rounds"):
+        ab.validate_result(bad)
+    # without the flag the same row is not run at all
+    code = ab.main([str(FIXTURE), "--sweeps", "prefill", "--lengths", "16,8K", "--budget-s", "1",
+                    "--warmup", "0", "--out", str(tmp_path / "b")])
+    rows = json.loads((tmp_path / "b" / "ab.json").read_text())["rows"]
+    assert rows[1]["status"] == "not_run" and rows[1]["arms"]["lily"]["rounds"] == []
+
+
 def test_parse_lengths_and_prompt_ids():
     from mlx_lily.bench import ab
 

@@ -4,7 +4,8 @@
 #   STAGES=install,tests,bench,ab AB_ARGS="--lengths 256,4096" bash benchmarks/gpu/suite.sh
 # Stages: install, tests (all op files in parallel, T_TESTS seconds cap each, default 300;
 # TEST_OPS=a,b selects files; NVRTC compiles of every template make a cold file take 1-3 min),
-# bench (BENCHES=a,b selects scripts), startup, prims, ab, numerics, profile (decode_profile.py). With tests, prims and
+# bench (BENCHES=a,b selects scripts), startup, prims, ab, numerics, profile (decode_profile.py;
+# PROFILE_ENVS adds runs under other MLX settings). With tests, prims and
 # numerics run alongside the test processes (they count nodes / measure accuracy, not time).
 # The device tool allows 10 min per command: split stages over calls on the warm machine.
 # Everything lands in one archive, $OUT/results.tgz, rewritten after each stage (the device
@@ -12,6 +13,9 @@
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 export MLX_LILY_KERNELS=${MLX_LILY_KERNELS:-all}  # exercise every kernel; MLX_LILY_DISABLE narrows it
+# A fresh install starts with every op on: /tmp can outlive a lease on these machines, and
+# a disable list from an earlier lease once switched an op off in a later one.
+[[ ",${STAGES:-install,tests,bench,ab}," == *",install,"* ]] && rm -f /tmp/lily-disable
 if [ -f /tmp/lily-disable ] && [ -z "${MLX_LILY_DISABLE:-}" ]; then
   export MLX_LILY_DISABLE=$(cat /tmp/lily-disable)
 fi
@@ -111,5 +115,17 @@ if has profile; then
   (cd /tmp && timeout "${T_PROFILE:-150}" python3 "$REPO/benchmarks/decode_profile.py" --synthetic ${PROFILE_PRESET:-qwen3.6-35b-a3b} \
      --context ${PROFILE_CONTEXT:-4096} --out "$W") > "$W/decode_profile.log" 2>&1
   tail -8 "$W/decode_profile.log" | tee -a "$S"; snapshot
+  # PROFILE_ENVS="MLX_USE_CUDA_GRAPHS=0;MLX_MAX_OPS_PER_BUFFER=400": one more profile per
+  # setting, each in its own process (MLX reads these once), into $W/profile-<n>/
+  n=0
+  IFS=';' read -ra envs <<< "${PROFILE_ENVS:-}"
+  for e in "${envs[@]}"; do
+    [ -z "$e" ] && continue
+    n=$((n + 1)); mkdir -p "$W/profile-$n"; echo "$e" > "$W/profile-$n/env.txt"
+    say "== decode profile with $e"
+    (cd /tmp && env $e timeout "${T_PROFILE:-150}" python3 "$REPO/benchmarks/decode_profile.py" --synthetic ${PROFILE_PRESET:-qwen3.6-35b-a3b} \
+       --context ${PROFILE_CONTEXT:-4096} --no-eager-arm --out "$W/profile-$n") > "$W/profile-$n/decode_profile.log" 2>&1
+    tail -5 "$W/profile-$n/decode_profile.log" | tee -a "$S"; snapshot
+  done
 fi
 snapshot

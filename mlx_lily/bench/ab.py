@@ -661,15 +661,23 @@ def run_sweeps(target: Target, opts) -> list[dict]:
                         pb = predict(("context", "lily"), L)
                     if pb is not None and pb > budget:
                         over.append(f"context build (lily) predicted {pb:.1f}s")
-                if over:
+                only_stock = bool(over) and all(o.startswith("stock ") for o in over)
+                if over and getattr(opts, "lily_only_over_budget", False) and only_stock:
+                    row["status"] = "lily_only"
+                    row["reason"] = f"stock over budget {budget:g}s: " + "; ".join(over)
+                    if sweep == "prefill":
+                        row["stock_predicted_tok_s"] = L / predict((sweep, "stock"), L)
+                    log(f"{sweep} L={fmt_len(L)}: Lily only ({row['reason']})")
+                elif over:
                     row["status"] = "not_run"
                     row["reason"] = f"over budget {budget:g}s: " + "; ".join(over)
                     log(f"{sweep} L={fmt_len(L)}: not run ({row['reason']})")
                     continue
+            run_arms = ("lily",) if row["status"] == "lily_only" else ARMS
             try:
                 if sweep == "prefill":
                     for r, order in enumerate(orders):
-                        for arm in order:
+                        for arm in (a for a in order if a in run_arms):
                             with arm_context(arm, model, opts.ops):
                                 m = measure_prefill(model, ids[:L], opts.prefill_step_size)
                             m.update({"round": r, "position": order.index(arm)})
@@ -689,7 +697,7 @@ def run_sweeps(target: Target, opts) -> list[dict]:
                     last[("context", "lily")] = (L, tb)
                     log(f"decode L={fmt_len(L)}: context built by lily in {tb:.2f}s")
                     for r, order in enumerate(orders):
-                        for arm in order:
+                        for arm in (a for a in order if a in run_arms):
                             c = copy_cache(ctx)
                             with arm_context(arm, model, opts.ops):
                                 m = measure_decode(model, c, int(ids[L]), opts.decode_steps)
@@ -724,6 +732,8 @@ def run_sweeps(target: Target, opts) -> list[dict]:
                 _finish_row(row)
                 f = f" flags {row['flags']}" if row["flags"] else ""
                 log(f"{sweep} L={fmt_len(L)}: lily/stock = {row['ratio']:.3f}{f}")
+            elif row["status"] == "lily_only":
+                _finish_row(row)
     return rows
 
 
@@ -735,6 +745,7 @@ def summarize(rows: list[dict]) -> dict:
         out[sweep] = {
             "rows_run": len(rs),
             "rows_not_run": sum(1 for r in rows if r["sweep"] == sweep and r["status"] == "not_run"),
+            "rows_lily_only": sum(1 for r in rows if r["sweep"] == sweep and r["status"] == "lily_only"),
             "mean_ratio": (sum(rs) / len(rs)) if rs else None,
             "geomean_ratio": math.exp(sum(math.log(x) for x in rs) / len(rs)) if rs else None,
             "flagged_rows": sum(1 for r in rows if r["sweep"] == sweep and r["flags"]),
@@ -767,6 +778,7 @@ RESULT_SCHEMA: dict = {
     "summary": dict,
     "outputs": dict,
 }
+ROW_STATUSES = ("ok", "not_run", "error", "lily_only")
 ROW_SCHEMA: dict = {
     "sweep": str, "length": int, "status": str, "reason": _OPT_STR,
     "context_built_by": _OPT_STR, "context_build_s": _OPT_NUM,
@@ -797,8 +809,9 @@ def validate_result(d: dict) -> bool:
 
     Top level: ``RESULT_SCHEMA``; each row ``ROW_SCHEMA``; each ``rows[i].arms[arm].rounds[j]``
     ``ROUND_SCHEMA`` (+ ``DECODE_ROUND_SCHEMA`` for decode rows).  Also: a failed gate must
-    come with no rows; a row with status ``ok`` has two rounds per arm and a ratio; statuses
-    are ``ok`` / ``not_run`` / ``error``; lengths / sweeps are consistent with the settings.
+    come with no rows; a row with status ``ok`` has two rounds per arm and a ratio; a
+    ``lily_only`` row (stock predicted over budget, ``--lily-only-over-budget``) has two Lily
+    rounds, no stock rounds and no ratio; statuses are ``ROW_STATUSES``; lengths / sweeps are consistent with the settings.
     Returns True, or raises ``ValueError`` listing every problem.
     """
     errors: list[str] = []
@@ -815,8 +828,11 @@ def validate_result(d: dict) -> bool:
                 continue
             if row["sweep"] not in SWEEPS:
                 errors.append(f"{w}.sweep: {row['sweep']!r}")
-            if row["status"] not in ("ok", "not_run", "error"):
+            if row["status"] not in ROW_STATUSES:
                 errors.append(f"{w}.status: {row['status']!r}")
+            pred = row.get("stock_predicted_tok_s")
+            if pred is not None and not isinstance(pred, _NUM):
+                errors.append(f"{w}.stock_predicted_tok_s: not a number")
             if row["length"] not in d["settings"]["lengths"]:
                 errors.append(f"{w}.length: {row['length']} not in settings.lengths")
             for arm in ARMS:
@@ -824,11 +840,14 @@ def validate_result(d: dict) -> bool:
                 if not isinstance(a, dict) or "rounds" not in a or "tok_s" not in a:
                     errors.append(f"{w}.arms.{arm}: missing or malformed")
                     continue
-                if row["status"] == "ok":
+                measured = row["status"] == "ok" or (row["status"] == "lily_only" and arm == "lily")
+                if measured:
                     if len(a["rounds"]) != d["settings"]["rounds"]:
                         errors.append(f"{w}.arms.{arm}.rounds: expected {d['settings']['rounds']}")
                     if not isinstance(a["tok_s"], _NUM):
                         errors.append(f"{w}.arms.{arm}.tok_s: not a number")
+                elif row["status"] == "lily_only" and a["rounds"]:
+                    errors.append(f"{w}.arms.{arm}.rounds: a Lily-only row has stock rounds")
                 for j, rr in enumerate(a["rounds"]):
                     _check(rr, ROUND_SCHEMA, f"{w}.arms.{arm}.rounds[{j}]", errors)
                     if row["sweep"] == "decode":
@@ -902,6 +921,17 @@ def render_markdown(result: dict) -> str:
                   f"peak MiB stock / lily | flags |",
                   "|---:|---:|---:|---:|---:|---:|---:|---|"]
         for r in rows:
+            if r["status"] == "lily_only":
+                a = r["arms"]["lily"]
+                li = (f"{a['tok_s']:.2f} ({a['tok_s_mean']:.2f})" if sweep == "decode"
+                      else f"{a['tok_s']:.1f}")
+                pred = r.get("stock_predicted_tok_s")
+                st = f"not run (predicted {pred:.1f})" if pred else "not run"
+                ratio = f"~{a['tok_s'] / pred:.1f} vs predicted" if pred else "-"
+                lines.append(f"| {fmt_len(r['length'])} | {st} | {li} | {ratio} | - | "
+                             f"{_fmt(r['drift']['lily'], '{:.1%}')} | - / "
+                             f"{a['peak_memory_bytes'] / 2**20:.0f} | {r['reason'] or ''} |")
+                continue
             if r["status"] != "ok":
                 lines.append(f"| {fmt_len(r['length'])} | {r['status'].replace('_', ' ')} | | | | | | "
                              f"{r['reason'] or ''} |")
@@ -942,11 +972,14 @@ def render_plot(result: dict, path: Path) -> bool:
     for ax, sweep in zip(axes[0], sweeps):
         rows = [r for r in result["rows"] if r["sweep"] == sweep and r["status"] == "ok"]
         xs = [r["length"] for r in rows]
-        for arm, style in (("stock", "o-"), ("lily", "s-")):
-            ax.plot(xs, [r["arms"][arm]["tok_s"] for r in rows], style, label=arm)
+        ax.plot(xs, [r["arms"]["stock"]["tok_s"] for r in rows], "o-", label="stock")
+        lrows = [r for r in result["rows"] if r["sweep"] == sweep
+                 and r["status"] in ("ok", "lily_only")]
+        lx = [r["length"] for r in lrows]
+        ax.plot(lx, [r["arms"]["lily"]["tok_s"] for r in lrows], "s-", label="lily")
         ax.set_xscale("log", base=2)
-        ax.set_xticks(xs)
-        ax.set_xticklabels([fmt_len(x) for x in xs], rotation=45)
+        ax.set_xticks(lx)
+        ax.set_xticklabels([fmt_len(x) for x in lx], rotation=45)
         ax.set_xlabel("prompt length" if sweep == "prefill" else "context length")
         ax.set_ylabel(f"{sweep} tok/s")
         ax.grid(True, alpha=0.3)
@@ -1012,6 +1045,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="comma-separated subset of prefill,decode")
     p.add_argument("--decode-steps", type=int, default=64, help="timed decode intervals per row")
     p.add_argument("--prefill-step-size", type=int, default=2048)
+    p.add_argument("--lily-only-over-budget", action="store_true",
+                   help="rows where only stock is predicted over --budget-s run the Lily arm alone "
+                        "(status lily_only; the stock figure shown is a linear prediction)")
     p.add_argument("--budget-s", type=float, default=None,
                    help="per-arm, per-measurement time budget; rows predicted over it are not run")
     p.add_argument("--warmup", type=int, default=1, help="untimed warm-up generations per arm")
@@ -1074,6 +1110,7 @@ def run(opts) -> tuple[dict, int]:
             "lengths": list(opts.lengths), "sweeps": sweeps, "rounds": 2,
             "order": [list(ARMS), list(reversed(ARMS))], "decode_steps": opts.decode_steps,
             "prefill_step_size": opts.prefill_step_size, "budget_s": opts.budget_s,
+            "lily_only_over_budget": bool(getattr(opts, "lily_only_over_budget", False)),
             "warmup": opts.warmup, "seed": opts.seed, "drift_flag": DRIFT_FLAG, "ops": opts.ops,
         },
         "gate": gate,
