@@ -39,7 +39,8 @@ def _step(model, cache, tok):
 def profile_arm(model, ctx, tok: int, steps: int, warmup: int) -> dict:
     cache = copy_cache(ctx)
     y = _step(model, cache, tok)
-    prims = count_graph(y, *_state_arrays(cache))["total"]
+    counts = count_graph(y, *_state_arrays(cache))
+    prims = counts["total"]
     mx.eval(y, *_state_arrays(cache))
     for _ in range(warmup):
         y = _step(model, cache, int(y.item()))
@@ -59,7 +60,7 @@ def profile_arm(model, ctx, tok: int, steps: int, warmup: int) -> dict:
     del cache
     pipe = measure_decode(model, copy_cache(ctx), tok, steps)
     b, s = statistics.median(build) * 1e3, statistics.median(sync) * 1e3
-    return {"prims_per_step": prims, "build_ms": b, "sync_ms": s, "eval_ms": s - b,
+    return {"prims_per_step": prims, "prims_by_label": counts["by_label"], "build_ms": b, "sync_ms": s, "eval_ms": s - b,
             "pipelined_ms": pipe["interval_s_median"] * 1e3, "pipelined_tok_s": pipe["tok_s_median"]}
 
 
