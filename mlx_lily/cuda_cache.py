@@ -367,14 +367,18 @@ def mlx_include_dirs() -> list[str]:
     return dirs
 
 
-def device_arch() -> tuple[int, int] | None:
-    """Compute capability ``(major, minor)`` of CUDA device 0 from the driver, or None."""
+def device_arch(index: int | None = None) -> tuple[int, int] | None:
+    """Compute capability ``(major, minor)`` of CUDA device ``index`` (default: the one
+    MLX's default device uses) from the driver, or None."""
+    if index is None:
+        d = mx.default_device()
+        index = d.index if d.type == mx.gpu else 0
     try:
         cuda = ctypes.CDLL("libcuda.so.1")
         if cuda.cuInit(0) != 0:
             return None
         dev = ctypes.c_int()
-        if cuda.cuDeviceGet(ctypes.byref(dev), 0) != 0:
+        if cuda.cuDeviceGet(ctypes.byref(dev), int(index)) != 0:
             return None
         maj, mnr = ctypes.c_int(), ctypes.c_int()
         cuda.cuDeviceGetAttribute(ctypes.byref(maj), 75, dev)
@@ -392,14 +396,30 @@ def nvrtc_options(arch: tuple[int, int], include_dirs: list[str]) -> list[str]:
             + [f"--include-path={d}" for d in include_dirs])
 
 
-def cache_dir() -> Path:
-    """MLX's kernel cache folder (``MLX_PTX_CACHE_DIR``, else MLX's temp default)."""
-    env = os.environ.get("MLX_PTX_CACHE_DIR")
-    if env:
-        return Path(env)
-    import tempfile
+def mlx_default_cache_dir() -> Path:
+    """MLX's kernel cache folder when ``MLX_PTX_CACHE_DIR`` is unset:
+    ``<temp>/mlx/<version>/ptx``, ``<temp>`` as ``std::filesystem::temp_directory_path``
+    picks it (``TMPDIR``, ``TMP``, ``TEMP``, ``TEMPDIR``, else ``/tmp``)."""
+    tmp = next((os.environ[v] for v in ("TMPDIR", "TMP", "TEMP", "TEMPDIR")
+                if os.environ.get(v)), "/tmp")
+    return Path(tmp) / "mlx" / mx.__version__ / "ptx"
 
-    return Path(tempfile.gettempdir()) / "mlx" / mx.__version__ / "ptx"
+
+def cache_dir() -> Path:
+    """MLX's kernel cache folder as the environment says now (``MLX_PTX_CACHE_DIR``, else
+    ``mlx_default_cache_dir()``)."""
+    env = os.environ.get("MLX_PTX_CACHE_DIR")
+    return Path(env) if env else mlx_default_cache_dir()
+
+
+def cache_dirs() -> list[Path]:
+    """Every folder this process's MLX may read its kernel cache from: MLX reads
+    ``MLX_PTX_CACHE_DIR`` once, at its first compile, which may have come before the
+    variable was set (``mlx_lily.patch`` sets it), so both candidates are written."""
+    out = [cache_dir()]
+    if mlx_default_cache_dir() != out[0]:
+        out.append(mlx_default_cache_dir())
+    return out
 
 
 def _write_atomic(path: Path, data: bytes) -> None:
@@ -430,7 +450,8 @@ def _split_jobs(jobs: list, n: int) -> list[list]:
     return [b for b in buckets if b]
 
 
-def _run_workers(buckets, nvrtc_path, directory, opts, sass) -> tuple[list, dict]:
+def _run_workers(buckets, nvrtc_path, directory, opts, sass,
+                 timeout_s: float = 600.0) -> tuple[list, dict]:
     """Compile each bucket in its own ``python -m mlx_lily.cuda_cache`` process (NVRTC
     serialises compiles within one process). Returns ``(compiled modules, failures)``."""
     import json
@@ -454,8 +475,14 @@ def _run_workers(buckets, nvrtc_path, directory, opts, sass) -> tuple[list, dict
                                  stderr=subprocess.PIPE, text=True)
             procs.append((p, b))
         compiled, failed = [], {}
+        deadline = time.monotonic() + timeout_s
         for p, b in procs:
-            out, err = p.communicate()
+            try:
+                out, err = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                out, err = p.communicate()
+                err = f"killed after {timeout_s:g} s. {err}"
             try:
                 res = json.loads(out.strip().splitlines()[-1])
             except (ValueError, IndexError):
@@ -480,37 +507,49 @@ def _worker_main() -> int:
         try:
             _compile_to_cache(nvrtc, Path(req["dir"]), req["opts"], req["sass"], mod, src, expr)
             compiled.append(mod)
-        except CompileError as e:
+        except (CompileError, OSError) as e:
             failed[mod] = str(e)[:2000]
     print(json.dumps({"compiled": compiled, "failed": failed}))
     return 0
 
 
+def _copy_entry(module: str, src: Path, dst: Path) -> None:
+    """Copy one module's two cache files from folder ``src`` to ``dst`` (names first)."""
+    s_img, s_txt = cache_paths(src, module)
+    d_img, d_txt = cache_paths(dst, module)
+    d_img.parent.mkdir(parents=True, exist_ok=True)
+    _write_atomic(d_txt, s_txt.read_bytes())
+    _write_atomic(d_img, s_img.read_bytes())
+
+
 def precompile(launches, *, directory: Path | None = None, arch: tuple[int, int] | None = None,
                include_dirs: list[str] | None = None, nvrtc: Nvrtc | None = None,
-               workers: int | None = None) -> dict:
+               workers: int | None = None, timeout_s: float = 600.0) -> dict:
     """Compile the distinct sources among ``launches`` that the cache lacks, concurrently,
-    and write them where MLX looks them up.
+    and write them where MLX looks them up. Never raises for a compile or file problem:
+    what fails is reported and left to MLX's own compile at launch.
 
     NVRTC runs its compiles one at a time within a process (measured on the H200 host: 20
-    kernels took 29.9 s in 16 threads, 26.3 s through MLX's serial JIT), so the work is
-    split over ``workers`` child processes (``python -m mlx_lily.cuda_cache``); with one
-    worker, or an ``nvrtc`` object given, it runs in this process.
+    kernels took 29.9 s in 16 threads, 26.3 s through MLX's serial JIT; 23 took 6.0 s in
+    16 processes), so the work is split over ``workers`` child processes
+    (``python -m mlx_lily.cuda_cache``); with one worker, or an ``nvrtc`` object given, it
+    runs in this process.
 
     Args:
         launches: ``Launch`` records (``recording()`` collects them).
-        directory: cache folder (default ``cache_dir()``).
-        arch: compute capability (default: device 0's).
+        directory: cache folder (default: every folder of ``cache_dirs()``).
+        arch: compute capability (default: the default device's).
         include_dirs: NVRTC include folders (default ``mlx_include_dirs()``).
         nvrtc: an ``Nvrtc`` to compile with in this process (tests).
         workers: compile processes (default: CPU count).
+        timeout_s: a worker still running after this is killed (its kernels: failed).
     Returns:
         ``{"kernels", "cached", "compiled", "failed": {module: error}, "seconds",
-        "workers"}``; ``"skipped"`` holds the reason when nothing could be compiled (no
-        NVRTC, no device). A failed module is left for MLX to compile at launch.
+        "workers", "directories"}``; ``"skipped"`` holds the reason when nothing could be
+        compiled (no NVRTC, no device, no writable cache folder).
     """
     t0 = time.perf_counter()
-    directory = Path(directory) if directory is not None else cache_dir()
+    dirs = [Path(directory)] if directory is not None else cache_dirs()
     todo: dict[str, tuple[Launch, str]] = {}
     for ln in launches:
         try:
@@ -519,9 +558,37 @@ def precompile(launches, *, directory: Path | None = None, arch: tuple[int, int]
             continue
         todo.setdefault(module_name(ln, src), (ln, src))
     report = {"kernels": len(todo), "cached": 0, "compiled": 0, "failed": {}, "seconds": 0.0,
-              "workers": 0}
-    missing = {m: v for m, v in todo.items() if not cache_paths(directory, m)[0].exists()}
-    report["cached"] = len(todo) - len(missing)
+              "workers": 0, "directories": [str(d) for d in dirs]}
+    usable = []
+    for d in dirs:
+        try:
+            d.mkdir(parents=True, exist_ok=True)
+            usable.append(d)
+        except OSError as e:
+            report.setdefault("unwritable", {})[str(d)] = str(e)
+    if not usable:
+        report["skipped"] = "no writable kernel cache folder"
+        report["seconds"] = time.perf_counter() - t0
+        return report
+    dirs = usable
+    home = dirs[0]
+
+    def present(m, d):
+        return cache_paths(d, m)[0].exists() and cache_paths(d, m)[1].exists()
+
+    missing = {}
+    for m, v in todo.items():
+        have = [d for d in dirs if present(m, d)]
+        if have:
+            report["cached"] += 1
+            for d in dirs:
+                if d not in have:
+                    try:
+                        _copy_entry(m, have[0], d)
+                    except OSError:
+                        pass
+        else:
+            missing[m] = v
     if not missing:
         report["seconds"] = time.perf_counter() - t0
         return report
@@ -541,21 +608,27 @@ def precompile(launches, *, directory: Path | None = None, arch: tuple[int, int]
         opts[1] = opts[1].replace("sm_", "compute_")
     jobs = [(m, src, "mlx::core::cu::" + kernel_name(ln)) for m, (ln, src) in missing.items()]
     n = min(workers or os.cpu_count() or 1, len(jobs))
-    directory.mkdir(parents=True, exist_ok=True)
     if in_process or n <= 1:
         report["workers"] = 1
+        compiled = []
         for mod, src, expr in jobs:
             try:
-                _compile_to_cache(nvrtc, directory, opts, sass, mod, src, expr)
-                report["compiled"] += 1
-            except CompileError as e:
+                _compile_to_cache(nvrtc, home, opts, sass, mod, src, expr)
+                compiled.append(mod)
+            except (CompileError, OSError) as e:
                 report["failed"][mod] = str(e)[:2000]
     else:
         buckets = _split_jobs(jobs, n)
         report["workers"] = len(buckets)
-        compiled, failed = _run_workers(buckets, nvrtc.path, directory, opts, sass)
-        report["compiled"] = len(compiled)
+        compiled, failed = _run_workers(buckets, nvrtc.path, home, opts, sass, timeout_s)
         report["failed"] = failed
+    report["compiled"] = len(compiled)
+    for m in compiled:
+        for d in dirs[1:]:
+            try:
+                _copy_entry(m, home, d)
+            except OSError:
+                pass
     report["seconds"] = time.perf_counter() - t0
     return report
 

@@ -157,7 +157,14 @@ def warmup(model, prompt_len: int = 8, record_lengths=WARMUP_RECORD_LENGTHS) -> 
         if backend.env_value(PRECOMPILE_ENV, "1") == "0":
             report = {"skipped": f"{PRECOMPILE_ENV}=0"}
         else:
-            report = cuda_cache.precompile(launches)
+            try:
+                report = cuda_cache.precompile(launches)
+            except Exception as e:  # noqa: BLE001  (MLX's own JIT still compiles them)
+                import warnings
+
+                warnings.warn(f"mlx-lily: compiling CUDA kernels ahead of time failed ({e!r}); "
+                              "MLX compiles them at first use", stacklevel=2)
+                report = {"skipped": repr(e)}
         report["record_s"] = t_rec - t
         t_eval = time.perf_counter()
         mx.eval(outs)
@@ -213,9 +220,24 @@ def _default_kernel_cache_dir() -> None:
     import os
     from pathlib import Path
 
+    global _SET_CACHE_ENV
     if "MLX_PTX_CACHE_DIR" not in os.environ:
         root = Path(os.environ.get("MLX_LILY_CACHE_DIR", Path.home() / ".cache" / "mlx-lily"))
-        os.environ["MLX_PTX_CACHE_DIR"] = str(root / "cuda-kernels")
+        os.environ["MLX_PTX_CACHE_DIR"] = _SET_CACHE_ENV = str(root / "cuda-kernels")
+
+
+_SET_CACHE_ENV: str | None = None  # the MLX_PTX_CACHE_DIR value patch() set, if it did
+
+
+def _restore_kernel_cache_env() -> None:
+    """Unset ``MLX_PTX_CACHE_DIR`` if ``patch()`` set it and nobody changed it since (MLX
+    itself keeps whatever folder it read first)."""
+    import os
+
+    global _SET_CACHE_ENV
+    if _SET_CACHE_ENV is not None and os.environ.get("MLX_PTX_CACHE_DIR") == _SET_CACHE_ENV:
+        del os.environ["MLX_PTX_CACHE_DIR"]
+    _SET_CACHE_ENV = None
 
 
 def patch(model=None, *, ops=None) -> PatchHandle:
@@ -247,10 +269,17 @@ def patch(model=None, *, ops=None) -> PatchHandle:
             setattr(owner, name, repl)
             applied.append((owner, name, orig, repl))
         _ACTIVE = PatchHandle(applied, ops)
+        fresh = True
     else:
         _ACTIVE.ops = ops
+        fresh = False
     if model is not None:
-        prepare_model(model)
+        try:
+            prepare_model(model)
+        except BaseException:
+            if fresh:  # leave nothing half-applied
+                unpatch(_ACTIVE)
+            raise
     return _ACTIVE
 
 
@@ -273,6 +302,10 @@ def unpatch(handle: PatchHandle | None = None) -> bool:
         _ORIGINALS.pop((owner, name), None)
     _ACTIVE = None
     backend.select_ops(None)
+    from mlx_lily.patches.qwen3_next import drop_compiled_steps
+
+    drop_compiled_steps()
+    _restore_kernel_cache_env()
     return True
 
 
@@ -289,7 +322,12 @@ def patched(model=None, *, ops=None):
     """
     was = _ACTIVE
     prev_ops = was.ops if was is not None else None
-    handle = patch(model, ops=ops)
+    try:
+        handle = patch(model, ops=ops)
+    except BaseException:
+        if was is not None:
+            patch(ops=prev_ops)
+        raise
     try:
         yield handle
     finally:

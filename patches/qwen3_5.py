@@ -39,14 +39,18 @@ def targets():
     ]
 
 
+def prepare_gdn(g) -> None:
+    """Fuse the four input projections of one GatedDeltaNet (once)."""
+    if isinstance(g, qwen3_5.GatedDeltaNet) and getattr(g, "_lily", None) is None:
+        g._lily = nxt.LilyState(g, prepare_gdn, in_proj=nxt.QProj.fuse(
+            [g.in_proj_qkv, g.in_proj_z, g.in_proj_b, g.in_proj_a]))
+
+
 def prepare(model) -> None:
     """One-time re-layouts for a loaded qwen3_5 / qwen3_5_moe model."""
     for layer in model.layers:
         if layer.is_linear:
-            g = layer.linear_attn
-            if isinstance(g, qwen3_5.GatedDeltaNet) and getattr(g, "_lily", None) is None:
-                g._lily = nxt.LilyState(in_proj=nxt.QProj.fuse(
-                    [g.in_proj_qkv, g.in_proj_z, g.in_proj_b, g.in_proj_a]))
+            prepare_gdn(layer.linear_attn)
         else:
             nxt.prepare_attention(layer.self_attn)
         nxt.prepare_moe(layer.mlp)

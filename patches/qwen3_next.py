@@ -7,6 +7,8 @@ kill switch); ops pick kernels or their references inside.
 
 from __future__ import annotations
 
+import weakref
+
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models import qwen3_next
@@ -23,12 +25,51 @@ from mlx_lily.qproj import QProj
 MODEL_TYPES = ("qwen3_next",)
 
 
+class WeightSig:
+    """The identity of every array in a module tree when it was taken: ``valid()`` turns
+    False once any of them is replaced (``load_weights``, ``update``, ``set_dtype``,
+    quantization). A copy (``copy.deepcopy``, pickling) is never valid, so a copied model
+    rebuilds what it derived from its weights."""
+
+    __slots__ = ("entries",)
+
+    def __init__(self, module=None):
+        self.entries = None if module is None else [
+            (m, k, v) for _, m in module.named_modules() for k, v in m.items()
+            if isinstance(v, mx.array)]
+
+    def valid(self) -> bool:
+        if self.entries is None:
+            return False
+        for m, k, v in self.entries:
+            if m.get(k) is not v:
+                return False
+        return True
+
+    def __deepcopy__(self, memo):
+        return WeightSig()
+
+    def __reduce__(self):
+        return (WeightSig, ())
+
+
 class LilyState:
     """Per-module prepared data (fused projections); a plain object, so it never enters
-    the module's parameter tree."""
+    the module's parameter tree. ``rebuild(module)`` prepares the module again; ``sig``
+    tells when its weights were replaced since."""
 
-    def __init__(self, **projs):
+    def __init__(self, owner, rebuild, **projs):
         self.__dict__.update(projs)
+        self.rebuild = rebuild
+        self.sig = WeightSig(owner)
+
+
+def refresh(module) -> None:
+    """Re-prepare ``module`` (fused projections) from its current weights."""
+    st = getattr(module, "_lily", None)
+    if st is not None:
+        module._lily = None
+        st.rebuild(module)
 
 
 def _original(cls, name="__call__"):
@@ -40,6 +81,9 @@ def _original(cls, name="__call__"):
 def _proj(module, key, layers):
     """The fused projection prepared for ``module`` under ``key``, or per-layer views."""
     st = getattr(module, "_lily", None)
+    if st is not None and not st.sig.valid():  # weights replaced since prepare
+        refresh(module)
+        st = getattr(module, "_lily", None)
     p = getattr(st, key, None) if st is not None else None
     if p is not None:
         return p
@@ -209,11 +253,30 @@ class _StepCache:
 
 
 class _CompiledSteps:
-    """Per-model compiled decode functions, valid for one dispatch configuration."""
+    """Per-model compiled decode functions, valid for one dispatch configuration. A copy
+    of the model (``copy.deepcopy``, pickling) starts with none."""
 
-    def __init__(self, key):
+    def __init__(self, key=None):
         self.key = key
         self.fns: dict = {}
+
+    def __deepcopy__(self, memo):
+        return _CompiledSteps()
+
+    def __reduce__(self):
+        return (_CompiledSteps, ())
+
+
+_MODELS_WITH_STEPS: dict = {}  # id -> weakref of models holding compiled steps
+
+
+def drop_compiled_steps() -> None:
+    """Forget every model's compiled decode functions (``unpatch`` calls this)."""
+    for ref in list(_MODELS_WITH_STEPS.values()):
+        m = ref()
+        if m is not None:
+            m.__dict__.pop("_lily_steps", None)
+    _MODELS_WITH_STEPS.clear()
 
 
 def _compile_key():
@@ -262,7 +325,36 @@ def _compiled_steps(model, key):
     if st is None or st.key != key:
         st = _CompiledSteps(key)
         object.__setattr__(model, "_lily_steps", st)
+        key_id = id(model)
+        _MODELS_WITH_STEPS[key_id] = weakref.ref(
+            model, lambda _, k=key_id: _MODELS_WITH_STEPS.pop(k, None))
     return st
+
+
+def _weights_changed(module) -> bool:
+    """Whether any weight of ``module`` was replaced since its signature was taken (the
+    first call takes it). Fused projections derived from the old weights are rebuilt."""
+    sig = module.__dict__.get("_lily_sig")
+    if sig is not None and sig.valid():
+        return False
+    if sig is not None:
+        for _, m in module.named_modules():
+            st = getattr(m, "_lily", None)
+            if st is not None and not st.sig.valid():
+                refresh(m)
+    object.__setattr__(module, "_lily_sig", WeightSig(module))
+    return sig is not None
+
+
+def _check_weights(text_model, layers) -> None:
+    """Compiled decode functions capture the arrays they were traced with (each layer's
+    and the next layer's norm): when any weight was replaced, all are rebuilt."""
+    changed = _weights_changed(text_model.norm)
+    for layer in layers:
+        changed |= _weights_changed(layer)
+    st = text_model.__dict__.get("_lily_steps") if changed else None
+    if st is not None:
+        st.fns.clear()
 
 
 def make_text_model_call(module, cls_name, layer_cls_name, with_embeddings):
@@ -298,6 +390,7 @@ def make_text_model_call(module, cls_name, layer_cls_name, with_embeddings):
             key = _compile_key()
             if key is not None:
                 steps = _compiled_steps(self, key).fns
+        _check_weights(self, layers)
         n_layers = len(layers)
         for i, (layer, c) in enumerate(zip(layers, cache)):
             nxt = layers[i + 1].input_layernorm if i + 1 < n_layers else self.norm
@@ -375,13 +468,15 @@ def targets():
 def prepare_attention(attn) -> None:
     """Fuse q|k|v projections of one attention module (once)."""
     if getattr(attn, "_lily", None) is None:
-        attn._lily = LilyState(qkv=QProj.fuse([attn.q_proj, attn.k_proj, attn.v_proj]))
+        attn._lily = LilyState(attn, prepare_attention,
+                               qkv=QProj.fuse([attn.q_proj, attn.k_proj, attn.v_proj]))
 
 
 def prepare_moe(moe) -> None:
     """Fuse the router with the shared-expert gate (once)."""
     if isinstance(moe, qwen3_next.Qwen3NextSparseMoeBlock) and getattr(moe, "_lily", None) is None:
-        moe._lily = LilyState(router=QProj.fuse([moe.gate, moe.shared_expert_gate]))
+        moe._lily = LilyState(moe, prepare_moe,
+                              router=QProj.fuse([moe.gate, moe.shared_expert_gate]))
 
 
 def prepare(model) -> None:

@@ -169,6 +169,59 @@ def test_precompile_without_nvrtc_reports_skip(tmp_path, monkeypatch):
     assert "NVRTC not found" in rep["skipped"] and rep["compiled"] == 0
 
 
+def test_precompile_never_raises_for_files(tmp_path):
+    """An unusable cache folder is reported, not raised (MLX then compiles at launch)."""
+    blocker = tmp_path / "file"
+    blocker.write_text("not a folder")
+    rep = cuda_cache.precompile([_launch()], directory=blocker / "cache", arch=(9, 0),
+                                nvrtc=_FakeNvrtc())
+    assert rep["skipped"] == "no writable kernel cache folder" and rep["compiled"] == 0
+    assert str(blocker / "cache") in rep["unwritable"]
+
+
+def test_precompile_writes_every_folder_mlx_may_read(tmp_path, monkeypatch):
+    """MLX reads MLX_PTX_CACHE_DIR once, perhaps before patch() set it: both the variable's
+    folder and MLX's temp default get the files; one already holding a module is copied."""
+    monkeypatch.setenv("MLX_PTX_CACHE_DIR", str(tmp_path / "env"))
+    monkeypatch.setenv("TMPDIR", str(tmp_path / "tmp"))
+    for v in ("TMP", "TEMP", "TEMPDIR"):
+        monkeypatch.delenv(v, raising=False)
+    default = tmp_path / "tmp" / "mlx" / mx.__version__ / "ptx"
+    assert cuda_cache.cache_dirs() == [tmp_path / "env", default]
+    a, b = _launch(), _launch(template=(("T", mx.float32),))
+    rep = cuda_cache.precompile([a], arch=(9, 0), nvrtc=_FakeNvrtc())
+    assert rep["compiled"] == 1 and len(rep["directories"]) == 2
+    for d in (tmp_path / "env", default):
+        img, txt = cuda_cache.cache_paths(d, cuda_cache.module_name(a))
+        assert img.read_bytes().startswith(b"IMAGE:") and txt.read_text().endswith("\n")
+    # a module only the default folder holds is copied over, not compiled again
+    cuda_cache.precompile([b], directory=default, arch=(9, 0), nvrtc=_FakeNvrtc())
+    rep = cuda_cache.precompile([a, b], arch=(9, 0), nvrtc=_FakeNvrtc())
+    assert rep["cached"] == 2 and rep["compiled"] == 0
+    assert cuda_cache.cache_paths(tmp_path / "env", cuda_cache.module_name(b))[0].exists()
+
+
+def test_warmup_survives_a_failing_precompile(monkeypatch):
+    """On CUDA, an error inside the ahead-of-time compile only warns: patch() goes on."""
+    import _models
+
+    import mlx_lily
+    from mlx_lily import patching
+
+    _stub_cuda_dispatch(monkeypatch)
+
+    def boom(*a, **k):
+        raise PermissionError("read-only home")
+
+    monkeypatch.setattr(cuda_cache, "precompile", boom)
+    model = _models.build("qwen3_5_moe", seed=5)
+    with backend.tracing_backend("cuda"):
+        with pytest.warns(UserWarning, match="ahead of time failed"):
+            with mlx_lily.patched(model):
+                assert mlx_lily.is_patched()
+    assert "read-only home" in patching.last_warmup["skipped"]
+
+
 def _production_launches(monkeypatch, layers=4):
     """Kernel launches of a production-dims (Qwen3.6-35B-A3B, ``layers`` layers) forward,
     recorded on a lazy model: nothing is evaluated but the fused projections. The decode

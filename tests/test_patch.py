@@ -174,6 +174,70 @@ def test_compiled_decode_failure_falls_back(tiny_models, monkeypatch):
                    if u is not None and hasattr(u, "shape") and u.shape == v.shape)
 
 
+@pytest.mark.parametrize("compile_mode", ["1", "0"])
+@pytest.mark.parametrize("when", ["after_decode", "after_prepare"])
+def test_replaced_weights_are_picked_up(monkeypatch, compile_mode, when):
+    """load_weights after patch(model): fused projections and compiled decode steps are
+    rebuilt from the new weights (the answer equals stock's with them)."""
+    from mlx.utils import tree_flatten
+
+    monkeypatch.setenv("MLX_LILY_COMPILE", compile_mode)
+    new = tree_flatten(_models.build("qwen3_5_moe", seed=1).parameters())
+    ref_model = _models.build("qwen3_5_moe", seed=1)
+
+    def step(m):
+        c = m.make_cache()
+        m(mx.array([PROMPT]), cache=c)
+        return m(mx.array([[5]]), cache=c)
+
+    ref = step(ref_model)
+    model = _models.build("qwen3_5_moe", seed=0)
+    with mlx_lily.patched(model):
+        if when == "after_decode":
+            step(model)
+        model.load_weights(new)
+        got = step(model)
+    assert mx.array_equal(got, ref).item(), float(mx.abs(got - ref).max())
+
+
+def test_deepcopy_after_compiled_steps_and_unpatch_drops_them(monkeypatch):
+    monkeypatch.setenv("MLX_LILY_COMPILE", "1")
+    model = _models.build("qwen3_5_moe", seed=2)
+    c = model.make_cache()
+    with mlx_lily.patched(model):
+        model(mx.array([PROMPT]), cache=c)
+        model(mx.array([[5]]), cache=c)
+        assert _inner(model)._lily_steps.fns
+        twin = copy.deepcopy(model)
+        assert not _inner(twin)._lily_steps.fns
+        c2 = twin.make_cache()
+        twin(mx.array([PROMPT]), cache=c2)
+        a = twin(mx.array([[5]]), cache=c2)
+    assert "_lily_steps" not in _inner(model).__dict__
+    c3 = model.make_cache()
+    model(mx.array([PROMPT]), cache=c3)
+    assert mx.array_equal(a, model(mx.array([[5]]), cache=c3)).item()
+
+
+def test_failed_prepare_leaves_nothing_patched(monkeypatch):
+    from mlx_lily import patching
+
+    def boom(model, **_):
+        raise OSError("disk full")
+
+    model = _models.build("qwen3_5_moe", seed=4)
+    before = originals()
+    monkeypatch.setattr(patching, "prepare_model", boom)
+    with pytest.raises(OSError):
+        mlx_lily.patch(model)
+    assert not mlx_lily.is_patched()
+    with pytest.raises(OSError):
+        with mlx_lily.patched(model):
+            pass
+    assert not mlx_lily.is_patched()
+    assert all(originals()[k] is v for k, v in before.items())
+
+
 def test_model_loaded_before_patch_without_prepare_matches(tiny_models):
     """A model patched globally without prepare() runs unfused projections: same answer."""
     model = _models.build("qwen3_5_moe", seed=3)
@@ -473,3 +537,18 @@ def test_env_value_follows_os_environ(monkeypatch):
     assert not op_enabled("qgemv") and op_enabled("attention")
     monkeypatch.setenv("MLX_LILY_DISABLE", "")
     assert op_enabled("qgemv")
+
+
+def test_kernel_cache_env_set_by_patch_is_restored(monkeypatch):
+    monkeypatch.delenv("MLX_PTX_CACHE_DIR", raising=False)
+    monkeypatch.setenv("MLX_LILY_CACHE_DIR", "/nonexistent/lily")
+    import os
+
+    mlx_lily.patch()
+    assert os.environ["MLX_PTX_CACHE_DIR"] == "/nonexistent/lily/cuda-kernels"
+    mlx_lily.unpatch()
+    assert "MLX_PTX_CACHE_DIR" not in os.environ
+    monkeypatch.setenv("MLX_PTX_CACHE_DIR", "/user/choice")
+    mlx_lily.patch()
+    mlx_lily.unpatch()
+    assert os.environ["MLX_PTX_CACHE_DIR"] == "/user/choice"
