@@ -11,7 +11,9 @@ graph recording only); ``sync_ms`` = build + ``mx.eval`` + synchronize, one step
 ``eval_ms`` = sync_ms - build_ms; ``pipelined_ms`` = median interval of ``generate_step``
 (next step built while the previous one runs). Medians over ``--steps`` steps after
 ``--warmup`` untimed ones. Arm ``lily-eager`` is Lily with its compiled decode layers off
-(``MLX_LILY_COMPILE=0``). Writes DIR/decode_profile.json and prints a table.
+(``MLX_LILY_COMPILE=0``). ``achieved_gbps`` = the step's bytes
+(``mlx_lily.bench.traffic.decode_step_bytes``) / the pipelined interval, next to the
+device's copy bandwidth. Writes DIR/decode_profile.json and prints a table.
 """
 from __future__ import annotations
 
@@ -28,6 +30,7 @@ import mlx.core as mx
 from mlx_lily.bench.ab import (ARMS, arm_context, build_context, copy_cache, environment, ids_array,
                                load_target, log, measure_decode, synthetic_ids, vocab_bounds)
 from mlx_lily.bench.primitives import _state_arrays, count_graph
+from mlx_lily.bench.traffic import copy_bandwidth_gbps, decode_step_bytes
 from mlx_lily.patches.qwen3_next import COMPILE_ENV
 
 
@@ -131,6 +134,9 @@ def main(argv=None) -> int:
     res = {"environment": environment(ops), "context": a.context, "steps": a.steps,
            "dispatch": dispatch_cost(), "arms": {}}
     log(f"dispatch cost per primitive: {res['dispatch']}")
+    res["bytes_per_step"] = decode_step_bytes(t.model, a.context)
+    res["copy_gbps"] = copy_bandwidth_gbps()
+    log(f"bytes per decode step: {res['bytes_per_step']}; copy bandwidth {res['copy_gbps']:.0f} GB/s")
     with arm_context("lily", t.model, ops):
         ctx = build_context(t.model, ids[:a.context], 2048)
     arms = list(ARMS) + ([] if a.no_eager_arm else ["lily-eager"])
@@ -143,6 +149,7 @@ def main(argv=None) -> int:
             with arm_context("lily" if eager else arm, t.model, ops):
                 r = res["arms"][arm] = profile_arm(t.model, ctx, int(ids[a.context]), a.steps,
                                                    a.warmup)
+            r["achieved_gbps"] = res["bytes_per_step"]["total"] / (r["pipelined_ms"] / 1e3) / 1e9
         finally:
             if eager:
                 if prev is None:
@@ -151,10 +158,13 @@ def main(argv=None) -> int:
                     os.environ[COMPILE_ENV] = prev
         log(f"{arm}: {r}")
     print(f"\ndecode step at context {a.context} (ms, medians of {a.steps})")
-    print(f"{'arm':11s}{'prims':>7s}{'build':>9s}{'eval':>9s}{'sync':>9s}{'pipelined':>11s}{'tok/s':>8s}")
+    print(f"{'arm':11s}{'prims':>7s}{'build':>9s}{'eval':>9s}{'sync':>9s}{'pipelined':>11s}{'tok/s':>8s}"
+          f"{'GB/s':>8s}")
     for arm, r in res["arms"].items():
         print(f"{arm:11s}{r['prims_per_step']:7d}{r['build_ms']:9.2f}{r['eval_ms']:9.2f}{r['sync_ms']:9.2f}"
-              f"{r['pipelined_ms']:11.2f}{r['pipelined_tok_s']:8.1f}")
+              f"{r['pipelined_ms']:11.2f}{r['pipelined_tok_s']:8.1f}{r['achieved_gbps']:8.0f}")
+    print(f"{res['bytes_per_step']['total'] / 1e9:.2f} GB per step; copy bandwidth "
+          f"{res['copy_gbps']:.0f} GB/s")
     if a.out:
         a.out.mkdir(parents=True, exist_ok=True)
         (a.out / "decode_profile.json").write_text(json.dumps(res, indent=1, default=str))
