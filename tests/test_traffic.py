@@ -1,6 +1,5 @@
 """Decode-step byte counts (mlx_lily.bench.traffic) on the tiny models."""
 
-import mlx.core as mx
 import pytest
 from mlx.utils import tree_flatten
 
