@@ -26,6 +26,7 @@ import contextlib
 import ctypes
 import os
 import re
+import struct
 import threading
 import time
 from pathlib import Path
@@ -57,7 +58,7 @@ def libstdcxx_hash(data: bytes | str) -> int:
     n = len(data)
     h = (_SEED ^ (n * _MUL)) & _M64
     aligned = n & ~7
-    for (w,) in _iter_u64(data[:aligned]):
+    for (w,) in struct.iter_unpack("<Q", data[:aligned]):
         d = (_shift_mix((w * _MUL) & _M64) * _MUL) & _M64
         h = ((h ^ d) * _MUL) & _M64
     if n & 7:
@@ -65,12 +66,6 @@ def libstdcxx_hash(data: bytes | str) -> int:
         h = ((h ^ d) * _MUL) & _M64
     h = (_shift_mix(h) * _MUL) & _M64
     return _shift_mix(h)
-
-
-def _iter_u64(buf: bytes):
-    import struct
-
-    return struct.iter_unpack("<Q", buf)
 
 
 # ----------------------------------------------------------------------------- rendering

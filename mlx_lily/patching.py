@@ -16,7 +16,6 @@ from . import backend
 
 _ORIGINALS: dict = {}
 _ACTIVE: "PatchHandle | None" = None
-_GENERATION = 0  # bumped by every patch(): state built under an earlier patch is stale
 _WARNED_TYPES: set = set()
 
 
@@ -149,33 +148,33 @@ def warmup(model, prompt_len: int = 8, record_lengths=WARMUP_RECORD_LENGTHS) -> 
     import mlx.core as mx
 
     t = time.perf_counter()
-    if backend.current_backend() == "cuda":
+    precompile = backend.env_value(PRECOMPILE_ENV, "1") != "0"
+    if backend.current_backend() == "cuda" and precompile:
         from . import cuda_cache
 
         outs, launches = cuda_cache.record_forward(model, prompt_len, record_lengths)
         t_rec = time.perf_counter()
-        if backend.env_value(PRECOMPILE_ENV, "1") == "0":
-            report = {"skipped": f"{PRECOMPILE_ENV}=0"}
-        else:
-            try:
-                report = cuda_cache.precompile(launches)
-            except Exception as e:  # noqa: BLE001  (MLX's own JIT still compiles them)
-                import warnings
+        try:
+            report = cuda_cache.precompile(launches)
+        except Exception as e:  # noqa: BLE001  (MLX's own JIT still compiles them)
+            import warnings
 
-                warnings.warn(f"mlx-lily: compiling CUDA kernels ahead of time failed ({e!r}); "
-                              "MLX compiles them at first use", stacklevel=2)
-                report = {"skipped": repr(e)}
+            warnings.warn(f"mlx-lily: compiling CUDA kernels ahead of time failed ({e!r}); "
+                          "MLX compiles them at first use", stacklevel=2)
+            report = {"skipped": repr(e)}
         report["record_s"] = t_rec - t
         t_eval = time.perf_counter()
         mx.eval(outs)
         report["first_eval_s"] = time.perf_counter() - t_eval
-        last_warmup.clear()
-        last_warmup.update(report)
     else:
         cache = model.make_cache() if hasattr(model, "make_cache") else None
         tokens = mx.zeros((1, prompt_len), dtype=mx.int32)
         mx.eval(model(tokens, cache=cache))
         mx.eval(model(tokens[:, :1], cache=cache))
+        report = {} if precompile else {"skipped": f"{PRECOMPILE_ENV}=0"}
+        report["first_eval_s"] = time.perf_counter() - t
+    last_warmup.clear()
+    last_warmup.update(report)
     return time.perf_counter() - t
 
 
@@ -254,11 +253,10 @@ def patch(model=None, *, ops=None) -> PatchHandle:
     Raises:
         ValueError: an unknown op name.
     """
-    global _ACTIVE, _GENERATION
+    global _ACTIVE
     backend.select_ops(ops)
     _default_kernel_cache_dir()
     if _ACTIVE is None:
-        _GENERATION += 1
         applied = []
         for owner, name, repl in _collect_targets():
             orig = _get_raw(owner, name)

@@ -280,17 +280,18 @@ def drop_compiled_steps() -> None:
 
 
 def _compile_key():
-    """What the traced functions depend on beyond shapes: backend, op selection, switches."""
+    """What the traced functions depend on beyond shapes: backend, op selection, switches
+    (``unpatch`` drops every model's compiled functions, so a new patch starts afresh)."""
     import os
 
-    from mlx_lily import backend, patching
+    from mlx_lily import backend
 
     mode = os.environ.get(COMPILE_ENV, "")
     be = backend.current_backend()
     if mode == "0" or (mode != "1" and be not in ("cuda", "metal")):
         return None
     return (be, backend.disabled_ops(), backend._selected_ops,
-            os.environ.get("MLX_LILY_KERNELS", ""), patching._GENERATION)
+            os.environ.get("MLX_LILY_KERNELS", ""))
 
 
 def _layer_tail(layer, nxt_norm, h, r):

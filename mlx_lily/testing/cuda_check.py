@@ -15,7 +15,7 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-from ..cuda_cache import CUDA_TYPES, Launch  # noqa: F401  (CUDA_TYPES: re-exported)
+from ..cuda_cache import Launch
 from ..cuda_cache import render as _render
 
 _STUB = Path(__file__).resolve().parent / "cuda_stub"
