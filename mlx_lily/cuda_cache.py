@@ -362,12 +362,20 @@ def mlx_include_dirs() -> list[str]:
     return dirs
 
 
+def device_index(device) -> int:
+    """The ordinal of an ``mx.Device`` (0 for the CPU). MLX's Python ``Device`` exposes
+    only ``type``; the index is read from its ``repr``, ``Device(gpu, 1)``."""
+    if getattr(device, "type", device) != mx.gpu:
+        return 0
+    m = re.search(r"(\d+)\)\s*$", repr(device))
+    return int(m.group(1)) if m else 0
+
+
 def device_arch(index: int | None = None) -> tuple[int, int] | None:
     """Compute capability ``(major, minor)`` of CUDA device ``index`` (default: the one
     MLX's default device uses) from the driver, or None."""
     if index is None:
-        d = mx.default_device()
-        index = d.index if d.type == mx.gpu else 0
+        index = device_index(mx.default_device())
     try:
         cuda = ctypes.CDLL("libcuda.so.1")
         if cuda.cuInit(0) != 0:

@@ -373,3 +373,27 @@ def test_kernel_served_from_written_cache(tmp_path):
     assert cuda_cache.cache_paths(tmp_path, mod)[0].stat().st_size > 0
     for o in outs:
         assert o["err"] <= 0.05, o
+
+
+def test_device_index_of_gpu_devices_and_cpu(monkeypatch):
+    """``device_arch()`` with no index reads the default device's ordinal: MLX's Python
+    ``Device`` has no ``index`` attribute (an earlier version read one and failed on
+    every GPU machine), so the ordinal comes from its repr."""
+    assert cuda_cache.device_index(mx.Device(mx.gpu, 3)) == 3
+    assert cuda_cache.device_index(mx.Device(mx.gpu)) == 0
+    assert cuda_cache.device_index(mx.Device(mx.cpu)) == 0
+    assert cuda_cache.device_index(mx.cpu) == 0
+    monkeypatch.setattr(mx, "default_device", lambda: mx.Device(mx.gpu, 2))
+    seen = []
+
+    class FakeCuda:
+        def cuInit(self, flags):
+            return 0
+
+        def cuDeviceGet(self, ref, index):
+            seen.append(index)
+            return 1  # "no such device": device_arch answers None
+
+    monkeypatch.setattr(cuda_cache.ctypes, "CDLL", lambda name: FakeCuda())
+    assert cuda_cache.device_arch() is None
+    assert seen == [2]
