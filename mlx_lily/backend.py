@@ -21,6 +21,7 @@ OP_NAMES = (
     "gated_delta",
     "attention",
     "qgemv",
+    "norm_qgemv",
 )
 
 DISABLE_ENV = "MLX_LILY_DISABLE"

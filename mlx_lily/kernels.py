@@ -119,7 +119,7 @@ _STEM_OPS = (
     ("gdn_", "gated_delta"), ("add_rms_norm", "add_rms_norm"), ("attn_", "attention"),
     ("moe_router_topk", "moe_router_topk"), ("moe_gate_up", "moe_experts"),
     ("moe_down", "moe_experts"), ("moeg_route_", "moe_route"), ("moeg_", "moe_grouped"),
-    ("qgemv", "qgemv"),
+    ("qgemv", "qgemv"), ("norm_qgemv", "norm_qgemv"),
 )
 
 # Ops whose kernels were verified on that backend's hardware (their per-op parity tests

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import mlx.nn as nn
 
+from .ops import norm_qgemv as _norm_qgemv
 from .ops import qgemv as _qgemv
 
 
@@ -59,6 +60,23 @@ class QProj:
                                         mode=self.mode)
         else:
             y = x @ self.weight.T
+        return self._parts(y)
+
+    def call_pending(self, pending) -> list:
+        """Project the row ``pending`` stands for (``mlx_lily.qproj.PendingNorm``: a
+        residual add + RMSNorm not yet computed) and return the parts, as ``__call__``
+        on ``pending.resolve()`` would. A one-row input of a quantized projection runs
+        the add, the norm and the GEMV as one kernel (``mlx_lily.ops.norm_qgemv``) when
+        it serves; ``pending.h`` holds the residual sum afterwards either way."""
+        if self.quantized:
+            r = _norm_qgemv.for_qproj(pending.h0, pending.res, pending.weight, pending.eps,
+                                      self)
+            if r is not None:
+                y, pending.h = r
+                return self._parts(y)
+        return self(pending.resolve())
+
+    def _parts(self, y):
         if len(self.sizes) == 1:
             return [y]
         cuts, acc = [], 0
@@ -118,3 +136,39 @@ class QProj:
             return cls(fused["weight"], fused["scales"], fused["biases"], l0.group_size,
                        l0.bits, l0.mode, sizes)
         return cls(fused["weight"], None, None, None, None, None, sizes)
+
+
+class PendingNorm:
+    """A layer input not computed yet: ``x = rms_norm(h0 + res) * weight`` (``eps``), with
+    the residual sum ``h = h0 + res`` set once something consumes it. The decoder stack
+    hands this to a mixer whose input projection can fold the add and the norm into its
+    GEMV (``QProj.call_pending``); any other consumer calls ``resolve()``.
+    """
+
+    __slots__ = ("h0", "res", "weight", "eps", "h", "_x")
+
+    def __init__(self, h0: mx.array, res: mx.array, weight: mx.array, eps: float):
+        self.h0, self.res, self.weight, self.eps = h0, res, weight, eps
+        self.h = None
+        self._x = None
+
+    @property
+    def shape(self):
+        return self.h0.shape
+
+    @property
+    def dtype(self):
+        return self.h0.dtype
+
+    def resolve(self) -> mx.array:
+        """The normalised input ``x`` (``mlx_lily.ops.add_rms_norm``); sets ``h``."""
+        if self._x is None:
+            from .ops.add_rms_norm import add_rms_norm
+
+            self.h, self._x = add_rms_norm(self.h0, self.res, self.weight, self.eps)
+        return self._x
+
+
+def resolve(x):
+    """``x`` itself, or the array a ``PendingNorm`` stands for."""
+    return x.resolve() if isinstance(x, PendingNorm) else x

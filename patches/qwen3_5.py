@@ -17,7 +17,7 @@ MODEL_TYPES = ("qwen3_5", "qwen3_5_moe")
 def gdn_call(self, inputs, mask=None, cache=None):
     """``qwen3_5.GatedDeltaNet.__call__`` with one fused input projection."""
     if not nxt.gdn_supported(self):
-        return nxt._original(qwen3_5.GatedDeltaNet)(self, inputs, mask, cache)
+        return nxt._original(qwen3_5.GatedDeltaNet)(self, nxt.resolve(inputs), mask, cache)
     B, S, _ = inputs.shape
     proj = nxt._proj(self, "in_proj",
                      (self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a))

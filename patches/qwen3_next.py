@@ -20,7 +20,7 @@ from mlx_lily.ops.add_rms_norm import add_rms_norm
 from mlx_lily.ops.gated_delta import gated_delta
 from mlx_lily.ops.moe_experts import moe_experts
 from mlx_lily.ops.moe_router_topk import moe_router_topk
-from mlx_lily.qproj import QProj
+from mlx_lily.qproj import PendingNorm, QProj, resolve
 
 MODEL_TYPES = ("qwen3_next",)
 
@@ -101,6 +101,12 @@ class _CallLayer:
 
 
 def _run(proj, x):
+    """The parts of projection ``proj`` (a ``QProj`` or a list of one-part callables) of
+    ``x``, an array or a ``PendingNorm`` (folded into the GEMV where the kernel serves)."""
+    if isinstance(x, PendingNorm):
+        if isinstance(proj, QProj):
+            return proj.call_pending(x)
+        x = x.resolve()
     if isinstance(proj, list):
         out = []
         for p in proj:
@@ -119,7 +125,7 @@ def _attention_supported(self, cache) -> bool:
 def attention_call(self, x, mask=None, cache=None):
     """Gated GQA attention (``Qwen3NextAttention.__call__`` with Lily ops)."""
     if not _attention_supported(self, cache):
-        return _original(qwen3_next.Qwen3NextAttention)(self, x, mask, cache)
+        return _original(qwen3_next.Qwen3NextAttention)(self, resolve(x), mask, cache)
     B, L, _ = x.shape
     Hq, Hkv = self.num_attention_heads, self.num_key_value_heads
     q_out, keys, values = _run(_proj(self, "qkv", (self.q_proj, self.k_proj, self.v_proj)), x)
@@ -196,6 +202,7 @@ def gdn_core(self, qkv, z, b, a, mask, cache):
 
 def next_gdn_call(self, inputs, mask=None, cache=None):
     """Qwen3-Next GatedDeltaNet (fused ``in_proj_qkvz``/``in_proj_ba`` layout)."""
+    inputs = resolve(inputs)
     if not gdn_supported(self):
         return _original(qwen3_next.Qwen3NextGatedDeltaNet)(self, inputs, mask, cache)
     B, S, _ = inputs.shape
@@ -294,31 +301,55 @@ def _compile_key():
             os.environ.get("MLX_LILY_KERNELS", ""))
 
 
-def _layer_tail(layer, nxt_norm, h, r):
-    """``(h, r) -> (h', x')``: the residual add fused into the post-attention RMSNorm, the
-    MLP/MoE, and its residual add fused into the next layer's input norm (or the final
-    norm)."""
+def _layer_tail(layer, h, r):
+    """``(h, r) -> (h', m)``: the residual add fused into the post-attention RMSNorm, then
+    the MLP/MoE output ``m``; the closing residual add is left to the next layer's input
+    norm (``_layer_input``) or the final norm."""
     post = layer.post_attention_layernorm
     h, n = add_rms_norm(h, r, post.weight, post.eps)
-    return add_rms_norm(h, layer.mlp(n), nxt_norm.weight, nxt_norm.eps)
+    return h, layer.mlp(n)
 
 
-def _gdn_step(layer, nxt_norm):
-    """One decode step of a GDN decoder layer, compiled and pure: ``(h, x, conv, state) ->
-    (h', x', conv', state')`` (mixer, post-attention add+norm, MLP/MoE, add+next norm)."""
-    mixer = layer.linear_attn
+def _layer_input(h, m, norm, defer):
+    """The next layer's input from the residual ``h`` and the last MLP output ``m``:
+    ``(h, PendingNorm)`` when ``defer`` (its input projection folds the add and the norm
+    into its GEMV), else ``add_rms_norm``'s ``(h + m, x)``."""
+    if defer:
+        return h, PendingNorm(h, m, norm.weight, norm.eps)
+    return add_rms_norm(h, m, norm.weight, norm.eps)
 
-    def step(h, x, conv, state):
+
+def _mixer(layer, x, mask, c, h):
+    """Run the layer's mixer on ``x`` (array or ``PendingNorm``); returns ``(h, r)`` with
+    the residual the pending norm computed on the way."""
+    r = layer.linear_attn(x, mask, c) if layer.is_linear else layer.self_attn(x, mask, c)
+    if isinstance(x, PendingNorm):
+        if x.h is None:
+            x.resolve()
+        h = x.h
+    return h, r
+
+
+def _gdn_step(layer, pending):
+    """One decode step of a GDN decoder layer, compiled and pure: ``(h, d, conv, state) ->
+    (h', m, conv', state')``, where ``d`` is the layer's input ``x`` or, when ``pending``,
+    the previous MLP output (``x = rms_norm(h + d)`` is then folded into the input
+    projection); mixer, post-attention add+norm and MLP/MoE."""
+    norm = layer.input_layernorm
+
+    def step(h, d, conv, state):
         c = _StepCache(conv, state)
-        h, x = _layer_tail(layer, nxt_norm, h, mixer(x, None, c))
-        return h, x, c[0], c[1]
+        x = PendingNorm(h, d, norm.weight, norm.eps) if pending else d
+        h, r = _mixer(layer, x, None, c, h)
+        h, m = _layer_tail(layer, h, r)
+        return h, m, c[0], c[1]
 
     return mx.compile(step)
 
 
-def _mlp_tail(layer, nxt_norm):
-    """``(h, r) -> (h', x')`` compiled: ``_layer_tail`` of an attention layer."""
-    return mx.compile(lambda h, r: _layer_tail(layer, nxt_norm, h, r))
+def _mlp_tail(layer):
+    """``(h, r) -> (h', m)`` compiled: ``_layer_tail`` of an attention layer."""
+    return mx.compile(lambda h, r: _layer_tail(layer, h, r))
 
 
 def _compiled_steps(model, key):
@@ -360,8 +391,11 @@ def _check_weights(text_model, layers) -> None:
 
 def make_text_model_call(module, cls_name, layer_cls_name, with_embeddings):
     """The decoder stack with each layer's closing residual add fused into the NEXT
-    layer's input RMSNorm (and the last one into the final norm): two ``add_rms_norm``
-    per layer, no separate add or norm. Pipeline-parallel models take the stock code.
+    layer's input RMSNorm (and the last one into the final norm): no separate add or
+    norm. With the ``norm_qgemv`` op on, that add and norm are handed to the next layer as
+    a ``PendingNorm`` and run inside its input projection's GEMV when the kernel serves
+    (one-row decode), else as ``add_rms_norm``. Pipeline-parallel models take the stock
+    code.
 
     Decode steps (one token, no masks, plain caches) on a GPU backend run each GDN layer,
     and each attention layer's MoE half, as an ``mx.compile``d function: Python builds the
@@ -392,19 +426,19 @@ def make_text_model_call(module, cls_name, layer_cls_name, with_embeddings):
             if key is not None:
                 steps = _compiled_steps(self, key).fns
         _check_weights(self, layers)
-        n_layers = len(layers)
+        defer = op_enabled("norm_qgemv")
+        m = None
         for i, (layer, c) in enumerate(zip(layers, cache)):
-            nxt = layers[i + 1].input_layernorm if i + 1 < n_layers else self.norm
+            if m is not None:
+                h, x = _layer_input(h, m, layer.input_layernorm, defer)
             if steps is not None and (not layer.is_linear or _gdn_step_ok(layer, c)):
-                if steps.get(i) is not False:
-                    h, x = _run_compiled(steps, i, layer, nxt, h, x, c, fa_mask)
+                key_i = (i, isinstance(x, PendingNorm))
+                if steps.get(key_i) is not False:
+                    h, m = _run_compiled(steps, key_i, layer, h, x, c, fa_mask)
                     continue
-            if layer.is_linear:
-                r = layer.linear_attn(x, ssm_mask, c)
-            else:
-                r = layer.self_attn(x, fa_mask, c)
-            h, x = _layer_tail(layer, nxt, h, r)
-        return x
+            h, r = _mixer(layer, x, ssm_mask if layer.is_linear else fa_mask, c, h)
+            h, m = _layer_tail(layer, h, r)
+        return add_rms_norm(h, m, self.norm.weight, self.norm.eps)[1]
 
     return text_model_call
 
@@ -418,37 +452,40 @@ def _gdn_step_ok(layer, c) -> bool:
             and c[0] is not None and c[1] is not None and gdn_supported(layer.linear_attn))
 
 
-def _run_compiled(steps, i, layer, nxt_norm, h, x, c, fa_mask):
-    """Layer ``i``'s decode step through its compiled function (built on first use).
-    If building or tracing it raises, the layer is marked uncompiled (``steps[i] = False``,
-    one warning) and this step runs uncompiled. Returns ``(h, x)``."""
-    fn = steps.get(i)
+def _run_compiled(steps, key, layer, h, x, c, fa_mask):
+    """A layer's decode step through its compiled function (built on first use; ``key`` =
+    (layer index, whether ``x`` is a ``PendingNorm``)). If building or tracing it raises,
+    that key is marked uncompiled (``steps[key] = False``, one warning) and this step runs
+    uncompiled. Returns ``(h, m)``."""
+    fn = steps.get(key)
     first = fn is None
+    pending = isinstance(x, PendingNorm)
     if first:
-        fn = _gdn_step(layer, nxt_norm) if layer.is_linear else _mlp_tail(layer, nxt_norm)
+        fn = _gdn_step(layer, pending) if layer.is_linear else _mlp_tail(layer)
     if layer.is_linear:
-        args = (h, x, c[0], c[1])
+        args = (h, x.res if pending else x, c[0], c[1])
     else:
-        args = (h, layer.self_attn(x, fa_mask, c))
+        h, r = _mixer(layer, x, fa_mask, c, h)
+        args = (h, r)
     if not first:
         out = fn(*args)
     else:
         try:
             out = fn(*args)
-            steps[i] = fn
+            steps[key] = fn
         except Exception as e:  # noqa: BLE001  (any tracing failure: run uncompiled)
             import warnings
 
-            warnings.warn(f"mlx-lily: compiling decode layer {i} failed ({e!r}); it runs "
-                          "uncompiled", stacklevel=3)
-            steps[i] = False
+            warnings.warn(f"mlx-lily: compiling decode layer {key[0]} failed ({e!r}); it "
+                          "runs uncompiled", stacklevel=3)
+            steps[key] = False
             if layer.is_linear:
-                r = layer.linear_attn(x, None, c)
-                return _layer_tail(layer, nxt_norm, h, r)
-            return _layer_tail(layer, nxt_norm, *args)
+                h, r = _mixer(layer, x, None, c, h)
+                return _layer_tail(layer, h, r)
+            return _layer_tail(layer, *args)
     if layer.is_linear:
-        h, x, c[0], c[1] = out
-        return h, x
+        h, m, c[0], c[1] = out
+        return h, m
     return out
 
 

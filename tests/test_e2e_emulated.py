@@ -41,7 +41,7 @@ DECODE_STEPS = 3
 OPS = backend.OP_NAMES
 
 _OP_MODULES = ("add_rms_norm", "attention", "gated_delta", "moe_experts", "moe_grouped",
-               "moe_route", "moe_router_topk", "qgemv")
+               "moe_route", "moe_router_topk", "qgemv", "norm_qgemv")
 
 # This tiny random model is chaotic: stock bf16 vs the same weights in fp32 already differs
 # by ~0.35 of the logit scale with top-1 agreement ~0.6 (MoE top-k routing flips on
@@ -144,6 +144,46 @@ def test_all_ops(stock_run):
 @pytest.mark.parametrize("op", OPS)
 def test_each_op_alone(stock_run, op):
     _check(stock_run, [op])
+
+
+def _drop_launch_plans(model):
+    from mlx_lily.qproj import QProj
+
+    for _, m in model.named_modules():
+        st = getattr(m, "_lily", None)
+        for v in (vars(st).values() if st is not None else ()):
+            if isinstance(v, QProj):
+                v.__dict__.pop("_lily_qgemv_plans", None)
+                v.__dict__.pop("_lily_norm_qgemv_plans", None)
+
+
+def test_decode_folds_layer_norms_into_projections(stock_run):
+    """With ``norm_qgemv`` on, each decode step runs every layer's input add+RMSNorm but
+    the first inside its input projection (``lily_norm_qgemv``): n_layers - 1 fewer
+    ``lily_add_rms_norm`` launches than with it off, and the same logits within rounding."""
+    from mlx_lily.ops import add_rms_norm as arn
+    from mlx_lily.ops import norm_qgemv as nq
+
+    model, forced, ref, truth = stock_run
+    n_layers = len(model.layers)
+    counts, logits = {}, {}
+    for on in (True, False):
+        ops = None if on else [o for o in OPS if o != "norm_qgemv"]
+        with emulated_metal():
+            with mlx_lily.patched(model, ops=ops), pytest.MonkeyPatch.context() as mp:
+                cache = make_prompt_cache(model)
+                model(mx.array([PROMPT]), cache=cache)
+                _drop_launch_plans(model)  # cached plans hold the kernel objects
+                calls = count_kernel_launches(mp)
+                out = model(mx.array([[forced[0]]]), cache=cache)
+                mx.eval(out)
+        counts[on] = (calls.count(nq.SPEC.name), calls.count(arn.SPEC.name))
+        logits[on] = np.array(out[0].astype(mx.float32))
+    assert counts[True][0] == n_layers - 1, counts
+    assert counts[False][0] == 0, counts
+    assert counts[False][1] - counts[True][1] == n_layers - 1, counts
+    scale = float(np.abs(logits[False]).max())
+    assert float(np.abs(logits[True] - logits[False]).max()) <= 0.05 * scale
 
 
 # ------------------------------------------------------------ attention on model tensors

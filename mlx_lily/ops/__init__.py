@@ -18,6 +18,7 @@ _MODULES = {
     "gated_delta": "mlx_lily.ops.gated_delta",
     "attention": "mlx_lily.ops.attention",
     "qgemv": "mlx_lily.ops.qgemv",
+    "norm_qgemv": "mlx_lily.ops.norm_qgemv",
 }
 
 

@@ -63,6 +63,7 @@ template <typename V> inline V __shfl_xor_sync(uint, V v, int o) { return simd_s
 inline float fmaf(float a, float b, float c) { return metal::fma(a, b, c); }
 inline float expf(float a) { return metal::exp(a); }
 inline float fmaxf(float a, float b) { return metal::max(a, b); }
+inline float rsqrtf(float a) { return metal::precise::rsqrt(a); }
 """
 
 

@@ -1,0 +1,145 @@
+"""Residual add + RMSNorm + quantized GEMV: the input norm of a decoder layer folded into
+the projection that reads it (one launch instead of ``add_rms_norm`` + ``qgemv``).
+
+Contract (``norm_qgemv_reference``): ``h, x = add_rms_norm_reference(h0, res, norm_w,
+eps)`` then ``y = qgemv_reference(x, w, scales, biases, group_size, bits)``; returns
+``(y, h)``. The kernel (``lily_norm_qgemv``, ``shaders/*/norm_qgemv.*``) serves what
+``lily_qgemv`` serves (4/8-bit affine, group 32/64/128, up to ``qgemv.MAX_ROWS`` rows)
+with ``K <= MAX_K``: every threadgroup recomputes the row's norm into threadgroup memory
+(``K`` values of ``T``, rounded as ``lily_add_rms_norm`` rounds, so ``x`` equals that
+kernel's ``normed`` but for the fp32 sum-of-squares order) and runs the ``lily_qgemv``
+loop on it; the first threadgroup of each row writes ``h``.
+Source: RMSNorm (Zhang & Sennrich 2019); norm-as-GEMV-prologue as in Lily's decode path.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+from .. import kernels
+from ..backend import current_backend, op_enabled
+from . import qgemv as _qgemv
+from .add_rms_norm import add_rms_norm_reference
+
+NAME = "norm_qgemv"
+
+# lily_norm_qgemv: template T, S, K, O, BITS, GS, NW, RPW (as lily_qgemv);
+# grid (ceil(O/RPB)*32*NW, N, 1), threadgroup (32*NW, 1, 1), RPB = qgemv.rows_per_block.
+SPEC = kernels.KernelSpec(
+    name="lily_norm_qgemv", stem="norm_qgemv",
+    inputs=("hin", "res", "nw", "eps", "w", "scales", "biases"), outputs=("y", "h"))
+
+#: Largest input width: the normalised row lives in threadgroup memory (2 bytes each in
+#: bf16; 16 KiB at 8192).
+MAX_K = 8192
+NW = _qgemv.NW
+RPW = _qgemv.RPW
+_EPS: dict = {}
+
+
+def norm_qgemv_reference(h0, res, norm_w, eps, w, scales, biases, group_size, bits):
+    """``(x @ dequant(w)^T, h)`` with ``h = h0 + res`` and ``x = rms_norm(h) * norm_w``.
+
+    Args:
+        h0, res: ``[..., K]`` residual stream and the delta added to it (one float dtype).
+        norm_w: ``[K]`` RMSNorm weight; eps: added to the mean of squares.
+        w, scales, biases: MLX affine-quantized ``[O, K*bits/32]`` uint32 and
+            ``[O, K/group_size]`` (as ``nn.QuantizedLinear`` holds them).
+    Returns:
+        ``(y [..., O], h [..., K])`` in the activation dtype.
+    """
+    h, x = add_rms_norm_reference(h0, res, norm_w, eps)
+    return _qgemv.qgemv_reference(x, w, scales, biases, group_size, bits), h
+
+
+def supports(h0, res, norm_w, w, scales, biases, group_size, bits, mode="affine") -> bool:
+    """True when the kernel computes this call: what ``qgemv.supports`` accepts for
+    ``h0`` as the activation, ``res`` of h0's shape and dtype, ``norm_w [K]`` of that
+    dtype, ``K <= MAX_K``."""
+    k = h0.shape[-1]
+    return (k <= MAX_K and res.shape == h0.shape and res.dtype == h0.dtype
+            and norm_w.shape == (k,) and norm_w.dtype == h0.dtype
+            and _qgemv.supports(h0, w, scales, biases, group_size, bits, mode))
+
+
+def _eps(eps: float) -> mx.array:
+    a = _EPS.get(eps)
+    if a is None:
+        a = _EPS[eps] = mx.array([eps], dtype=mx.float32)
+    return a
+
+
+def plan(kernel, x_shape, x_dtype, w, scales, biases, group_size, bits, *, nw=NW, rpw=RPW,
+         init_value=None):
+    """A callable ``run(h0, res, norm_w, eps) -> (y, h)`` launching ``kernel`` for inputs
+    of one shape and dtype (template, grid and output shapes worked out once)."""
+    k = x_shape[-1]
+    o = w.shape[0]
+    lead = tuple(x_shape[:-1])
+    n = 1
+    for s_ in lead:
+        n *= s_
+    tg = 32 * nw
+    nb = -(-o // _qgemv.rows_per_block(k, bits, nw, rpw))
+    kw = dict(template=[("T", x_dtype), ("S", scales.dtype), ("K", k), ("O", o),
+                        ("BITS", bits), ("GS", group_size), ("NW", nw), ("RPW", rpw)],
+              grid=(nb * tg, n, 1), threadgroup=(tg, 1, 1),
+              output_shapes=[lead + (o,), lead + (k,)], output_dtypes=[x_dtype, x_dtype])
+    if init_value is not None:
+        kw["init_value"] = init_value
+
+    def run(h0, res, norm_w, eps):
+        y, h = kernel(inputs=[h0, res, norm_w, _eps(float(eps)), w, scales, biases], **kw)
+        return y, h
+
+    return run
+
+
+def launch(kernel, h0, res, norm_w, eps, w, scales, biases, group_size, bits, *, nw=NW,
+           rpw=RPW, init_value=None):
+    """Run the ``lily_norm_qgemv`` kernel object on a call ``supports`` accepted;
+    returns ``(y, h)``."""
+    return plan(kernel, h0.shape, h0.dtype, w, scales, biases, group_size, bits, nw=nw,
+                rpw=rpw, init_value=init_value)(h0, res, norm_w, eps)
+
+
+def has_kernel(backend: str) -> bool:
+    """True when the kernel can run on ``backend`` here."""
+    return backend in ("metal", "cuda") and kernels.get(SPEC, backend) is not None
+
+
+def for_qproj(h0, res, norm_w, eps, proj):
+    """The kernel's ``(y [..., out], h)`` for a one-row input of the quantized ``QProj``
+    ``proj`` when it serves on this backend, else None (the caller materialises the norm
+    and projects). The launch plan is cached on the projection per (backend, shape,
+    dtype)."""
+    if h0.size != h0.shape[-1] or not proj.quantized:
+        return None
+    backend = current_backend()
+    if backend not in ("metal", "cuda") or not op_enabled(NAME):
+        return None
+    plans = proj.__dict__.setdefault("_lily_norm_qgemv_plans", {})
+    key = (backend, h0.shape, h0.dtype, res.dtype, norm_w.dtype, norm_w.shape)
+    run = plans.get(key, False)
+    if run is False:
+        run = None
+        if supports(h0, res, norm_w, proj.weight, proj.scales, proj.biases, proj.group_size,
+                    proj.bits, proj.mode or "affine"):
+            kern = kernels.get(SPEC, backend)
+            if kern is not None:
+                run = plan(kern, h0.shape, h0.dtype, proj.weight, proj.scales, proj.biases,
+                           proj.group_size, proj.bits)
+        plans[key] = run
+    return run(h0, res, norm_w, eps) if run is not None else None
+
+
+def norm_qgemv(h0, res, norm_w, eps, w, scales, biases, group_size, bits):
+    """Dispatcher: the fused kernel when it serves this backend and call, else the
+    reference. Same arguments and results as ``norm_qgemv_reference``."""
+    backend = current_backend()
+    if backend in ("metal", "cuda") and op_enabled(NAME) and supports(
+            h0, res, norm_w, w, scales, biases, group_size, bits):
+        kern = kernels.get(SPEC, backend)
+        if kern is not None:
+            return launch(kern, h0, res, norm_w, eps, w, scales, biases, group_size, bits)
+    return norm_qgemv_reference(h0, res, norm_w, eps, w, scales, biases, group_size, bits)

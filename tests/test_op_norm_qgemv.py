@@ -1,0 +1,160 @@
+"""norm_qgemv: reference vs stock (add, ``mx.fast.rms_norm``, ``QuantizedLinear``), the
+``lily_norm_qgemv`` kernel vs an fp32 truth on every parity backend (NaN-poisoned outputs
+on GPUs), QProj routing of a pending norm, and the CUDA twin's nvcc compile."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+import pytest
+
+from mlx_lily import kernels
+from mlx_lily.ops import norm_qgemv as NQ
+from mlx_lily.testing.backends import parity_backends
+from mlx_lily.testing.cuda_check import nvcc_path
+from mlx_lily.testing.cuda_emu import (
+    BACKENDS, KERNEL_BACKENDS, aligned_emu_buffers, kernel_for)
+
+
+@pytest.fixture(autouse=True)
+def _aligned_emu_buffers(monkeypatch):
+    yield from aligned_emu_buffers(monkeypatch)
+
+
+def make_weights(o, k, bits, gs, sdtype=mx.bfloat16):
+    w = (mx.random.normal((o, k)) * k ** -0.5).astype(sdtype)
+    return mx.quantize(w, gs, bits)
+
+
+def make_inputs(rows, k, dtype, seed):
+    mx.random.seed(seed)
+    h0 = (mx.random.normal((rows, k)) * 3).astype(dtype)
+    res = mx.random.normal((rows, k)).astype(dtype)
+    nw = (1 + 0.2 * mx.random.normal((k,))).astype(dtype)
+    return h0, res, nw
+
+
+def check(y, h, h0, res, nw, eps, q, s, b, gs, bits, dtype):
+    """``h`` exact; ``y`` within fp32-accumulation rounding of the truth computed from the
+    reference's normalised row, plus one bf16 ulp of one term (the kernel's sum of
+    squares runs in another order, which can flip one rounding of x)."""
+    with mx.stream(mx.cpu):
+        h_ref, x = NQ.add_rms_norm_reference(h0, res, nw, eps)
+        assert mx.array_equal(h, h_ref).item(), "residual h differs"
+        wf = mx.dequantize(q, s.astype(mx.float32), b.astype(mx.float32), gs, bits)
+        xf = x.astype(mx.float32)
+        t = xf @ wf.T
+        mag = mx.abs(xf) @ mx.abs(wf).T
+        flip = 2 ** -7 * mx.abs(xf).max(axis=-1, keepdims=True) * mx.abs(wf).max(axis=1)
+    yf = y.astype(mx.float32)
+    assert yf.shape == t.shape and y.dtype == dtype
+    assert bool(mx.all(mx.isfinite(yf)).item()), "unwritten (NaN) or non-finite outputs"
+    rt = {mx.bfloat16: 2 ** -8, mx.float16: 2 ** -11, mx.float32: 2 ** -22}[dtype]
+    tol = rt * mx.abs(t) + 1e-5 * mag + flip + 1e-6
+    err = mx.abs(yf - t)
+    assert not bool(mx.any(err > tol).item()), f"max err {err.max().item()}"
+
+
+def test_reference_matches_stock_layers():
+    with mx.stream(mx.cpu):
+        mx.random.seed(0)
+        for bits in (4, 8):
+            lin = nn.Linear(256, 40, bias=False)
+            lin.weight = (mx.random.normal((40, 256)) * 0.06).astype(mx.bfloat16)
+            ql = nn.QuantizedLinear.from_linear(lin, 64, bits)
+            norm = nn.RMSNorm(256, eps=1e-6)
+            norm.weight = (1 + 0.1 * mx.random.normal((256,))).astype(mx.bfloat16)
+            h0, res, _ = make_inputs(1, 256, mx.bfloat16, 1)
+            y, h = NQ.norm_qgemv_reference(h0, res, norm.weight, 1e-6, ql.weight, ql.scales,
+                                           ql.biases, 64, bits)
+            assert mx.array_equal(h, h0 + res).item()
+            assert mx.array_equal(y, ql(norm(h0 + res))).item()
+
+
+def test_supports():
+    q, s, b = make_weights(8, 256, 4, 64)
+    h0, res, nw = make_inputs(1, 256, mx.bfloat16, 2)
+    assert NQ.supports(h0, res, nw, q, s, b, 64, 4)
+    assert not NQ.supports(h0, res.astype(mx.float16), nw, q, s, b, 64, 4)
+    assert not NQ.supports(h0, res, nw[:128], q, s, b, 64, 4)
+    assert not NQ.supports(h0, res, nw.astype(mx.float32), q, s, b, 64, 4)
+    assert not NQ.supports(h0, res, nw, q, s, b, 64, 4, mode="mxfp4")
+    big = mx.zeros((1, 2 * NQ.MAX_K), mx.bfloat16)
+    qb, sb, bb = make_weights(8, 2 * NQ.MAX_K, 4, 64)
+    assert not NQ.supports(big, big, big[0], qb, sb, bb, 64, 4)
+
+
+CASES = [  # (K, O, bits, gs, rows, dtype)
+    (2048, 40, 4, 64, 1, mx.bfloat16),   # production width, 4-bit, one row
+    (2048, 24, 8, 64, 2, mx.bfloat16),   # 8-bit, two rows
+    (512, 33, 4, 32, 3, mx.bfloat16),    # odd output count, group 32
+    (128, 17, 8, 128, 1, mx.float16),    # 8 lanes per row
+    (64, 7, 4, 64, 1, mx.float32),       # K smaller than the threadgroup
+]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"K{c[0]}-O{c[1]}-b{c[2]}-g{c[3]}-n{c[4]}")
+def test_kernel_parity(backend, case):
+    k, o, bits, gs, rows, dtype = case
+    mx.random.seed(hash(case) % 1000)
+    q, s, b = make_weights(o, k, bits, gs)
+    h0, res, nw = make_inputs(rows, k, dtype, hash(case) % 997)
+    eps = 1e-6
+    if backend == "reference":
+        with mx.stream(mx.cpu):
+            y, h = NQ.norm_qgemv(h0, res, nw, eps, q, s, b, gs, bits)
+            y2, h2 = NQ.norm_qgemv_reference(h0, res, nw, eps, q, s, b, gs, bits)
+        assert mx.array_equal(y, y2).item() and mx.array_equal(h, h2).item()
+        return
+    kern, init = kernel_for(NQ.SPEC, backend)
+    assert NQ.supports(h0, res, nw, q, s, b, gs, bits)
+    y, h = NQ.launch(kern, h0, res, nw, eps, q, s, b, gs, bits, init_value=init)
+    check(y, h, h0, res, nw, eps, q, s, b, gs, bits, dtype)
+
+
+@pytest.mark.parametrize("backend", KERNEL_BACKENDS)
+def test_kernel_detects_wrong_answer(backend):
+    """The check fails for a corrupted scale and for a wrong norm weight."""
+    mx.random.seed(3)
+    q, s, b = make_weights(16, 256, 4, 64)
+    h0, res, nw = make_inputs(1, 256, mx.bfloat16, 4)
+    kern, init = kernel_for(NQ.SPEC, backend)
+    y, h = NQ.launch(kern, h0, res, nw, 1e-6, q, s, b, 64, 4, init_value=init)
+    check(y, h, h0, res, nw, 1e-6, q, s, b, 64, 4, mx.bfloat16)
+    s2 = s.at[3, 1].add(mx.array(0.5, mx.bfloat16))
+    with pytest.raises(AssertionError):
+        check(y, h, h0, res, nw, 1e-6, q, s2, b, 64, 4, mx.bfloat16)
+    with pytest.raises(AssertionError):
+        check(y, h, h0, res, nw * 1.5, 1e-6, q, s, b, 64, 4, mx.bfloat16)
+
+
+@pytest.mark.skipif(nvcc_path() is None, reason="nvcc not installed")
+def test_cuda_twin_compiles():
+    from mlx_lily.testing import cuda_check
+
+    head, body = kernels.split_header(kernels.shader_source("cuda", "norm_qgemv.cu"))
+    bf = mx.bfloat16
+    cuda_check.check(
+        "lily_norm_qgemv",
+        [("hin", bf, 2), ("res", bf, 2), ("nw", bf, 1), ("eps", mx.float32, 1),
+         ("w", mx.uint32, 2), ("scales", bf, 2), ("biases", bf, 2)],
+        [("y", bf), ("h", bf)], body, head,
+        template=[("T", bf), ("S", bf), ("K", 2048), ("O", 12352), ("BITS", 4), ("GS", 64),
+                  ("NW", NQ.NW), ("RPW", NQ.RPW)])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not any(b in parity_backends() for b in ("cuda", "metal")),
+                    reason="no GPU backend")
+def test_gpu_production_shapes():
+    """Qwen3.6-35B-A3B's fused projections: GDN in_proj (2048 -> 12352), attention
+    q|k|v (2048 -> 9216), at one and two rows."""
+    backend = "cuda" if "cuda" in parity_backends() else "metal"
+    for k, o, rows in ((2048, 12352, 1), (2048, 9216, 1), (2048, 12352, 2)):
+        mx.random.seed(o + rows)
+        q, s, b = make_weights(o, k, 4, 64)
+        h0, res, nw = make_inputs(rows, k, mx.bfloat16, o)
+        kern, init = kernel_for(NQ.SPEC, backend)
+        y, h = NQ.launch(kern, h0, res, nw, 1e-6, q, s, b, 64, 4, init_value=init)
+        check(y, h, h0, res, nw, 1e-6, q, s, b, 64, 4, mx.bfloat16)
