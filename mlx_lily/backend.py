@@ -22,6 +22,7 @@ OP_NAMES = (
     "attention",
     "qgemv",
     "norm_qgemv",
+    "gdn_packed",
 )
 
 DISABLE_ENV = "MLX_LILY_DISABLE"

@@ -44,8 +44,9 @@ class QProj:
     def out_features(self) -> int:
         return int(self.weight.shape[0])
 
-    def __call__(self, x: mx.array) -> list:
-        """Project ``x [..., in]`` and return the parts ``[..., size_i]`` (a list).
+    def __call__(self, x: mx.array, split: bool = True) -> list:
+        """Project ``x [..., in]`` and return the parts ``[..., size_i]`` (a list), or with
+        ``split=False`` the whole ``[..., out_features]`` output as a one-item list.
 
         A one-row input of a quantized projection runs the ``qgemv`` kernel when it
         serves on this backend (``mlx_lily.ops.qgemv.for_qproj``), else
@@ -60,9 +61,9 @@ class QProj:
                                         mode=self.mode)
         else:
             y = x @ self.weight.T
-        return self._parts(y)
+        return self._parts(y) if split else [y]
 
-    def call_pending(self, pending) -> list:
+    def call_pending(self, pending, split: bool = True) -> list:
         """Project the row ``pending`` stands for (``mlx_lily.qproj.PendingNorm``: a
         residual add + RMSNorm not yet computed) and return the parts, as ``__call__``
         on ``pending.resolve()`` would. A one-row input of a quantized projection runs
@@ -73,8 +74,8 @@ class QProj:
                                       self)
             if r is not None:
                 y, pending.h = r
-                return self._parts(y)
-        return self(pending.resolve())
+                return self._parts(y) if split else [y]
+        return self(pending.resolve(), split)
 
     def _parts(self, y):
         if len(self.sizes) == 1:

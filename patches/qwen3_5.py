@@ -21,6 +21,9 @@ def gdn_call(self, inputs, mask=None, cache=None):
     B, S, _ = inputs.shape
     proj = nxt._proj(self, "in_proj",
                      (self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a))
+    if S == 1 and isinstance(proj, nxt.QProj) and nxt.op_enabled("gdn_packed"):
+        (y,) = nxt._run(proj, inputs, split=False)
+        return nxt.gdn_core(self, y, None, None, None, mask, cache, packed=True)
     qkv, z, b, a = nxt._run(proj, inputs)
     z = z.reshape(B, S, self.num_v_heads, self.head_v_dim)
     return nxt.gdn_core(self, qkv, z, b, a, mask, cache)

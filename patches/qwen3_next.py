@@ -17,7 +17,7 @@ from mlx_lm.models.cache import KVCache
 from mlx_lily.backend import op_enabled
 from mlx_lily.ops import attention as attn_ops
 from mlx_lily.ops.add_rms_norm import add_rms_norm
-from mlx_lily.ops.gated_delta import gated_delta
+from mlx_lily.ops.gated_delta import gated_delta, gated_delta_packed
 from mlx_lily.ops.moe_experts import moe_experts
 from mlx_lily.ops.moe_router_topk import moe_router_topk
 from mlx_lily.qproj import PendingNorm, QProj, resolve
@@ -100,13 +100,16 @@ class _CallLayer:
         return [self.layer(x)]
 
 
-def _run(proj, x):
+def _run(proj, x, split=True):
     """The parts of projection ``proj`` (a ``QProj`` or a list of one-part callables) of
-    ``x``, an array or a ``PendingNorm`` (folded into the GEMV where the kernel serves)."""
+    ``x``, an array or a ``PendingNorm`` (folded into the GEMV where the kernel serves);
+    ``split=False`` (a ``QProj`` only): the unsplit output as a one-item list."""
     if isinstance(x, PendingNorm):
         if isinstance(proj, QProj):
-            return proj.call_pending(x)
+            return proj.call_pending(x, split)
         x = x.resolve()
+    if not split:
+        return proj(x, split)
     if isinstance(proj, list):
         out = []
         for p in proj:
@@ -181,18 +184,25 @@ def gdn_supported(self) -> bool:
             and self.conv1d.groups == self.conv_dim and "bias" not in self.conv1d)
 
 
-def gdn_core(self, qkv, z, b, a, mask, cache):
+def gdn_core(self, qkv, z, b, a, mask, cache, packed=False):
     """Shared tail of both GDN variants: conv, recurrence, gated norm, cache update,
-    ``out_proj``. ``qkv [B,S,C]``, ``z [B,S,Hv,Dv]``, ``b``/``a [B,S,Hv]``."""
+    ``out_proj``. ``qkv [B,S,C]``, ``z [B,S,Hv,Dv]``, ``b``/``a [B,S,Hv]``; or, with
+    ``packed``, ``qkv`` the fused projection ``q|k|v|z|b|a`` and z/b/a None."""
     B, S, _ = qkv.shape
     conv_state = cache[0] if cache is not None else None
     state = cache[1] if cache is not None else None
     lengths = cache.lengths if cache is not None else None
-    out, new_conv, new_state = gated_delta(
-        qkv, z, b, a, self.conv1d.weight, conv_state, self.A_log, self.dt_bias, state,
-        self.norm.weight, num_k_heads=self.num_k_heads, head_k_dim=self.head_k_dim,
-        num_v_heads=self.num_v_heads, head_v_dim=self.head_v_dim, eps=self.norm.eps,
-        mask=mask, lengths=lengths)
+    dims = dict(num_k_heads=self.num_k_heads, head_k_dim=self.head_k_dim,
+                num_v_heads=self.num_v_heads, head_v_dim=self.head_v_dim, eps=self.norm.eps,
+                mask=mask, lengths=lengths)
+    if packed:
+        out, new_conv, new_state = gated_delta_packed(
+            qkv, self.conv1d.weight, conv_state, self.A_log, self.dt_bias, state,
+            self.norm.weight, **dims)
+    else:
+        out, new_conv, new_state = gated_delta(
+            qkv, z, b, a, self.conv1d.weight, conv_state, self.A_log, self.dt_bias, state,
+            self.norm.weight, **dims)
     if cache is not None:
         cache[0] = new_conv
         cache[1] = new_state

@@ -421,6 +421,55 @@ def test_prefill_then_decode_chain(backend):
         cs, st, rcs, rst = g[1], g[2], r[1], r[2]
 
 
+def _packed(inp):
+    """The fused projection row ``q|k|v|z|b|a`` (contiguous) the split inputs came from."""
+    B, S, _ = inp["qkv"].shape
+    return mx.concatenate([inp["qkv"], inp["z"].reshape(B, S, -1), inp["b"], inp["a"]],
+                          axis=-1)
+
+
+PACKED_CASES = [dict(B=1), dict(B=3, seed=11), dict(B=2, Hk=1, Hv=3, seed=12),
+                dict(B=1, conv_state=False, state=False, seed=13),
+                dict(B=1, dtype=mx.float16, KS=3, seed=14)]
+
+
+@pytest.mark.parametrize("backend", [_param(b) for b in KERNEL_BACKENDS])
+@pytest.mark.parametrize("case", PACKED_CASES, ids=lambda c: _case_id(c))
+def test_decode_kernel_packed(backend, case):
+    """PACKED=true (z, b, a read from the fused projection row) gives exactly the split
+    form's results: same arithmetic, other addresses."""
+    inp, dims = make_inputs(S=1, **case)
+    want = run_kernels(backend, inp, dims)
+    y = _packed(inp)
+    stream = mx.gpu if backend in ("metal", "cuda") else mx.cpu
+    with mx.stream(stream):
+        init = float("nan") if backend in ("metal", "cuda") else None
+        got = G.gated_delta_fused(
+            y, None, None, None, **{k: v for k, v in inp.items()
+                                    if k not in ("qkv", "z", "b", "a")},
+            **dims, init_value=init, packed=True,
+            get_kernel=lambda spec: _kernel(spec, backend))
+        mx.eval(got)
+    for g, w in zip(got, want):
+        assert g.shape == w.shape and mx.array_equal(g, w).item()
+
+
+def test_packed_dispatcher_on_cpu_and_width_check():
+    """``gated_delta_packed`` on the CPU is the reference on the split views; a row of
+    the wrong width is refused with the expected width named."""
+    for S in (1, 3):
+        inp, dims = make_inputs(2, S, seed=20 + S)
+        y = _packed(inp)
+        rest = {k: v for k, v in inp.items() if k not in ("qkv", "z", "b", "a")}
+        with mx.stream(mx.cpu):
+            got = G.gated_delta_packed(y, **rest, **dims)
+            want = G.gated_delta_reference(**inp, **dims)
+        for g, w in zip(got, want):
+            assert mx.array_equal(g, w).item()
+    with pytest.raises(ValueError, match="expected"):
+        G.gated_delta_packed(y[..., :-1], **rest, **dims)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("backend", [b for b in KERNEL_BACKENDS if b in ("metal", "cuda")])
 @pytest.mark.parametrize("S", [1, 64])
@@ -432,6 +481,14 @@ def test_production_dims_gpu(backend, S):
         got = run_kernels(backend, inp, dims, scan_cfg=G.scan_config(backend))
     _check_vs_oracle(got, oracle(**inp, **dims), BF)
     _check_vs_reference(got, cpu_reference(**inp, **dims))
+    if S == 1:  # the packed decode form at production dims: the same bits
+        rest = {k: v for k, v in inp.items() if k not in ("qkv", "z", "b", "a")}
+        with mx.stream(mx.gpu):
+            packed = G.gated_delta_fused(_packed(inp), None, None, None, **rest, **dims,
+                                         init_value=float("nan"), packed=True,
+                                         get_kernel=lambda spec: _kernel(spec, backend))
+            mx.eval(packed)
+        assert all(mx.array_equal(p, g).item() for p, g in zip(packed, got))
 
 
 def _masked_inputs(B, S, left_pad, lengths, seed, **kw):
@@ -597,7 +654,7 @@ def _cuda_cases():
                             norm_w=(T, 1), eps=(f, 1), mask=(mx.bool_, 2),
                             lengths=(mx.int32, 1)),
                        [T, T, f], dict(T=T, Hk=16, Hv=32, Dk=128, Dv=128, KS=4, NW=16,
-                                       HAS_MASK=T == BF, HAS_LEN=T == BF)),
+                                       HAS_MASK=T == BF, HAS_LEN=T == BF, PACKED=T != BF)),
             G.PREP: (dict(qkv=(T, 3), conv_w=(T, 3), conv_state=(T, 3), a=(T, 3), b=(T, 3),
                           A_log=(f, 1), dt_bias=(T, 1), mask=(mx.bool_, 2),
                           lengths=(mx.int32, 1)),

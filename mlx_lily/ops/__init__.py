@@ -19,10 +19,11 @@ _MODULES = {
     "attention": "mlx_lily.ops.attention",
     "qgemv": "mlx_lily.ops.qgemv",
     "norm_qgemv": "mlx_lily.ops.norm_qgemv",
+    "gdn_packed": "mlx_lily.ops.gated_delta:has_packed_kernel",
 }
 
 
 def kernel_status(name: str, backend: str) -> bool:
     """True when op ``name`` has a custom kernel that can serve on ``backend`` now."""
-    mod = importlib.import_module(_MODULES[name])
-    return bool(mod.has_kernel(backend))
+    mod_name, _, fn = _MODULES[name].partition(":")
+    return bool(getattr(importlib.import_module(mod_name), fn or "has_kernel")(backend))

@@ -121,8 +121,9 @@ def gated_delta_reference(qkv, z, b, a, conv_weight, conv_state, A_log, dt_bias,
 # forward passes row-slice views of one fused projection, which would otherwise be copied
 # on every call.
 #
-# lily_gdn_decode (S == 1): template T, Hk, Hv, Dk, Dv, KS, NW, HAS_MASK, HAS_LEN;
-#   grid (32*NW, B*Hv, 1), threadgroup (32*NW, 1, 1).
+# lily_gdn_decode (S == 1): template T, Hk, Hv, Dk, Dv, KS, NW, HAS_MASK, HAS_LEN, PACKED;
+#   grid (32*NW, B*Hv, 1), threadgroup (32*NW, 1, 1). PACKED: ``qkv`` is the fused input
+#   projection's whole row ``q|k|v|z|b|a`` and z/b/a are read from it (inputs unread).
 # lily_gdn_prep (S > 1): template T, Hk, Hv, D, KS, TT, HAS_MASK, HAS_LEN;
 #   grid (D*(2*Hk+Hv)*ceil(S/TT), B, 1), threadgroup (D, 1, 1).
 # lily_gdn_scan: template T, Hk, Hv, Dk, Dv, LPR, RPL, WPB;
@@ -288,7 +289,7 @@ def kernel_unsupported(qkv, z, b, a, conv_weight, conv_state, A_log, dt_bias, st
 def gated_delta_fused(qkv, z, b, a, conv_weight, conv_state, A_log, dt_bias, state,
                       norm_weight, *, num_k_heads, head_k_dim, num_v_heads, head_v_dim,
                       eps, get_kernel, scan_cfg=(8, 1, 4), decode_nw=None, mask=None,
-                      lengths=None, init_value=None):
+                      lengths=None, init_value=None, packed=False):
     """The fused kernels for a call ``kernel_unsupported`` accepted.
 
     S == 1: one ``lily_gdn_decode`` launch. S > 1: ``lily_gdn_prep`` (conv, SiLU, l2norm,
@@ -301,10 +302,15 @@ def gated_delta_fused(qkv, z, b, a, conv_weight, conv_state, A_log, dt_bias, sta
     pick the new conv state. ``init_value`` (tests: NaN) pre-fills every output so an
     element a kernel never writes shows up. Returns ``(out [B,S,Hv*Dv], new_conv_state,
     new_state)``, the results of ``gated_delta_reference`` within rounding (module
-    docstring, Numerics).
+    docstring, Numerics). ``packed`` (S == 1 only): ``qkv`` is the whole
+    ``[B, 1, C + Hv*Dv + 2*Hv]`` projection row and z, b, a are ignored (see
+    ``gated_delta_packed``).
     """
     B, S, C = qkv.shape
     Hk, Dk, Hv, Dv = num_k_heads, head_k_dim, num_v_heads, head_v_dim
+    if packed:
+        C = 2 * Hk * Dk + Hv * Dv
+        z = b = a = qkv
     T = qkv.dtype
     K = conv_weight.shape[1]
     if conv_state is None:
@@ -324,7 +330,7 @@ def gated_delta_fused(qkv, z, b, a, conv_weight, conv_state, A_log, dt_bias, sta
             inputs=[qkv, z, b, a, conv_weight, conv_state, A_log, dt_bias, state,
                     norm_weight, eps_a, mask, lengths],
             template=[("T", T), ("Hk", Hk), ("Hv", Hv), ("Dk", Dk),
-                      ("Dv", Dv), ("KS", K), ("NW", nw)] + flags,
+                      ("Dv", Dv), ("KS", K), ("NW", nw)] + flags + [("PACKED", bool(packed))],
             grid=(32 * nw, B * Hv, 1), threadgroup=(32 * nw, 1, 1),
             output_shapes=[(B, 1, Hv * Dv), (B, K - 1, C), (B, Hv, Dv, Dk)],
             output_dtypes=[T, T, mx.float32], **extra)
@@ -382,3 +388,64 @@ def gated_delta(qkv, z, b, a, conv_weight, conv_state, A_log, dt_bias, state, no
                 get_kernel=lambda spec: _k.get(spec, backend), scan_cfg=cfg, **dims)
     return gated_delta_reference(qkv, z, b, a, conv_weight, conv_state, A_log, dt_bias,
                                  state, norm_weight, **dims)
+
+
+PACKED_OP = "gdn_packed"  # the packed decode form's switch (MLX_LILY_DISABLE / _KERNELS)
+
+
+def has_packed_kernel(backend: str) -> bool:
+    """True when ``gated_delta_packed`` runs its one-launch decode kernel on ``backend``."""
+    return has_kernel(backend) and _k.kernels_allowed(PACKED_OP, backend)
+
+
+class _Shape:
+    """Shape and dtype of an array not built (``kernel_unsupported`` reads only these)."""
+
+    __slots__ = ("shape", "dtype")
+
+    def __init__(self, shape, dtype):
+        self.shape, self.dtype = shape, dtype
+
+
+def split_packed(y, *, num_k_heads, head_k_dim, num_v_heads, head_v_dim, **_):
+    """``(qkv, z [B,S,Hv,Dv], b, a)`` views of a fused input projection ``y`` whose last
+    axis is ``q|k|v|z|b|a`` (``C + Hv*Dv + 2*Hv`` wide; ``C = 2*Hk*Dk + Hv*Dv``).
+
+    Raises:
+        ValueError: the last axis has another width."""
+    B, S, P = y.shape
+    C = 2 * num_k_heads * head_k_dim + num_v_heads * head_v_dim
+    zw = num_v_heads * head_v_dim
+    if P != C + zw + 2 * num_v_heads:
+        raise ValueError(f"gated_delta_packed: projection width {P}, expected "
+                         f"{C + zw + 2 * num_v_heads} (q|k|v|z|b|a)")
+    qkv, z, b, a = mx.split(y, [C, C + zw, C + zw + num_v_heads], axis=-1)
+    return qkv, z.reshape(B, S, num_v_heads, head_v_dim), b, a
+
+
+def gated_delta_packed(y, conv_weight, conv_state, A_log, dt_bias, state, norm_weight,
+                       **dims):
+    """``gated_delta`` on the fused input projection's output ``y [B, S, C+Hv*Dv+2*Hv]``
+    (``q|k|v|z|b|a``, as ``qwen3_5``'s four projections fused at patch time). A decode
+    step (S == 1) the kernel serves is one ``lily_gdn_decode`` launch reading z, b, a
+    from ``y``'s columns (no split or reshape in the graph); anything else splits ``y``
+    (``split_packed``) and calls ``gated_delta``. Same results as ``gated_delta``."""
+    backend = current_backend()
+    B, S, P = y.shape
+    if S == 1 and (backend == "metal" or backend == "cuda") and _k.kernels_allowed(
+            PACKED_OP, backend):
+        Hk, Dk = dims["num_k_heads"], dims["head_k_dim"]
+        Hv, Dv = dims["num_v_heads"], dims["head_v_dim"]
+        C = 2 * Hk * Dk + Hv * Dv
+        T = y.dtype
+        if (P == C + Hv * Dv + 2 * Hv and kernel_unsupported(
+                _Shape((B, S, C), T), _Shape((B, S, Hv, Dv), T), _Shape((B, S, Hv), T),
+                _Shape((B, S, Hv), T), conv_weight, conv_state, A_log, dt_bias, state,
+                norm_weight, **dims) is None
+                and _k.get(DECODE, backend) is not None):
+            return gated_delta_fused(
+                y, None, None, None, conv_weight, conv_state, A_log, dt_bias, state,
+                norm_weight, get_kernel=lambda spec: _k.get(spec, backend), packed=True,
+                **dims)
+    return gated_delta(*split_packed(y, **dims), conv_weight, conv_state, A_log, dt_bias,
+                       state, norm_weight, **dims)

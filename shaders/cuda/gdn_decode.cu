@@ -1,11 +1,13 @@
 // @kernel lily_gdn_decode
 // @inputs qkv[B,1,C] z[B,1,Hv,Dv] b[B,1,Hv] a[B,1,Hv] conv_w[C,KS,1] conv_state[B,KS-1,C] A_log[Hv] dt_bias[Hv] state[B,Hv,Dv,Dk]:float32 norm_w[Dv] eps[1]:float32 mask[B,1]:bool lengths[B]:int32 (all read through *_strides; mask/lengths read only when HAS_MASK/HAS_LEN)
 // @outputs out[B,1,Hv*Dv]:T conv_out[B,KS-1,C]:T state_out[B,Hv,Dv,Dk]:float32
-// @template T=bfloat16 Hk=16 Hv=32 Dk=128 Dv=128 KS=4 NW=16 HAS_MASK=false HAS_LEN=false
-// @template T=float16 Hk=2 Hv=6 Dk=64 Dv=64 KS=3 NW=8 HAS_MASK=true HAS_LEN=true
+// @template T=bfloat16 Hk=16 Hv=32 Dk=128 Dv=128 KS=4 NW=16 HAS_MASK=false HAS_LEN=false PACKED=true
+// @template T=float16 Hk=2 Hv=6 Dk=64 Dv=64 KS=3 NW=8 HAS_MASK=true HAS_LEN=true PACKED=false
 // @grid (32*NW, B*Hv, 1)
 // @threadgroup (32*NW, 1, 1)
 // @ensure_row_contiguous false
+// PACKED: qkv is the whole fused input projection row [B,1,C+Hv*Dv+2*Hv] = q|k|v|z|b|a
+// and z, b, a are read from its columns (the z/b/a inputs are then not read).
 // CUDA twin of shaders/metal/gdn_decode.metal: one block per (batch, v-head), NW warps
 // owning Dv/NW state rows each (lane owns columns lane + 32*j).
 
@@ -113,10 +115,15 @@
     kf[j] = lily_rnd<T>(lily_rnd<T>(kf[j] * rk) * kscale);
   }
 
-  const int64_t bo = int64_t(bi) * b_strides[0] + int64_t(h) * b_strides[2];
-  const int64_t ao = int64_t(bi) * a_strides[0] + int64_t(h) * a_strides[2];
-  const float beta = live ? lily_sigmoid(static_cast<float>(b[bo])) : 0.0f;
-  const float sp = lily_softplus(static_cast<float>(a[ao]) +
+  const int64_t pk0 = int64_t(bi) * qkv_strides[0];
+  const float b_in = PACKED
+      ? static_cast<float>(qkv[pk0 + int64_t(C + Hv * Dv + h) * qkv_strides[2]])
+      : static_cast<float>(b[int64_t(bi) * b_strides[0] + int64_t(h) * b_strides[2]]);
+  const float a_in = PACKED
+      ? static_cast<float>(qkv[pk0 + int64_t(C + Hv * Dv + Hv + h) * qkv_strides[2]])
+      : static_cast<float>(a[int64_t(bi) * a_strides[0] + int64_t(h) * a_strides[2]]);
+  const float beta = live ? lily_sigmoid(b_in) : 0.0f;
+  const float sp = lily_softplus(a_in +
                                  static_cast<float>(dt_bias[h * dt_bias_strides[0]]));
   const float g = live ? expf(-expf(static_cast<float>(A_log[h * A_log_strides[0]])) * sp) : 1.0f;
 
@@ -182,8 +189,10 @@
       const int r = warp * RW + i;
       const float nw = lily_rnd<T>(lily_rnd<T>(yv[i] * rstd) *
                                    static_cast<float>(norm_w[r * norm_w_strides[0]]));
-      const float zf = static_cast<float>(
-          z[int64_t(bi) * z_strides[0] + int64_t(h) * z_strides[2] + r * z_strides[3]]);
+      const float zf = PACKED
+          ? static_cast<float>(qkv[pk0 + int64_t(C + h * Dv + r) * qkv_strides[2]])
+          : static_cast<float>(
+                z[int64_t(bi) * z_strides[0] + int64_t(h) * z_strides[2] + r * z_strides[3]]);
       out[int64_t(n) * Dv + r] = static_cast<T>(zf * lily_sigmoid(zf) * nw);
     }
   }
