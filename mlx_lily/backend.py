@@ -23,6 +23,7 @@ OP_NAMES = (
     "qgemv",
     "norm_qgemv",
     "gdn_packed",
+    "attn_packed",
 )
 
 DISABLE_ENV = "MLX_LILY_DISABLE"

@@ -131,7 +131,13 @@ def attention_call(self, x, mask=None, cache=None):
         return _original(qwen3_next.Qwen3NextAttention)(self, resolve(x), mask, cache)
     B, L, _ = x.shape
     Hq, Hkv = self.num_attention_heads, self.num_key_value_heads
-    q_out, keys, values = _run(_proj(self, "qkv", (self.q_proj, self.k_proj, self.v_proj)), x)
+    proj = _proj(self, "qkv", (self.q_proj, self.k_proj, self.v_proj))
+    if L == 1 and mask is None and cache is not None and isinstance(proj, QProj) \
+            and op_enabled(attn_ops.PACKED_OP):
+        out = _attention_decode_packed(self, proj, x, cache)
+        if out is not None:
+            return out
+    q_out, keys, values = _run(proj, x)
     queries, gate = mx.split(q_out.reshape(B, L, Hq, -1), 2, axis=-1)
     offset = cache.offset if cache is not None else 0
     rope = self.rope
@@ -143,6 +149,27 @@ def attention_call(self, x, mask=None, cache=None):
     if cache is not None:
         k, v = cache.update_and_fetch(k, v)
     out = attn_ops.sdpa_gated(q, k, v, self.scale, mask, gate)  # [B, L, Hq*D], gate fused
+    return self.o_proj(out)
+
+
+def _attention_decode_packed(self, proj, x, cache):
+    """A decode step with q, k, v, and the gate read straight from the fused projection's
+    row: GEMV, q/k norm + RoPE + v copy (one kernel), cache update, split-K SDPA with the
+    gate, ``o_proj``; no split/reshape/transpose views. None when the kernels do not
+    serve (the caller then runs the general path; nothing was changed)."""
+    (y,) = _run(proj, x, split=False)
+    Hq, Hkv = self.num_attention_heads, self.num_key_value_heads
+    D = y.shape[-1] // (2 * Hq + 2 * Hkv)
+    rope = self.rope
+    qkv = attn_ops.qkv_norm_rope_packed(
+        y, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, n_heads=Hq,
+        n_kv_heads=Hkv, head_dim=D, rope_dims=rope.dims, base=rope.base, scale=rope.scale,
+        traditional=rope.traditional, offset=cache.offset)
+    if qkv is None:
+        return None
+    q, k, v = qkv
+    k, v = cache.update_and_fetch(k, v)
+    out = attn_ops.sdpa_gated_packed(q, k, v, self.scale, y, Hq, Hkv, D)
     return self.o_proj(out)
 
 

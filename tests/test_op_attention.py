@@ -447,6 +447,101 @@ def _assert_qk_close(out, ref, x, w, R, dt):
     assert (err > 0).mean() < 0.1
 
 
+# --------------------------------------------------------------------------- packed decode forms
+PACKED_CASES = [
+    # B, L, Hq, Hkv, D, rope_dims, offset, dtype
+    (1, 1, 16, 2, 256, 64, 4095, mx.bfloat16),
+    (2, 1, 8, 1, 128, 32, 7, mx.float16),
+    (1, 3, 4, 2, 256, 64, 100000, mx.bfloat16),
+]
+
+
+def _packed_row(B, L, Hq, Hkv, D, dt):
+    return _rand((B, L, Hq * 2 * D + 2 * Hkv * D), dt)
+
+
+@pytest.mark.parametrize("backend", SMALL_BACKENDS)
+@pytest.mark.parametrize("case", PACKED_CASES, ids=lambda c: f"B{c[0]}L{c[1]}H{c[2]}-{c[3]}D{c[4]}")
+def test_qkv_norm_rope_packed(backend, case, monkeypatch):
+    """q/k norm + RoPE and the v copy read straight from the fused q|k|v row (one
+    launch) match the reference on the split views; v is copied exactly."""
+    B, L, Hq, Hkv, D, R, offset, dt = case
+    monkeypatch.setenv(kernels.KERNELS_ENV, "all")
+    mx.random.seed(hash(case) % 1000)
+    y = _packed_row(B, L, Hq, Hkv, D, dt)
+    wq = (1.0 + 0.1 * mx.random.normal((D,))).astype(dt)
+    wk = (1.0 + 0.1 * mx.random.normal((D,))).astype(dt)
+    kw = dict(n_heads=Hq, n_kv_heads=Hkv, head_dim=D, rope_dims=R, base=1e7, offset=offset)
+    rq, rk, rv = A.qkv_norm_rope_packed_reference(y, wq, wk, 1e-6, **kw)
+    queries, _, keys, _ = A.split_packed(y, Hq, Hkv, D)
+    with use_backend(backend, monkeypatch):
+        out = A.qkv_norm_rope_packed(y, wq, wk, 1e-6, **kw)
+        if backend == "reference":
+            assert out is None  # no kernel on the CPU: the caller takes the general path
+            return
+        q, k, v = out
+        mx.eval(q, k, v)
+    assert q.shape == (B, Hq, L, D) and k.shape == v.shape == (B, Hkv, L, D)
+    _assert_qk_close(q, rq, queries, wq, R, dt)
+    _assert_qk_close(k, rk, keys, wk, R, dt)
+    assert mx.array_equal(v, rv).item()
+
+
+@pytest.mark.parametrize("backend", SMALL_BACKENDS)
+@pytest.mark.parametrize("T", [1, 300])
+def test_decode_gate_packed(backend, T, monkeypatch):
+    """The split-K decode with each head's gate read from the fused row's columns equals
+    the gated reference on the gate view, and comes out as ``[B, 1, Hq*D]``."""
+    monkeypatch.setenv(kernels.KERNELS_ENV, "all")
+    B, Hq, Hkv, D, dt = 2, 16, 2, 256, mx.bfloat16
+    mx.random.seed(T)
+    q = _rand((B, Hq, 1, D), dt)
+    k, v = _kv(B, Hkv, T, D, dt, "view")
+    y = _packed_row(B, 1, Hq, Hkv, D, dt)
+    _, gate, _, _ = A.split_packed(y, Hq, Hkv, D)
+    ref = A.sdpa_gated_reference(*_f32(q, k, v), D ** -0.5, None, gate.astype(mx.float32))
+    with use_backend(backend, monkeypatch):
+        out = A.sdpa_gated_packed(q, k, v, D ** -0.5, y, Hq, Hkv, D)
+        mx.eval(out)
+    assert out.shape == (B, 1, Hq * D) and out.dtype == dt
+    _assert_close(out, ref, dt, f"packed gate T={T}")
+
+
+def test_patched_decode_takes_packed_path(monkeypatch):
+    """With fused q|k|v projections prepared, the patched layer's decode steps run
+    ``qkv_norm_rope_packed`` + the packed-gate decode (emulated Metal) and match stock;
+    with ``attn_packed`` switched off they take the general path."""
+    if not metal_emu_available():
+        pytest.skip("Metal emulator unavailable")
+    from mlx_lm.models.cache import KVCache
+    from mlx_lm.models.qwen3_next import Qwen3NextAttention
+
+    from mlx_lily.patches.qwen3_next import attention_call, prepare_attention
+
+    monkeypatch.setenv(kernels.KERNELS_ENV, "all")
+    for packed_on in (True, False):
+        if not packed_on:
+            monkeypatch.setenv("MLX_LILY_DISABLE", A.PACKED_OP)
+        mx.random.seed(14)
+        attn = _stock_attention("qwen3_next", num_attention_heads=16, num_key_value_heads=2)
+        c_stock, c_lily = KVCache(), KVCache()
+        seen = []
+        with use_backend("metal-emu", monkeypatch):
+            prepare_attention(attn)
+            orig = A.qkv_norm_rope_packed
+            monkeypatch.setattr(A, "qkv_norm_rope_packed",
+                                lambda *a, **k: seen.append(1) or orig(*a, **k))
+            for L, mask in _steps():
+                x = _rand((1, L, attn.q_proj.weight.shape[1]), mx.bfloat16)
+                y_stock = Qwen3NextAttention.__call__(attn, x, mask, c_stock)
+                y = attention_call(attn, x, mask, c_lily)
+                o, r = _np(y), _np(y_stock)
+                assert np.isfinite(o).all()
+                assert np.abs(o - r).max() / max(1.0, np.abs(r).max()) < 3e-2, (packed_on, L)
+        n_decode = sum(1 for L, _ in _steps() if L == 1)
+        assert len(seen) == (n_decode if packed_on else 0), (packed_on, seen)
+
+
 # --------------------------------------------------------------------------- decode
 DECODE_CASES = [
     # B, Hq, Hkv, D, T, dtype, gated, block, layout
@@ -607,8 +702,8 @@ _NVCC_CASES = {
     "attn_qk_norm_rope": (
         [("queries", "T", 4), ("keys", "T", 4), ("q_weight", "T", 1), ("k_weight", "T", 1),
          ("rope", mx.float32, 1), ("offset", mx.int32, 1)],
-        [("q_out", "T"), ("k_out", "T")],
-        [("D", 256), ("HQ", 16), ("HKV", 2), ("R", 64)]),
+        [("q_out", "T"), ("k_out", "T"), ("v_out", "T")],
+        [("D", 256), ("HQ", 16), ("HKV", 2), ("R", 64), ("PACKED", True)]),
     "attn_decode_partial": (
         [("q", "T", 4), ("k", "T", 4), ("v", "T", 4), ("params", mx.float32, 1)],
         [("part_o", mx.float32), ("part_ml", mx.float32)],
@@ -616,7 +711,7 @@ _NVCC_CASES = {
     "attn_decode_combine": (
         [("part_o", mx.float32, 4), ("part_ml", mx.float32, 4), ("gate", "T", 4)],
         [("out", "T")],
-        [("D", 256), ("GATED", True)]),
+        [("D", 256), ("GATED", True), ("GATE_PACKED", True)]),
     "attn_prefill": (
         [("q", "T", 4), ("k", "T", 4), ("v", "T", 4), ("gate", "T", 4), ("params", mx.float32, 1)],
         [("out", "T")],

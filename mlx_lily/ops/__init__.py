@@ -20,6 +20,7 @@ _MODULES = {
     "qgemv": "mlx_lily.ops.qgemv",
     "norm_qgemv": "mlx_lily.ops.norm_qgemv",
     "gdn_packed": "mlx_lily.ops.gated_delta:has_packed_kernel",
+    "attn_packed": "mlx_lily.ops.attention:has_packed_kernel",
 }
 
 

@@ -70,7 +70,7 @@ _LOG2E = 1.4426950408889634
 
 QK_NORM_ROPE = KernelSpec(
     "lily_attn_qk_norm_rope", "attn_qk_norm_rope",
-    ("queries", "keys", "q_weight", "k_weight", "rope", "offset"), ("q_out", "k_out"),
+    ("queries", "keys", "q_weight", "k_weight", "rope", "offset"), ("q_out", "k_out", "v_out"),
     ensure_row_contiguous=False)
 DECODE_PARTIAL = KernelSpec(
     "lily_attn_decode_partial", "attn_decode_partial",
@@ -239,12 +239,81 @@ def qk_norm_rope(queries, keys, q_norm_weight, k_norm_weight, eps, *, rope_dims,
     else:
         off = mx.array([int(offset)], dtype=mx.int32)
     rope = _rope_params(eps, base, scale)
-    q_out, k_out = kern(
+    q_out, k_out, _ = kern(
         inputs=[queries, keys, q_norm_weight, k_norm_weight, rope, off],
-        output_shapes=[(B, Hq, L, D), (B, Hkv, L, D)], output_dtypes=[dt, dt],
+        output_shapes=[(B, Hq, L, D), (B, Hkv, L, D), (1,)], output_dtypes=[dt, dt, dt],
         grid=(32 * B * L * (Hq + Hkv), 1, 1), threadgroup=(32, 1, 1),
-        template=[("T", dt), ("D", D), ("HQ", Hq), ("HKV", Hkv), ("R", int(rope_dims))])
+        template=[("T", dt), ("D", D), ("HQ", Hq), ("HKV", Hkv), ("R", int(rope_dims)),
+                  ("PACKED", False)])
     return q_out, k_out
+
+
+PACKED_OP = "attn_packed"  # the packed decode form's switch (MLX_LILY_DISABLE / _KERNELS)
+
+
+def split_packed(y, n_heads, n_kv_heads, head_dim):
+    """``(queries [B,L,Hq,D], gate [B,L,Hq,D], keys [B,L,Hkv,D], values [B,L,Hkv,D])``
+    views of the fused q|k|v projection ``y [B, L, Hq*2D + 2*Hkv*D]`` (``q_proj``'s
+    per-head q|gate halves, then k, then v), as mlx-lm's ``Qwen3NextAttention`` splits
+    them."""
+    B, L, _ = y.shape
+    qw = n_heads * 2 * head_dim
+    kw = n_kv_heads * head_dim
+    q_out, keys, values = mx.split(y, [qw, qw + kw], axis=-1)
+    queries, gate = mx.split(q_out.reshape(B, L, n_heads, -1), 2, axis=-1)
+    return (queries, gate, keys.reshape(B, L, n_kv_heads, -1),
+            values.reshape(B, L, n_kv_heads, -1))
+
+
+def qkv_norm_rope_packed_reference(y, q_norm_weight, k_norm_weight, eps, *, n_heads,
+                                   n_kv_heads, head_dim, rope_dims, base, scale=1.0,
+                                   traditional=False, offset=0):
+    """``(q [B,Hq,L,D], k [B,Hkv,L,D], v [B,Hkv,L,D])`` from the fused projection ``y``:
+    ``qk_norm_rope_reference`` on its q and k heads, v moved to ``[B,Hkv,L,D]``."""
+    queries, _, keys, values = split_packed(y, n_heads, n_kv_heads, head_dim)
+    q, k = qk_norm_rope_reference(queries, keys, q_norm_weight, k_norm_weight, eps,
+                                  rope_dims=rope_dims, base=base, scale=scale,
+                                  traditional=traditional, offset=offset)
+    return q, k, values.transpose(0, 2, 1, 3)
+
+
+def qkv_norm_rope_packed(y, q_norm_weight, k_norm_weight, eps, *, n_heads, n_kv_heads,
+                         head_dim, rope_dims, base, scale=1.0, traditional=False, offset=0,
+                         kernel=None, init_value=None):
+    """One ``lily_attn_qk_norm_rope`` launch (``PACKED=true``) reading q, k and v straight
+    from the fused projection ``y [B, L, Hq*2D + 2*Hkv*D]``: results of
+    ``qkv_norm_rope_packed_reference``. Returns None when the kernel does not serve this
+    call (backend, ``attn_packed`` switch, dtypes, dims: as ``qk_norm_rope``); ``kernel``
+    overrides the kernel object (tests), ``init_value`` pre-fills the outputs."""
+    D, Hq, Hkv = head_dim, n_heads, n_kv_heads
+    if y.ndim != 3 or y.shape[-1] != Hq * 2 * D + 2 * Hkv * D:
+        return None
+    B, L, _ = y.shape
+    dt = y.dtype
+    if kernel is None:
+        backend = current_backend()
+        if backend not in ("metal", "cuda") or not kernels.kernels_allowed(PACKED_OP, backend):
+            return None
+        if (dt not in _DTYPES or q_norm_weight.dtype != dt or k_norm_weight.dtype != dt
+                or q_norm_weight.shape != (D,) or k_norm_weight.shape != (D,)
+                or D % 32 or not 32 <= D <= 512 or traditional or rope_dims % 2
+                or not 2 <= rope_dims <= D
+                or (isinstance(offset, mx.array) and offset.size != 1)):
+            return None
+        kernel = _kernel(QK_NORM_ROPE, backend)
+        if kernel is None:
+            return None
+    off = (offset.reshape(1).astype(mx.int32) if isinstance(offset, mx.array)
+           else mx.array([int(offset)], dtype=mx.int32))
+    extra = {} if init_value is None else {"init_value": init_value}
+    q, k, v = kernel(
+        inputs=[y, y, q_norm_weight, k_norm_weight, _rope_params(eps, base, scale), off],
+        output_shapes=[(B, Hq, L, D), (B, Hkv, L, D), (B, Hkv, L, D)],
+        output_dtypes=[dt, dt, dt], grid=(32 * B * L * (Hq + 2 * Hkv), 1, 1),
+        threadgroup=(32, 1, 1),
+        template=[("T", dt), ("D", D), ("HQ", Hq), ("HKV", Hkv), ("R", int(rope_dims)),
+                  ("PACKED", True)], **extra)
+    return q, k, v
 
 
 def _sdpa_route(q, k, v, mask, gate, backend="cuda"):
@@ -276,15 +345,19 @@ def _sdpa_route(q, k, v, mask, gate, backend="cuda"):
     return "prefill"
 
 
-def decode_attention(q, k, v, scale, gate=None, *, block=None, backend=None):
+def decode_attention(q, k, v, scale, gate=None, *, block=None, backend=None,
+                     gate_packed=False, init_value=None):
     """Split-K GQA decode attention with the Lily kernels (no routing checks).
 
     Args:
         q: ``[B, Hq, 1, D]``; k/v: ``[B, Hkv, T, D]`` (cache views fine); gate: None or
             ``[B, 1, Hq, D]`` / ``[B, 1, Hq*D]`` in q's dtype; block: keys per simdgroup
-            (default ``decode_block``); backend: default ``current_backend()``.
+            (default ``decode_block``); backend: default ``current_backend()``;
+            gate_packed: ``gate`` is the fused q|k|v projection ``[B, 1, Hq*2D+2*Hkv*D]``
+            (each head's gate read from its columns, no view); init_value: output fill.
     Returns:
-        ``[B, 1, Hq, D]`` (``attn * sigmoid(gate)`` when gate is given), q's dtype.
+        ``[B, 1, Hq, D]`` (``attn * sigmoid(gate)`` when gate is given), q's dtype;
+        ``[B, 1, Hq*D]`` with ``gate_packed`` (the layout ``o_proj`` reads).
     Raises:
         RuntimeError: no kernel for the backend.
     """
@@ -307,11 +380,17 @@ def decode_attention(q, k, v, scale, gate=None, *, block=None, backend=None):
         grid=(32 * nsg * nblk, Hkv, B), threadgroup=(32 * nsg, 1, 1),
         template=[("T", dt), ("D", D), ("G", G), ("CH", ch), ("NSG", nsg)])
     gated = gate is not None
-    g = gate.reshape(B, 1, Hq, D) if gated else _dummy_gate(dt)
+    if gate_packed:
+        g = gate
+    else:
+        g = gate.reshape(B, 1, Hq, D) if gated else _dummy_gate(dt)
+    extra = {} if init_value is None else {"init_value": init_value}
     (out,) = kc(
-        inputs=[part_o, part_ml, g], output_shapes=[(B, 1, Hq, D)], output_dtypes=[dt],
+        inputs=[part_o, part_ml, g],
+        output_shapes=[(B, 1, Hq * D) if gate_packed else (B, 1, Hq, D)], output_dtypes=[dt],
         grid=(256 * (D // 64), Hq, B), threadgroup=(256, 1, 1),
-        template=[("T", dt), ("D", D), ("GATED", gated)])
+        template=[("T", dt), ("D", D), ("GATED", gated), ("GATE_PACKED", bool(gate_packed))],
+        **extra)
     return out
 
 
@@ -392,6 +471,26 @@ def sdpa_gated(q, k, v, scale, mask, gate):
         return sdpa_gated_reference(q, k, v, scale, mask, gate)
     B, L = out.shape[0], out.shape[1]
     return out.reshape(B, L, -1)
+
+
+def sdpa_gated_packed(q, k, v, scale, y, n_heads, n_kv_heads, head_dim):
+    """``sdpa_gated`` for a decode step whose gate lives in the fused q|k|v projection
+    ``y [B, 1, Hq*2D + 2*Hkv*D]``: the split-K kernels read each head's gate from ``y``'s
+    columns (``GATE_PACKED``); any call they do not serve takes ``sdpa_gated`` on the gate
+    view. Returns ``[B, 1, Hq*D]``."""
+    backend = current_backend()
+    if (backend in ("metal", "cuda") and kernels.kernels_allowed(PACKED_OP, backend)
+            and y.dtype == q.dtype and _sdpa_route(q, k, v, None, None, backend) == "decode"
+            and _kernel(DECODE_PARTIAL, backend) is not None):
+        return decode_attention(q, k, v, scale, y, backend=backend, gate_packed=True)
+    _, gate, _, _ = split_packed(y, n_heads, n_kv_heads, head_dim)
+    return sdpa_gated(q, k, v, scale, None, gate)
+
+
+def has_packed_kernel(backend: str) -> bool:
+    """True when the packed decode forms (``qkv_norm_rope_packed``, ``sdpa_gated_packed``)
+    run their kernels on ``backend``."""
+    return has_kernel(backend) and kernels.kernels_allowed(PACKED_OP, backend)
 
 
 def output_gate(out, gate):

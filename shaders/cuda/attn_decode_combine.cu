@@ -1,10 +1,12 @@
 // @kernel lily_attn_decode_combine
 // @inputs part_o[B,HQ,NS,D]:float32 part_ml[B,HQ,NS,2]:float32 gate[B,1,HQ,D] (gate read through gate_strides; a 1-element dummy when GATED=false)
 // @outputs out[B,1,HQ*D]:T
-// @template T=bfloat16 D=256 GATED=true
+// @template T=bfloat16 D=256 GATED=true GATE_PACKED=true
 // @grid (256*D/64, HQ, B)
 // @threadgroup (256, 1, 1)
 // @ensure_row_contiguous false
+// GATE_PACKED: gate is the fused q|k|v projection [B,1,HQ*2D+2*HKV*D]; head hq's gate is
+// columns hq*2D+D .. hq*2D+2D-1 (q_proj's per-head q|gate layout).
 // CUDA twin of shaders/metal/attn_decode_combine.metal: block (x, hq, b) merges the NS
 // split-K partials of one query head for dims 64x..64x+63, optional sigmoid output gate.
 
@@ -65,7 +67,9 @@
     T res = static_cast<T>(o);
     if (GATED) {
       const float gv = static_cast<float>(
-          gate[int64_t(b) * gate_strides[0] + int64_t(hq) * gate_strides[2] + int64_t(d) * gate_strides[3]]);
+          GATE_PACKED
+              ? gate[int64_t(b) * gate_strides[0] + (int64_t(hq) * 2 * D + D + d) * gate_strides[2]]
+              : gate[int64_t(b) * gate_strides[0] + int64_t(hq) * gate_strides[2] + int64_t(d) * gate_strides[3]]);
       const T sg = static_cast<T>(1.0f / (1.0f + expf(-gv)));
       res = static_cast<T>(static_cast<float>(res) * static_cast<float>(sg));
     }

@@ -1,10 +1,12 @@
 // @kernel lily_attn_qk_norm_rope
 // @inputs queries[B,L,HQ,D] keys[B,L,HKV,D] q_weight[D] k_weight[D] rope[3]:float32 offset[1]:int32 (all read through *_strides)
-// @outputs q_out[B,HQ,L,D]:T k_out[B,HKV,L,D]:T
-// @template T=bfloat16 D=256 HQ=16 HKV=2 R=64
-// @grid (32*B*L*(HQ+HKV), 1, 1)
+// @outputs q_out[B,HQ,L,D]:T k_out[B,HKV,L,D]:T v_out[B,HKV,L,D]:T (v_out: [1], unwritten, unless PACKED)
+// @template T=bfloat16 D=256 HQ=16 HKV=2 R=64 PACKED=true
+// @grid (32*B*L*NR, 1, 1)   NR = HQ + HKV (+ HKV when PACKED)
 // @threadgroup (32, 1, 1)
 // @ensure_row_contiguous false
+// PACKED: queries and keys are both the fused q|k|v projection [B,L,HQ*2D+2*HKV*D]
+// (per query head q then gate, then k, then v); the extra HKV rows copy v into v_out.
 // CUDA twin of shaders/metal/attn_qk_norm_rope.metal: one warp per (batch, position,
 // head) row; RMSNorm (rounded to T as mx.fast.rms_norm) then rotate-half RoPE on the
 // first R dims (as mx.fast.rope). rope = (eps, log2(base), scale).
@@ -26,12 +28,25 @@ __device__ __forceinline__ float lily_qk_warp_sum(float v) {
   const int lane = threadIdx.x & 31;
   const int row = blockIdx.x;
   const int L = queries_shape[1];
-  const int hh = row % (HQ + HKV);
-  const int bt = row / (HQ + HKV);
+  constexpr int NR = HQ + HKV + (PACKED ? HKV : 0);
+  const int hh = row % NR;
+  const int bt = row / NR;
   const int t = bt % L;
   const int b = bt / L;
   const bool isq = hh < HQ;
-  const int h = isq ? hh : hh - HQ;
+  const int h = isq ? hh : (hh < HQ + HKV ? hh - HQ : hh - HQ - HKV);
+  // PACKED: column offsets of head h's q, k, v in the fused row
+  const int64_t pq = int64_t(h) * 2 * D;
+  const int64_t pk = int64_t(HQ) * 2 * D + int64_t(h) * D;
+  if (PACKED && hh >= HQ + HKV) {
+    const T* vs = queries + int64_t(b) * queries_strides[0] + int64_t(t) * queries_strides[1] +
+                   (pk + int64_t(HKV) * D) * queries_strides[2];
+    T* vd = v_out + ((int64_t(b) * HKV + h) * L + t) * D;
+    for (int e = lane; e < D; e += 32) {
+      vd[e] = vs[int64_t(e) * queries_strides[2]];
+    }
+    return;
+  }
 
   const T* src;
   const T* w;
@@ -39,19 +54,19 @@ __device__ __forceinline__ float lily_qk_warp_sum(float v) {
   T* dst;
   if (isq) {
     src = queries + int64_t(b) * queries_strides[0] + int64_t(t) * queries_strides[1] +
-          int64_t(h) * queries_strides[2];
+          (PACKED ? pq * queries_strides[2] : int64_t(h) * queries_strides[2]);
     w = q_weight;
     ws = q_weight_strides[0];
     dst = q_out + ((int64_t(b) * HQ + h) * L + t) * D;
   } else {
     src = keys + int64_t(b) * keys_strides[0] + int64_t(t) * keys_strides[1] +
-          int64_t(h) * keys_strides[2];
+          (PACKED ? pk * keys_strides[2] : int64_t(h) * keys_strides[2]);
     w = k_weight;
     ws = k_weight_strides[0];
     dst = k_out + ((int64_t(b) * HKV + h) * L + t) * D;
   }
 
-  const int64_t es = isq ? queries_strides[3] : keys_strides[3];
+  const int64_t es = PACKED ? queries_strides[2] : (isq ? queries_strides[3] : keys_strides[3]);
   float x[EPL];
   float ss = 0.0f;
 #pragma unroll

@@ -1,11 +1,13 @@
 // @kernel lily_attn_decode_combine
 // @inputs part_o[B,HQ,NS,D]:float32 part_ml[B,HQ,NS,2]:float32 gate[B,1,HQ,D] (gate read through gate_strides; a 1-element dummy when GATED=false)
 // @outputs out[B,1,HQ*D]:T
-// @template T=bfloat16 D=256 GATED=true
+// @template T=bfloat16 D=256 GATED=true GATE_PACKED=true
 // @template T=float16 D=128 GATED=false
 // @grid (256*D/64, HQ, B)
 // @threadgroup (256, 1, 1)
 // @ensure_row_contiguous false
+// GATE_PACKED: gate is the fused q|k|v projection [B,1,HQ*2D+2*HKV*D]; head hq's gate is
+// columns hq*2D+D .. hq*2D+2D-1 (q_proj's per-head q|gate layout).
 // Second pass of split-K decode: threadgroup (x, hq, b) merges the NS partials of one
 // query head for dims 64x..64x+63: M = max m_s; o = sum 2^(m_s-M) acc_s / sum 2^(m_s-M) l_s.
 // Four groups of 64 threads take every 4th partial, then add up in threadgroup memory.
@@ -68,7 +70,9 @@
     T res = static_cast<T>(o);
     if (GATED) {
       const float gv = static_cast<float>(
-          gate[int64_t(b) * gate_strides[0] + int64_t(hq) * gate_strides[2] + int64_t(d) * gate_strides[3]]);
+          GATE_PACKED
+              ? gate[int64_t(b) * gate_strides[0] + (int64_t(hq) * 2 * D + D + d) * gate_strides[2]]
+              : gate[int64_t(b) * gate_strides[0] + int64_t(hq) * gate_strides[2] + int64_t(d) * gate_strides[3]]);
       const T sg = static_cast<T>(1.0f / (1.0f + metal::exp(-gv)));
       res = static_cast<T>(static_cast<float>(res) * static_cast<float>(sg));
     }
