@@ -24,6 +24,7 @@ OP_NAMES = (
     "norm_qgemv",
     "gdn_packed",
     "attn_packed",
+    "moe_router_norm",
 )
 
 DISABLE_ENV = "MLX_LILY_DISABLE"

@@ -19,7 +19,7 @@ from mlx_lily.ops import attention as attn_ops
 from mlx_lily.ops.add_rms_norm import add_rms_norm
 from mlx_lily.ops.gated_delta import gated_delta, gated_delta_packed
 from mlx_lily.ops.moe_experts import moe_experts
-from mlx_lily.ops.moe_router_topk import moe_router_topk
+from mlx_lily.ops.moe_router_topk import PRE_NORM_OP, moe_router_topk, moe_router_topk_pending
 from mlx_lily.qproj import PendingNorm, QProj, resolve
 
 MODEL_TYPES = ("qwen3_next",)
@@ -189,14 +189,20 @@ def moe_call(self, x):
     use_router = op_enabled("moe_router_topk")
     use_experts = op_enabled("moe_experts")
     if self.sharding_group is not None or self.training or not (use_router or use_experts):
-        return _original(qwen3_next.Qwen3NextSparseMoeBlock)(self, x)
+        return _original(qwen3_next.Qwen3NextSparseMoeBlock)(self, resolve(x))
     if use_router:
         router = _proj(self, "router", (self.gate, self.shared_expert_gate))
         if isinstance(router, list):
             parts = router
             router = lambda t: _run(parts, t)  # noqa: E731
-        inds, scores, shared = moe_router_topk(x, router, self.top_k, self.norm_topk_prob)
+        if isinstance(x, PendingNorm):
+            inds, scores, shared, x = moe_router_topk_pending(x, router, self.top_k,
+                                                              self.norm_topk_prob)
+        else:
+            inds, scores, shared = moe_router_topk(x, router, self.top_k,
+                                                   self.norm_topk_prob)
     else:
+        x = resolve(x)
         inds, scores, shared = _stock_routing(self, x)
     if use_experts:
         return moe_experts(x, inds, scores, self.switch_mlp, self.shared_expert, shared)
@@ -339,10 +345,17 @@ def _compile_key():
 
 
 def _layer_tail(layer, h, r):
-    """``(h, r) -> (h', m)``: the residual add fused into the post-attention RMSNorm, then
-    the MLP/MoE output ``m``; the closing residual add is left to the next layer's input
-    norm (``_layer_input``) or the final norm."""
+    """``(h, r) -> (h', m)``: the residual add fused into the post-attention RMSNorm (in
+    the MoE router's kernel when ``moe_router_norm`` serves), then the MLP/MoE output
+    ``m``; the closing residual add is left to the next layer's input norm
+    (``_layer_input``) or the final norm."""
     post = layer.post_attention_layernorm
+    if type(layer.mlp) is qwen3_next.Qwen3NextSparseMoeBlock and op_enabled(PRE_NORM_OP):
+        pending = PendingNorm(h, r, post.weight, post.eps)  # folded into the router
+        m = layer.mlp(pending)
+        if pending.h is None:
+            pending.resolve()
+        return pending.h, m
     h, n = add_rms_norm(h, r, post.weight, post.eps)
     return h, layer.mlp(n)
 

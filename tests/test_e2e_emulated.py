@@ -160,7 +160,8 @@ def _drop_launch_plans(model):
 def test_decode_folds_layer_norms_into_projections(stock_run):
     """With ``norm_qgemv`` on, each decode step runs every layer's input add+RMSNorm but
     the first inside its input projection (``lily_norm_qgemv``): n_layers - 1 fewer
-    ``lily_add_rms_norm`` launches than with it off, and the same logits within rounding."""
+    ``lily_add_rms_norm`` launches than with it off, and the same logits within rounding.
+    With every op on, the final norm is the step's only ``lily_add_rms_norm``."""
     from mlx_lily.ops import add_rms_norm as arn
     from mlx_lily.ops import norm_qgemv as nq
 
@@ -180,6 +181,9 @@ def test_decode_folds_layer_norms_into_projections(stock_run):
         counts[on] = (calls.count(nq.SPEC.name), calls.count(arn.SPEC.name))
         logits[on] = np.array(out[0].astype(mx.float32))
     assert counts[True][0] == n_layers - 1, counts
+    # the post-attention norms ride in the router (moe_router_norm): only the final norm
+    # is a lily_add_rms_norm launch
+    assert counts[True][1] == 1, counts
     assert counts[False][0] == 0, counts
     assert counts[False][1] - counts[True][1] == n_layers - 1, counts
     scale = float(np.abs(logits[False]).max())

@@ -321,11 +321,13 @@ def test_cuda_twin_compiles():
     bf = mx.bfloat16
     cuda_check.check(
         "lily_moe_router_topk",
-        [("x", bf, 2), ("w", mx.uint32, 2), ("scales", bf, 2), ("biases", bf, 2)],
-        [("inds", mx.uint32), ("scores", bf), ("shared", bf)], body, head,
+        [("x", bf, 2), ("w", mx.uint32, 2), ("scales", bf, 2), ("biases", bf, 2),
+         ("hin", bf, 2), ("res", bf, 2), ("nw", bf, 1), ("eps", mx.float32, 1)],
+        [("inds", mx.uint32), ("scores", bf), ("shared", bf), ("h", bf), ("xn", bf)],
+        body, head,
         template=[("T", bf), ("S", bf), ("D", 2048), ("E", 256), ("K", 8), ("BITS", 8),
                   ("GS", 64), ("HAS_SHARED", True), ("NORM", True), ("NW", R.NW),
-                  ("RPW", R.router_rpw(257, 2048, 8))])
+                  ("RPW", R.router_rpw(257, 2048, 8)), ("PRE_NORM", True)])
 
 
 def test_metal_twin_lints_with_small_inputs():
@@ -350,3 +352,67 @@ def test_gpu_dispatcher_production_dims():
     got = R.moe_router_topk(x, proj, k, True)
     want = reference_on_cpu(x, truth_router(wf, e, mx.bfloat16), k, True)
     assert_routing_equal(got, want, mx.bfloat16)
+
+
+PRE_NORM_CASES = [  # (d, e, k, bits, has_shared, norm, rows, dtype)
+    (256, 16, 4, 8, True, True, 1, mx.bfloat16),
+    (2048, 256, 8, 8, True, True, 1, mx.bfloat16),   # production router
+    (128, 16, 5, 4, False, False, 3, mx.float16),
+]
+
+
+@pytest.mark.parametrize("backend", KERNEL_BACKENDS)
+@pytest.mark.parametrize("case", PRE_NORM_CASES,
+                         ids=lambda c: "D{}-E{}-k{}-b{}-s{}-n{}-r{}".format(*c))
+def test_kernel_pre_norm(backend, case):
+    """PRE_NORM: the add + RMSNorm computed in the router kernel. ``h`` is exact, ``xn``
+    is ``add_rms_norm``'s row (up to one ulp where the sum of squares rounds otherwise),
+    and the routing equals the plain kernel's on that very ``xn``."""
+    from mlx_lily.ops.add_rms_norm import add_rms_norm_reference
+
+    d, e, k, bits, has_shared, norm, rows, dtype = case
+    mx.random.seed(d + e)
+    parts = [nn.QuantizedLinear.from_linear(_linear(d, e), 64, bits)]
+    if has_shared:
+        parts.append(nn.QuantizedLinear.from_linear(_linear(d, 1), 64, bits))
+    proj = QProj.fuse(parts)
+    h0 = (mx.random.normal((rows, d)) * 2).astype(dtype)
+    res = mx.random.normal((rows, d)).astype(dtype)
+    nw = (1 + 0.1 * mx.random.normal((d,))).astype(dtype)
+    kern, init = kernel_for(R.SPEC, backend)
+    run = R.plan(kern, proj, h0.shape, dtype, k, norm, init_value=init, pre_norm=True)
+    inds, scores, shared, h, xn = run(h0, res, nw, 1e-6)
+    with mx.stream(mx.cpu):
+        h_ref, xn_ref = add_rms_norm_reference(h0, res, nw, 1e-6)
+    assert mx.array_equal(h, h_ref).item()
+    ulp = 2.0 ** -7 if dtype == mx.bfloat16 else 2.0 ** -10
+    diff = mx.abs(xn.astype(mx.float32) - xn_ref.astype(mx.float32))
+    assert bool(mx.all(diff <= ulp * mx.abs(xn_ref.astype(mx.float32)) + 1e-6).item())
+    assert float((diff > 0).astype(mx.float32).mean().item()) < 0.01
+    want = R.launch(kern, xn, proj, k, norm, init_value=init)
+    assert mx.array_equal(inds, want[0]).item() and mx.array_equal(scores, want[1]).item()
+    if has_shared:
+        assert mx.array_equal(shared, want[2]).item()
+    else:
+        assert shared is None and want[2] is None
+
+
+def test_pending_dispatch_on_cpu_resolves_the_norm():
+    """On the CPU ``moe_router_topk_pending`` resolves the norm and routes it with the
+    reference (stock's answer); ``pending.h`` is the residual sum."""
+    from mlx_lily.qproj import PendingNorm
+
+    blk = make_block(seed=3)
+    from mlx_lily.patches.qwen3_next import prepare_moe
+
+    prepare_moe(blk)
+    mx.random.seed(4)
+    h0 = mx.random.normal((1, 1, 256)).astype(mx.bfloat16)
+    res = mx.random.normal((1, 1, 256)).astype(mx.bfloat16)
+    nw = (1 + 0.1 * mx.random.normal((256,))).astype(mx.bfloat16)
+    pending = PendingNorm(h0, res, nw, 1e-6)
+    inds, scores, shared, x = R.moe_router_topk_pending(pending, blk._lily.router, 4, True)
+    want_x = mx.fast.rms_norm(h0 + res, nw, 1e-6)
+    assert mx.array_equal(x, want_x).item() and mx.array_equal(pending.h, h0 + res).item()
+    wi, ws, wsh = R.moe_router_topk(want_x, blk._lily.router, 4, True)
+    assert mx.array_equal(inds, wi).item() and mx.array_equal(scores, ws).item()

@@ -21,6 +21,7 @@ _MODULES = {
     "norm_qgemv": "mlx_lily.ops.norm_qgemv",
     "gdn_packed": "mlx_lily.ops.gated_delta:has_packed_kernel",
     "attn_packed": "mlx_lily.ops.attention:has_packed_kernel",
+    "moe_router_norm": "mlx_lily.ops.moe_router_topk:has_pre_norm_kernel",
 }
 
 

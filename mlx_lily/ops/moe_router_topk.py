@@ -31,7 +31,7 @@ from __future__ import annotations
 import mlx.core as mx
 
 from .. import kernels
-from ..backend import current_backend
+from ..backend import current_backend, op_enabled
 from ..qproj import QProj
 from . import qgemv
 
@@ -75,9 +75,18 @@ def moe_router_topk_reference(x: mx.array, router, k: int, norm_topk_prob: bool,
     return inds, scores, shared
 
 
+# lily_moe_router_topk: template T, S, D, E, K, BITS, GS, HAS_SHARED, NORM, NW, RPW,
+# PRE_NORM; grid (32*NW, N, 1), threadgroup (32*NW, 1, 1). With PRE_NORM the row is
+# ``rms_norm(hin + res) * nw`` computed in the kernel (``h`` and ``xn`` written out);
+# otherwise ``x`` (hin/res/nw/eps unread, h/xn one-element placeholders).
 SPEC = kernels.KernelSpec(
     name="lily_moe_router_topk", stem="moe_router_topk",
-    inputs=("x", "w", "scales", "biases"), outputs=("inds", "scores", "shared"))
+    inputs=("x", "w", "scales", "biases", "hin", "res", "nw", "eps"),
+    outputs=("inds", "scores", "shared", "h", "xn"))
+#: The switch of the add+RMSNorm prologue (``moe_router_topk_pending``).
+PRE_NORM_OP = "moe_router_norm"
+#: Widest row the kernel stages in threadgroup memory (bf16: 16 KiB).
+MAX_D = 8192
 
 #: Rows (tokens) per call the kernel takes; one threadgroup per row re-reads the router
 #: weights, so long prefill chunks go to the reference (``quantized_matmul``).
@@ -111,7 +120,7 @@ def supports(x: mx.array, router, k: int) -> bool:
     if x.dtype not in _FLOATS or router.scales.dtype not in _FLOATS:
         return False
     d = x.shape[-1]
-    if router.weight.shape[1] * 32 != d * router.bits or d % router.group_size:
+    if d > MAX_D or router.weight.shape[1] * 32 != d * router.bits or d % router.group_size:
         return False
     if qgemv.lanes_per_row(d, router.bits) is None:
         return False
@@ -126,10 +135,23 @@ def router_rpw(rows: int, d: int, bits: int, nw: int = NW) -> int:
     return max(1, min(MAX_RPW, -(-rows // (2 * groups))))
 
 
+_EPS: dict = {}
+
+
+def _eps(eps: float) -> mx.array:
+    a = _EPS.get(eps)
+    if a is None:
+        a = _EPS[eps] = mx.array([eps], dtype=mx.float32)
+    return a
+
+
 def plan(kernel, router, x_shape, x_dtype, k: int, norm_topk_prob: bool, *,
-         nw: int = NW, rpw: int | None = None, init_value: float | None = None):
-    """A callable ``run(x) -> (inds, scores, shared)`` launching the kernel object for
-    inputs of one shape and dtype (template, grid and output shapes worked out once)."""
+         nw: int = NW, rpw: int | None = None, init_value: float | None = None,
+         pre_norm: bool = False):
+    """A callable launching the kernel object for inputs of one shape and dtype
+    (template, grid and output shapes worked out once): ``run(x) -> (inds, scores,
+    shared)``, or with ``pre_norm`` ``run(hin, res, nw, eps) -> (inds, scores, shared, h,
+    xn)`` (``h = hin + res``, ``xn = rms_norm(h) * nw``, the row routed)."""
     d = x_shape[-1]
     lead = tuple(x_shape[:-1])
     n = 1
@@ -144,16 +166,26 @@ def plan(kernel, router, x_shape, x_dtype, k: int, norm_topk_prob: bool, *,
         template=[("T", x_dtype), ("S", router.scales.dtype), ("D", d), ("E", e), ("K", k),
                   ("BITS", router.bits), ("GS", router.group_size),
                   ("HAS_SHARED", has_shared), ("NORM", bool(norm_topk_prob)),
-                  ("NW", nw), ("RPW", rpw)],
+                  ("NW", nw), ("RPW", rpw), ("PRE_NORM", bool(pre_norm))],
         grid=(tg, n, 1), threadgroup=(tg, 1, 1),
-        output_shapes=[lead + (k,), lead + (k,), lead + (1,)],
-        output_dtypes=[mx.uint32, x_dtype, x_dtype])
+        output_shapes=[lead + (k,), lead + (k,), lead + (1,)]
+        + ([lead + (d,), lead + (d,)] if pre_norm else [(1,), (1,)]),
+        output_dtypes=[mx.uint32, x_dtype, x_dtype, x_dtype, x_dtype])
     if init_value is not None:
         kw["init_value"] = init_value
     w, sc, bi = router.weight, router.scales, router.biases
+    no_eps = _eps(0.0)
+
+    if pre_norm:
+        def run_pre(hin, res, nw_, eps):
+            inds, scores, shared, h, xn = kernel(
+                inputs=[hin, w, sc, bi, hin, res, nw_, _eps(float(eps))], **kw)
+            return inds, scores, (shared if has_shared else None), h, xn
+
+        return run_pre
 
     def run(x):
-        inds, scores, shared = kernel(inputs=[x, w, sc, bi], **kw)
+        inds, scores, shared, _, _ = kernel(inputs=[x, w, sc, bi, x, x, x, no_eps], **kw)
         return inds, scores, (shared if has_shared else None)
 
     return run
@@ -195,3 +227,38 @@ def moe_router_topk(x, router, k, norm_topk_prob):
         if run is not None:
             return run(x)
     return moe_router_topk_reference(x, router, k, norm_topk_prob, tie_break="stock")
+
+
+def moe_router_topk_pending(pending, router, k, norm_topk_prob):
+    """Route the row a ``mlx_lily.qproj.PendingNorm`` stands for (the residual add and the
+    post-attention RMSNorm not computed yet). When the router kernel serves (as
+    ``moe_router_topk``) and the ``moe_router_norm`` switch allows, ONE launch computes
+    the add, the norm and the routing; else the norm is resolved and ``moe_router_topk``
+    routes it. Returns ``(inds, scores, shared, x)`` with ``x`` the normalised row (the
+    experts' input); ``pending.h`` holds the residual sum afterwards."""
+    backend = current_backend()
+    h0, res, nw_ = pending.h0, pending.res, pending.weight
+    if (backend in ("metal", "cuda") and type(router) is QProj and op_enabled(PRE_NORM_OP)
+            and kernels.kernels_allowed(PRE_NORM_OP, backend)):
+        plans = router.__dict__.setdefault("_lily_router_plans", {})
+        key = (backend, h0.shape, h0.dtype, k, bool(norm_topk_prob), "pre_norm")
+        run = plans.get(key, False)
+        if run is False:
+            run = None
+            if (supports(h0, router, k) and res.shape == h0.shape and res.dtype == h0.dtype
+                    and nw_.shape == (h0.shape[-1],) and nw_.dtype == h0.dtype):
+                kern = kernels.get(SPEC, backend)
+                if kern is not None:
+                    run = plan(kern, router, h0.shape, h0.dtype, k, norm_topk_prob,
+                               pre_norm=True)
+            plans[key] = run
+        if run is not None:
+            inds, scores, shared, pending.h, x = run(h0, res, nw_, pending.eps)
+            return inds, scores, shared, x
+    x = pending.resolve()
+    return (*moe_router_topk(x, router, k, norm_topk_prob), x)
+
+
+def has_pre_norm_kernel(backend: str) -> bool:
+    """True when ``moe_router_topk_pending`` runs its one-launch kernel on ``backend``."""
+    return has_kernel(backend) and kernels.kernels_allowed(PRE_NORM_OP, backend)

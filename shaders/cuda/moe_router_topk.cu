@@ -1,10 +1,13 @@
 // @kernel lily_moe_router_topk
-// @inputs x[N,D]:T w[R,D*BITS/32]:uint32 scales[R,D/GS]:S biases[R,D/GS]:S   (R = E + HAS_SHARED)
-// @outputs inds[N,K]:uint32 scores[N,K]:T shared[N,1]:T
-// @template T=bfloat16 S=bfloat16 D=2048 E=256 K=8 BITS=8 GS=64 HAS_SHARED=true NORM=true NW=16 RPW=4
-// @template T=float16 S=bfloat16 D=256 E=40 K=4 BITS=4 GS=64 HAS_SHARED=false NORM=false NW=16 RPW=1
+// @inputs x[N,D]:T w[R,D*BITS/32]:uint32 scales[R,D/GS]:S biases[R,D/GS]:S hin[N,D]:T res[N,D]:T nw[D]:T eps[1]:float32   (R = E + HAS_SHARED; x unread when PRE_NORM, hin/res/nw/eps unread otherwise)
+// @outputs inds[N,K]:uint32 scores[N,K]:T shared[N,1]:T h[N,D]:T xn[N,D]:T   (h, xn: [1], unwritten, unless PRE_NORM)
+// @template T=bfloat16 S=bfloat16 D=2048 E=256 K=8 BITS=8 GS=64 HAS_SHARED=true NORM=true NW=16 RPW=4 PRE_NORM=true
+// @template T=float16 S=bfloat16 D=256 E=40 K=4 BITS=4 GS=64 HAS_SHARED=false NORM=false NW=16 RPW=1 PRE_NORM=false
 // @grid (32*NW, N, 1)
 // @threadgroup (32*NW, 1, 1)
+// The row is staged in threadgroup memory first: x itself, or with PRE_NORM the residual
+// add + RMSNorm in front of the router (h = T(hin + res), xn = T(nw * T(h * rsqrt(
+// mean(h^2) + eps))), both written out: xn feeds the expert GEMVs).
 // One block per token row: quantized GEMV of the E (+1 shared-gate) router rows into
 // shared memory (logits rounded to T), then warp 0: fp32 softmax over E, probabilities
 // rounded to T, top-K by value with ties to the lowest expert id (picks in decreasing
@@ -28,7 +31,34 @@
   const int sub = lane / LPR;
   const int sl = lane % LPR;
   const int n = blockIdx.y;
-  const T* xr = x + (size_t)n * D;
+  constexpr int TPB = 32 * NW;
+  __shared__ T xs_row[D];
+  __shared__ float nred[NW];
+  const size_t ro = (size_t)n * D;
+  if (PRE_NORM) {
+    float ss = 0.f;
+    for (int k = threadIdx.x; k < D; k += TPB) {
+      const T hh = static_cast<T>(lily_f(hin[ro + k]) + lily_f(res[ro + k]));
+      h[ro + k] = hh;
+      xs_row[k] = hh;
+      ss += lily_f(hh) * lily_f(hh);
+    }
+    ss = lily_group_sum<32>(ss);
+    if (lane == 0) nred[warp] = ss;
+    __syncthreads();
+    float sum = 0.f;
+#pragma unroll
+    for (int i = 0; i < NW; ++i) sum += nred[i];
+    const float rinv = rsqrtf(sum / float(D) + eps[0]);
+    for (int k = threadIdx.x; k < D; k += TPB) {
+      const T v = static_cast<T>(lily_f(nw[k]) * lily_round<T>(lily_f(xs_row[k]) * rinv));
+      xs_row[k] = v;
+      xn[ro + k] = v;
+    }
+  } else {
+    for (int k = threadIdx.x; k < D; k += TPB) xs_row[k] = x[ro + k];
+  }
+  __syncthreads();
   const uint4* w4 = reinterpret_cast<const uint4*>(w);
 
   for (int wb = warp * SG * RPW; wb < R; wb += NW * SG * RPW) {
@@ -39,7 +69,7 @@
     for (int st = 0; st < STEPS; ++st) {
       const int c = st * LPR + sl;
       float xv[VPL];
-      const float xs = lily_load_x<VPL>(xr + c * VPL, xv);
+      const float xs = lily_load_x<VPL>(xs_row + c * VPL, xv);
       const int g = (c * VPL) / GS;
 #pragma unroll
       for (int r = 0; r < RPW; ++r) {

@@ -1,10 +1,13 @@
 // @kernel lily_moe_router_topk
-// @inputs x[N,D]:T w[R,D*BITS/32]:uint32 scales[R,D/GS]:S biases[R,D/GS]:S   (R = E + HAS_SHARED)
-// @outputs inds[N,K]:uint32 scores[N,K]:T shared[N,1]:T
-// @template T=bfloat16 S=bfloat16 D=2048 E=256 K=8 BITS=8 GS=64 HAS_SHARED=true NORM=true NW=16 RPW=4
-// @template T=float16 S=bfloat16 D=256 E=40 K=4 BITS=4 GS=64 HAS_SHARED=false NORM=false NW=16 RPW=1
+// @inputs x[N,D]:T w[R,D*BITS/32]:uint32 scales[R,D/GS]:S biases[R,D/GS]:S hin[N,D]:T res[N,D]:T nw[D]:T eps[1]:float32   (R = E + HAS_SHARED; x unread when PRE_NORM, hin/res/nw/eps unread otherwise)
+// @outputs inds[N,K]:uint32 scores[N,K]:T shared[N,1]:T h[N,D]:T xn[N,D]:T   (h, xn: [1], unwritten, unless PRE_NORM)
+// @template T=bfloat16 S=bfloat16 D=2048 E=256 K=8 BITS=8 GS=64 HAS_SHARED=true NORM=true NW=16 RPW=4 PRE_NORM=true
+// @template T=float16 S=bfloat16 D=256 E=40 K=4 BITS=4 GS=64 HAS_SHARED=false NORM=false NW=16 RPW=1 PRE_NORM=false
 // @grid (32*NW, N, 1)
 // @threadgroup (32*NW, 1, 1)
+// The row is staged in threadgroup memory first: x itself, or with PRE_NORM the residual
+// add + RMSNorm in front of the router (h = T(hin + res), xn = T(nw * T(h * rsqrt(
+// mean(h^2) + eps))), both written out: xn feeds the expert GEMVs).
 // One threadgroup per token row: quantized GEMV of the E (+1 shared-gate) router rows
 // into threadgroup memory (logits rounded to T), then simdgroup 0: fp32 softmax over E,
 // probabilities rounded to T, top-K by value with ties to the lowest expert id (picks in
@@ -28,7 +31,41 @@
   const int sub = lane / LPR;
   const int sl = lane % LPR;
   const int n = int(threadgroup_position_in_grid.y);
-  const int xo = n * D;
+  constexpr int TPB = 32 * NW;
+  const int tid = int(thread_position_in_threadgroup.x);
+  threadgroup T xs_row[D];
+  threadgroup float nred[NW];
+  const ulong ro = ulong(n) * D;
+  if (PRE_NORM) {
+    float ss = 0.0f;
+    for (int k = tid; k < D; k += TPB) {
+      const T hh = static_cast<T>(static_cast<float>(hin[ro + k]) + static_cast<float>(res[ro + k]));
+      h[ro + k] = hh;
+      xs_row[k] = hh;
+      ss += static_cast<float>(hh) * static_cast<float>(hh);
+    }
+    ss = lily_group_sum<32>(ss);
+    if (lane == 0) {
+      nred[warp] = ss;
+    }
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+    float sum = 0.0f;
+    for (int i = 0; i < NW; ++i) {
+      sum += nred[i];
+    }
+    const float rinv = metal::precise::rsqrt(sum / float(D) + eps[0]);
+    for (int k = tid; k < D; k += TPB) {
+      const T v = static_cast<T>(static_cast<float>(nw[k]) *
+                                 lily_round<T>(static_cast<float>(xs_row[k]) * rinv));
+      xs_row[k] = v;
+      xn[ro + k] = v;
+    }
+  } else {
+    for (int k = tid; k < D; k += TPB) {
+      xs_row[k] = x[ro + k];
+    }
+  }
+  threadgroup_barrier(mem_flags::mem_threadgroup);
   const device uint4* w4 = reinterpret_cast<const device uint4*>(w);
 
   for (int wb = warp * SG * RPW; wb < R; wb += NW * SG * RPW) {
@@ -39,7 +76,7 @@
     for (int st = 0; st < STEPS; ++st) {
       const int c = st * LPR + sl;
       float xv[VPL];
-      const float xs = lily_load_x<VPL>(x + (xo + c * VPL), xv);
+      const float xs = lily_load_x<VPL>(xs_row + c * VPL, xv);
       const int g = (c * VPL) / GS;
       for (int r = 0; r < RPW; ++r) {
         const int row = min(wb + sub * RPW + r, R - 1);
