@@ -11,7 +11,9 @@ graph recording only); ``sync_ms`` = build + ``mx.eval`` + synchronize, one step
 ``eval_ms`` = sync_ms - build_ms; ``pipelined_ms`` = median interval of ``generate_step``
 (next step built while the previous one runs). Medians over ``--steps`` steps after
 ``--warmup`` untimed ones. Arm ``lily-eager`` is Lily with its compiled decode layers off
-(``MLX_LILY_COMPILE=0``). ``achieved_gbps`` = the step's bytes
+(``MLX_LILY_COMPILE=0``); ``--arm-env NAME:VAR=VALUE`` adds Lily arms under another
+setting (e.g. this session's fusions switched off), ``--rounds`` alternates all arms
+several times (the host's speed drifts between minutes). ``achieved_gbps`` = the step's bytes
 (``mlx_lily.bench.traffic.decode_step_bytes``) / the pipelined interval, next to the
 device's copy bandwidth. Writes DIR/decode_profile.json and prints a table.
 """
@@ -125,6 +127,13 @@ def main(argv=None) -> int:
     p.add_argument("--ops", default=None)
     p.add_argument("--no-eager-arm", action="store_true",
                    help="skip the 'lily-eager' arm (Lily with MLX_LILY_COMPILE=0)")
+    p.add_argument("--no-stock-arm", action="store_true", help="skip the 'stock' arm")
+    p.add_argument("--arm-env", action="append", default=[], metavar="NAME:VAR=VALUE",
+                   help="one more Lily arm run with environment variable VAR=VALUE (e.g. "
+                        "'lily-s4:MLX_LILY_DISABLE=norm_qgemv'); repeatable")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="run the arms this many times, alternating; each arm reports the "
+                        "median over rounds of its per-round medians (rounds kept)")
     p.add_argument("--out", type=Path, default=None)
     a = p.parse_args(argv)
     ops = a.ops.split(",") if a.ops else None
@@ -139,24 +148,42 @@ def main(argv=None) -> int:
     log(f"bytes per decode step: {res['bytes_per_step']}; copy bandwidth {res['copy_gbps']:.0f} GB/s")
     with arm_context("lily", t.model, ops):
         ctx = build_context(t.model, ids[:a.context], 2048)
-    arms = list(ARMS) + ([] if a.no_eager_arm else ["lily-eager"])
-    for arm in arms:
-        eager = arm == "lily-eager"
-        prev = os.environ.get(COMPILE_ENV)
-        if eager:
-            os.environ[COMPILE_ENV] = "0"
-        try:
-            with arm_context("lily" if eager else arm, t.model, ops):
-                r = res["arms"][arm] = profile_arm(t.model, ctx, int(ids[a.context]), a.steps,
-                                                   a.warmup)
-            r["achieved_gbps"] = res["bytes_per_step"]["total"] / (r["pipelined_ms"] / 1e3) / 1e9
-        finally:
-            if eager:
-                if prev is None:
-                    os.environ.pop(COMPILE_ENV, None)
-                else:
-                    os.environ[COMPILE_ENV] = prev
-        log(f"{arm}: {r}")
+    arm_envs = {"lily-eager": (COMPILE_ENV, "0")}
+    for spec in a.arm_env:
+        name, _, kv = spec.partition(":")
+        var, _, val = kv.partition("=")
+        arm_envs[name] = (var, val)
+    arms = [x for x in ARMS if not (a.no_stock_arm and x == "stock")]
+    arms += ([] if a.no_eager_arm else ["lily-eager"])
+    arms += [name for name in arm_envs if name != "lily-eager"]
+    rounds: dict = {arm: [] for arm in arms}
+    for rnd in range(max(1, a.rounds)):
+        for arm in arms:
+            var, val = arm_envs.get(arm, (None, None))
+            prev = os.environ.get(var) if var else None
+            if var:
+                os.environ[var] = val
+            try:
+                with arm_context("lily" if var else arm, t.model, ops):
+                    r = profile_arm(t.model, ctx, int(ids[a.context]), a.steps, a.warmup)
+                r["achieved_gbps"] = (res["bytes_per_step"]["total"]
+                                      / (r["pipelined_ms"] / 1e3) / 1e9)
+                if var:
+                    r["env"] = {var: val}
+            finally:
+                if var:
+                    if prev is None:
+                        os.environ.pop(var, None)
+                    else:
+                        os.environ[var] = prev
+            rounds[arm].append(r)
+            log(f"round {rnd + 1} {arm}: {r}")
+    for arm, rs in rounds.items():
+        rs_sorted = sorted(rs, key=lambda r: r["pipelined_ms"])
+        r = dict(rs_sorted[len(rs_sorted) // 2])
+        if len(rs) > 1:
+            r["rounds"] = rs
+        res["arms"][arm] = r
     print(f"\ndecode step at context {a.context} (ms, medians of {a.steps})")
     print(f"{'arm':11s}{'prims':>7s}{'build':>9s}{'eval':>9s}{'sync':>9s}{'pipelined':>11s}{'tok/s':>8s}"
           f"{'GB/s':>8s}")

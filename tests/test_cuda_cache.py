@@ -250,7 +250,12 @@ def test_production_forward_records_every_op(monkeypatch):
     assert ops >= {"add_rms_norm", "attention", "gated_delta", "moe_router_topk",
                    "moe_experts", "moe_route", "moe_grouped", "qgemv"}
     names = {l.name for l in launches}
-    assert {"lily_gdn_decode", "lily_moe_gate_up", "lily_moe_down"} <= names  # decode step
+    assert {"lily_gdn_decode", "lily_moe_gate_up", "lily_moe_down",
+            "lily_norm_qgemv"} <= names  # decode step
+    packed = {(l.name, dict(l.template).get("PACKED")) for l in launches}
+    assert ("lily_gdn_decode", True) in packed and ("lily_attn_qk_norm_rope", True) in packed
+    pre = {dict(l.template).get("PRE_NORM") for l in launches if l.name == "lily_moe_router_topk"}
+    assert True in pre
 
 
 def _stem(name):
@@ -263,11 +268,11 @@ def _stem(name):
 def _all_specs():
     import importlib
 
-    from mlx_lily.backend import OP_NAMES
+    from mlx_lily.ops import _MODULES
 
     out = []
-    for op in OP_NAMES:
-        m = importlib.import_module(f"mlx_lily.ops.{op}")
+    for mod in sorted({m.partition(":")[0] for m in _MODULES.values()}):
+        m = importlib.import_module(mod)
         out += [v for v in vars(m).values() if isinstance(v, kernels.KernelSpec)]
     return out
 

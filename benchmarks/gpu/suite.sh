@@ -5,7 +5,8 @@
 # Stages: install, tests (all op files in parallel, T_TESTS seconds cap each, default 300;
 # TEST_OPS=a,b selects files; NVRTC compiles of every template make a cold file take 1-3 min),
 # bench (BENCHES=a,b selects scripts), startup, prims, ab, numerics, profile (decode_profile.py;
-# PROFILE_ENVS adds runs under other MLX settings). With tests, prims and
+# PROFILE_ARGS passes options, e.g. "--no-stock-arm --arm-env NAME:VAR=VAL --rounds 2";
+# PROFILE_ENVS adds runs under other MLX settings, one process each). With tests, prims and
 # numerics run alongside the test processes (they count nodes / measure accuracy, not time).
 # The device tool allows 10 min per command: split stages over calls on the warm machine.
 # Everything lands in one archive, $OUT/results.tgz, rewritten after each stage (the device
@@ -113,8 +114,8 @@ fi
 if has profile; then
   say "== decode profile (host build / eval / pipelined, per primitive dispatch cost)"
   (cd /tmp && timeout "${T_PROFILE:-150}" python3 "$REPO/benchmarks/decode_profile.py" --synthetic ${PROFILE_PRESET:-qwen3.6-35b-a3b} \
-     --context ${PROFILE_CONTEXT:-4096} --out "$W") > "$W/decode_profile.log" 2>&1
-  tail -8 "$W/decode_profile.log" | tee -a "$S"; snapshot
+     --context ${PROFILE_CONTEXT:-4096} ${PROFILE_ARGS:-} --out "$W") > "$W/decode_profile.log" 2>&1
+  grep -A12 "^decode step at context" "$W/decode_profile.log" | tee -a "$S"; snapshot
   # PROFILE_ENVS="MLX_USE_CUDA_GRAPHS=0;MLX_MAX_OPS_PER_BUFFER=400": one more profile per
   # setting, each in its own process (MLX reads these once), into $W/profile-<n>/
   n=0
