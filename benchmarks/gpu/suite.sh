@@ -74,7 +74,7 @@ if has tests; then
     say "$op: rc=$rc $(grep -E '[0-9]+ (passed|failed)' "$W/gpu_tests-$op.log" | tail -1)"
     grep -E "^FAILED" "$W/gpu_tests-$op.log" | head -5 | tee -a "$S"
     if [ $rc -ne 0 ] && [ $rc -ne 124 ] && [ $rc -ne 5 ]; then
-      case $op in qgemv|attention|gated_delta|add_rms_norm|moe_router_topk|moe_experts|moe_route|moe_grouped)
+      case $op in qgemv|norm_qgemv|attention|gated_delta|add_rms_norm|moe_router_topk|moe_experts|moe_route|moe_grouped)
         echo -n "$op," >> /tmp/lily-disable;; esac
     fi
   done
