@@ -465,7 +465,10 @@ def correctness_gate(target: Target, logits_ids, greedy_ids, *, greedy_tokens: i
     for arm in ARMS:
         with arm_context(arm, model, ops):
             m = _WrongLogits(model) if (inject_wrong and arm == "lily") else model
+            t0 = time.perf_counter()
             res[arm] = {"logits": _logits_np(m, logits_ids), "greedy": _greedy(m, greedy_ids, greedy_tokens)}
+            log(f"gate: {arm} logits + {greedy_tokens} greedy tokens in "
+                f"{time.perf_counter() - t0:.1f}s")
     s, l = res["stock"]["logits"], res["lily"]["logits"]
     diff = np.abs(s - l)
     scale = float(np.abs(s).max()) or 1.0
@@ -488,7 +491,9 @@ def correctness_gate(target: Target, logits_ids, greedy_ids, *, greedy_tokens: i
     ok = all(checks.values()) and finite
     anchored = None
     if anchor == "fp32" and not ok and finite:
+        t0 = time.perf_counter()
         r = fp32_logits(model, logits_ids)
+        log(f"gate: fp32 anchor logits in {time.perf_counter() - t0:.1f}s")
         d_s, t_s = _distance(r, s)
         d_l, t_l = _distance(r, l)
         anchored = {
