@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import threading
 
 import mlx.core as mx
 
@@ -29,10 +30,39 @@ OP_NAMES = (
 
 DISABLE_ENV = "MLX_LILY_DISABLE"
 
+class _EnvSnapshot(threading.local):
+    values: dict | None = None
+
+
+_ENV = _EnvSnapshot()
+
+
 def env_value(name: str, default: str = "") -> str:
-    """The switch ``name`` as the environment holds it now (``os.environ.get``): read at
-    every call, never cached, so a change made while a model runs applies to the next call."""
-    return os.environ.get(name, default)
+    """The switch ``name`` as the environment holds it (``os.environ.get``): read at every
+    call, or once per forward of a patched decoder stack (``env_frozen``), so a change
+    made while a model runs applies from the next forward."""
+    snap = _ENV.values
+    if snap is None:
+        return os.environ.get(name, default)
+    if name not in snap:
+        snap[name] = os.environ.get(name)
+    v = snap[name]
+    return default if v is None else v
+
+
+@contextlib.contextmanager
+def env_frozen():
+    """Within this block ``env_value`` reads each variable from the environment once (a
+    decode step reads the switches hundreds of times). Nested blocks share the outer
+    snapshot."""
+    if _ENV.values is not None:
+        yield
+        return
+    _ENV.values = {}
+    try:
+        yield
+    finally:
+        _ENV.values = None
 
 
 @functools.lru_cache(maxsize=None)

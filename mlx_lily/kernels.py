@@ -159,12 +159,15 @@ def _parse_allowed(raw: str):
 def kernels_allowed(op: str | None, backend: str) -> bool:
     """Whether op's custom kernels may run on ``backend``.
 
-    ``MLX_LILY_KERNELS`` (read at call time): ``verified`` (default: only ops in
+    ``MLX_LILY_KERNELS`` (read at call time, once per model forward: ``backend.env_value``):
+    ``verified`` (default: only ops in
     ``VERIFIED[backend]``), ``all`` (every kernel, including those verified only by
     per-op parity tests or the Metal emulator), or a comma list of op names (``verified``
     may be one of them). Ops not allowed run their pure-MLX reference.
     """
-    names = _parse_allowed(os.environ.get(KERNELS_ENV, "verified"))
+    from .backend import env_value
+
+    names = _parse_allowed(env_value(KERNELS_ENV, "verified"))
     if "all" in names:
         return True
     if "verified" in names and op in VERIFIED.get(backend, ()):

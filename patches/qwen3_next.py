@@ -7,6 +7,8 @@ kill switch); ops pick kernels or their references inside.
 
 from __future__ import annotations
 
+import operator
+import threading
 import weakref
 
 import mlx.core as mx
@@ -31,20 +33,21 @@ class WeightSig:
     quantization). A copy (``copy.deepcopy``, pickling) is never valid, so a copied model
     rebuilds what it derived from its weights."""
 
-    __slots__ = ("entries",)
+    __slots__ = ("entries", "_owners", "_keys", "_values")
 
     def __init__(self, module=None):
         self.entries = None if module is None else [
             (m, k, v) for _, m in module.named_modules() for k, v in m.items()
             if isinstance(v, mx.array)]
+        if self.entries is not None:  # parallel tuples: valid() runs in C (every step)
+            self._owners = tuple(m for m, _, _ in self.entries)
+            self._keys = tuple(k for _, k, _ in self.entries)
+            self._values = tuple(v for _, _, v in self.entries)
 
     def valid(self) -> bool:
         if self.entries is None:
             return False
-        for m, k, v in self.entries:
-            if m.get(k) is not v:
-                return False
-        return True
+        return all(map(operator.is_, map(dict.get, self._owners, self._keys), self._values))
 
     def __deepcopy__(self, memo):
         return WeightSig()
@@ -64,6 +67,16 @@ class LilyState:
         self.sig = WeightSig(owner)
 
 
+class _CheckedForward(threading.local):
+    """True while a decoder stack whose weights ``_check_weights`` has just validated (and
+    whose stale fused projections it rebuilt) runs: ``_proj`` then skips its own check."""
+
+    active = False
+
+
+_CHECKED = _CheckedForward()
+
+
 def refresh(module) -> None:
     """Re-prepare ``module`` (fused projections) from its current weights."""
     st = getattr(module, "_lily", None)
@@ -81,7 +94,7 @@ def _original(cls, name="__call__"):
 def _proj(module, key, layers):
     """The fused projection prepared for ``module`` under ``key``, or per-layer views."""
     st = getattr(module, "_lily", None)
-    if st is not None and not st.sig.valid():  # weights replaced since prepare
+    if st is not None and not _CHECKED.active and not st.sig.valid():  # replaced weights
         refresh(module)
         st = getattr(module, "_lily", None)
     p = getattr(st, key, None) if st is not None else None
@@ -332,16 +345,14 @@ def drop_compiled_steps() -> None:
 def _compile_key():
     """What the traced functions depend on beyond shapes: backend, op selection, switches
     (``unpatch`` drops every model's compiled functions, so a new patch starts afresh)."""
-    import os
-
     from mlx_lily import backend
 
-    mode = os.environ.get(COMPILE_ENV, "")
+    mode = backend.env_value(COMPILE_ENV, "")
     be = backend.current_backend()
     if mode == "0" or (mode != "1" and be not in ("cuda", "metal")):
         return None
     return (be, backend.disabled_ops(), backend._selected_ops,
-            os.environ.get("MLX_LILY_KERNELS", ""))
+            backend.env_value("MLX_LILY_KERNELS", ""))
 
 
 def _layer_tail(layer, h, r):
@@ -419,11 +430,10 @@ def _weights_changed(module) -> bool:
     sig = module.__dict__.get("_lily_sig")
     if sig is not None and sig.valid():
         return False
-    if sig is not None:
-        for _, m in module.named_modules():
-            st = getattr(m, "_lily", None)
-            if st is not None and not st.sig.valid():
-                refresh(m)
+    for _, m in module.named_modules():  # first signature, or weights replaced since
+        st = getattr(m, "_lily", None)
+        if st is not None and not st.sig.valid():
+            refresh(m)
     object.__setattr__(module, "_lily_sig", WeightSig(module))
     return sig is not None
 
@@ -453,6 +463,12 @@ def make_text_model_call(module, cls_name, layer_cls_name, with_embeddings):
     """
 
     def text_model_call(self, inputs, cache=None, input_embeddings=None):
+        from mlx_lily.backend import env_frozen
+
+        with env_frozen():
+            return _text_model_forward(self, inputs, cache, input_embeddings)
+
+    def _text_model_forward(self, inputs, cache, input_embeddings):
         stock = _original(getattr(module, cls_name))
         layers = self.pipeline_layers
         layer_cls = getattr(module, layer_cls_name)
@@ -478,16 +494,20 @@ def make_text_model_call(module, cls_name, layer_cls_name, with_embeddings):
         _check_weights(self, layers)
         defer = op_enabled("norm_qgemv")
         m = None
-        for i, (layer, c) in enumerate(zip(layers, cache)):
-            if m is not None:
-                h, x = _layer_input(h, m, layer.input_layernorm, defer)
-            if steps is not None and (not layer.is_linear or _gdn_step_ok(layer, c)):
-                key_i = (i, isinstance(x, PendingNorm))
-                if steps.get(key_i) is not False:
-                    h, m = _run_compiled(steps, key_i, layer, h, x, c, fa_mask)
-                    continue
-            h, r = _mixer(layer, x, ssm_mask if layer.is_linear else fa_mask, c, h)
-            h, m = _layer_tail(layer, h, r)
+        outer, _CHECKED.active = _CHECKED.active, True
+        try:
+            for i, (layer, c) in enumerate(zip(layers, cache)):
+                if m is not None:
+                    h, x = _layer_input(h, m, layer.input_layernorm, defer)
+                if steps is not None and (not layer.is_linear or _gdn_step_ok(layer, c)):
+                    key_i = (i, isinstance(x, PendingNorm))
+                    if steps.get(key_i) is not False:
+                        h, m = _run_compiled(steps, key_i, layer, h, x, c, fa_mask)
+                        continue
+                h, r = _mixer(layer, x, ssm_mask if layer.is_linear else fa_mask, c, h)
+                h, m = _layer_tail(layer, h, r)
+        finally:
+            _CHECKED.active = outer
         return add_rms_norm(h, m, self.norm.weight, self.norm.eps)[1]
 
     return text_model_call

@@ -554,3 +554,20 @@ def test_kernel_cache_env_set_by_patch_is_restored(monkeypatch):
     mlx_lily.patch()
     mlx_lily.unpatch()
     assert os.environ["MLX_PTX_CACHE_DIR"] == "/user/choice"
+
+
+def test_env_frozen_reads_each_switch_once_per_block(monkeypatch):
+    """Inside ``env_frozen`` (one forward of the patched decoder stack) a switch keeps the
+    value it had when first read; outside, every read sees the environment as it is."""
+    from mlx_lily.backend import env_frozen, env_value, op_enabled
+
+    monkeypatch.setenv("MLX_LILY_DISABLE", "qgemv")
+    with env_frozen():
+        assert not op_enabled("qgemv")
+        monkeypatch.setenv("MLX_LILY_DISABLE", "attention")
+        assert not op_enabled("qgemv") and op_enabled("attention")
+        with env_frozen():  # nested: the same snapshot
+            assert env_value("MLX_LILY_DISABLE") == "qgemv"
+        assert env_value("MLX_LILY_UNSET_SWITCH", "dflt") == "dflt"
+    assert op_enabled("qgemv") and not op_enabled("attention")
+    assert env_value("MLX_LILY_DISABLE") == "attention"

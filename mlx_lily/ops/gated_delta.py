@@ -159,7 +159,9 @@ SCAN_ENV = "MLX_LILY_GDN_SCAN"
 def scan_config(backend: str) -> tuple:
     """``(LPR, RPL, WPB)`` for ``lily_gdn_scan`` on ``backend``; ``MLX_LILY_GDN_SCAN=8,2,4``
     overrides (benchmark sweeps)."""
-    raw = os.environ.get(SCAN_ENV)
+    from ..backend import env_value
+
+    raw = env_value(SCAN_ENV, "")
     if raw:
         try:
             lpr, rpl, wpb = (int(v) for v in raw.split(","))
