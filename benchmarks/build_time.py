@@ -1,0 +1,89 @@
+"""Python graph-build time of one Lily decode step on the CUDA kernel path, measurable on a
+machine without a GPU: the production-dims model (lazy weights, ``--layers`` of
+Qwen3.6-35B-A3B's 40), dispatchers forced onto the CUDA path
+(``mlx_lily.backend.tracing_backend``), every custom kernel stubbed to return zeros, and
+nothing evaluated. What it times is the host work Lily adds per token before MLX's own
+dispatch: the patched forwards, the checks and the kernel launch plumbing.
+
+    python benchmarks/build_time.py --layers 40 --steps 40 --out DIR
+
+Prints and writes DIR/build_time.json: median milliseconds per step (after ``--warmup``
+steps) with the compiled decode steps on and off.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+
+def measure(layers: int, steps: int, warmup: int, compile_mode: str) -> float:
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+
+    import mlx_lily
+    from mlx_lily import backend, kernels, patching, synth
+
+    def stub_factory(**_):
+        def call(*, inputs, output_shapes, output_dtypes, **__):
+            return [mx.zeros(s, d) for s, d in zip(output_shapes, output_dtypes)]
+        return call
+
+    kernels._CACHE.clear()
+    mx.fast.cuda_kernel = stub_factory
+    patching.warmup = lambda *a, **k: 0.0
+    os.environ["MLX_LILY_KERNELS"] = "all"
+    os.environ["MLX_LILY_COMPILE"] = compile_mode
+    model, _ = synth._lazy_model(synth._text_config(num_hidden_layers=layers))
+    model.eval()
+    model.set_dtype(mx.bfloat16)
+    with backend.tracing_backend("cuda"):
+        mlx_lily.patch()
+        try:
+            mlx_lily.prepare_model(model)
+            cache = make_prompt_cache(model)
+            tok = mx.array([[5]])
+            ts = []
+            for i in range(warmup + steps):
+                t0 = time.perf_counter()
+                model(tok, cache=cache)
+                if i >= warmup:
+                    ts.append(time.perf_counter() - t0)
+        finally:
+            mlx_lily.unpatch()
+    return statistics.median(ts) * 1e3
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--layers", type=int, default=40)
+    p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--warmup", type=int, default=10)
+    p.add_argument("--out", type=Path, default=None)
+    a = p.parse_args(argv)
+    res = {"layers": a.layers, "steps": a.steps, "warmup": a.warmup, "build_ms_median": {}}
+    for mode, name in (("1", "compiled"), ("0", "eager")):
+        import subprocess
+
+        out = subprocess.run(
+            [sys.executable, __file__, "--_one", mode, str(a.layers), str(a.steps),
+             str(a.warmup)], capture_output=True, text=True, check=True).stdout
+        res["build_ms_median"][name] = float(out.strip().splitlines()[-1])
+        print(f"{name:9s} {res['build_ms_median'][name]:.3f} ms per decode step "
+              f"({a.layers} layers, median of {a.steps})")
+    if a.out:
+        a.out.mkdir(parents=True, exist_ok=True)
+        (a.out / "build_time.json").write_text(json.dumps(res, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == "--_one":  # one setting per process
+        print(measure(int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]), sys.argv[2]))
+        sys.exit(0)
+    sys.exit(main())
