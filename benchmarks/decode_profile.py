@@ -43,6 +43,28 @@ def _step(model, cache, tok):
     return mx.argmax(logits[:, -1, :], axis=-1)
 
 
+def python_profile(model, ctx, tok: int, steps: int, path: Path) -> None:
+    """cProfile of ``steps`` graph builds (no evaluation in the profiled span) written as
+    a text table sorted by own time to ``path``: where the host's build time goes."""
+    import cProfile
+    import io
+    import pstats
+
+    cache = copy_cache(ctx)
+    y = _step(model, cache, tok)
+    mx.eval(y, *_state_arrays(cache))
+    pr = cProfile.Profile()
+    for _ in range(steps):
+        t = int(y.item())
+        pr.enable()
+        y = _step(model, cache, t)
+        pr.disable()
+        mx.eval(y, *_state_arrays(cache))
+    buf = io.StringIO()
+    pstats.Stats(pr, stream=buf).sort_stats("tottime").print_stats(40)
+    path.write_text(buf.getvalue())
+
+
 def profile_arm(model, ctx, tok: int, steps: int, warmup: int) -> dict:
     cache = copy_cache(ctx)
     y = _step(model, cache, tok)
@@ -138,6 +160,9 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=1,
                    help="run the arms this many times, alternating; each arm reports the "
                         "median over rounds of its per-round medians (rounds kept)")
+    p.add_argument("--cprofile", action="store_true",
+                   help="also write OUT/build_cprofile-<arm>.txt: cProfile of the Lily "
+                        "arms' graph builds")
     p.add_argument("--out", type=Path, default=None)
     a = p.parse_args(argv)
     ops = a.ops.split(",") if a.ops else None
@@ -182,6 +207,21 @@ def main(argv=None) -> int:
                         os.environ[var] = prev
             rounds[arm].append(r)
             log(f"round {rnd + 1} {arm}: {r}")
+            if a.cprofile and a.out and rnd == 0 and arm != "stock":
+                a.out.mkdir(parents=True, exist_ok=True)
+                prev = os.environ.get(var) if var else None
+                if var:
+                    os.environ[var] = val
+                try:
+                    with arm_context("lily", t.model, ops):
+                        python_profile(t.model, ctx, int(ids[a.context]), a.steps,
+                                       a.out / f"build_cprofile-{arm}.txt")
+                finally:
+                    if var:
+                        if prev is None:
+                            os.environ.pop(var, None)
+                        else:
+                            os.environ[var] = prev
     for arm, rs in rounds.items():
         rs_sorted = sorted(rs, key=lambda r: r["pipelined_ms"])
         r = dict(rs_sorted[len(rs_sorted) // 2])

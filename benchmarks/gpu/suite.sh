@@ -5,7 +5,7 @@
 # Stages: install, tests (all op files in parallel, T_TESTS seconds cap each, default 300;
 # TEST_OPS=a,b selects files; NVRTC compiles of every template make a cold file take 1-3 min),
 # bench (BENCHES=a,b selects scripts), startup, prims, ab, numerics, profile (decode_profile.py;
-# PROFILE_ARGS passes options, e.g. "--no-stock-arm --arm-env NAME:VAR=VAL --rounds 2";
+# PROFILE_ARGS passes options, e.g. "--no-stock-arm --arm-env NAME:VAR=VAL --rounds 2 --cprofile";
 # PROFILE_ENVS adds runs under other MLX settings, one process each). With tests, prims and
 # numerics run alongside the test processes (they count nodes / measure accuracy, not time).
 # The device tool allows 10 min per command: split stages over calls on the warm machine.
