@@ -170,10 +170,14 @@ def _attention_decode_packed(self, proj, x, cache):
     row: GEMV, q/k norm + RoPE + v copy (one kernel), cache update, split-K SDPA with the
     gate, ``o_proj``; no split/reshape/transpose views. None when the kernels do not
     serve (the caller then runs the general path; nothing was changed)."""
-    (y,) = _run(proj, x, split=False)
     Hq, Hkv = self.num_attention_heads, self.num_key_value_heads
-    D = y.shape[-1] // (2 * Hq + 2 * Hkv)
+    D = proj.out_features // (2 * Hq + 2 * Hkv)
     rope = self.rope
+    if not attn_ops.packed_supported(x.dtype, self.q_norm.weight, self.k_norm.weight,
+                                     head_dim=D, rope_dims=rope.dims,
+                                     traditional=rope.traditional, offset=cache.offset):
+        return None  # decided before any graph is built
+    (y,) = _run(proj, x, split=False)
     qkv = attn_ops.qkv_norm_rope_packed(
         y, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, n_heads=Hq,
         n_kv_heads=Hkv, head_dim=D, rope_dims=rope.dims, base=rope.base, scale=rope.scale,

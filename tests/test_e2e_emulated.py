@@ -13,9 +13,6 @@ all positions' logits, and top-1 agreement.
 
 from __future__ import annotations
 
-import contextlib
-import importlib
-
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -23,9 +20,8 @@ from mlx_lm.models.cache import make_prompt_cache
 
 import _models
 import mlx_lily
-from mlx_lily import backend, kernels
-from mlx_lily.testing import metal_emu
-from mlx_lily.testing.dispatch import count_kernel_launches, emulated_metal_dispatch
+from mlx_lily import backend
+from mlx_lily.testing.dispatch import count_kernel_launches, emulated_metal
 
 try:
     from mlx_lily.testing.metal_emu import available as _emu_available
@@ -40,8 +36,6 @@ PROMPT = [1, 5, 9, 33, 100, 7, 8, 9, 200, 11, 42, 17]
 DECODE_STEPS = 3
 OPS = backend.OP_NAMES
 
-_OP_MODULES = ("add_rms_norm", "attention", "gated_delta", "moe_experts", "moe_grouped",
-               "moe_route", "moe_router_topk", "qgemv", "norm_qgemv")
 
 # This tiny random model is chaotic: stock bf16 vs the same weights in fp32 already differs
 # by ~0.35 of the logit scale with top-1 agreement ~0.6 (MoE top-k routing flips on
@@ -54,24 +48,6 @@ _OP_MODULES = ("add_rms_norm", "attention", "gated_delta", "moe_experts", "moe_g
 NOISE_FACTOR = 1.5
 NOISE_SLACK = 0.05
 TOP1_SLACK = 0.2
-
-
-@contextlib.contextmanager
-def emulated_metal():
-    """Make every Lily dispatcher see the Metal backend, with the emulator's kernels."""
-    with metal_emu.install(), pytest.MonkeyPatch.context() as mp:
-        ops = [importlib.import_module(f"mlx_lily.ops.{name}") for name in _OP_MODULES]
-        emulated_metal_dispatch(mp, backend, *[m for m in ops if hasattr(m, "current_backend")])
-        mp.setenv(kernels.KERNELS_ENV, "all")
-        mp.delenv(backend.DISABLE_ENV, raising=False)
-        # prepare() runs warmup() on GPU backends: skip it (it only compiles kernels).
-        from mlx_lily import patching
-
-        mp.setattr(patching, "warmup", lambda model, prompt_len=8: 0.0)
-        # The emulator evaluates a kernel's inputs on the host, which mx.compile forbids:
-        # decode layers run eagerly here (the compiled path: tests/test_patch.py).
-        mp.setenv("MLX_LILY_COMPILE", "0")
-        yield
 
 
 def _forward(model, prompt, forced):

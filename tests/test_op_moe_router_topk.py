@@ -416,3 +416,12 @@ def test_pending_dispatch_on_cpu_resolves_the_norm():
     assert mx.array_equal(x, want_x).item() and mx.array_equal(pending.h, h0 + res).item()
     wi, ws, wsh = R.moe_router_topk(want_x, blk._lily.router, 4, True)
     assert mx.array_equal(inds, wi).item() and mx.array_equal(scores, ws).item()
+
+
+def test_supports_bounds_the_staged_row_bytes():
+    """The router stages its row (plus the logits) in threadgroup memory: an fp32 row of
+    8192 would exceed Apple's 32 KiB, a bf16 one does not."""
+    for d, dt, ok in ((8192, mx.bfloat16, True), (8192, mx.float32, False)):
+        gate = nn.QuantizedLinear.from_linear(_linear(d, 16), 64, 8)
+        proj = QProj.fuse([gate])
+        assert R.supports(mx.zeros((1, d), dt), proj, 4) is ok, (d, dt)

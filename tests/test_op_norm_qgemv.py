@@ -158,3 +158,37 @@ def test_gpu_production_shapes():
         kern, init = kernel_for(NQ.SPEC, backend)
         y, h = NQ.launch(kern, h0, res, nw, 1e-6, q, s, b, 64, 4, init_value=init)
         check(y, h, h0, res, nw, 1e-6, q, s, b, 64, 4, mx.bfloat16)
+
+
+def test_supports_bounds_the_staged_row_bytes():
+    """The normalised row lives in threadgroup memory: fp32 rows of 8192 would pass Apple's
+    32 KiB with the rest of the kernel, so the row is capped at ``MAX_ROW_BYTES``."""
+    for k, dt, ok in ((8192, mx.bfloat16, True), (8192, mx.float32, False),
+                      (4096, mx.float32, True)):
+        q, s, b = make_weights(8, k, 4, 64)
+        h0 = mx.zeros((1, k), dt)
+        assert NQ.supports(h0, h0, h0[0], q, s, b, 64, 4) is ok, (k, dt)
+
+
+@pytest.mark.skipif("metal-emu" not in parity_backends(), reason="Metal emulator unavailable")
+def test_for_qproj_follows_switches(monkeypatch):
+    """The fused GEMV is qgemv's loop: ``MLX_LILY_DISABLE=qgemv`` or ``=norm_qgemv``, and an
+    ``MLX_LILY_KERNELS`` list without norm_qgemv, stop it even after a plan was cached."""
+    from mlx_lily.ops import qgemv as Q
+    from mlx_lily.qproj import QProj
+    from mlx_lily.testing.dispatch import emulated_metal_dispatch
+
+    emulated_metal_dispatch(monkeypatch, NQ, Q)
+    monkeypatch.setenv("MLX_LILY_KERNELS", "all")
+    lin = nn.Linear(256, 24, bias=False)
+    lin.weight = (mx.random.normal((24, 256)) * 0.06).astype(mx.bfloat16)
+    proj = QProj.view([nn.QuantizedLinear.from_linear(lin, 64, 4)])
+    h0, res, nw = make_inputs(1, 256, mx.bfloat16, 9)
+    assert NQ.for_qproj(h0, res, nw, 1e-6, proj) is not None  # plan cached now
+    for var, val in (("MLX_LILY_DISABLE", "qgemv"), ("MLX_LILY_DISABLE", "norm_qgemv"),
+                     ("MLX_LILY_KERNELS", "qgemv,attention")):
+        with monkeypatch.context() as m:
+            m.setenv(var, val)
+            assert NQ.for_qproj(h0, res, nw, 1e-6, proj) is None, (var, val)
+    monkeypatch.setitem(Q.USE_FOR_QPROJ, "metal", False)
+    assert NQ.for_qproj(h0, res, nw, 1e-6, proj) is None

@@ -265,6 +265,22 @@ def split_packed(y, n_heads, n_kv_heads, head_dim):
             values.reshape(B, L, n_kv_heads, -1))
 
 
+def packed_supported(dtype, q_norm_weight, k_norm_weight, *, head_dim, rope_dims,
+                     traditional=False, offset=0) -> bool:
+    """Whether ``qkv_norm_rope_packed`` runs its kernel for a projection row of ``dtype``
+    on the current backend (checked before the row is even built: ``attn_packed``
+    allowed, bf16/fp16, norm weights ``[D]`` of that dtype, ``D % 32 == 0`` up to 512,
+    rotate-half RoPE, a scalar offset)."""
+    backend = current_backend()
+    D = head_dim
+    return (backend in ("metal", "cuda") and kernels.kernels_allowed(PACKED_OP, backend)
+            and dtype in _DTYPES and q_norm_weight.dtype == dtype
+            and k_norm_weight.dtype == dtype and q_norm_weight.shape == (D,)
+            and k_norm_weight.shape == (D,) and D % 32 == 0 and 32 <= D <= 512
+            and not traditional and rope_dims % 2 == 0 and 2 <= rope_dims <= D
+            and not (isinstance(offset, mx.array) and offset.size != 1))
+
+
 def qkv_norm_rope_packed_reference(y, q_norm_weight, k_norm_weight, eps, *, n_heads,
                                    n_kv_heads, head_dim, rope_dims, base, scale=1.0,
                                    traditional=False, offset=0):
@@ -291,16 +307,10 @@ def qkv_norm_rope_packed(y, q_norm_weight, k_norm_weight, eps, *, n_heads, n_kv_
     B, L, _ = y.shape
     dt = y.dtype
     if kernel is None:
-        backend = current_backend()
-        if backend not in ("metal", "cuda") or not kernels.kernels_allowed(PACKED_OP, backend):
+        if not packed_supported(dt, q_norm_weight, k_norm_weight, head_dim=D,
+                                rope_dims=rope_dims, traditional=traditional, offset=offset):
             return None
-        if (dt not in _DTYPES or q_norm_weight.dtype != dt or k_norm_weight.dtype != dt
-                or q_norm_weight.shape != (D,) or k_norm_weight.shape != (D,)
-                or D % 32 or not 32 <= D <= 512 or traditional or rope_dims % 2
-                or not 2 <= rope_dims <= D
-                or (isinstance(offset, mx.array) and offset.size != 1)):
-            return None
-        kernel = _kernel(QK_NORM_ROPE, backend)
+        kernel = _kernel(QK_NORM_ROPE, current_backend())
         if kernel is None:
             return None
     off = (offset.reshape(1).astype(mx.int32) if isinstance(offset, mx.array)

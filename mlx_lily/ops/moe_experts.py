@@ -284,7 +284,7 @@ def moe_experts(x, inds, scores, switch_mlp, shared_expert, shared, residual=Non
     if backend in ("metal", "cuda"):
         d = x.shape[-1]
         rows = x.size // d if d else 0
-        if rows <= MAX_DECODE_ROWS:
+        if rows <= MAX_DECODE_ROWS and kernels.kernels_allowed(NAME, backend):
             run = _decode_run(switch_mlp, shared_expert, x, inds, scores, shared, residual,
                               backend)
             if run is not None:

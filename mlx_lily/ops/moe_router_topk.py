@@ -85,8 +85,10 @@ SPEC = kernels.KernelSpec(
     outputs=("inds", "scores", "shared", "h", "xn"))
 #: The switch of the add+RMSNorm prologue (``moe_router_topk_pending``).
 PRE_NORM_OP = "moe_router_norm"
-#: Widest row the kernel stages in threadgroup memory (bf16: 16 KiB).
+#: Widest row the kernel stages in threadgroup memory, and the bytes it may take there
+#: with the logits (Apple's limit per threadgroup).
 MAX_D = 8192
+MAX_THREADGROUP_BYTES = 32768
 
 #: Rows (tokens) per call the kernel takes; one threadgroup per row re-reads the router
 #: weights, so long prefill chunks go to the reference (``quantized_matmul``).
@@ -120,7 +122,9 @@ def supports(x: mx.array, router, k: int) -> bool:
     if x.dtype not in _FLOATS or router.scales.dtype not in _FLOATS:
         return False
     d = x.shape[-1]
-    if d > MAX_D or router.weight.shape[1] * 32 != d * router.bits or d % router.group_size:
+    if d > MAX_D or d * x.dtype.size + 4 * (e + 1 + NW) > MAX_THREADGROUP_BYTES:
+        return False
+    if router.weight.shape[1] * 32 != d * router.bits or d % router.group_size:
         return False
     if qgemv.lanes_per_row(d, router.bits) is None:
         return False
@@ -213,7 +217,8 @@ def moe_router_topk(x, router, k, norm_topk_prob):
     selection (``tie_break="stock"``), bit-identical to stock. The decision and launch
     parameters are cached on the ``QProj`` per (backend, shape, dtype, k, norm)."""
     backend = current_backend()
-    if backend in ("metal", "cuda") and type(router) is QProj:
+    if (backend in ("metal", "cuda") and type(router) is QProj
+            and kernels.kernels_allowed(NAME, backend)):
         plans = router.__dict__.setdefault("_lily_router_plans", {})
         key = (backend, x.shape, x.dtype, k, bool(norm_topk_prob))
         run = plans.get(key, False)

@@ -29,9 +29,10 @@ SPEC = kernels.KernelSpec(
     name="lily_norm_qgemv", stem="norm_qgemv",
     inputs=("hin", "res", "nw", "eps", "w", "scales", "biases"), outputs=("y", "h"))
 
-#: Largest input width: the normalised row lives in threadgroup memory (2 bytes each in
-#: bf16; 16 KiB at 8192).
+#: Largest input width: the normalised row lives in threadgroup memory.
 MAX_K = 8192
+#: Threadgroup bytes the row may take (Apple's limit is 32 KiB per threadgroup).
+MAX_ROW_BYTES = 16384
 NW = _qgemv.NW
 RPW = _qgemv.RPW
 _EPS: dict = {}
@@ -55,9 +56,9 @@ def norm_qgemv_reference(h0, res, norm_w, eps, w, scales, biases, group_size, bi
 def supports(h0, res, norm_w, w, scales, biases, group_size, bits, mode="affine") -> bool:
     """True when the kernel computes this call: what ``qgemv.supports`` accepts for
     ``h0`` as the activation, ``res`` of h0's shape and dtype, ``norm_w [K]`` of that
-    dtype, ``K <= MAX_K``."""
+    dtype, ``K <= MAX_K`` and the row at most ``MAX_ROW_BYTES``."""
     k = h0.shape[-1]
-    return (k <= MAX_K and res.shape == h0.shape and res.dtype == h0.dtype
+    return (k <= MAX_K and k * h0.dtype.size <= MAX_ROW_BYTES and res.shape == h0.shape and res.dtype == h0.dtype
             and norm_w.shape == (k,) and norm_w.dtype == h0.dtype
             and _qgemv.supports(h0, w, scales, biases, group_size, bits, mode))
 
@@ -116,7 +117,10 @@ def for_qproj(h0, res, norm_w, eps, proj):
     if h0.size != h0.shape[-1] or not proj.quantized:
         return None
     backend = current_backend()
-    if backend not in ("metal", "cuda") or not op_enabled(NAME):
+    # the GEMV half is qgemv's: its switches apply too
+    if (backend not in ("metal", "cuda") or not op_enabled(NAME) or not op_enabled(_qgemv.NAME)
+            or not _qgemv.USE_FOR_QPROJ.get(backend, False)
+            or not kernels.kernels_allowed(NAME, backend)):
         return None
     plans = proj.__dict__.setdefault("_lily_norm_qgemv_plans", {})
     key = (backend, h0.shape, h0.dtype, res.dtype, norm_w.dtype, norm_w.shape)

@@ -157,7 +157,8 @@ def for_qproj(x: mx.array, proj) -> mx.array | None:
     if x.size != x.shape[-1]:
         return None
     backend = current_backend()
-    if not USE_FOR_QPROJ.get(backend, False) or not op_enabled(NAME):
+    if (not USE_FOR_QPROJ.get(backend, False) or not op_enabled(NAME)
+            or not kernels.kernels_allowed(NAME, backend)):
         return None
     plans = proj.__dict__.setdefault("_lily_qgemv_plans", {})
     key = (backend, x.shape, x.dtype)
