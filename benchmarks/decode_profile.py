@@ -22,6 +22,7 @@ device's copy bandwidth. Writes DIR/decode_profile.json and prints a table.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -36,6 +37,24 @@ from mlx_lily.bench.ab import (ARMS, arm_context, build_context, copy_cache, env
 from mlx_lily.bench.primitives import _state_arrays, count_graph
 from mlx_lily.bench.traffic import copy_bandwidth_gbps, decode_step_bytes
 from mlx_lily.patches.qwen3_next import COMPILE_ENV
+
+
+@contextlib.contextmanager
+def _env(var, val):
+    """Environment variable ``var`` set to ``val`` inside the block (nothing if var is
+    None), restored after."""
+    if var is None:
+        yield
+        return
+    prev = os.environ.get(var)
+    os.environ[var] = val
+    try:
+        yield
+    finally:
+        if prev is None:
+            os.environ.pop(var, None)
+        else:
+            os.environ[var] = prev
 
 
 def _step(model, cache, tok):
@@ -189,39 +208,20 @@ def main(argv=None) -> int:
     for rnd in range(max(1, a.rounds)):
         for arm in arms:
             var, val = arm_envs.get(arm, (None, None))
-            prev = os.environ.get(var) if var else None
-            if var:
-                os.environ[var] = val
-            try:
+            with _env(var, val):
                 with arm_context("lily" if var else arm, t.model, ops):
                     r = profile_arm(t.model, ctx, int(ids[a.context]), a.steps, a.warmup)
                 r["achieved_gbps"] = (res["bytes_per_step"]["total"]
                                       / (r["pipelined_ms"] / 1e3) / 1e9)
                 if var:
                     r["env"] = {var: val}
-            finally:
-                if var:
-                    if prev is None:
-                        os.environ.pop(var, None)
-                    else:
-                        os.environ[var] = prev
-            rounds[arm].append(r)
-            log(f"round {rnd + 1} {arm}: {r}")
-            if a.cprofile and a.out and rnd == 0 and arm != "stock":
-                a.out.mkdir(parents=True, exist_ok=True)
-                prev = os.environ.get(var) if var else None
-                if var:
-                    os.environ[var] = val
-                try:
+                rounds[arm].append(r)
+                log(f"round {rnd + 1} {arm}: {r}")
+                if a.cprofile and a.out and rnd == 0 and arm != "stock":
+                    a.out.mkdir(parents=True, exist_ok=True)
                     with arm_context("lily", t.model, ops):
                         python_profile(t.model, ctx, int(ids[a.context]), a.steps,
                                        a.out / f"build_cprofile-{arm}.txt")
-                finally:
-                    if var:
-                        if prev is None:
-                            os.environ.pop(var, None)
-                        else:
-                            os.environ[var] = prev
     for arm, rs in rounds.items():
         rs_sorted = sorted(rs, key=lambda r: r["pipelined_ms"])
         r = dict(rs_sorted[len(rs_sorted) // 2])

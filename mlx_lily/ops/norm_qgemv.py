@@ -74,20 +74,9 @@ def plan(kernel, x_shape, x_dtype, w, scales, biases, group_size, bits, *, nw=NW
          init_value=None):
     """A callable ``run(h0, res, norm_w, eps) -> (y, h)`` launching ``kernel`` for inputs
     of one shape and dtype (template, grid and output shapes worked out once)."""
-    k = x_shape[-1]
-    o = w.shape[0]
-    lead = tuple(x_shape[:-1])
-    n = 1
-    for s_ in lead:
-        n *= s_
-    tg = 32 * nw
-    nb = -(-o // _qgemv.rows_per_block(k, bits, nw, rpw))
-    kw = dict(template=[("T", x_dtype), ("S", scales.dtype), ("K", k), ("O", o),
-                        ("BITS", bits), ("GS", group_size), ("NW", nw), ("RPW", rpw)],
-              grid=(nb * tg, n, 1), threadgroup=(tg, 1, 1),
-              output_shapes=[lead + (o,), lead + (k,)], output_dtypes=[x_dtype, x_dtype])
-    if init_value is not None:
-        kw["init_value"] = init_value
+    kw = _qgemv.launch_args(x_shape, x_dtype, w, scales, group_size, bits, nw=nw, rpw=rpw,
+                            init_value=init_value,
+                            extra_outputs=[(tuple(x_shape), x_dtype)])
 
     def run(h0, res, norm_w, eps):
         y, h = kernel(inputs=[h0, res, norm_w, _eps(float(eps)), w, scales, biases], **kw)

@@ -90,11 +90,12 @@ def supports(x: mx.array, w: mx.array, scales: mx.array, biases, group_size: int
     return 1 <= rows <= MAX_ROWS and w.size >= 8
 
 
-def plan(kernel, x_shape, x_dtype, w: mx.array, scales: mx.array, biases: mx.array,
-         group_size: int, bits: int, *, nw: int = NW, rpw: int = RPW,
-         init_value: float | None = None):
-    """A callable ``run(x) -> y`` launching the kernel object for inputs of one shape
-    and dtype (template, grid and output shape worked out once)."""
+def launch_args(x_shape, x_dtype, w, scales, group_size: int, bits: int, *,
+                nw: int = NW, rpw: int = RPW, init_value: float | None = None,
+                extra_outputs=()) -> dict:
+    """Template, grid, threadgroup and output shapes/dtypes of a ``lily_qgemv``-family
+    launch (``lily_norm_qgemv`` shares them) for activations ``x_shape`` of ``x_dtype``;
+    ``extra_outputs``: ``(shape, dtype)`` pairs after ``y``."""
     k = x_shape[-1]
     o = w.shape[0]
     lead = tuple(x_shape[:-1])
@@ -106,9 +107,20 @@ def plan(kernel, x_shape, x_dtype, w: mx.array, scales: mx.array, biases: mx.arr
     kw = dict(template=[("T", x_dtype), ("S", scales.dtype), ("K", k), ("O", o),
                         ("BITS", bits), ("GS", group_size), ("NW", nw), ("RPW", rpw)],
               grid=(nb * tg, n, 1), threadgroup=(tg, 1, 1),
-              output_shapes=[lead + (o,)], output_dtypes=[x_dtype])
+              output_shapes=[lead + (o,)] + [sh for sh, _ in extra_outputs],
+              output_dtypes=[x_dtype] + [dt for _, dt in extra_outputs])
     if init_value is not None:
         kw["init_value"] = init_value
+    return kw
+
+
+def plan(kernel, x_shape, x_dtype, w: mx.array, scales: mx.array, biases: mx.array,
+         group_size: int, bits: int, *, nw: int = NW, rpw: int = RPW,
+         init_value: float | None = None):
+    """A callable ``run(x) -> y`` launching the kernel object for inputs of one shape
+    and dtype (template, grid and output shape worked out once)."""
+    kw = launch_args(x_shape, x_dtype, w, scales, group_size, bits, nw=nw, rpw=rpw,
+                     init_value=init_value)
 
     def run(x):
         return kernel(inputs=[x, w, scales, biases], **kw)[0]

@@ -64,6 +64,7 @@ inline float fmaf(float a, float b, float c) { return metal::fma(a, b, c); }
 inline float expf(float a) { return metal::exp(a); }
 inline float fmaxf(float a, float b) { return metal::max(a, b); }
 inline float rsqrtf(float a) { return metal::precise::rsqrt(a); }
+#define __syncthreads() threadgroup_barrier(mem_flags::mem_threadgroup)
 """
 
 

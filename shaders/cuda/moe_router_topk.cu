@@ -36,29 +36,12 @@
   __shared__ float nred[NW];
   const size_t ro = (size_t)n * D;
   if (PRE_NORM) {
-    float ss = 0.f;
-    for (int k = threadIdx.x; k < D; k += TPB) {
-      const T hh = static_cast<T>(lily_f(hin[ro + k]) + lily_f(res[ro + k]));
-      h[ro + k] = hh;
-      xs_row[k] = hh;
-      ss += lily_f(hh) * lily_f(hh);
-    }
-    ss = lily_group_sum<32>(ss);
-    if (lane == 0) nred[warp] = ss;
-    __syncthreads();
-    float sum = 0.f;
-#pragma unroll
-    for (int i = 0; i < NW; ++i) sum += nred[i];
-    const float rinv = rsqrtf(sum / float(D) + eps[0]);
-    for (int k = threadIdx.x; k < D; k += TPB) {
-      const T v = static_cast<T>(lily_f(nw[k]) * lily_round<T>(lily_f(xs_row[k]) * rinv));
-      xs_row[k] = v;
-      xn[ro + k] = v;
-    }
+    lily_add_rms_norm_row<T, D, NW>(hin + ro, res + ro, nw, eps[0], xs_row, nred, h + ro,
+                                    xn + ro, threadIdx.x, lane, warp);
   } else {
     for (int k = threadIdx.x; k < D; k += TPB) xs_row[k] = x[ro + k];
+    __syncthreads();
   }
-  __syncthreads();
   const uint4* w4 = reinterpret_cast<const uint4*>(w);
 
   for (int wb = warp * SG * RPW; wb < R; wb += NW * SG * RPW) {

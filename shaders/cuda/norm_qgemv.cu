@@ -16,9 +16,7 @@
   constexpr int LPR = KW < 32 ? KW : 32;
   constexpr int SG = 32 / LPR;
   constexpr int STEPS = KW / LPR;
-  constexpr int NG = K / GS;
   constexpr int RPB = NW * SG * RPW;
-  constexpr int TPB = 32 * NW;
   static_assert(KW * VPL == K && STEPS * LPR == KW && SG * LPR == 32, "norm_qgemv: bad K");
   static_assert(GS % VPL == 0, "norm_qgemv: bad GS");
 
@@ -33,50 +31,8 @@
   const int row0 = blockIdx.x * RPB + (warp * SG + sub) * RPW;
   if (blockIdx.x * RPB >= O) return;
   const size_t ro = (size_t)n * K;
-  const bool writer = blockIdx.x == 0;
-
-  float ss = 0.f;
-  for (int k = tid; k < K; k += TPB) {
-    const T hh = static_cast<T>(lily_f(hin[ro + k]) + lily_f(res[ro + k]));
-    if (writer) h[ro + k] = hh;
-    const float hv = lily_f(hh);
-    xs[k] = hh;
-    ss += hv * hv;
-  }
-  ss = lily_group_sum<32>(ss);
-  if (lane == 0) red[warp] = ss;
-  __syncthreads();
-  float tot = 0.f;
-#pragma unroll
-  for (int i = 0; i < NW; ++i) tot += red[i];
-  const float rinv = rsqrtf(tot / float(K) + eps[0]);
-  for (int k = tid; k < K; k += TPB) {
-    const float nv = lily_round<T>(lily_f(xs[k]) * rinv);
-    xs[k] = static_cast<T>(lily_f(nw[k]) * nv);
-  }
-  __syncthreads();
-
-  const uint4* w4 = reinterpret_cast<const uint4*>(w);
-  float acc[RPW];
-#pragma unroll
-  for (int r = 0; r < RPW; ++r) acc[r] = 0.f;
-#pragma unroll
-  for (int st = 0; st < STEPS; ++st) {
-    const int c = st * LPR + sl;
-    float xv[VPL];
-    const float xsum = lily_load_x<VPL>(xs + c * VPL, xv);
-    const int g = (c * VPL) / GS;
-#pragma unroll
-    for (int r = 0; r < RPW; ++r) {
-      const int row = min(row0 + r, O - 1);
-      const size_t so = (size_t)row * NG + g;
-      const uint4 q = w4[(size_t)row * KW + c];
-      acc[r] += lily_f(scales[so]) * lily_qdot<BITS>(q, xv) + lily_f(biases[so]) * xsum;
-    }
-  }
-#pragma unroll
-  for (int r = 0; r < RPW; ++r) {
-    const float v = lily_group_sum<LPR>(acc[r]);
-    const int row = row0 + r;
-    if (sl == 0 && row < O) y[(size_t)n * O + row] = static_cast<T>(v);
-  }
+  lily_add_rms_norm_row<T, K, NW>(hin + ro, res + ro, nw, eps[0], xs, red,
+                                  blockIdx.x == 0 ? h + ro : nullptr, nullptr, tid, lane,
+                                  warp);
+  lily_qgemv_rows<T, S, K, O, BITS, GS, RPW, LPR>(xs, w, scales, biases, y + (size_t)n * O,
+                                                  row0, sl);

@@ -15,7 +15,6 @@
   constexpr int LPR = KW < 32 ? KW : 32;
   constexpr int SG = 32 / LPR;
   constexpr int STEPS = KW / LPR;
-  constexpr int NG = K / GS;
   constexpr int RPB = NW * SG * RPW;
   static_assert(KW * VPL == K && STEPS * LPR == KW && SG * LPR == 32, "qgemv: bad K");
   static_assert(GS % VPL == 0, "qgemv: bad GS");
@@ -27,29 +26,5 @@
   const int n = blockIdx.y;
   const int row0 = blockIdx.x * RPB + (warp * SG + sub) * RPW;
   if (blockIdx.x * RPB >= O) return;
-  const T* xr = x + (size_t)n * K;
-  const uint4* w4 = reinterpret_cast<const uint4*>(w);
-
-  float acc[RPW];
-#pragma unroll
-  for (int r = 0; r < RPW; ++r) acc[r] = 0.f;
-#pragma unroll
-  for (int st = 0; st < STEPS; ++st) {
-    const int c = st * LPR + sl;
-    float xv[VPL];
-    const float xs = lily_load_x<VPL>(xr + c * VPL, xv);
-    const int g = (c * VPL) / GS;
-#pragma unroll
-    for (int r = 0; r < RPW; ++r) {
-      const int row = min(row0 + r, O - 1);
-      const size_t so = (size_t)row * NG + g;
-      const uint4 q = w4[(size_t)row * KW + c];
-      acc[r] += lily_f(scales[so]) * lily_qdot<BITS>(q, xv) + lily_f(biases[so]) * xs;
-    }
-  }
-#pragma unroll
-  for (int r = 0; r < RPW; ++r) {
-    const float v = lily_group_sum<LPR>(acc[r]);
-    const int row = row0 + r;
-    if (sl == 0 && row < O) y[(size_t)n * O + row] = static_cast<T>(v);
-  }
+  lily_qgemv_rows<T, S, K, O, BITS, GS, RPW, LPR>(x + (size_t)n * K, w, scales, biases,
+                                                  y + (size_t)n * O, row0, sl);

@@ -74,4 +74,70 @@ __device__ __forceinline__ float lily_group_sum(float v) {
   for (int o = L / 2; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
   return v;
 }
+// The GEMV loop of lily_qgemv / lily_norm_qgemv for one lane group: output rows
+// row0 .. row0+RPW-1 of y = x @ dequant(w)^T, LPR lanes per weight row (lane sl of the
+// group), 16-byte weight loads, scale*dot(q,x) + bias*sum(x) per quantization group in
+// fp32; x may live in global or shared memory.
+template <typename T, typename S, int K, int O, int BITS, int GS, int RPW, int LPR>
+__device__ __forceinline__ void lily_qgemv_rows(const T* xr, const uint32_t* w,
+                                                const S* scales, const S* biases, T* yr,
+                                                int row0, int sl) {
+  constexpr int VPL = 128 / BITS;
+  constexpr int KW = K / VPL;
+  constexpr int STEPS = KW / LPR;
+  constexpr int NG = K / GS;
+  const uint4* w4 = reinterpret_cast<const uint4*>(w);
+  float acc[RPW];
+#pragma unroll
+  for (int r = 0; r < RPW; ++r) acc[r] = 0.f;
+#pragma unroll
+  for (int st = 0; st < STEPS; ++st) {
+    const int c = st * LPR + sl;
+    float xv[VPL];
+    const float xs = lily_load_x<VPL>(xr + c * VPL, xv);
+    const int g = (c * VPL) / GS;
+#pragma unroll
+    for (int r = 0; r < RPW; ++r) {
+      const int row = min(row0 + r, O - 1);
+      const size_t so = (size_t)row * NG + g;
+      const uint4 q = w4[(size_t)row * KW + c];
+      acc[r] += lily_f(scales[so]) * lily_qdot<BITS>(q, xv) + lily_f(biases[so]) * xs;
+    }
+  }
+#pragma unroll
+  for (int r = 0; r < RPW; ++r) {
+    const float v = lily_group_sum<LPR>(acc[r]);
+    if (sl == 0 && row0 + r < O) yr[row0 + r] = static_cast<T>(v);
+  }
+}
+// The residual add + RMSNorm of one row into shared memory, rounded as lily_add_rms_norm:
+// h = T(hin + res), xs = T(nw * T(h * rsqrt(mean(h^2) + eps))); h_out / xn_out (either
+// may be null) receive h and xs. Every thread of the block calls it; ends with a barrier.
+template <typename T, int D, int NW>
+__device__ __forceinline__ void lily_add_rms_norm_row(const T* hin, const T* res,
+                                                      const T* nw, float eps, T* xs,
+                                                      float* red, T* h_out, T* xn_out,
+                                                      int tid, int lane, int warp) {
+  constexpr int TPB = 32 * NW;
+  float ss = 0.f;
+  for (int k = tid; k < D; k += TPB) {
+    const T hh = static_cast<T>(lily_f(hin[k]) + lily_f(res[k]));
+    if (h_out) h_out[k] = hh;
+    xs[k] = hh;
+    ss += lily_f(hh) * lily_f(hh);
+  }
+  ss = lily_group_sum<32>(ss);
+  if (lane == 0) red[warp] = ss;
+  __syncthreads();
+  float tot = 0.f;
+#pragma unroll
+  for (int i = 0; i < NW; ++i) tot += red[i];
+  const float rinv = rsqrtf(tot / float(D) + eps);
+  for (int k = tid; k < D; k += TPB) {
+    const T v = static_cast<T>(lily_f(nw[k]) * lily_round<T>(lily_f(xs[k]) * rinv));
+    xs[k] = v;
+    if (xn_out) xn_out[k] = v;
+  }
+  __syncthreads();
+}
 // ---- end lily qgemv helpers ----

@@ -37,35 +37,14 @@
   threadgroup float nred[NW];
   const ulong ro = ulong(n) * D;
   if (PRE_NORM) {
-    float ss = 0.0f;
-    for (int k = tid; k < D; k += TPB) {
-      const T hh = static_cast<T>(static_cast<float>(hin[ro + k]) + static_cast<float>(res[ro + k]));
-      h[ro + k] = hh;
-      xs_row[k] = hh;
-      ss += static_cast<float>(hh) * static_cast<float>(hh);
-    }
-    ss = lily_group_sum<32>(ss);
-    if (lane == 0) {
-      nred[warp] = ss;
-    }
-    threadgroup_barrier(mem_flags::mem_threadgroup);
-    float sum = 0.0f;
-    for (int i = 0; i < NW; ++i) {
-      sum += nred[i];
-    }
-    const float rinv = metal::precise::rsqrt(sum / float(D) + eps[0]);
-    for (int k = tid; k < D; k += TPB) {
-      const T v = static_cast<T>(static_cast<float>(nw[k]) *
-                                 lily_round<T>(static_cast<float>(xs_row[k]) * rinv));
-      xs_row[k] = v;
-      xn[ro + k] = v;
-    }
+    lily_add_rms_norm_row<T, D, NW>(hin + ro, res + ro, nw, eps[0], xs_row, nred, h + ro,
+                                    xn + ro, tid, lane, warp);
   } else {
     for (int k = tid; k < D; k += TPB) {
       xs_row[k] = x[ro + k];
     }
+    threadgroup_barrier(mem_flags::mem_threadgroup);
   }
-  threadgroup_barrier(mem_flags::mem_threadgroup);
   const device uint4* w4 = reinterpret_cast<const device uint4*>(w);
 
   for (int wb = warp * SG * RPW; wb < R; wb += NW * SG * RPW) {

@@ -16,9 +16,7 @@
   constexpr int LPR = KW < 32 ? KW : 32;
   constexpr int SG = 32 / LPR;
   constexpr int STEPS = KW / LPR;
-  constexpr int NG = K / GS;
   constexpr int RPB = NW * SG * RPW;
-  constexpr int TPB = 32 * NW;
   static_assert(KW * VPL == K && STEPS * LPR == KW && SG * LPR == 32, "norm_qgemv: bad K");
   static_assert(GS % VPL == 0, "norm_qgemv: bad GS");
 
@@ -36,57 +34,8 @@
     return;
   }
   const ulong ro = ulong(n) * K;
-  const bool writer = bx == 0;
-
-  float ss = 0.0f;
-  for (int k = tid; k < K; k += TPB) {
-    const T hh = static_cast<T>(static_cast<float>(hin[ro + k]) + static_cast<float>(res[ro + k]));
-    if (writer) {
-      h[ro + k] = hh;
-    }
-    const float hv = static_cast<float>(hh);
-    xs[k] = hh;
-    ss += hv * hv;
-  }
-  ss = lily_group_sum<32>(ss);
-  if (lane == 0) {
-    red[warp] = ss;
-  }
-  threadgroup_barrier(mem_flags::mem_threadgroup);
-  float tot = 0.0f;
-  for (int i = 0; i < NW; ++i) {
-    tot += red[i];
-  }
-  const float rinv = metal::precise::rsqrt(tot / float(K) + eps[0]);
-  for (int k = tid; k < K; k += TPB) {
-    const float nv = lily_round<T>(static_cast<float>(xs[k]) * rinv);
-    xs[k] = static_cast<T>(static_cast<float>(nw[k]) * nv);
-  }
-  threadgroup_barrier(mem_flags::mem_threadgroup);
-
-  const device uint4* w4 = reinterpret_cast<const device uint4*>(w);
-  float acc[RPW];
-  for (int r = 0; r < RPW; ++r) {
-    acc[r] = 0.0f;
-  }
-  for (int st = 0; st < STEPS; ++st) {
-    const int c = st * LPR + sl;
-    float xv[VPL];
-    const float xsum = lily_load_x<VPL>(xs + c * VPL, xv);
-    const int g = (c * VPL) / GS;
-    for (int r = 0; r < RPW; ++r) {
-      const int row = min(row0 + r, O - 1);
-      const ulong so = ulong(row) * NG + g;
-      const uint4 q = w4[ulong(row) * KW + c];
-      acc[r] += static_cast<float>(scales[so]) * lily_qdot<BITS>(q, xv) +
-                static_cast<float>(biases[so]) * xsum;
-    }
-  }
-  const ulong yo = ulong(n) * O;
-  for (int r = 0; r < RPW; ++r) {
-    const float v = lily_group_sum<LPR>(acc[r]);
-    const int row = row0 + r;
-    if (sl == 0 && row < O) {
-      y[yo + row] = static_cast<T>(v);
-    }
-  }
+  lily_add_rms_norm_row<T, K, NW>(hin + ro, res + ro, nw, eps[0], xs, red,
+                                  bx == 0 ? h + ro : (device T*)nullptr, (device T*)nullptr,
+                                  tid, lane, warp);
+  lily_qgemv_rows<T, S, K, O, BITS, GS, RPW, LPR>(xs, w,
+                                                  scales, biases, y + ulong(n) * O, row0, sl);

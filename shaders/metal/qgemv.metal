@@ -15,7 +15,6 @@
   constexpr int LPR = KW < 32 ? KW : 32;
   constexpr int SG = 32 / LPR;
   constexpr int STEPS = KW / LPR;
-  constexpr int NG = K / GS;
   constexpr int RPB = NW * SG * RPW;
   static_assert(KW * VPL == K && STEPS * LPR == KW && SG * LPR == 32, "qgemv: bad K");
   static_assert(GS % VPL == 0, "qgemv: bad GS");
@@ -30,31 +29,5 @@
   if (bx * RPB >= O) {
     return;
   }
-  const int xo = n * K;
-  const device uint4* w4 = reinterpret_cast<const device uint4*>(w);
-
-  float acc[RPW];
-  for (int r = 0; r < RPW; ++r) {
-    acc[r] = 0.0f;
-  }
-  for (int st = 0; st < STEPS; ++st) {
-    const int c = st * LPR + sl;
-    float xv[VPL];
-    const float xs = lily_load_x<VPL>(x + (xo + c * VPL), xv);
-    const int g = (c * VPL) / GS;
-    for (int r = 0; r < RPW; ++r) {
-      const int row = min(row0 + r, O - 1);
-      const ulong so = ulong(row) * NG + g;
-      const uint4 q = w4[ulong(row) * KW + c];
-      acc[r] += static_cast<float>(scales[so]) * lily_qdot<BITS>(q, xv) +
-                static_cast<float>(biases[so]) * xs;
-    }
-  }
-  const ulong yo = ulong(n) * O;
-  for (int r = 0; r < RPW; ++r) {
-    const float v = lily_group_sum<LPR>(acc[r]);
-    const int row = row0 + r;
-    if (sl == 0 && row < O) {
-      y[yo + row] = static_cast<T>(v);
-    }
-  }
+  lily_qgemv_rows<T, S, K, O, BITS, GS, RPW, LPR>(x + ulong(n) * K, w, scales, biases,
+                                                  y + ulong(n) * O, row0, sl);

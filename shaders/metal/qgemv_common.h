@@ -44,4 +44,80 @@ inline float lily_group_sum(float v) {
   }
   return v;
 }
+// The GEMV loop of lily_qgemv / lily_norm_qgemv for one lane group: output rows
+// row0 .. row0+RPW-1 of y = x @ dequant(w)^T, LPR lanes per weight row (lane sl of the
+// group), 16-byte weight loads, scale*dot(q,x) + bias*sum(x) per quantization group in
+// fp32; x may live in device or threadgroup memory (XP).
+template <typename T, typename S, int K, int O, int BITS, int GS, int RPW, int LPR,
+          typename XP>
+inline void lily_qgemv_rows(XP xr, const device uint32_t* w, const device S* scales,
+                            const device S* biases, device T* yr, int row0, int sl) {
+  constexpr int VPL = 128 / BITS;
+  constexpr int KW = K / VPL;
+  constexpr int STEPS = KW / LPR;
+  constexpr int NG = K / GS;
+  const device uint4* w4 = reinterpret_cast<const device uint4*>(w);
+  float acc[RPW];
+  for (int r = 0; r < RPW; ++r) {
+    acc[r] = 0.0f;
+  }
+  for (int st = 0; st < STEPS; ++st) {
+    const int c = st * LPR + sl;
+    float xv[VPL];
+    const float xs = lily_load_x<VPL>(xr + c * VPL, xv);
+    const int g = (c * VPL) / GS;
+    for (int r = 0; r < RPW; ++r) {
+      const int row = min(row0 + r, O - 1);
+      const ulong so = ulong(row) * NG + g;
+      const uint4 q = w4[ulong(row) * KW + c];
+      acc[r] += static_cast<float>(scales[so]) * lily_qdot<BITS>(q, xv) +
+                static_cast<float>(biases[so]) * xs;
+    }
+  }
+  for (int r = 0; r < RPW; ++r) {
+    const float v = lily_group_sum<LPR>(acc[r]);
+    if (sl == 0 && row0 + r < O) {
+      yr[row0 + r] = static_cast<T>(v);
+    }
+  }
+}
+// The residual add + RMSNorm of one row into threadgroup memory, rounded as
+// lily_add_rms_norm: h = T(hin + res), xs = T(nw * T(h * rsqrt(mean(h^2) + eps)));
+// h_out / xn_out (either may be null) receive h and xs. Every thread of the threadgroup
+// calls it; ends with a barrier.
+template <typename T, int D, int NW>
+inline void lily_add_rms_norm_row(const device T* hin, const device T* res,
+                                  const device T* nw, float eps, threadgroup T* xs,
+                                  threadgroup float* red, device T* h_out, device T* xn_out,
+                                  int tid, int lane, int warp) {
+  constexpr int TPB = 32 * NW;
+  float ss = 0.0f;
+  for (int k = tid; k < D; k += TPB) {
+    const T hh = static_cast<T>(static_cast<float>(hin[k]) + static_cast<float>(res[k]));
+    if (h_out) {
+      h_out[k] = hh;
+    }
+    xs[k] = hh;
+    ss += static_cast<float>(hh) * static_cast<float>(hh);
+  }
+  ss = lily_group_sum<32>(ss);
+  if (lane == 0) {
+    red[warp] = ss;
+  }
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  float tot = 0.0f;
+  for (int i = 0; i < NW; ++i) {
+    tot += red[i];
+  }
+  const float rinv = metal::precise::rsqrt(tot / float(D) + eps);
+  for (int k = tid; k < D; k += TPB) {
+    const T v = static_cast<T>(static_cast<float>(nw[k]) *
+                               lily_round<T>(static_cast<float>(xs[k]) * rinv));
+    xs[k] = v;
+    if (xn_out) {
+      xn_out[k] = v;
+    }
+  }
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+}
 // ---- end lily qgemv helpers ----
