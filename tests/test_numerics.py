@@ -97,3 +97,30 @@ def test_compare_logits_math():
     m2 = numerics.compare_logits(s, s + 1.0, ids)  # a constant shift changes nothing but logits
     assert np.isclose(m2["ppl_rel_diff"], 0, atol=1e-6) and m2["top1_agreement"] == 1
     assert np.isclose(m2["max_abs_logit_diff"], 1.0)
+
+
+def test_fp32_anchor_reported_and_gpu_targets(script_result):
+    """The script compares both engines with the fp32 evaluation; on the CPU reference
+    path Lily's distances equal stock's, so the fp32-anchored targets are met."""
+    f = script_result["metrics"]["fp32"]
+    for arm in ("stock", "lily"):
+        assert np.isfinite(f[arm]["ppl_rel_diff"]) and 0 < f[arm]["top1_agreement"] <= 1
+    if _cpu_reference(script_result):
+        assert f["lily"]["ppl_rel_diff"] == f["stock"]["ppl_rel_diff"]
+    assert script_result["meets_gpu_targets"]["all"] is True
+
+
+def test_gpu_targets_rule():
+    """Lily no further from fp32 than 1.5x stock's perplexity distance, top-1 agreement
+    with fp32 at most 10 points below stock's; each rule can fail."""
+    from mlx_lily.bench.numerics import meets_gpu_targets
+
+    def m(d_s, d_l, t_s, t_l):
+        return {"all_finite": True, "fp32": {
+            "stock": {"ppl_rel_diff": d_s, "top1_agreement": t_s},
+            "lily": {"ppl_rel_diff": d_l, "top1_agreement": t_l}}}
+
+    assert meets_gpu_targets(m(-0.002, -0.0013, 0.915, 0.893))["all"]
+    assert not meets_gpu_targets(m(-0.002, 0.0031, 0.915, 0.915))["ppl"]
+    assert not meets_gpu_targets(m(-0.002, -0.001, 0.915, 0.80))["top1"]
+    assert meets_gpu_targets({"all_finite": True}) is None
