@@ -107,7 +107,7 @@ if has startup; then
 fi
 if has ab; then
   say "== A/B"
-  (cd /tmp && timeout "${T_AB:-420}" python3 "$REPO/benchmarks/ab.py" --synthetic qwen3.6-35b-a3b ${AB_ARGS:-} --out "$W/ab") > "$W/ab.log" 2>&1
+  (cd /tmp && timeout "${T_AB:-420}" python3 "$REPO/benchmarks/ab.py" --synthetic qwen3.6-35b-a3b --watchdog-s ${AB_WATCHDOG_S:-90} ${AB_ARGS:-} --out "$W/ab") > "$W/ab.log" 2>&1
   tail -40 "$W/ab.log" | tee -a "$S"
   snapshot
 fi

@@ -1059,6 +1059,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="seed of the synthetic prompt ids")
     p.add_argument("--ops", default=None, help="comma-separated Lily ops to enable (default all)")
     p.add_argument("--out", type=Path, default=None, help="output directory")
+    p.add_argument("--watchdog-s", type=float, default=0.0,
+                   help="print every thread's Python stack to stderr every this many seconds "
+                        "(find where a run stalls; 0: off)")
     p.add_argument("--gate-tokens", type=int, default=16)
     p.add_argument("--gate-positions", type=int, default=64)
     p.add_argument("--gate-rel-tol", type=float, default=0.1)
@@ -1135,7 +1138,17 @@ def main(argv=None) -> int:
     """Console entry point ``mlx_lily.ab``. Exit codes: 0 ok, 2 gate failed, 1 error."""
     opts = build_parser().parse_args(argv)
     opts.command = ["mlx_lily.ab", *(sys.argv[1:] if argv is None else list(argv))]
-    result, code = run(opts)
+    if opts.watchdog_s > 0:  # a run that stalls shows where: every thread's stack on stderr
+        import faulthandler
+
+        faulthandler.dump_traceback_later(opts.watchdog_s, repeat=True, file=sys.stderr)
+    try:
+        result, code = run(opts)
+    finally:
+        if opts.watchdog_s > 0:
+            import faulthandler
+
+            faulthandler.cancel_dump_traceback_later()
     out = opts.out or default_out_dir(result)
     paths = write_outputs(result, Path(out))
     validate_result(result)
