@@ -8,7 +8,8 @@ dispatch: the patched forwards, the checks and the kernel launch plumbing.
     python benchmarks/build_time.py --layers 40 --steps 40 --out DIR
 
 Prints and writes DIR/build_time.json: median milliseconds per step (after ``--warmup``
-steps) with the compiled decode steps on and off.
+steps) with the compiled decode steps on (GDN layers and attention MLP halves), on with
+the attention layers compiled too (``MLX_LILY_COMPILE_ATTN=1``), and off.
 """
 
 from __future__ import annotations
@@ -67,14 +68,18 @@ def main(argv=None) -> int:
     p.add_argument("--out", type=Path, default=None)
     a = p.parse_args(argv)
     res = {"layers": a.layers, "steps": a.steps, "warmup": a.warmup, "build_ms_median": {}}
-    for mode, name in (("1", "compiled"), ("0", "eager")):
-        import subprocess
+    import subprocess
 
+    for mode, name, extra in (("1", "compiled", {}),
+                              ("1", "compiled+attention", {"MLX_LILY_COMPILE_ATTN": "1"}),
+                              ("0", "eager", {})):
+        env = {k: v for k, v in os.environ.items() if k != "MLX_LILY_COMPILE_ATTN"}
+        env.update(extra)
         out = subprocess.run(
             [sys.executable, __file__, "--_one", mode, str(a.layers), str(a.steps),
-             str(a.warmup)], capture_output=True, text=True, check=True).stdout
+             str(a.warmup)], capture_output=True, text=True, check=True, env=env).stdout
         res["build_ms_median"][name] = float(out.strip().splitlines()[-1])
-        print(f"{name:9s} {res['build_ms_median'][name]:.3f} ms per decode step "
+        print(f"{name:19s} {res['build_ms_median'][name]:.3f} ms per decode step "
               f"({a.layers} layers, median of {a.steps})")
     if a.out:
         a.out.mkdir(parents=True, exist_ok=True)

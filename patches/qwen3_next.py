@@ -412,6 +412,102 @@ def _gdn_step(layer, pending):
     return mx.compile(step)
 
 
+COMPILE_ATTN_ENV = "MLX_LILY_COMPILE_ATTN"  # "1": attention layers' decode steps compiled too
+
+
+def _attn_step_ok(layer, c, x) -> bool:
+    """Whether this attention layer's decode step can run as one compiled function
+    (``MLX_LILY_COMPILE_ATTN=1``): a plain ``KVCache`` with room for the token, the fused
+    q|k|v projection, and the packed decode kernels serving (heads, dims, dtype)."""
+    from mlx_lily import backend
+
+    if backend.env_value(COMPILE_ATTN_ENV, "0") != "1":
+        return False
+    attn = layer.self_attn
+    if (type(c) is not KVCache or c.keys is None or c.offset + 1 > c.keys.shape[2]
+            or x.shape[1] != 1 or c.keys.shape[0] != x.shape[0]
+            or not _attention_supported(attn, c)):
+        return False
+    st = getattr(attn, "_lily", None)
+    proj = getattr(st, "qkv", None) if st is not None else None
+    Hq, Hkv = attn.num_attention_heads, attn.num_key_value_heads
+    if not isinstance(proj, QProj) or Hq % Hkv or Hq // Hkv > 8:
+        return False
+    D = proj.out_features // (2 * Hq + 2 * Hkv)
+    rope = attn.rope
+    return (D in attn_ops._HEAD_DIMS and c.keys.shape[-1] == D
+            and attn_ops.packed_supported(x.dtype, attn.q_norm.weight, attn.k_norm.weight,
+                                          head_dim=D, rope_dims=rope.dims,
+                                          traditional=rope.traditional))
+
+
+def _attn_step_fn(layer, pending):
+    """One decode step of an attention decoder layer as a pure function of arrays:
+    ``(h, d, keys, values, offset) -> (h', m, keys', values')`` with ``keys``/``values``
+    the KV cache's whole buffers and ``offset`` an int32 ``[1]`` (the token's position):
+    fused add+norm+q|k|v GEMV, q/k norm + RoPE + v, the cache write as a dynamic
+    ``slice_update``, split-K attention over the first ``offset + 1`` keys (DYN_T),
+    ``o_proj``, post-attention add+norm, MLP/MoE. Static shapes for a given cache
+    capacity, so ``mx.compile`` replays it until the cache grows."""
+    attn = layer.self_attn
+    norm = layer.input_layernorm
+    Hq, Hkv = attn.num_attention_heads, attn.num_key_value_heads
+
+    def step(h, d, keys, values, offset):
+        x = PendingNorm(h, d, norm.weight, norm.eps) if pending else d
+        proj = _proj(attn, "qkv", (attn.q_proj, attn.k_proj, attn.v_proj))
+        (y,) = _run(proj, x, split=False)
+        if pending:
+            if x.h is None:
+                x.resolve()
+            h = x.h
+        D = y.shape[-1] // (2 * Hq + 2 * Hkv)
+        rope = attn.rope
+        q, k, v = attn_ops.qkv_norm_rope_packed(
+            y, attn.q_norm.weight, attn.k_norm.weight, attn.q_norm.eps, n_heads=Hq,
+            n_kv_heads=Hkv, head_dim=D, rope_dims=rope.dims, base=rope.base,
+            scale=rope.scale, traditional=rope.traditional, offset=offset)
+        keys = mx.slice_update(keys, k, offset, axes=(2,))
+        values = mx.slice_update(values, v, offset, axes=(2,))
+        out = attn_ops.decode_attention(q, keys, values, attn.scale, y, gate_packed=True,
+                                        tlen=offset + 1)
+        h, m = _layer_tail(layer, h, attn.o_proj(out))
+        return h, m, keys, values
+
+    return step
+
+
+def _run_attn_step(steps, key, layer, h, x, c):
+    """An attention layer's decode step through its compiled function (``_attn_step_fn``;
+    built on first use, retraced by ``mx.compile`` when the cache grows). A failing
+    first trace marks the key uncompiled (one warning) and this step runs eagerly.
+    Returns ``(h, m)``; the cache's buffers and offset are updated."""
+    pending = isinstance(x, PendingNorm)
+    fn = steps.get(key)
+    first = fn is None
+    if first:
+        fn = mx.compile(_attn_step_fn(layer, pending))
+    off = mx.array([c.offset], dtype=mx.int32)
+    args = (h, x.res if pending else x, c.keys, c.values, off)
+    try:
+        out = fn(*args)
+        if first:
+            steps[key] = fn
+    except Exception as e:  # noqa: BLE001  (a tracing failure: run this layer eagerly)
+        if not first:
+            raise
+        import warnings
+
+        warnings.warn(f"mlx-lily: compiling attention decode layer {key[0]} failed ({e!r}); "
+                      "it runs uncompiled", stacklevel=3)
+        steps[key] = False
+        h, r = _mixer(layer, x, None, c, h)
+        return _layer_tail(layer, h, r)
+    h, m, c.keys, c.values = out
+    c.offset += 1
+    return h, m
+
+
 def _mlp_tail(layer):
     """``(h, r) -> (h', m)`` compiled: ``_layer_tail`` of an attention layer."""
     return mx.compile(lambda h, r: _layer_tail(layer, h, r))
@@ -505,6 +601,11 @@ def make_text_model_call(module, cls_name, layer_cls_name, with_embeddings):
                     h, x = _layer_input(h, m, layer.input_layernorm, defer)
                 if steps is not None and (not layer.is_linear or _gdn_step_ok(layer, c)):
                     key_i = (i, isinstance(x, PendingNorm))
+                    if not layer.is_linear and _attn_step_ok(layer, c, x):
+                        key_a = key_i + ("attn",)
+                        if steps.get(key_a) is not False:
+                            h, m = _run_attn_step(steps, key_a, layer, h, x, c)
+                            continue
                     if steps.get(key_i) is not False:
                         h, m = _run_compiled(steps, key_i, layer, h, x, c, fa_mask)
                         continue

@@ -402,3 +402,42 @@ def test_device_index_of_gpu_devices_and_cpu(monkeypatch):
     monkeypatch.setattr(cuda_cache.ctypes, "CDLL", lambda name: FakeCuda())
     assert cuda_cache.device_arch() is None
     assert seen == [2]
+
+
+def test_compiled_attention_decode_steps_plumbing(monkeypatch):
+    """``MLX_LILY_COMPILE_ATTN=1`` on the CUDA path (kernels stubbed, nothing evaluated,
+    production dims, 4 layers): attention layers' decode steps run as compiled functions
+    over the whole cache buffers (DYN_T launches), the offset advances each step, a full
+    cache grows through the eager path once and the compiled step then retraces at the new
+    capacity."""
+    import mlx_lily
+    from mlx_lm.models.cache import KVCache, make_prompt_cache
+
+    from mlx_lily import patching, synth
+
+    _stub_cuda_dispatch(monkeypatch)
+    monkeypatch.setattr(patching, "warmup", lambda *a, **k: 0.0)
+    monkeypatch.setenv("MLX_LILY_KERNELS", "all")
+    monkeypatch.setenv("MLX_LILY_COMPILE", "1")
+    monkeypatch.setenv("MLX_LILY_COMPILE_ATTN", "1")
+    model, _ = synth._lazy_model(synth._text_config(num_hidden_layers=4))
+    model.eval()
+    model.set_dtype(mx.bfloat16)
+    inner = model.language_model.model
+    with backend.tracing_backend("cuda"):
+        with mlx_lily.patched(model):
+            cache = make_prompt_cache(model)
+            model(mx.array([[5]]), cache=cache)  # fills every cache eagerly
+            ai = [i for i, l in enumerate(inner.layers) if not l.is_linear][0]
+            c = cache[ai]
+            assert type(c) is KVCache
+            c.keys, c.values = c.keys[..., :8, :], c.values[..., :8, :]  # capacity 8
+            c.offset = 6
+            with cuda_cache.recording() as rec:
+                for _ in range(4):  # offsets 6, 7 compiled; 8 grows (eager); 9 compiled
+                    model(mx.array([[5]]), cache=cache)
+            steps = inner._lily_steps.fns
+    assert c.offset == 10 and c.keys.shape[2] == 8 + c.step
+    assert any(len(k) == 3 and k[0] == ai and callable(f) for k, f in steps.items())
+    dyn = [dict(l.template).get("DYN_T") for l in rec if l.name == "lily_attn_decode_partial"]
+    assert True in dyn and False in dyn  # compiled steps, and the growing step's eager one

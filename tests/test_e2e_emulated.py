@@ -223,3 +223,50 @@ def test_attention_kernels_on_model_tensors(monkeypatch):
             A.DECODE_COMBINE.name} <= set(calls), calls
     assert len(seen) == 3 * 4, seen  # q, k, sdpa per call; 1 prefill + 3 decode steps
     assert not bad, bad
+
+
+def test_attention_decode_step_function_matches_eager_path():
+    """``_attn_step_fn`` (the body ``MLX_LILY_COMPILE_ATTN=1`` compiles; run uncompiled
+    here, since the emulator cannot run inside ``mx.compile``) on the emulated Metal
+    kernels: the cache rows it writes equal the eager path's bit for bit, and its outputs
+    match the eager path's within rounding (the split-K block differs: the step sizes it
+    by the cache's capacity)."""
+    import copy
+
+    from mlx_lm.models.cache import KVCache
+
+    from mlx_lily.patches import qwen3_next as nxt
+    from mlx_lily.qproj import PendingNorm
+
+    model = _models.build("qwen3_5_moe", num_attention_heads=16, num_key_value_heads=2)
+    inner = model.language_model.model
+    with emulated_metal(), mlx_lily.patched(model):
+        cache = make_prompt_cache(model)
+        model(mx.array([PROMPT]), cache=cache)
+        idx = [i for i, l in enumerate(inner.layers) if not l.is_linear]
+        assert idx
+        checked = 0
+        for i in idx:
+            layer, c = inner.layers[i], cache[i]
+            assert type(c) is KVCache and c.offset + 1 <= c.keys.shape[2]
+            mx.random.seed(i)
+            h = mx.random.normal((1, 1, layer.input_layernorm.weight.shape[0])).astype(mx.bfloat16)
+            d = mx.random.normal(h.shape).astype(mx.bfloat16)
+            norm = layer.input_layernorm
+            c_eager = copy.deepcopy(c)
+            x = PendingNorm(h, d, norm.weight, norm.eps)
+            he, r = nxt._mixer(layer, x, None, c_eager, h)
+            he, me = nxt._layer_tail(layer, he, r)
+            step = nxt._attn_step_fn(layer, True)
+            off = mx.array([c.offset], dtype=mx.int32)
+            hs, ms, keys, values = step(h, d, c.keys, c.values, off)
+            n = c.offset + 1
+            assert mx.array_equal(keys[..., :n, :], c_eager.keys[..., :n, :]).item()
+            assert mx.array_equal(values[..., :n, :], c_eager.values[..., :n, :]).item()
+            assert keys.shape == c.keys.shape  # capacity unchanged: static shapes
+            for got, want in ((hs, he), (ms, me)):
+                scale = float(mx.abs(want.astype(mx.float32)).max().item()) or 1.0
+                err = float(mx.abs(got.astype(mx.float32) - want.astype(mx.float32)).max().item())
+                assert err <= 0.02 * scale, (i, err, scale)
+            checked += 1
+    assert checked == len(idx)

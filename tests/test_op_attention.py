@@ -577,6 +577,33 @@ def test_decode(backend, case, monkeypatch):
     _assert_close(out, ref, dt, f"decode {case}")
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("T,cap", [(1, 256), (300, 512), (512, 512)])
+def test_decode_valid_length_from_array(backend, T, cap, monkeypatch):
+    """DYN_T: the kernels read whole cache buffers (capacity ``cap``) and only the first
+    ``tlen`` keys; the result equals the call on the ``[..., :T, :]`` views at the same
+    block size, bit for bit (splits past T add neutral partials), and the keys past T
+    (filled with garbage here) never matter."""
+    if backend == "reference":
+        pytest.skip("kernel-only form")
+    B, Hq, Hkv, D, dt = 1, 16, 2, 256, mx.bfloat16
+    mx.random.seed(T + cap)
+    q = _rand((B, Hq, 1, D), dt)
+    kb = _rand((B, Hkv, cap, D), dt) * 50
+    vb = _rand((B, Hkv, cap, D), dt) * 50
+    y = _packed_row(B, 1, Hq, Hkv, D, dt)
+    monkeypatch.setenv(kernels.KERNELS_ENV, "all")
+    with use_backend(backend, monkeypatch):
+        be = A.current_backend()
+        blk = A.decode_block(cap, B, Hkv, be)
+        want = A.decode_attention(q, kb[:, :, :T], vb[:, :, :T], D ** -0.5, y, block=blk,
+                                  backend=be, gate_packed=True)
+        got = A.decode_attention(q, kb, vb, D ** -0.5, y, block=blk, backend=be,
+                                 gate_packed=True, tlen=mx.array([T], dtype=mx.int32))
+        mx.eval(want, got)
+    assert got.shape == want.shape and mx.array_equal(got, want).item()
+
+
 @pytest.mark.parametrize("backend", EMU_BACKENDS)
 def test_decode_fixed_block_path(backend, monkeypatch):
     """T >= SPLIT_K_MIN_CONTEXT takes the fixed block (threshold lowered for the test)."""
@@ -706,9 +733,10 @@ _NVCC_CASES = {
         [("q_out", "T"), ("k_out", "T"), ("v_out", "T")],
         [("D", 256), ("HQ", 16), ("HKV", 2), ("R", 64), ("PACKED", True)]),
     "attn_decode_partial": (
-        [("q", "T", 4), ("k", "T", 4), ("v", "T", 4), ("params", mx.float32, 1)],
+        [("q", "T", 4), ("k", "T", 4), ("v", "T", 4), ("params", mx.float32, 1),
+         ("tlen", mx.int32, 1)],
         [("part_o", mx.float32), ("part_ml", mx.float32)],
-        [("D", 256), ("G", 8), ("CH", 64), ("NSG", 4)]),
+        [("D", 256), ("G", 8), ("CH", 64), ("NSG", 4), ("DYN_T", True)]),
     "attn_decode_combine": (
         [("part_o", mx.float32, 4), ("part_ml", mx.float32, 4), ("gate", "T", 4)],
         [("out", "T")],

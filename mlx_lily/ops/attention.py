@@ -74,7 +74,7 @@ QK_NORM_ROPE = KernelSpec(
     ensure_row_contiguous=False)
 DECODE_PARTIAL = KernelSpec(
     "lily_attn_decode_partial", "attn_decode_partial",
-    ("q", "k", "v", "params"), ("part_o", "part_ml"), ensure_row_contiguous=False)
+    ("q", "k", "v", "params", "tlen"), ("part_o", "part_ml"), ensure_row_contiguous=False)
 DECODE_COMBINE = KernelSpec(
     "lily_attn_decode_combine", "attn_decode_combine",
     ("part_o", "part_ml", "gate"), ("out",), ensure_row_contiguous=False)
@@ -146,6 +146,14 @@ def has_kernel(backend: str) -> bool:
 
 
 _CONST_CACHE: dict = {}  # small constant input arrays (data arrays, no graph nodes)
+
+
+def _dummy_len():
+    """Stand-in for the decode kernel's ``tlen`` input when DYN_T is off (never read)."""
+    a = _CONST_CACHE.get("len")
+    if a is None:
+        a = _CONST_CACHE["len"] = mx.array([0], dtype=mx.int32)
+    return a
 
 
 def _dummy_gate(dtype):
@@ -356,7 +364,7 @@ def _sdpa_route(q, k, v, mask, gate, backend="cuda"):
 
 
 def decode_attention(q, k, v, scale, gate=None, *, block=None, backend=None,
-                     gate_packed=False, init_value=None):
+                     gate_packed=False, init_value=None, tlen=None):
     """Split-K GQA decode attention with the Lily kernels (no routing checks).
 
     Args:
@@ -364,7 +372,9 @@ def decode_attention(q, k, v, scale, gate=None, *, block=None, backend=None,
             ``[B, 1, Hq, D]`` / ``[B, 1, Hq*D]`` in q's dtype; block: keys per simdgroup
             (default ``decode_block``); backend: default ``current_backend()``;
             gate_packed: ``gate`` is the fused q|k|v projection ``[B, 1, Hq*2D+2*Hkv*D]``
-            (each head's gate read from its columns, no view); init_value: output fill.
+            (each head's gate read from its columns, no view); init_value: output fill;
+            tlen: None, or an int32 ``[1]`` array: k/v are whole cache buffers of which
+            only the first ``tlen`` keys count (static shapes for a compiled step).
     Returns:
         ``[B, 1, Hq, D]`` (``attn * sigmoid(gate)`` when gate is given), q's dtype;
         ``[B, 1, Hq*D]`` with ``gate_packed`` (the layout ``o_proj`` reads).
@@ -384,11 +394,12 @@ def decode_attention(q, k, v, scale, gate=None, *, block=None, backend=None,
     ns = -(-T // ch)
     nsg = DECODE_SIMDGROUPS
     nblk = -(-ns // nsg)
+    dyn = tlen is not None
     part_o, part_ml = kp(
-        inputs=[q, k, v, _params(scale)],
+        inputs=[q, k, v, _params(scale), tlen if dyn else _dummy_len()],
         output_shapes=[(B, Hq, ns, D), (B, Hq, ns, 2)], output_dtypes=[mx.float32, mx.float32],
         grid=(32 * nsg * nblk, Hkv, B), threadgroup=(32 * nsg, 1, 1),
-        template=[("T", dt), ("D", D), ("G", G), ("CH", ch), ("NSG", nsg)])
+        template=[("T", dt), ("D", D), ("G", G), ("CH", ch), ("NSG", nsg), ("DYN_T", dyn)])
     gated = gate is not None
     if gate_packed:
         g = gate

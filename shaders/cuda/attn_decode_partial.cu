@@ -1,10 +1,13 @@
 // @kernel lily_attn_decode_partial
-// @inputs q[B,HQ,1,D] k[B,HKV,T,D] v[B,HKV,T,D] params[1]:float32 (q/k/v read through *_strides; k/v may be KV-cache views)
+// @inputs q[B,HQ,1,D] k[B,HKV,T,D] v[B,HKV,T,D] params[1]:float32 tlen[1]:int32 (q/k/v read through *_strides; k/v may be KV-cache views)
 // @outputs part_o[B,HQ,NS,D]:float32 part_ml[B,HQ,NS,2]:float32
-// @template T=bfloat16 D=256 G=8 CH=64 NSG=4
+// @template T=bfloat16 D=256 G=8 CH=64 NSG=4 DYN_T=true
 // @grid (32*NSG*ceil(NS/NSG), HKV, B) with NS = ceil(T/CH)
 // @threadgroup (32*NSG, 1, 1)
 // @ensure_row_contiguous false
+// DYN_T: k/v are whole cache buffers and only keys < tlen[0] are valid (the grid still
+// covers every CH-block of the buffer; a block past tlen writes a neutral partial:
+// l = 0, acc = 0), so a compiled decode step keeps static shapes as the cache fills.
 // CUDA twin of shaders/metal/attn_decode_partial.metal (same contract and partials),
 // on tensor cores: warp w of block x owns cache block split = x*NSG + w of one KV head
 // and its G (<= 8) query heads. Per 8-key tile, straight from global memory into
@@ -107,8 +110,8 @@ __device__ __forceinline__ uint32_t lily_dec_u4(const uint4& v, int i) {
   const int c = lane & 3;
   const int kvh = blockIdx.y;
   const int b = blockIdx.z;
-  const int Tn = k_shape[2];
-  const int NS = (Tn + CH - 1) / CH;
+  const int NS = (k_shape[2] + CH - 1) / CH;
+  const int Tn = DYN_T ? min(int(tlen[0]), int(k_shape[2])) : int(k_shape[2]);
   const int split = blockIdx.x * NSG + warp;
   if (split >= NS) {
     return;

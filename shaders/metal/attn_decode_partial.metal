@@ -1,11 +1,14 @@
 // @kernel lily_attn_decode_partial
-// @inputs q[B,HQ,1,D] k[B,HKV,T,D] v[B,HKV,T,D] params[1]:float32 (q/k/v read through *_strides; k/v may be KV-cache views)
+// @inputs q[B,HQ,1,D] k[B,HKV,T,D] v[B,HKV,T,D] params[1]:float32 tlen[1]:int32 (q/k/v read through *_strides; k/v may be KV-cache views)
 // @outputs part_o[B,HQ,NS,D]:float32 part_ml[B,HQ,NS,2]:float32
-// @template T=bfloat16 D=256 G=8 CH=64 NSG=4
-// @template T=float16 D=128 G=4 CH=32 NSG=4
+// @template T=bfloat16 D=256 G=8 CH=64 NSG=4 DYN_T=true
+// @template T=float16 D=128 G=4 CH=32 NSG=4 DYN_T=false
 // @grid (32*NSG*ceil(NS/NSG), HKV, B) with NS = ceil(T/CH)
 // @threadgroup (32*NSG, 1, 1)
 // @ensure_row_contiguous false
+// DYN_T: k/v are whole cache buffers and only keys < tlen[0] are valid (the grid still
+// covers every CH-block of the buffer; a block past tlen writes a neutral partial:
+// l = 0, acc = 0), so a compiled decode step keeps static shapes as the cache fills.
 // Split-K decode attention, GQA-packed: simdgroup s of threadgroup x owns cache block
 // split = x*NSG + s (keys [split*CH, split*CH+CH)) of one KV head and all G query heads
 // sharing it, so each K/V row is read once for G heads. Lane owns dims lane*D/32..+D/32
@@ -18,8 +21,8 @@
   const uint sg = simdgroup_index_in_threadgroup;
   const int kvh = int(threadgroup_position_in_grid.y);
   const int b = int(threadgroup_position_in_grid.z);
-  const int Tn = k_shape[2];
-  const int NS = (Tn + CH - 1) / CH;
+  const int NS = (k_shape[2] + CH - 1) / CH;
+  const int Tn = DYN_T ? min(int(tlen[0]), int(k_shape[2])) : int(k_shape[2]);
   const int split = int(threadgroup_position_in_grid.x) * NSG + int(sg);
   if (split >= NS) {
     return;
