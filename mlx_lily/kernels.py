@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import functools
 import importlib.resources
-import os
 import re
 from pathlib import Path
 from typing import NamedTuple

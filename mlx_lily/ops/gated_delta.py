@@ -39,7 +39,6 @@ Qwen3-Next / Qwen3.5 linear-attention layers.
 
 from __future__ import annotations
 
-import os
 
 import mlx.core as mx
 import mlx.nn as nn
