@@ -67,6 +67,19 @@ def split_header(text: str, marker: str = "// ---- body ----") -> tuple[str, str
     return "", text
 
 
+_F32_SCALARS: dict = {}
+
+
+def f32_scalar(value: float) -> mx.array:
+    """A cached fp32 ``[1]`` array holding ``value`` (kernels take epsilons and similar
+    constants as inputs: one array per value per process, not one per call)."""
+    value = float(value)
+    a = _F32_SCALARS.get(value)
+    if a is None:
+        a = _F32_SCALARS[value] = mx.array([value], dtype=mx.float32)
+    return a
+
+
 class KernelSpec(NamedTuple):
     """One kernel's launch contract, shared by its Metal and CUDA twins.
 

@@ -33,19 +33,19 @@ class WeightSig:
     quantization). A copy (``copy.deepcopy``, pickling) is never valid, so a copied model
     rebuilds what it derived from its weights."""
 
-    __slots__ = ("entries", "_owners", "_keys", "_values")
+    __slots__ = ("_owners", "_keys", "_values")
 
     def __init__(self, module=None):
-        self.entries = None if module is None else [
+        entries = [] if module is None else [
             (m, k, v) for _, m in module.named_modules() for k, v in m.items()
             if isinstance(v, mx.array)]
-        if self.entries is not None:  # parallel tuples: valid() runs in C (every step)
-            self._owners = tuple(m for m, _, _ in self.entries)
-            self._keys = tuple(k for _, k, _ in self.entries)
-            self._values = tuple(v for _, _, v in self.entries)
+        # parallel tuples, so that valid() (every decode step) runs in C
+        self._owners = None if module is None else tuple(m for m, _, _ in entries)
+        self._keys = tuple(k for _, k, _ in entries)
+        self._values = tuple(v for _, _, v in entries)
 
     def valid(self) -> bool:
-        if self.entries is None:
+        if self._owners is None:
             return False
         return all(map(operator.is_, map(dict.get, self._owners, self._keys), self._values))
 
@@ -477,37 +477,6 @@ def _attn_step_fn(layer, pending):
     return step
 
 
-def _run_attn_step(steps, key, layer, h, x, c):
-    """An attention layer's decode step through its compiled function (``_attn_step_fn``;
-    built on first use, retraced by ``mx.compile`` when the cache grows). A failing
-    first trace marks the key uncompiled (one warning) and this step runs eagerly.
-    Returns ``(h, m)``; the cache's buffers and offset are updated."""
-    pending = isinstance(x, PendingNorm)
-    fn = steps.get(key)
-    first = fn is None
-    if first:
-        fn = mx.compile(_attn_step_fn(layer, pending))
-    off = mx.array([c.offset], dtype=mx.int32)
-    args = (h, x.res if pending else x, c.keys, c.values, off)
-    try:
-        out = fn(*args)
-        if first:
-            steps[key] = fn
-    except Exception as e:  # noqa: BLE001  (a tracing failure: run this layer eagerly)
-        if not first:
-            raise
-        import warnings
-
-        warnings.warn(f"mlx-lily: compiling attention decode layer {key[0]} failed ({e!r}); "
-                      "it runs uncompiled", stacklevel=3)
-        steps[key] = False
-        h, r = _mixer(layer, x, None, c, h)
-        return _layer_tail(layer, h, r)
-    h, m, c.keys, c.values = out
-    c.offset += 1
-    return h, m
-
-
 def _mlp_tail(layer):
     """``(h, r) -> (h', m)`` compiled: ``_layer_tail`` of an attention layer."""
     return mx.compile(lambda h, r: _layer_tail(layer, h, r))
@@ -604,7 +573,7 @@ def make_text_model_call(module, cls_name, layer_cls_name, with_embeddings):
                     if not layer.is_linear and _attn_step_ok(layer, c, x):
                         key_a = key_i + ("attn",)
                         if steps.get(key_a) is not False:
-                            h, m = _run_attn_step(steps, key_a, layer, h, x, c)
+                            h, m = _run_compiled(steps, key_a, layer, h, x, c, fa_mask)
                             continue
                     if steps.get(key_i) is not False:
                         h, m = _run_compiled(steps, key_i, layer, h, x, c, fa_mask)
@@ -628,16 +597,26 @@ def _gdn_step_ok(layer, c) -> bool:
 
 
 def _run_compiled(steps, key, layer, h, x, c, fa_mask):
-    """A layer's decode step through its compiled function (built on first use; ``key`` =
-    (layer index, whether ``x`` is a ``PendingNorm``)). If building or tracing it raises,
-    that key is marked uncompiled (``steps[key] = False``, one warning) and this step runs
+    """A layer's decode step through its compiled function, built on first use. ``key`` =
+    (layer index, whether ``x`` is a ``PendingNorm``), plus ``"attn"`` for a whole
+    attention step (``_attn_step_fn``; the cache's buffers and offset are updated, and
+    ``mx.compile`` retraces when the cache grows); otherwise a GDN layer's step or an
+    attention layer's MLP half after its eager mixer. If building or tracing raises, the
+    key is marked uncompiled (``steps[key] = False``, one warning) and this step runs
     uncompiled. Returns ``(h, m)``."""
     fn = steps.get(key)
     first = fn is None
     pending = isinstance(x, PendingNorm)
+    whole_attn = len(key) > 2
     if first:
-        fn = _gdn_step(layer, pending) if layer.is_linear else _mlp_tail(layer)
-    if layer.is_linear:
+        if whole_attn:
+            fn = mx.compile(_attn_step_fn(layer, pending))
+        else:
+            fn = _gdn_step(layer, pending) if layer.is_linear else _mlp_tail(layer)
+    if whole_attn:
+        args = (h, x.res if pending else x, c.keys, c.values,
+                mx.array([c.offset], dtype=mx.int32))
+    elif layer.is_linear:
         args = (h, x.res if pending else x, c[0], c[1])
     else:
         h, r = _mixer(layer, x, fa_mask, c, h)
@@ -654,10 +633,14 @@ def _run_compiled(steps, key, layer, h, x, c, fa_mask):
             warnings.warn(f"mlx-lily: compiling decode layer {key[0]} failed ({e!r}); it "
                           "runs uncompiled", stacklevel=3)
             steps[key] = False
-            if layer.is_linear:
-                h, r = _mixer(layer, x, None, c, h)
+            if layer.is_linear or whole_attn:
+                h, r = _mixer(layer, x, None if layer.is_linear else fa_mask, c, h)
                 return _layer_tail(layer, h, r)
             return _layer_tail(layer, *args)
+    if whole_attn:
+        h, m, c.keys, c.values = out
+        c.offset += 1
+        return h, m
     if layer.is_linear:
         h, m, c[0], c[1] = out
         return h, m

@@ -40,7 +40,6 @@ def add_rms_norm_reference(x: mx.array, residual: mx.array, weight: mx.array,
 SPEC = _k.KernelSpec("lily_add_rms_norm", "add_rms_norm", ("x", "r", "w", "eps"),
                      ("h", "normed"))
 _FLOATS = (mx.bfloat16, mx.float16, mx.float32)
-_EPS: dict = {}
 
 
 def elements_per_thread(D: int):
@@ -76,10 +75,7 @@ def add_rms_norm_fused(x, residual, weight, eps, *, kernel, init_value=None):
     D = x.shape[-1]
     rows = x.size // D
     e = elements_per_thread(D)
-    a = _EPS.get(float(eps))
-    if a is None:
-        a = _EPS[float(eps)] = mx.array([eps], dtype=mx.float32)
-    h, n = kernel(inputs=[x, residual, weight, a],
+    h, n = kernel(inputs=[x, residual, weight, _k.f32_scalar(eps)],
                   template=[("T", x.dtype), ("D", D), ("E", e)],
                   grid=(D // e * rows, 1, 1), threadgroup=(D // e, 1, 1),
                   output_shapes=[x.shape, x.shape], output_dtypes=[x.dtype, x.dtype],

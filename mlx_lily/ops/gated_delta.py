@@ -182,7 +182,6 @@ def decode_warps(Dv: int) -> int:
     return max(1, min(16, Dv // 8))
 
 
-_EPS: dict = {}
 _DUMMY: dict = {}
 
 
@@ -192,13 +191,6 @@ def _dummy(name):
     if a is None:
         a = _DUMMY[name] = (mx.array([True]) if name == "mask"
                             else mx.array([0], dtype=mx.int32))
-    return a
-
-
-def _eps_array(eps: float) -> mx.array:
-    a = _EPS.get(eps)
-    if a is None:
-        a = _EPS[eps] = mx.array([eps], dtype=mx.float32)
     return a
 
 
@@ -318,7 +310,7 @@ def gated_delta_fused(qkv, z, b, a, conv_weight, conv_state, A_log, dt_bias, sta
         conv_state = mx.zeros((B, K - 1, C), dtype=T)
     if state is None:
         state = mx.zeros((B, Hv, Dv, Dk), dtype=mx.float32)
-    eps_a = _eps_array(float(eps))
+    eps_a = _k.f32_scalar(eps)
     extra = {} if init_value is None else {"init_value": init_value}
     flags = [("HAS_MASK", mask is not None), ("HAS_LEN", lengths is not None)]
     if mask is None:

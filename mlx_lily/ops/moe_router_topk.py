@@ -139,16 +139,6 @@ def router_rpw(rows: int, d: int, bits: int, nw: int = NW) -> int:
     return max(1, min(MAX_RPW, -(-rows // (2 * groups))))
 
 
-_EPS: dict = {}
-
-
-def _eps(eps: float) -> mx.array:
-    a = _EPS.get(eps)
-    if a is None:
-        a = _EPS[eps] = mx.array([eps], dtype=mx.float32)
-    return a
-
-
 def plan(kernel, router, x_shape, x_dtype, k: int, norm_topk_prob: bool, *,
          nw: int = NW, rpw: int | None = None, init_value: float | None = None,
          pre_norm: bool = False):
@@ -178,12 +168,12 @@ def plan(kernel, router, x_shape, x_dtype, k: int, norm_topk_prob: bool, *,
     if init_value is not None:
         kw["init_value"] = init_value
     w, sc, bi = router.weight, router.scales, router.biases
-    no_eps = _eps(0.0)
+    no_eps = kernels.f32_scalar(0.0)
 
     if pre_norm:
         def run_pre(hin, res, nw_, eps):
             inds, scores, shared, h, xn = kernel(
-                inputs=[hin, w, sc, bi, hin, res, nw_, _eps(float(eps))], **kw)
+                inputs=[hin, w, sc, bi, hin, res, nw_, kernels.f32_scalar(eps)], **kw)
             return inds, scores, (shared if has_shared else None), h, xn
 
         return run_pre

@@ -14,7 +14,6 @@ Source: RMSNorm (Zhang & Sennrich 2019); norm-as-GEMV-prologue as in Lily's deco
 
 from __future__ import annotations
 
-import mlx.core as mx
 
 from .. import kernels
 from ..backend import current_backend, op_enabled
@@ -35,7 +34,6 @@ MAX_K = 8192
 MAX_ROW_BYTES = 16384
 NW = _qgemv.NW
 RPW = _qgemv.RPW
-_EPS: dict = {}
 
 
 def norm_qgemv_reference(h0, res, norm_w, eps, w, scales, biases, group_size, bits):
@@ -63,13 +61,6 @@ def supports(h0, res, norm_w, w, scales, biases, group_size, bits, mode="affine"
             and _qgemv.supports(h0, w, scales, biases, group_size, bits, mode))
 
 
-def _eps(eps: float) -> mx.array:
-    a = _EPS.get(eps)
-    if a is None:
-        a = _EPS[eps] = mx.array([eps], dtype=mx.float32)
-    return a
-
-
 def plan(kernel, x_shape, x_dtype, w, scales, biases, group_size, bits, *, nw=NW, rpw=RPW,
          init_value=None):
     """A callable ``run(h0, res, norm_w, eps) -> (y, h)`` launching ``kernel`` for inputs
@@ -79,7 +70,7 @@ def plan(kernel, x_shape, x_dtype, w, scales, biases, group_size, bits, *, nw=NW
                             extra_outputs=[(tuple(x_shape), x_dtype)])
 
     def run(h0, res, norm_w, eps):
-        y, h = kernel(inputs=[h0, res, norm_w, _eps(float(eps)), w, scales, biases], **kw)
+        y, h = kernel(inputs=[h0, res, norm_w, kernels.f32_scalar(eps), w, scales, biases], **kw)
         return y, h
 
     return run
