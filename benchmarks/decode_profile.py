@@ -12,7 +12,9 @@ Per arm, from one Lily-built cache (deep-copied per arm, as in ``benchmarks/ab.p
 graph recording only); ``sync_ms`` = build + ``mx.eval`` + synchronize, one step at a time;
 ``eval_ms`` = sync_ms - build_ms; ``pipelined_ms`` = median interval of ``generate_step``
 (next step built while the previous one runs). Medians over ``--steps`` steps after
-``--warmup`` untimed ones. Arm ``lily-eager`` is Lily with its compiled decode layers off
+``--warmup`` untimed ones. ``gpu_ms`` (CUDA): the GPU's own time per step by its
+nanosecond timer (``gpu_step_time``), ``dispatch`` the host's ``async_eval`` time per
+step in that measurement (MLX's per-primitive dispatch, no Python). Arm ``lily-eager`` is Lily with its compiled decode layers off
 (``MLX_LILY_COMPILE=0``); ``--arm-env NAME:VAR=VALUE`` adds Lily arms under another
 setting (e.g. this session's fusions switched off), ``--rounds`` alternates all arms
 several times (the host's speed drifts between minutes). ``achieved_gbps`` = the step's bytes
@@ -32,6 +34,7 @@ from pathlib import Path
 
 import mlx.core as mx
 
+from mlx_lily.bench import gpu_clock
 from mlx_lily.bench.ab import (ARMS, arm_context, build_context, copy_cache, environment, ids_array,
                                load_target, log, measure_decode, synthetic_ids, vocab_bounds)
 from mlx_lily.bench.primitives import _state_arrays, count_graph
@@ -106,12 +109,93 @@ def profile_arm(model, ctx, tok: int, steps: int, warmup: int) -> dict:
         t2 = time.perf_counter()
         build.append(t1 - t0)
         sync.append(t2 - t0)
+    b, s = statistics.median(build) * 1e3, statistics.median(sync) * 1e3
+    gpu = gpu_step_time(model, cache, int(y.item()), s) if gpu_clock.available() else None
     del cache
     pipe = measure_decode(model, copy_cache(ctx), tok, steps)
-    b, s = statistics.median(build) * 1e3, statistics.median(sync) * 1e3
-    return {"prims_per_step": prims, "prims_by_label": counts["by_label"],
-            "prims_first_step": first["total"], "build_ms": b, "sync_ms": s, "eval_ms": s - b,
-            "pipelined_ms": pipe["interval_s_median"] * 1e3, "pipelined_tok_s": pipe["tok_s_median"]}
+    out = {"prims_per_step": prims, "prims_by_label": counts["by_label"],
+           "prims_first_step": first["total"], "build_ms": b, "sync_ms": s, "eval_ms": s - b,
+           "pipelined_ms": pipe["interval_s_median"] * 1e3,
+           "pipelined_tok_s": pipe["tok_s_median"]}
+    if gpu is not None:
+        out.update(gpu)
+    return out
+
+
+def gpu_step_time(model, cache, tok: int, sync_ms: float, chain: int = 8,
+                  reps: int = 3) -> dict:
+    """Device-side time of one decode step (``mlx_lily.bench.gpu_clock``): ``chain`` steps
+    built lazily one after the other (each feeds its argmax to the next), queued behind a
+    GPU spin long enough for the host to dispatch them all, then run back to back; the
+    median over ``reps`` of the GPU time / ``chain``. ``gpu_ms`` is what the GPU alone
+    needs per token; ``pipelined_ms`` above it is host-bound."""
+
+    def steps(t):
+        y = t
+        for _ in range(chain):
+            y = mx.argmax(model(y, cache=cache)[:, -1, :], axis=-1)[None]
+        return [y, *_state_arrays(cache)]
+
+    spin_ms = 30.0 + 2.0 * chain * sync_ms
+    per, host, covered = [], [], True
+    for _ in range(reps):
+        r = gpu_clock.time_chain(steps, ids_array([tok])[None], spin_ms=spin_ms)
+        tok = int(r["outputs"][0].item())
+        per.append(r["gpu_s"] / chain * 1e3)
+        host.append(r["host_dispatch_s"] / chain * 1e3)
+        covered &= r["host_covered"]
+    return {"gpu_ms": statistics.median(per), "gpu_ms_reps": per,
+            "gpu_dispatch_ms": statistics.median(host), "gpu_timing_host_covered": covered,
+            "gpu_chain_steps": chain}
+
+
+def gpu_breakdown(model, ctx, n: int = 40, reps: int = 5) -> dict:
+    """Device-side time of each part of a decode step, from the model's own modules on a
+    copy of the Lily-built cache (``gpu_clock``): ``n`` calls of one part chained as
+    ``v <- rms_norm(v + part(v))`` on a one-token row, minus the same chain without the
+    part; median over ``reps``, microseconds per call. Parts: a Gated DeltaNet mixer, an
+    attention mixer (its KV cache grows by one row per call), a MoE block, the LM head."""
+    from mlx_lily.bench.traffic import _text_model
+
+    lm, tm = _text_model(model)
+    layers = tm.layers
+    gi = next(i for i, l in enumerate(layers) if l.is_linear)
+    ai = next((i for i, l in enumerate(layers) if not l.is_linear), None)
+    d = layers[0].input_layernorm.weight.shape[0]
+    x0 = (mx.random.normal((1, 1, d)) * 0.5).astype(layers[0].input_layernorm.weight.dtype)
+    mx.eval(x0)
+    parts = {"gdn_mixer": lambda v, c: layers[gi].linear_attn(v, None, c[gi]),
+             "moe_block": lambda v, c: layers[gi].mlp(v)}
+    if ai is not None:
+        parts["attention_mixer"] = lambda v, c: layers[ai].self_attn(v, None, c[ai])
+    head = getattr(lm, "lm_head", None)
+    if head is not None:
+        w = head.weight.shape[0]
+        parts["lm_head"] = lambda v, c: head(v)[..., :d] * (1.0 / w)
+
+    def chain(part):
+        def f(v):
+            c = copy_cache(ctx)
+            for _ in range(n):
+                v = mx.fast.rms_norm(v + (part(v, c) if part else v), None, 1e-6)
+            return [v, *_state_arrays(c)]
+        return f
+
+    def med_us(part):
+        f = chain(part)
+        f(x0)  # warm-up (traces, kernel builds)
+        ts = [gpu_clock.time_chain(f, x0, spin_ms=200.0)["gpu_s"] for _ in range(reps)]
+        return statistics.median(ts) / n * 1e6
+
+    base = med_us(None)
+    out = {"chain_norm_add_us": base}
+    for name, part in parts.items():
+        out[name + "_us"] = med_us(part) - base
+    n_gdn = sum(1 for l in layers if l.is_linear)
+    n_att = len(layers) - n_gdn
+    out["predicted_step_ms"] = (n_gdn * out["gdn_mixer_us"] + n_att * out.get("attention_mixer_us", 0)
+                                + len(layers) * out["moe_block_us"] + out.get("lm_head_us", 0)) / 1e3
+    return out
 
 
 def dispatch_cost(n: int = 2000) -> dict:
@@ -182,6 +266,9 @@ def main(argv=None) -> int:
     p.add_argument("--cprofile", action="store_true",
                    help="also write OUT/build_cprofile-<arm>.txt: cProfile of the Lily "
                         "arms' graph builds")
+    p.add_argument("--breakdown", action="store_true",
+                   help="CUDA: device-side time of a GDN mixer, an attention mixer, a MoE "
+                        "block and the LM head, stock and Lily (gpu_breakdown)")
     p.add_argument("--out", type=Path, default=None)
     a = p.parse_args(argv)
     ops = a.ops.split(",") if a.ops else None
@@ -196,6 +283,11 @@ def main(argv=None) -> int:
     log(f"bytes per decode step: {res['bytes_per_step']}; copy bandwidth {res['copy_gbps']:.0f} GB/s")
     with arm_context("lily", t.model, ops):
         ctx = build_context(t.model, ids[:a.context], 2048)
+    if a.breakdown and gpu_clock.available():
+        for arm in ARMS:
+            with arm_context(arm, t.model, ops):
+                res.setdefault("gpu_breakdown", {})[arm] = gpu_breakdown(t.model, ctx)
+            log(f"GPU time per part ({arm}): {res['gpu_breakdown'][arm]}")
     arm_envs = {"lily-eager": (COMPILE_ENV, "0")}
     for spec in a.arm_env:
         name, _, kv = spec.partition(":")
@@ -230,10 +322,13 @@ def main(argv=None) -> int:
         res["arms"][arm] = r
     print(f"\ndecode step at context {a.context} (ms, medians of {a.steps})")
     print(f"{'arm':11s}{'prims':>7s}{'build':>9s}{'eval':>9s}{'sync':>9s}{'pipelined':>11s}{'tok/s':>8s}"
-          f"{'GB/s':>8s}")
+          f"{'GB/s':>8s}{'GPU ms':>9s}{'dispatch':>10s}")
     for arm, r in res["arms"].items():
+        g = (f"{r['gpu_ms']:9.2f}{r['gpu_dispatch_ms']:10.2f}"
+             + ("" if r["gpu_timing_host_covered"] else "  (spin too short)")
+             if "gpu_ms" in r else "")
         print(f"{arm:11s}{r['prims_per_step']:7d}{r['build_ms']:9.2f}{r['eval_ms']:9.2f}{r['sync_ms']:9.2f}"
-              f"{r['pipelined_ms']:11.2f}{r['pipelined_tok_s']:8.1f}{r['achieved_gbps']:8.0f}")
+              f"{r['pipelined_ms']:11.2f}{r['pipelined_tok_s']:8.1f}{r['achieved_gbps']:8.0f}{g}")
     print(f"{res['bytes_per_step']['total'] / 1e9:.2f} GB per step; copy bandwidth "
           f"{res['copy_gbps']:.0f} GB/s")
     if a.out:

@@ -84,6 +84,9 @@ def main(argv=None) -> int:
                 f"{m['n_intervals']})")
         row["decode_ratio"] = row["decode_lily_tok_s"] / row["decode_stock_tok_s"]
         res["rows"].append(row)
+        if a.out:  # after every length: a sweep cut short keeps what finished
+            a.out.mkdir(parents=True, exist_ok=True)
+            (a.out / "long_context_bench.json").write_text(json.dumps(res, indent=1, default=str))
         del cache
         mx.clear_cache()
     print(f"\n{'tokens':>8s}{'prefill tok/s':>15s}{'peak MiB':>10s}{'decode stock':>14s}"

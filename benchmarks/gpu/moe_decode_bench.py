@@ -108,8 +108,8 @@ def moe_layer(blk, router, reps, out):
     router_b = _nbytes(router.weight, router.scales, router.biases)
     layer_bytes = K * per_expert + shared_b + router_b
 
-    def stock_chain():
-        x = x0
+    def stock_chain(x=None):
+        x = x0 if x is None else x
         for _ in range(LAYERS):
             x = mx.fast.rms_norm(x + blk(x), None, 1e-6)
         return x
@@ -121,44 +121,80 @@ def moe_layer(blk, router, reps, out):
         return x + M.moe_experts(x, inds, scores, sw, blk.shared_expert, shared)
 
     def lily_chain(fused_res):
-        def f():
-            x = x0
+        def f(x=None):
+            x = x0 if x is None else x
             for _ in range(LAYERS):
                 x = mx.fast.rms_norm(lily_layer(x, fused_res), None, 1e-6)
             return x
         return f
 
-    def norm_chain():
-        x = x0
+    def norm_chain(x=None):
+        x = x0 if x is None else x
         for _ in range(LAYERS):
             x = mx.fast.rms_norm(x + x, None, 1e-6)
         return x
 
+    routed0 = R.moe_router_topk(x0, router, K, True) if backend_ok else None
+
+    def router_chain(x=None):
+        # router alone: each layer's input depends on the previous router's shared gate
+        x = x0 if x is None else x
+        for _ in range(LAYERS):
+            _, _, shared = R.moe_router_topk(x, router, K, True)
+            x = mx.fast.rms_norm(x + shared, None, 1e-6)
+        return x
+
+    def experts_chain(x=None):
+        # gate_up + down alone, with fixed routing (residual fused into down)
+        x = x0 if x is None else x
+        inds, scores, shared = routed0
+        for _ in range(LAYERS):
+            x = mx.fast.rms_norm(M.moe_experts(x, inds, scores, sw, blk.shared_expert,
+                                               shared, residual=x), None, 1e-6)
+        return x
+
+    from mlx_lily.bench import gpu_clock
+
+    def gpu_us(fn):
+        if not gpu_clock.available():
+            return None
+        ts = [gpu_clock.time_chain(fn, x0, spin_ms=150.0)["gpu_s"] for _ in range(5)]
+        return 1e6 * statistics.median(ts) / LAYERS
+
     rows = []
     t_norm = _bench(norm_chain, reps) / LAYERS
+    g_norm = gpu_us(norm_chain)
     for name, fn, sync_fn in (
             ("stock mlx-lm block", stock_chain, lambda: x0 + blk(x0)),
             ("lily kernels (3 launches)", lily_chain(False), lambda: lily_layer(x0)),
-            ("lily kernels + fused residual", lily_chain(True), lambda: lily_layer(x0, True))):
+            ("lily kernels + fused residual", lily_chain(True), lambda: lily_layer(x0, True)),
+            ("lily router alone", router_chain, None),
+            ("lily experts alone (fused res)", experts_chain, None)):
         if name.startswith("lily") and not backend_ok:
             continue
         t_chain = _bench(fn, reps) / LAYERS
-        t_sync = _bench(sync_fn, reps * 4)
+        t_sync = _bench(sync_fn, reps * 4) if sync_fn is not None else float("nan")
+        g = gpu_us(fn)
         rows.append({"variant": name, "us_per_layer_chain": 1e6 * t_chain,
                      "us_per_layer_chain_minus_norm": 1e6 * (t_chain - t_norm),
                      "us_sync": 1e6 * t_sync,
-                     "GBps_chain": layer_bytes / (t_chain - t_norm) / 1e9})
+                     "GBps_chain": layer_bytes / (t_chain - t_norm) / 1e9,
+                     "gpu_us_per_layer": g,
+                     "gpu_us_per_layer_minus_norm": None if g is None else g - g_norm})
     out["moe_layer"] = {"bytes_per_layer": layer_bytes, "rms_norm_add_us": 1e6 * t_norm,
-                        "rows": rows}
+                        "rms_norm_add_gpu_us": g_norm, "rows": rows}
     print(f"\nMoE layer decode, D={D} I={I} E={E} k={K}: {layer_bytes / 1e6:.2f} MB read per "
           f"layer; chain of {LAYERS} layers (x <- rms_norm(x + moe(x)), add+norm alone "
-          f"{1e6 * t_norm:.1f} us)")
+          f"{1e6 * t_norm:.1f} us wall, {g_norm or float('nan'):.1f} us GPU); 'GPU us' = "
+          f"device-side time per layer (gpu_clock), add+norm subtracted")
     print(f"{'variant':32s} {'us/layer chain':>15s} {'minus norm':>11s} {'us sync':>9s} "
-          f"{'GB/s':>8s}")
+          f"{'GB/s':>8s} {'GPU us':>8s} {'GPU GB/s':>9s}")
     for r in rows:
+        g = r["gpu_us_per_layer_minus_norm"]
+        gs = f"{g:8.1f} {layer_bytes / g / 1e3:9.1f}" if g else ""
         print(f"{r['variant']:32s} {r['us_per_layer_chain']:15.1f} "
               f"{r['us_per_layer_chain_minus_norm']:11.1f} {r['us_sync']:9.1f} "
-              f"{r['GBps_chain']:8.1f}")
+              f"{r['GBps_chain']:8.1f} {gs}")
     if backend_ok:
         _parity(blk, router, x0, out)
 
@@ -316,6 +352,7 @@ def _emulate():
     from mlx_lily.testing import metal_emu
 
     D, I, E, K, LAYERS = 256, 128, 16, 4, 2
+    os.environ["MLX_LILY_KERNELS"] = "all"  # no Metal kernel is verified on hardware
     QGEMV_SHAPES = [("small 4-bit", 256, 72, 4), ("small 8-bit", 256, 17, 8)]
     mx.fast.metal_kernel = metal_emu.metal_kernel
     kernels._metal_ok = lambda: True

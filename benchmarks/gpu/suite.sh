@@ -61,7 +61,7 @@ if has tests; then
   bg=()
   if has prims; then MLX_PTX_CACHE_DIR=/tmp/lily-ptx-prims run_prims & bg+=("$!"); fi
   if has numerics; then MLX_PTX_CACHE_DIR=/tmp/lily-ptx-numerics run_numerics & bg+=("$!"); fi
-  for f in tests/test_op_*.py tests/test_cuda_cache.py; do
+  for f in tests/test_op_*.py tests/test_cuda_cache.py tests/test_gpu_clock.py; do
     op=$(basename "$f" .py); op=${op#test_op_}; op=${op#test_}
     if [ -n "${TEST_OPS:-}" ] && [[ ",$TEST_OPS," != *",$op,"* ]]; then continue; fi
     (cd /tmp && MLX_PTX_CACHE_DIR=/tmp/lily-ptx-$op timeout "${T_TESTS:-300}" python3 -m pytest -m gpu -q \
