@@ -412,16 +412,16 @@ def _gdn_step(layer, pending):
     return mx.compile(step)
 
 
-COMPILE_ATTN_ENV = "MLX_LILY_COMPILE_ATTN"  # "1": attention layers' decode steps compiled too
+COMPILE_ATTN_ENV = "MLX_LILY_COMPILE_ATTN"  # "0": attention layers' decode steps run eagerly
 
 
 def _attn_step_ok(layer, c, x) -> bool:
     """Whether this attention layer's decode step can run as one compiled function
-    (``MLX_LILY_COMPILE_ATTN=1``): a plain ``KVCache`` with room for the token, the fused
+    (on with compiled decode steps; ``MLX_LILY_COMPILE_ATTN=0`` turns it off): a plain ``KVCache`` with room for the token, the fused
     q|k|v projection, and the packed decode kernels serving (heads, dims, dtype)."""
     from mlx_lily import backend
 
-    if backend.env_value(COMPILE_ATTN_ENV, "0") != "1":
+    if backend.env_value(COMPILE_ATTN_ENV, "1") == "0":
         return False
     attn = layer.self_attn
     if (type(c) is not KVCache or c.keys is None or c.offset + 1 > c.keys.shape[2]
@@ -526,9 +526,11 @@ def make_text_model_call(module, cls_name, layer_cls_name, with_embeddings):
     (one-row decode), else as ``add_rms_norm``. Pipeline-parallel models take the stock
     code.
 
-    Decode steps (one token, no masks, plain caches) on a GPU backend run each GDN layer,
-    and each attention layer's MoE half, as an ``mx.compile``d function: Python builds the
-    layer's graph once, later steps replay it (``MLX_LILY_COMPILE=0`` turns this off).
+    Decode steps (one token, no masks, plain caches) on a GPU backend run each layer as
+    an ``mx.compile``d function (an attention layer whole while its KV cache has room,
+    else its mixer eagerly and its MoE half compiled): Python builds the layer's graph
+    once, later steps replay it (``MLX_LILY_COMPILE=0`` turns this off,
+    ``MLX_LILY_COMPILE_ATTN=0`` keeps attention mixers eager).
     """
 
     def text_model_call(self, inputs, cache=None, input_embeddings=None):
