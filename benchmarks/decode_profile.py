@@ -284,7 +284,7 @@ def main(argv=None) -> int:
     with arm_context("lily", t.model, ops):
         ctx = build_context(t.model, ids[:a.context], 2048)
     if a.breakdown and gpu_clock.available():
-        for arm in ARMS:
+        for arm in (x for x in ARMS if not (a.no_stock_arm and x == "stock")):
             with arm_context(arm, t.model, ops):
                 res.setdefault("gpu_breakdown", {})[arm] = gpu_breakdown(t.model, ctx)
             log(f"GPU time per part ({arm}): {res['gpu_breakdown'][arm]}")

@@ -26,6 +26,7 @@ OP_NAMES = (
     "gdn_packed",
     "attn_packed",
     "moe_router_norm",
+    "moe_topk_in_experts",
 )
 
 DISABLE_ENV = "MLX_LILY_DISABLE"

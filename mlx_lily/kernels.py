@@ -140,14 +140,16 @@ _STEM_OPS = (
 # CUDA, H200: the seven ops of session 3 (benchmarks/results/2026-11-30-cuda-h200-session3/),
 # and gated_delta in session 4 (benchmarks/results/2026-11-30-cuda-h200-session4/: its 28
 # GPU tests passed against the CPU-evaluated reference, and the A/B gate passed with every
-# kernel on, compiled decode steps included). Metal: no kernel has run on Apple hardware
-# (the emulator proves semantics only). Session 5's decode fusions (norm_qgemv,
-# gdn_packed, attn_packed, moe_router_norm) passed their GPU tests on the H200
-# (benchmarks/results/2026-11-30-cuda-h200-session5/, calls 5 and 7) but the A/B gate has
-# not run with them yet: they join once it passes.
+# kernel on, compiled decode steps included); session 5's decode fusions norm_qgemv,
+# gdn_packed, attn_packed, moe_router_norm (GPU tests: session 5 calls 5 and 7; the A/B
+# gate with them on passed in session 6, benchmarks/results/2026-11-30-cuda-h200-session6/,
+# ab/). Metal: no kernel has run on Apple hardware (the emulator proves semantics only).
+# moe_topk_in_experts (routing inside the gate+up kernel) joins once its GPU tests and a
+# gate pass.
 VERIFIED: dict = {
     "cuda": frozenset({"add_rms_norm", "moe_router_topk", "moe_route", "moe_experts",
-                       "moe_grouped", "attention", "qgemv", "gated_delta"}),
+                       "moe_grouped", "attention", "qgemv", "gated_delta", "norm_qgemv",
+                       "gdn_packed", "attn_packed", "moe_router_norm"}),
     "metal": frozenset(),
 }
 

@@ -31,6 +31,7 @@ def gdn_call(self, inputs, mask=None, cache=None):
 
 decoder_call = nxt.make_decoder_call(lambda: qwen3_5.DecoderLayer)
 model_call = nxt.make_text_model_call(qwen3_5, "Qwen3_5TextModel", "DecoderLayer", True)
+lm_model_call = nxt.make_lm_call(lambda: qwen3_5.TextModel, True)
 
 
 def targets():
@@ -39,6 +40,7 @@ def targets():
         (qwen3_5.GatedDeltaNet, "__call__", gdn_call),
         (qwen3_5.DecoderLayer, "__call__", decoder_call),
         (qwen3_5.Qwen3_5TextModel, "__call__", model_call),
+        (qwen3_5.TextModel, "__call__", lm_model_call),
     ]
 
 

@@ -20,7 +20,7 @@ from mlx_lily.backend import op_enabled
 from mlx_lily.ops import attention as attn_ops
 from mlx_lily.ops.add_rms_norm import add_rms_norm
 from mlx_lily.ops.gated_delta import gated_delta, gated_delta_packed
-from mlx_lily.ops.moe_experts import moe_experts
+from mlx_lily.ops.moe_experts import moe_experts, moe_experts_routed
 from mlx_lily.ops.moe_router_topk import PRE_NORM_OP, moe_router_topk, moe_router_topk_pending
 from mlx_lily.qproj import PendingNorm, QProj, resolve
 
@@ -209,6 +209,11 @@ def moe_call(self, x):
         return _original(qwen3_next.Qwen3NextSparseMoeBlock)(self, resolve(x))
     if use_router:
         router = _proj(self, "router", (self.gate, self.shared_expert_gate))
+        if use_experts and isinstance(router, QProj):
+            y = moe_experts_routed(x, router, self.top_k, self.norm_topk_prob,
+                                   self.switch_mlp, self.shared_expert)
+            if y is not None:
+                return y
         if isinstance(router, list):
             parts = router
             router = lambda t: _run(parts, t)  # noqa: E731
@@ -652,6 +657,48 @@ def _run_compiled(steps, key, layer, h, x, c, fa_mask):
 model_call = make_text_model_call(qwen3_next, "Qwen3NextModel", "Qwen3NextDecoderLayer", False)
 
 
+def lm_head(owner, x):
+    """``owner.lm_head(x)`` with a one-row input through the ``qgemv`` kernel (its output
+    GEMV over the whole vocabulary; MLX's ``quantized_matmul`` otherwise, exactly as
+    ``nn.QuantizedLinear`` computes it). The one-part ``QProj`` view is cached on
+    ``owner`` per weight array."""
+    head = owner.lm_head
+    if type(head) is not nn.QuantizedLinear or "bias" in head or x.size != x.shape[-1]:
+        return head(x)
+    cached = owner.__dict__.get("_lily_head")
+    if cached is None or cached[0] is not head.weight:
+        view = QProj.view([head])
+        if view is None:
+            return head(x)
+        cached = (head.weight, view)
+        object.__setattr__(owner, "_lily_head", cached)
+    return cached[1](x, split=False)[0]
+
+
+def make_lm_call(cls_getter, with_embeddings):
+    """The top model's ``__call__`` (decoder stack, then the LM head) with the LM head of
+    a one-token step through ``lm_head``; tied embeddings, sharded heads, training and
+    the ``qgemv`` switch take the original."""
+
+    def lm_call(self, inputs, cache=None, input_embeddings=None):
+        if (self.args.tie_word_embeddings or getattr(self, "sharding_group", None) is not None
+                or self.training or not op_enabled("qgemv")):
+            if with_embeddings:
+                return _original(cls_getter())(self, inputs, cache,
+                                              input_embeddings=input_embeddings)
+            return _original(cls_getter())(self, inputs, cache)
+        if with_embeddings:
+            out = self.model(inputs, cache, input_embeddings=input_embeddings)
+        else:
+            out = self.model(inputs, cache)
+        return lm_head(self, out)
+
+    return lm_call
+
+
+lm_model_call = make_lm_call(lambda: qwen3_next.Model, False)
+
+
 def targets():
     """``(owner, attribute, replacement)`` triples for ``mlx_lily.patch``."""
     return [
@@ -660,6 +707,7 @@ def targets():
         (qwen3_next.Qwen3NextGatedDeltaNet, "__call__", next_gdn_call),
         (qwen3_next.Qwen3NextDecoderLayer, "__call__", decoder_call),
         (qwen3_next.Qwen3NextModel, "__call__", model_call),
+        (qwen3_next.Model, "__call__", lm_model_call),
     ]
 
 

@@ -135,14 +135,18 @@ def _drop_launch_plans(model):
 
 def test_decode_folds_layer_norms_into_projections(stock_run):
     """With ``norm_qgemv`` on, each decode step runs every layer's input add+RMSNorm but
-    the first inside its input projection (``lily_norm_qgemv``): n_layers - 1 fewer
+    the first inside its input projection (``lily_norm_qgemv``, as the MoE routers'
+    post-attention norms): n_layers - 1 fewer
     ``lily_add_rms_norm`` launches than with it off, and the same logits within rounding.
     With every op on, the final norm is the step's only ``lily_add_rms_norm``."""
     from mlx_lily.ops import add_rms_norm as arn
     from mlx_lily.ops import norm_qgemv as nq
 
+    from mlx_lm.models import qwen3_next
+
     model, forced, ref, truth = stock_run
     n_layers = len(model.layers)
+    n_moe = sum(type(l.mlp) is qwen3_next.Qwen3NextSparseMoeBlock for l in model.layers)
     counts, logits = {}, {}
     for on in (True, False):
         ops = None if on else [o for o in OPS if o != "norm_qgemv"]
@@ -156,9 +160,11 @@ def test_decode_folds_layer_norms_into_projections(stock_run):
                 mx.eval(out)
         counts[on] = (calls.count(nq.SPEC.name), calls.count(arn.SPEC.name))
         logits[on] = np.array(out[0].astype(mx.float32))
-    assert counts[True][0] == n_layers - 1, counts
-    # the post-attention norms ride in the router (moe_router_norm): only the final norm
-    # is a lily_add_rms_norm launch
+    # layer inputs but the first, and each MoE block's router GEMV (its post-attention
+    # norm folded in, moe_topk_in_experts)
+    assert counts[True][0] == n_layers - 1 + n_moe, counts
+    # no other add+norm launch but the final norm (without norm_qgemv the post-attention
+    # norms ride in the one-threadgroup router kernel: moe_router_norm)
     assert counts[True][1] == 1, counts
     assert counts[False][0] == 0, counts
     assert counts[False][1] - counts[True][1] == n_layers - 1, counts

@@ -266,22 +266,29 @@ def test_dispatcher_routes_by_rows(monkeypatch):
 
 
 @pytest.mark.skipif(nvcc_path() is None, reason="nvcc not installed")
-@pytest.mark.parametrize("which", ["gate_up", "down_res"])
+@pytest.mark.parametrize("which", ["gate_up", "gate_up_routed", "down_res"])
 def test_cuda_twins_compile(which):
     from mlx_lily.testing import cuda_check
 
     bf = mx.bfloat16
     common = [("T", bf), ("S", bf), ("D", 2048), ("I", 512), ("K", 8), ("E", 256),
               ("BITS", 4), ("GS", 64)]
-    if which == "gate_up":
+    if which.startswith("gate_up"):
         head, body = kernels.split_header(kernels.shader_source("cuda", "moe_gate_up.cu"))
         ins = [("x", bf, 2), ("inds", mx.uint32, 2)]
         for p in ("gate", "up"):
             ins += [(f"{p}_w", mx.uint32, 3), (f"{p}_s", bf, 3), (f"{p}_b", bf, 3)]
         for p in ("sgate", "sup"):
             ins += [(f"{p}_w", mx.uint32, 2), (f"{p}_s", bf, 2), (f"{p}_b", bf, 2)]
-        cuda_check.check("lily_moe_gate_up", ins, [("h", bf)], body, head,
-                         template=common + [("NW", M.GATE_UP_NW), ("RPW", M.GATE_UP_RPW)])
+        ins += [("logits", bf, 2), ("hin", bf, 2), ("res", bf, 2), ("nw", bf, 1),
+                ("eps", mx.float32, 1)]
+        routed = which == "gate_up_routed"
+        cuda_check.check("lily_moe_gate_up", ins,
+                         [("h", bf), ("inds_o", mx.uint32), ("scores_o", bf),
+                          ("shared_o", bf)], body, head,
+                         template=common + [("NW", M.GATE_UP_NW), ("RPW", M.GATE_UP_RPW),
+                                            ("TOPK", routed), ("NORM", True),
+                                            ("PRE_NORM", routed)])
     else:
         head, body = kernels.split_header(kernels.shader_source("cuda", "moe_down.cu"))
         ins = [("h", bf, 3), ("inds", mx.uint32, 2), ("scores", bf, 2), ("shared", bf, 2),
@@ -293,7 +300,7 @@ def test_cuda_twins_compile(which):
                                             ("RES", True)])
 
 
-@pytest.mark.parametrize("stem,small", [("moe_gate_up", {"inds"}),
+@pytest.mark.parametrize("stem,small", [("moe_gate_up", {"inds", "eps"}),
                                         ("moe_down", {"inds", "scores", "shared", "res"})])
 def test_metal_twins_lint(stem, small):
     """MSL address-space typing, also with the per-row inputs in ``constant`` memory
@@ -302,11 +309,13 @@ def test_metal_twins_lint(stem, small):
 
     try:
         spec = msl_lint.parse_body_file(kernels.shader_path("metal", f"{stem}.metal"))
-        for kinds in ([k for _, _, k in spec.inputs],
-                      ["small" if n in small else k for n, _, k in spec.inputs]):
+        for kinds, tmpl in [(k, t) for t in spec.templates
+                            for k in ([k for _, _, k in spec.inputs],
+                                      ["small" if n in small else k
+                                       for n, _, k in spec.inputs])]:
             r = msl_lint.lint_metal_source(
                 spec.body, spec.header, spec.input_names, spec.output_names,
-                spec.templates[0], name=spec.name,
+                tmpl, name=spec.name,
                 input_dtypes=[dt for _, dt, _ in spec.inputs], input_kinds=kinds,
                 output_dtypes=[dt for _, dt in spec.outputs])
             r.raise_for_issues()
@@ -328,3 +337,146 @@ def test_gpu_production_dims():
         y = M.moe_experts(x, inds, scores, blk.switch_mlp, blk.shared_expert, shared, res)
         t, mag = truth(x, inds, scores, shared, wts, res)
         check_close(y, t, mag, mx.bfloat16)
+
+
+# ------------------------------------------------------------------ routing in gate+up
+ROUTED_CASES = [  # (D, I, E, k, rows, bits, gs, dtype, pre_norm)
+    (256, 128, 16, 4, 1, 4, 64, mx.bfloat16, False),
+    (256, 128, 16, 4, 1, 4, 64, mx.bfloat16, True),
+    (2048, 512, 33, 8, 2, 4, 64, mx.bfloat16, True),   # production D, I, k; E past 32 lanes
+    (128, 64, 5, 3, 2, 4, 32, mx.float16, False),      # odd E and k
+    (256, 128, 8, 8, 1, 8, 128, mx.float32, True),     # k = E, 8-bit experts
+]
+
+
+def _fused_router(blk):
+    from mlx_lily.qproj import QProj
+
+    return QProj.fuse([blk.gate, blk.shared_expert_gate])
+
+
+def _route_ref(x, router, k):
+    from mlx_lily.ops.moe_router_topk import moe_router_topk_reference
+
+    with mx.stream(mx.cpu):
+        out = moe_router_topk_reference(x, router, k, True, tie_break="lowest_id")
+        mx.eval(out)
+    return out
+
+
+@pytest.mark.parametrize("backend", KERNEL_BACKENDS)
+@pytest.mark.parametrize("case", ROUTED_CASES,
+                         ids=lambda c: "D{}-I{}-E{}-k{}-n{}-b{}-g{}-{}-pre{}".format(
+                             *c[:7], str(c[7]).split(".")[-1], int(c[8])))
+def test_routed_decode_matches_router_and_truth(backend, case):
+    """TOPK (and PRE_NORM) gate+up: the routing it writes equals the router reference
+    (ties to the lowest id) on the same logits, and y equals the fp32 truth for it."""
+    from mlx_lily.ops.add_rms_norm import add_rms_norm_reference
+
+    d, i, e, k, rows, bits, gs, dtype, pre = case
+    blk = make_block(d=d, e=e, k=k, i=i, seed=d + e + k + 7, bits=bits, gs=gs, dtype=dtype)
+    router = _fused_router(blk)
+    wts = M.decode_weights(blk.switch_mlp, blk.shared_expert)
+    kg, kd, init = kernels_for(backend)
+    hin = mx.random.normal((rows, 1, d)).astype(dtype)
+    res = mx.random.normal((rows, 1, d)).astype(dtype)
+    nw = (1.0 + 0.1 * mx.random.normal((d,))).astype(dtype)
+    eps = 1e-6
+    with mx.stream(mx.cpu):
+        x = add_rms_norm_reference(hin, res, nw, eps)[1] if pre else hin
+        (logits,) = router(x, split=False)
+        mx.eval(x, logits)
+    assert M.routed_supported(router, k, wts, x.shape, dtype)
+    run = M.decode_plan(kg, kd, wts, x.shape, dtype, k, False, topk=True,
+                        norm_topk_prob=True, pre_norm=pre, init_value=init)
+    args = (hin, res, nw, eps, logits) if pre else (x, logits)
+    y, inds, scores, shared = run(*args)
+    r_inds, r_scores, r_shared = _route_ref(x, router, k)
+    assert inds.shape == r_inds.shape and mx.array_equal(inds, r_inds).item()
+    ulp = {mx.bfloat16: 2 ** -8, mx.float16: 2 ** -11, mx.float32: 2 ** -23}[dtype]
+    sf, rf = scores.astype(mx.float32), r_scores.astype(mx.float32)
+    assert bool(mx.all(mx.abs(sf - rf) <= 4 * ulp * rf).item()), (scores, r_scores)
+    assert shared.dtype == dtype
+    assert mx.allclose(shared.astype(mx.float32), r_shared.astype(mx.float32),
+                       rtol=2 ** -7 if dtype == mx.bfloat16 else 1e-3).item()
+    t, mag = truth(x, r_inds, r_scores, shared, wts)
+    check_close(y, t, mag, dtype)
+
+
+@pytest.mark.parametrize("backend", KERNEL_BACKENDS)
+def test_routed_parity_check_can_fail(backend):
+    """A wrong norm weight in the kernel's PRE_NORM row is caught by the same checks."""
+    from mlx_lily.ops.add_rms_norm import add_rms_norm_reference
+
+    blk = make_block(seed=9)
+    router = _fused_router(blk)
+    wts = M.decode_weights(blk.switch_mlp, blk.shared_expert)
+    kg, kd, init = kernels_for(backend)
+    hin = mx.random.normal((1, 1, 256)).astype(mx.bfloat16)
+    res = mx.random.normal((1, 1, 256)).astype(mx.bfloat16)
+    nw = mx.ones((256,), mx.bfloat16)
+    with mx.stream(mx.cpu):
+        x = add_rms_norm_reference(hin, res, nw, 1e-6)[1]
+        (logits,) = router(x, split=False)
+        mx.eval(x, logits)
+    run = M.decode_plan(kg, kd, wts, x.shape, mx.bfloat16, 4, False, topk=True,
+                        pre_norm=True, init_value=init)
+    y, inds, scores, shared = run(hin, res, nw * 1.5, 1e-6, logits)  # wrong weight
+    t, mag = truth(x, inds, scores, shared, wts)
+    with pytest.raises(AssertionError):
+        check_close(y, t, mag, mx.bfloat16)
+
+
+@pytest.mark.skipif(not HAS_EMU, reason="Metal emulator unavailable")
+def test_routed_dispatcher(monkeypatch):
+    """``moe_experts_routed``: a plain row and a ``PendingNorm`` (norm folded into the
+    router GEMV, then again in gate+up) give the kernel path's result with three launches;
+    the switch, a router without the shared gate, and too many rows return None."""
+    from mlx_lily import backend as B
+    from mlx_lily.ops import norm_qgemv, qgemv
+    from mlx_lily.ops.add_rms_norm import add_rms_norm_reference
+    from mlx_lily.qproj import PendingNorm, QProj
+
+    emulated_metal_dispatch(monkeypatch, M, qgemv, norm_qgemv)
+    monkeypatch.setenv("MLX_LILY_KERNELS", "all")
+    calls = count_kernel_launches(monkeypatch)
+    blk = make_block(seed=11)
+    router = _fused_router(blk)
+    wts = M.decode_weights(blk.switch_mlp, blk.shared_expert)
+    hin = mx.random.normal((1, 1, 256)).astype(mx.bfloat16)
+    res = mx.random.normal((1, 1, 256)).astype(mx.bfloat16)
+    nw = (1.0 + 0.1 * mx.random.normal((256,))).astype(mx.bfloat16)
+    with mx.stream(mx.cpu):
+        x = add_rms_norm_reference(hin, res, nw, 1e-6)[1]
+        mx.eval(x)
+    y = M.moe_experts_routed(x, router, 4, True, blk.switch_mlp, blk.shared_expert)
+    assert calls == ["lily_qgemv", "lily_moe_gate_up", "lily_moe_down"]
+    p = PendingNorm(hin, res, nw, 1e-6)
+    y2 = M.moe_experts_routed(p, router, 4, True, blk.switch_mlp, blk.shared_expert)
+    assert calls[3:] == ["lily_norm_qgemv", "lily_moe_gate_up", "lily_moe_down"]
+    assert p.h is not None and mx.array_equal(p.h, hin + res).item()
+    # the same launches by hand: equal bit for bit
+    kg, kd = kernels.get(M.GATE_UP_SPEC, "metal"), kernels.get(M.DOWN_SPEC, "metal")
+    (logits,) = router(x, split=False)
+    want = M.decode_plan(kg, kd, wts, x.shape, x.dtype, 4, False, topk=True)(x, logits)
+    assert mx.array_equal(y, want[0]).item()
+    logits2, _ = norm_qgemv.for_qproj(hin, res, nw, 1e-6, router)
+    want2 = M.decode_plan(kg, kd, wts, x.shape, x.dtype, 4, False, topk=True,
+                          pre_norm=True)(hin, res, nw, 1e-6, logits2)
+    assert mx.array_equal(y2, want2[0]).item()
+    # and both match the fp32 truth for their routing
+    for yy, (_, inds, scores, shared) in ((y, want), (y2, want2)):
+        t, mag = truth(x, inds, scores, shared, wts)
+        check_close(yy, t, mag, mx.bfloat16)
+    # not served: nothing launched
+    del calls[:]
+    monkeypatch.setenv(B.DISABLE_ENV, M.TOPK_OP)
+    assert M.moe_experts_routed(x, router, 4, True, blk.switch_mlp, blk.shared_expert) is None
+    monkeypatch.delenv(B.DISABLE_ENV)
+    gate_only = QProj.view([blk.gate])
+    assert M.moe_experts_routed(x, gate_only, 4, True, blk.switch_mlp,
+                                blk.shared_expert) is None
+    xb = mx.random.normal((1, M.MAX_DECODE_ROWS + 1, 256)).astype(mx.bfloat16)
+    assert M.moe_experts_routed(xb, router, 4, True, blk.switch_mlp,
+                                blk.shared_expert) is None
+    assert calls == []

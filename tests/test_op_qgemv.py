@@ -162,6 +162,36 @@ def test_qproj_routes_one_row_to_kernel(monkeypatch):
     assert len(calls) == 1
 
 
+def test_lm_head_routes_one_row_to_kernel(monkeypatch):
+    """The patched top models' LM head (``patches.qwen3_next.lm_head``): a one-row input
+    of a quantized head runs ``lily_qgemv`` (view cached per weight array), several rows
+    and unquantized heads run the layer itself."""
+    from mlx_lily.patches.qwen3_next import lm_head
+
+    emulated_metal_dispatch(monkeypatch, Q)
+    mx.random.seed(6)
+    lin = nn.Linear(256, 40, bias=False)
+    lin.weight = (mx.random.normal((40, 256)) * 0.06).astype(mx.bfloat16)
+    owner = nn.Module()
+    owner.lm_head = nn.QuantizedLinear.from_linear(lin, 64, 4)
+    calls = count_kernel_launches(monkeypatch)
+    x = mx.random.normal((1, 1, 256)).astype(mx.bfloat16)
+    y = lm_head(owner, x)
+    assert calls == ["lily_qgemv"] and y.shape == (1, 1, 40)
+    h = owner.lm_head
+    t = truth(x.reshape(1, 256), h.weight, h.scales, h.biases, 64, 4)
+    check_close(y.reshape(1, 40), t, x.reshape(1, 256), h.weight, h.scales, h.biases, 64,
+                4, mx.bfloat16)
+    view = owner.__dict__["_lily_head"][1]
+    lm_head(owner, x)
+    assert owner.__dict__["_lily_head"][1] is view and len(calls) == 2
+    xs = mx.random.normal((1, 3, 256)).astype(mx.bfloat16)
+    assert mx.array_equal(lm_head(owner, xs), owner.lm_head(xs)).item()
+    assert len(calls) == 2
+    owner.lm_head = lin  # unquantized: the layer itself
+    assert mx.array_equal(lm_head(owner, x), lin(x)).item() and len(calls) == 2
+
+
 @pytest.mark.skipif(nvcc_path() is None, reason="nvcc not installed")
 def test_cuda_twin_compiles():
     from mlx_lily.testing import cuda_check

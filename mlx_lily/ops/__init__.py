@@ -22,6 +22,7 @@ _MODULES = {
     "gdn_packed": "mlx_lily.ops.gated_delta:has_packed_kernel",
     "attn_packed": "mlx_lily.ops.attention:has_packed_kernel",
     "moe_router_norm": "mlx_lily.ops.moe_router_topk:has_pre_norm_kernel",
+    "moe_topk_in_experts": "mlx_lily.ops.moe_experts:has_routed_kernel",
 }
 
 

@@ -61,8 +61,13 @@ def moe_experts_reference(x: mx.array, inds: mx.array, scores: mx.array,
 GATE_UP_SPEC = kernels.KernelSpec(
     name="lily_moe_gate_up", stem="moe_gate_up",
     inputs=("x", "inds", "gate_w", "gate_s", "gate_b", "up_w", "up_s", "up_b",
-            "sgate_w", "sgate_s", "sgate_b", "sup_w", "sup_s", "sup_b"),
-    outputs=("h",))
+            "sgate_w", "sgate_s", "sgate_b", "sup_w", "sup_s", "sup_b",
+            "logits", "hin", "res", "nw", "eps"),
+    outputs=("h", "inds_o", "scores_o", "shared_o"))
+#: The switch of routing inside the gate+up kernel (``moe_experts_routed``): router
+#: logits from the multi-block GEMV (``qgemv`` / ``norm_qgemv``), softmax + top-k in
+#: every gate+up threadgroup, instead of the one-threadgroup router kernel.
+TOPK_OP = "moe_topk_in_experts"
 DOWN_SPEC = kernels.KernelSpec(
     name="lily_moe_down", stem="moe_down",
     inputs=("h", "inds", "scores", "shared", "down_w", "down_s", "down_b",
@@ -183,12 +188,20 @@ def supports_decode(x: mx.array, inds: mx.array, scores: mx.array, shared,
 
 def decode_plan(k_gate_up, k_down, wts: DecodeWeights, x_shape, x_dtype, k: int,
                 with_residual: bool, *, gate_up=(GATE_UP_NW, GATE_UP_RPW),
-                down=(DOWN_NW, DOWN_RPW), init_value: float | None = None):
-    """A callable ``run(x, inds, scores, shared, residual) -> y`` launching the two
-    decode kernels for inputs of one shape and dtype (templates, grids and output shapes
-    worked out once). The kernels index flat row-major memory, so no reshapes (each would
-    be a graph node); ids that are not uint32 and scores/gates/residual in another dtype
-    are cast."""
+                down=(DOWN_NW, DOWN_RPW), init_value: float | None = None,
+                topk: bool = False, norm_topk_prob: bool = True, pre_norm: bool = False):
+    """A callable launching the two decode kernels for inputs of one shape and dtype
+    (templates, grids and output shapes worked out once). The kernels index flat
+    row-major memory, so no reshapes (each would be a graph node); ids that are not
+    uint32 and scores/gates/residual in another dtype are cast.
+
+    Routing given: ``run(x, inds, scores, shared, residual=None) -> y``. With ``topk``
+    the gate+up kernel routes each row itself from the router's logits ``[..., E+1]``
+    (E experts, then the shared-expert gate; ``norm_topk_prob`` renormalises):
+    ``run(x, logits) -> (y, inds, scores, shared)``, or with ``pre_norm`` (the row is
+    ``rms_norm(hin + res) * nw``, computed in the kernel) ``run(hin, res, nw, eps,
+    logits) -> (y, inds, scores, shared)``.
+    """
     d, i = wts.hidden, wts.inter
     lead = tuple(x_shape[:-1])
     n = 1
@@ -202,9 +215,14 @@ def decode_plan(k_gate_up, k_down, wts: DecodeWeights, x_shape, x_dtype, k: int,
     nw, rpw = gate_up
     tg = 32 * nw
     rpb = nw * (32 // qgemv.lanes_per_row(d, wts.bits)) * rpw
-    kw1 = dict(template=common + [("NW", nw), ("RPW", rpw)],
+    route_shapes = ([lead + (k,), lead + (k,), lead + (1,)] if topk
+                    else [(1,), (1,), (1,)])
+    kw1 = dict(template=common + [("NW", nw), ("RPW", rpw), ("TOPK", bool(topk)),
+                                  ("NORM", bool(norm_topk_prob)),
+                                  ("PRE_NORM", bool(pre_norm))],
                grid=(-(-i // rpb) * tg, k + 1, n), threadgroup=(tg, 1, 1),
-               output_shapes=[(n, k + 1, i)], output_dtypes=[dt], **extra)
+               output_shapes=[(n, k + 1, i)] + route_shapes,
+               output_dtypes=[dt, mx.uint32, dt, dt], **extra)
     nw, rpw = down
     tg = 32 * nw
     rpb = nw * (32 // qgemv.lanes_per_row(i, wts.bits)) * rpw
@@ -213,6 +231,23 @@ def decode_plan(k_gate_up, k_down, wts: DecodeWeights, x_shape, x_dtype, k: int,
                output_shapes=[lead + (d,)], output_dtypes=[dt], **extra)
     w1 = [*wts.gate, *wts.up, *wts.sgate, *wts.sup]
     w2 = [*wts.down, *wts.sdown]
+    no_eps = kernels.f32_scalar(0.0)
+
+    if topk:
+        def run_routed(*args):
+            if pre_norm:
+                hin, res, nw_, eps, logits = args
+                x = hin
+                tail = [logits, hin, res, nw_, kernels.f32_scalar(eps)]
+            else:
+                x, logits = args
+                tail = [logits, x, x, x, no_eps]
+            ph = x  # placeholder for the unread inds input
+            h, inds, scores, shared = k_gate_up(inputs=[x, ph, *w1, *tail], **kw1)
+            y = k_down(inputs=[h, inds, scores, shared, *w2, scores], **kw2)[0]
+            return y, inds, scores, shared
+
+        return run_routed
 
     def run(x, inds, scores, shared, residual=None):
         ind = inds if inds.dtype == mx.uint32 else inds.astype(mx.uint32)
@@ -222,7 +257,7 @@ def decode_plan(k_gate_up, k_down, wts: DecodeWeights, x_shape, x_dtype, k: int,
             res = sc  # placeholder, never read (RES=false)
         else:
             res = residual if residual.dtype == dt else residual.astype(dt)
-        (h,) = k_gate_up(inputs=[x, ind, *w1], **kw1)
+        h = k_gate_up(inputs=[x, ind, *w1, x, x, x, x, no_eps], **kw1)[0]
         return k_down(inputs=[h, ind, sc, sh, *w2, res], **kw2)[0]
 
     return run
@@ -244,6 +279,12 @@ def has_kernel(backend: str) -> bool:
     """True when the decode kernels can run on ``backend`` here."""
     return (backend in ("metal", "cuda") and kernels.get(GATE_UP_SPEC, backend) is not None
             and kernels.get(DOWN_SPEC, backend) is not None)
+
+
+def has_routed_kernel(backend: str) -> bool:
+    """True when ``moe_experts_routed`` (routing inside the gate+up kernel) can run on
+    ``backend`` here."""
+    return has_kernel(backend) and kernels.kernels_allowed(TOPK_OP, backend)
 
 
 def _decode_run(switch_mlp, shared_expert, x, inds, scores, shared, residual, backend):
@@ -300,3 +341,101 @@ def moe_experts(x, inds, scores, switch_mlp, shared_expert, shared, residual=Non
                     return y if residual is None else residual + y
     return moe_experts_reference(x, inds, scores, switch_mlp, shared_expert, shared,
                                  residual)
+
+
+def routed_supported(router, k: int, wts: DecodeWeights | None, x_shape, x_dtype) -> bool:
+    """True when ``moe_experts_routed`` can route inside the gate+up kernel: decode rows
+    the kernels take, a ``QProj`` router whose parts are ``(E, 1)`` (the experts' logits
+    and the shared-expert gate, E = the experts' count), ``k <= min(32, E)``, and a row
+    that fits in threadgroup memory (the in-kernel norm stages it), at most
+    ``MAX_ROUTED_EXPERTS`` experts."""
+    from ..qproj import QProj
+
+    if wts is None or not isinstance(router, QProj) or x_dtype not in _FLOATS:
+        return False
+    if tuple(router.sizes) != (wts.num_experts, 1) or not 1 <= k <= min(32, wts.num_experts):
+        return False
+    if wts.num_experts > MAX_ROUTED_EXPERTS:
+        return False
+    d = x_shape[-1]
+    rows = 1
+    for s_ in x_shape[:-1]:
+        rows *= s_
+    return (d == wts.hidden and 1 <= rows <= MAX_DECODE_ROWS
+            and d * x_dtype.size + 4 * (k + 4 + GATE_UP_NW) <= MAX_THREADGROUP_BYTES)
+
+
+#: Threadgroup memory the gate+up kernel may take (Apple's per-threadgroup limit), and the
+#: most experts its one-warp routing holds in registers (32 per lane).
+MAX_THREADGROUP_BYTES = 32768
+MAX_ROUTED_EXPERTS = 1024
+
+
+def moe_experts_routed(x, router, k: int, norm_topk_prob: bool, switch_mlp, shared_expert):
+    """A decode MoE block with the routing done inside the gate+up kernel: the router
+    logits ``[..., E+1]`` come from the fused router ``QProj`` (a multi-block GEMV:
+    ``qgemv``, or ``norm_qgemv`` when ``x`` is a ``mlx_lily.qproj.PendingNorm``), then
+    gate+up (softmax, top-k, renormalisation and the shared gate in every threadgroup,
+    ids never leave the GPU; with a pending norm the row is normalised there too) and
+    down + combine: three launches, as with the one-threadgroup router kernel, whose GEMV
+    runs on one SM. Same contract as ``moe_router_topk`` (ties to the lowest id) followed
+    by ``moe_experts``.
+
+    Args:
+        x: ``[..., D]`` array or ``PendingNorm`` (``x.h`` set afterwards).
+    Returns:
+        ``[..., D]`` in x's dtype, or None when this path does not serve the call (the
+        switch ``moe_topk_in_experts`` is off, kernels not allowed or unavailable, or
+        ``routed_supported`` says no, or ``x`` is a ``PendingNorm`` that ``norm_qgemv``
+        cannot fold into the router GEMV); nothing was launched then.
+    """
+    from ..backend import op_enabled
+    from ..qproj import PendingNorm
+
+    backend = current_backend()
+    if (backend not in ("metal", "cuda") or not op_enabled(TOPK_OP)
+            or not kernels.kernels_allowed(TOPK_OP, backend)
+            or not kernels.kernels_allowed(NAME, backend)):
+        return None
+    pending = isinstance(x, PendingNorm)
+    row = x.h0 if pending else x
+    plans = switch_mlp.__dict__.get("_lily_routed_plans")
+    if plans is None:
+        plans = {}
+        object.__setattr__(switch_mlp, "_lily_routed_plans", plans)
+    key = (backend, id(router), id(shared_expert), id(switch_mlp.gate_proj.get("weight")),
+           id(switch_mlp.up_proj.get("weight")), id(switch_mlp.down_proj.get("weight")),
+           row.shape, row.dtype, k, bool(norm_topk_prob))
+    entry = plans.get(key, False)
+    if entry is False:
+        entry = None
+        wts = decode_weights(switch_mlp, shared_expert)
+        if routed_supported(router, k, wts, row.shape, row.dtype):
+            kg = kernels.get(GATE_UP_SPEC, backend)
+            kd = kernels.get(DOWN_SPEC, backend)
+            if kg is not None and kd is not None:
+                mk = lambda pre: decode_plan(kg, kd, wts, row.shape, row.dtype, k,  # noqa: E731
+                                             False, topk=True,
+                                             norm_topk_prob=norm_topk_prob, pre_norm=pre)
+                entry = (mk(False), mk(True))
+        if len(plans) > 64:
+            plans.clear()
+        plans[key] = entry
+    if entry is None:
+        return None
+    plain, pre = entry
+    if pending and x._x is None:
+        if (x.res.shape != row.shape or x.res.dtype != row.dtype
+                or x.weight.shape != (row.shape[-1],) or x.weight.dtype != row.dtype):
+            return None
+        from . import norm_qgemv
+
+        r = norm_qgemv.for_qproj(x.h0, x.res, x.weight, x.eps, router)
+        if r is None:  # the router kernel's own add+norm prologue serves instead
+            return None
+        logits, x.h = r  # the norm ran inside the router GEMV: again in gate+up
+        return pre(x.h0, x.res, x.weight, x.eps, logits)[0]
+    if pending:
+        x = x._x
+    (logits,) = router(x, split=False)
+    return plain(x, logits)[0]

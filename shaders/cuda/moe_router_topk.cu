@@ -21,7 +21,6 @@
   constexpr int STEPS = KW / LPR;
   constexpr int NG = D / GS;
   constexpr int R = E + (HAS_SHARED ? 1 : 0);
-  constexpr int EPL = (E + 31) / 32;
   static_assert(KW * VPL == D && STEPS * LPR == KW && SG * LPR == 32, "router: bad D");
   static_assert(GS % VPL == 0 && K <= 32 && K <= E, "router: bad GS/K");
 
@@ -72,58 +71,12 @@
   __syncthreads();
   if (warp != 0) return;
 
-  float p[EPL];
-  float m = __int_as_float(0xff800000);
-#pragma unroll
-  for (int i = 0; i < EPL; ++i) {
-    const int e = lane + 32 * i;
-    p[i] = e < E ? lg[e] : __int_as_float(0xff800000);
-    m = fmaxf(m, p[i]);
-  }
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
-  float den = 0.f;
-#pragma unroll
-  for (int i = 0; i < EPL; ++i) {
-    const int e = lane + 32 * i;
-    p[i] = e < E ? expf(p[i] - m) : 0.f;
-    den += p[i];
-  }
-  den = lily_group_sum<32>(den);
-  const float inv = 1.f / den;
-#pragma unroll
-  for (int i = 0; i < EPL; ++i) {
-    const int e = lane + 32 * i;
-    p[i] = e < E ? lily_round<T>(p[i] * inv) : -1.f;
-  }
-
   unsigned my_i = 0u;
-  float my_v = 0.f;
-  for (int j = 0; j < K; ++j) {
-    float bv = -2.f;
-    int bi = 0x7fffffff;
-#pragma unroll
-    for (int i = 0; i < EPL; ++i) {
-      if (p[i] > bv) { bv = p[i]; bi = lane + 32 * i; }
-    }
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) {
-      const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
-      const int oi = __shfl_xor_sync(0xffffffffu, bi, o);
-      if (ov > bv || (ov == bv && oi < bi)) { bv = ov; bi = oi; }
-    }
-#pragma unroll
-    for (int i = 0; i < EPL; ++i) {
-      if (lane + 32 * i == bi) p[i] = -3.f;
-    }
-    if (lane == j) { my_i = (unsigned)bi; my_v = bv; }
-  }
-
-  const float tot = lily_group_sum<32>(lane < K ? my_v : 0.f);
+  float my_sc = 0.f;
+  lily_route_topk<T, E, K, NORM>(lg, lane, my_i, my_sc);
   if (lane < K) {
-    const float sc = NORM ? my_v / lily_round<T>(tot) : my_v;
     inds[(size_t)n * K + lane] = my_i;
-    scores[(size_t)n * K + lane] = static_cast<T>(sc);
+    scores[(size_t)n * K + lane] = static_cast<T>(my_sc);
   }
   if (lane == 0) {
     float sh = 0.f;

@@ -21,7 +21,6 @@
   constexpr int STEPS = KW / LPR;
   constexpr int NG = D / GS;
   constexpr int R = E + (HAS_SHARED ? 1 : 0);
-  constexpr int EPL = (E + 31) / 32;
   static_assert(KW * VPL == D && STEPS * LPR == KW && SG * LPR == 32, "router: bad D");
   static_assert(GS % VPL == 0 && K <= 32 && K <= E, "router: bad GS/K");
 
@@ -78,64 +77,12 @@
     return;
   }
 
-  float p[EPL];
-  float m = -INFINITY;
-  for (int i = 0; i < EPL; ++i) {
-    const int e = lane + 32 * i;
-    p[i] = e < E ? lg[e] : -INFINITY;
-    m = max(m, p[i]);
-  }
-  for (ushort o = 16; o > 0; o >>= 1) {
-    m = max(m, simd_shuffle_xor(m, o));
-  }
-  float den = 0.0f;
-  for (int i = 0; i < EPL; ++i) {
-    const int e = lane + 32 * i;
-    p[i] = e < E ? metal::exp(p[i] - m) : 0.0f;
-    den += p[i];
-  }
-  den = lily_group_sum<32>(den);
-  const float inv = 1.0f / den;
-  for (int i = 0; i < EPL; ++i) {
-    const int e = lane + 32 * i;
-    p[i] = e < E ? lily_round<T>(p[i] * inv) : -1.0f;
-  }
-
   uint my_i = 0u;
-  float my_v = 0.0f;
-  for (int j = 0; j < K; ++j) {
-    float bv = -2.0f;
-    int bi = 0x7fffffff;
-    for (int i = 0; i < EPL; ++i) {
-      if (p[i] > bv) {
-        bv = p[i];
-        bi = lane + 32 * i;
-      }
-    }
-    for (ushort o = 16; o > 0; o >>= 1) {
-      const float ov = simd_shuffle_xor(bv, o);
-      const int oi = simd_shuffle_xor(bi, o);
-      if (ov > bv || (ov == bv && oi < bi)) {
-        bv = ov;
-        bi = oi;
-      }
-    }
-    for (int i = 0; i < EPL; ++i) {
-      if (lane + 32 * i == bi) {
-        p[i] = -3.0f;
-      }
-    }
-    if (lane == j) {
-      my_i = uint(bi);
-      my_v = bv;
-    }
-  }
-
-  const float tot = lily_group_sum<32>(lane < K ? my_v : 0.0f);
+  float my_sc = 0.0f;
+  lily_route_topk<T, E, K, NORM>(lg, lane, my_i, my_sc);
   if (lane < K) {
-    const float sc = NORM ? my_v / lily_round<T>(tot) : my_v;
     inds[n * K + lane] = my_i;
-    scores[n * K + lane] = static_cast<T>(sc);
+    scores[n * K + lane] = static_cast<T>(my_sc);
   }
   if (lane == 0) {
     float sh = 0.0f;
