@@ -8,9 +8,10 @@ dispatch: the patched forwards, the checks and the kernel launch plumbing.
     python benchmarks/build_time.py --layers 40 --steps 40 --out DIR
 
 Prints and writes DIR/build_time.json: median milliseconds per step (after ``--warmup``
-steps) with the compiled decode steps on (the default: GDN layers and whole attention
-layers), on with the attention layers' mixers eager (``MLX_LILY_COMPILE_ATTN=0``: only
-their MLP halves compiled), and off.
+steps) with the compiled decode steps on (the default: the whole decoder stack as one
+compiled function), one compiled function per layer (``MLX_LILY_COMPILE_WHOLE=0``), per
+layer with the attention layers' mixers eager (``MLX_LILY_COMPILE_ATTN=0``: only their MLP
+halves compiled), and off.
 """
 
 from __future__ import annotations
@@ -72,9 +73,12 @@ def main(argv=None) -> int:
     import subprocess
 
     for mode, name, extra in (("1", "compiled", {}),
-                              ("1", "compiled-eager-attention", {"MLX_LILY_COMPILE_ATTN": "0"}),
+                              ("1", "compiled-per-layer", {"MLX_LILY_COMPILE_WHOLE": "0"}),
+                              ("1", "compiled-eager-attention", {"MLX_LILY_COMPILE_ATTN": "0",
+                                                                 "MLX_LILY_COMPILE_WHOLE": "0"}),
                               ("0", "eager", {})):
-        env = {k: v for k, v in os.environ.items() if k != "MLX_LILY_COMPILE_ATTN"}
+        env = {k: v for k, v in os.environ.items()
+               if k not in ("MLX_LILY_COMPILE_ATTN", "MLX_LILY_COMPILE_WHOLE")}
         env.update(extra)
         out = subprocess.run(
             [sys.executable, __file__, "--_one", mode, str(a.layers), str(a.steps),

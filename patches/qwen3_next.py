@@ -28,17 +28,17 @@ MODEL_TYPES = ("qwen3_next",)
 
 
 class WeightSig:
-    """The identity of every array in a module tree when it was taken: ``valid()`` turns
+    """The identity of every array in one or more module trees when it was taken: ``valid()`` turns
     False once any of them is replaced (``load_weights``, ``update``, ``set_dtype``,
     quantization). A copy (``copy.deepcopy``, pickling) is never valid, so a copied model
     rebuilds what it derived from its weights."""
 
     __slots__ = ("_owners", "_keys", "_values")
 
-    def __init__(self, module=None):
+    def __init__(self, module=None, *more):
         entries = [] if module is None else [
-            (m, k, v) for _, m in module.named_modules() for k, v in m.items()
-            if isinstance(v, mx.array)]
+            (m, k, v) for top in (module, *more) for _, m in top.named_modules()
+            for k, v in m.items() if isinstance(v, mx.array)]
         # parallel tuples, so that valid() (every decode step) runs in C
         self._owners = None if module is None else tuple(m for m, _, _ in entries)
         self._keys = tuple(k for _, k, _ in entries)
@@ -330,7 +330,14 @@ class _CompiledSteps:
 
     def __init__(self, key=None):
         self.key = key
-        self.fns: dict = {}
+        self.fns: dict = {}  # (layer index, pending[, "attn"]) -> compiled fn or False
+        self.whole = None  # the whole-stack step: compiled fn, False (failed), or None
+        self.static: dict = {}  # per-forward facts of the whole step, by dtype/switch
+
+    def clear(self) -> None:
+        self.fns.clear()
+        self.whole = None
+        self.static.clear()
 
     def __deepcopy__(self, memo):
         return _CompiledSteps()
@@ -400,8 +407,8 @@ def _mixer(layer, x, mask, c, h):
     return h, r
 
 
-def _gdn_step(layer, pending):
-    """One decode step of a GDN decoder layer, compiled and pure: ``(h, d, conv, state) ->
+def _gdn_step_fn(layer, pending):
+    """One decode step of a GDN decoder layer as a pure function: ``(h, d, conv, state) ->
     (h', m, conv', state')``, where ``d`` is the layer's input ``x`` or, when ``pending``,
     the previous MLP output (``x = rms_norm(h + d)`` is then folded into the input
     projection); mixer, post-attention add+norm and MLP/MoE."""
@@ -414,7 +421,12 @@ def _gdn_step(layer, pending):
         h, m = _layer_tail(layer, h, r)
         return h, m, c[0], c[1]
 
-    return mx.compile(step)
+    return step
+
+
+def _gdn_step(layer, pending):
+    """``_gdn_step_fn`` compiled."""
+    return mx.compile(_gdn_step_fn(layer, pending))
 
 
 COMPILE_ATTN_ENV = "MLX_LILY_COMPILE_ATTN"  # "0": attention layers' decode steps run eagerly
@@ -422,34 +434,50 @@ COMPILE_ATTN_ENV = "MLX_LILY_COMPILE_ATTN"  # "0": attention layers' decode step
 
 def _attn_step_ok(layer, c, x) -> bool:
     """Whether this attention layer's decode step can run as one compiled function
-    (on with compiled decode steps; ``MLX_LILY_COMPILE_ATTN=0`` turns it off): a plain ``KVCache`` with room for the token, the fused
-    q|k|v projection, and the packed decode kernels serving (heads, dims, dtype)."""
+    (on with compiled decode steps; ``MLX_LILY_COMPILE_ATTN=0`` turns it off): a plain
+    ``KVCache`` with room for the token (``_attn_cache_ok``), the fused q|k|v projection,
+    and the packed decode kernels serving (heads, dims, dtype: ``_attn_static_head_dim``)."""
+    d = _attn_static_head_dim(layer, x.dtype)
+    return d is not None and _attn_cache_ok(c, x, d)
+
+
+def _attn_cache_ok(c, x, head_dim) -> bool:
+    """The per-step part of ``_attn_step_ok``: a plain ``KVCache`` of ``x``'s batch with
+    room for one more token, of head size ``head_dim``."""
+    return (type(c) is KVCache and c.keys is not None and c.offset + 1 <= c.keys.shape[2]
+            and x.shape[1] == 1 and c.keys.shape[0] == x.shape[0]
+            and c.keys.shape[-1] == head_dim)
+
+
+def _attn_static_head_dim(layer, dtype):
+    """The part of ``_attn_step_ok`` that holds for every step of a forward (switches,
+    modules, dtype): the head size when the compiled attention step serves, else None."""
     from mlx_lily import backend
 
     if backend.env_value(COMPILE_ATTN_ENV, "1") == "0":
-        return False
+        return None
     attn = layer.self_attn
-    if (type(c) is not KVCache or c.keys is None or c.offset + 1 > c.keys.shape[2]
-            or x.shape[1] != 1 or c.keys.shape[0] != x.shape[0]
-            or not _attention_supported(attn, c)):
-        return False
+    if not (op_enabled(attn_ops.NAME) and not attn.training and type(attn.rope) is nn.RoPE):
+        return None
     st = getattr(attn, "_lily", None)
     proj = getattr(st, "qkv", None) if st is not None else None
     Hq, Hkv = attn.num_attention_heads, attn.num_key_value_heads
     if not isinstance(proj, QProj) or Hq % Hkv or Hq // Hkv > 8:
-        return False
+        return None
     D = proj.out_features // (2 * Hq + 2 * Hkv)
     rope = attn.rope
-    return (D in attn_ops._HEAD_DIMS and c.keys.shape[-1] == D
-            and attn_ops.packed_supported(x.dtype, attn.q_norm.weight, attn.k_norm.weight,
-                                          head_dim=D, rope_dims=rope.dims,
-                                          traditional=rope.traditional))
+    ok = (D in attn_ops._HEAD_DIMS
+          and attn_ops.packed_supported(dtype, attn.q_norm.weight, attn.k_norm.weight,
+                                        head_dim=D, rope_dims=rope.dims,
+                                        traditional=rope.traditional))
+    return D if ok else None
 
 
 def _attn_step_fn(layer, pending):
     """One decode step of an attention decoder layer as a pure function of arrays:
-    ``(h, d, keys, values, offset) -> (h', m, keys', values')`` with ``keys``/``values``
-    the KV cache's whole buffers and ``offset`` an int32 ``[1]`` (the token's position):
+    ``(h, d, keys, values, offset[, tlen]) -> (h', m, keys', values')`` with
+    ``keys``/``values`` the KV cache's whole buffers, ``offset`` an int32 ``[1]`` (the
+    token's position) and ``tlen`` = ``offset + 1`` (computed here when not given):
     fused add+norm+q|k|v GEMV, q/k norm + RoPE + v, the cache write as a dynamic
     ``slice_update``, split-K attention over the first ``offset + 1`` keys (DYN_T),
     ``o_proj``, post-attention add+norm, MLP/MoE. Static shapes for a given cache
@@ -458,7 +486,7 @@ def _attn_step_fn(layer, pending):
     norm = layer.input_layernorm
     Hq, Hkv = attn.num_attention_heads, attn.num_key_value_heads
 
-    def step(h, d, keys, values, offset):
+    def step(h, d, keys, values, offset, tlen=None):
         x = PendingNorm(h, d, norm.weight, norm.eps) if pending else d
         proj = _proj(attn, "qkv", (attn.q_proj, attn.k_proj, attn.v_proj))
         (y,) = _run(proj, x, split=False)
@@ -475,11 +503,99 @@ def _attn_step_fn(layer, pending):
         keys = mx.slice_update(keys, k, offset, axes=(2,))
         values = mx.slice_update(values, v, offset, axes=(2,))
         out = attn_ops.decode_attention(q, keys, values, attn.scale, y, gate_packed=True,
-                                        tlen=offset + 1)
+                                        tlen=offset + 1 if tlen is None else tlen)
         h, m = _layer_tail(layer, h, attn.o_proj(out))
         return h, m, keys, values
 
     return step
+
+
+WHOLE_STEP_ENV = "MLX_LILY_COMPILE_WHOLE"  # "0": one compiled function per layer instead
+
+
+def _whole_step_fn(text_model, layers):
+    """A whole decode step of the decoder stack as one pure function: ``(h, *states,
+    offset) -> (y, *states')`` with ``h`` the token's embedding ``[B, 1, D]``, ``states``
+    each layer's cache arrays in order (GDN: conv and recurrent state; attention: the KV
+    cache's key and value buffers), ``offset`` the attention layers' common position
+    (int32 ``[1]``) and ``y`` the final norm's output. The layers' bodies are
+    ``_gdn_step_fn`` / ``_attn_step_fn`` (every layer's input norm but the first pending,
+    folded into its input projection), so ``mx.compile`` replays the whole step with one
+    Python call until the KV caches grow."""
+    first = layers[0].input_layernorm
+    fns = [(_gdn_step_fn if l.is_linear else _attn_step_fn)(l, i > 0)
+           for i, l in enumerate(layers)]
+    norm = text_model.norm
+
+    def step(h, *arrays):
+        offset = arrays[-1]
+        tlen = offset + 1  # once for every attention layer
+        d = mx.fast.rms_norm(h, first.weight, first.eps)
+        outs = []
+        for i, (layer, f) in enumerate(zip(layers, fns)):
+            a, b = arrays[2 * i], arrays[2 * i + 1]
+            h, d, a, b = f(h, d, a, b) if layer.is_linear else f(h, d, a, b, offset, tlen)
+            outs += [a, b]
+        return [add_rms_norm(h, d, norm.weight, norm.eps)[1], *outs]
+
+    return step
+
+
+def _run_whole_step(text_model, cs, layers, cache, h):
+    """The decode step through ``_whole_step_fn`` (compiled on first use, kept in
+    ``cs.whole``, ``cs`` the model's ``_CompiledSteps``) when every layer can run compiled now (``_gdn_step_ok``,
+    ``_attn_step_ok``) with one common KV offset; the caches are updated. None when it
+    does not serve this step (the per-layer path then runs; nothing was changed); a
+    tracing failure marks it off for this model (one warning)."""
+    from mlx_lily import backend
+
+    if backend.env_value(WHOLE_STEP_ENV, "1") == "0":
+        return None
+    # what holds for every step (switches, modules, dtype): once per compile key
+    skey = ("whole-ok", h.dtype, backend.env_value(COMPILE_ATTN_ENV, "1"))
+    dims = cs.static.get(skey)
+    if dims is None:
+        dims = [0 if l.is_linear and gdn_supported(l.linear_attn) else
+                (None if l.is_linear else _attn_static_head_dim(l, h.dtype)) for l in layers]
+        dims = cs.static[skey] = dims if all(d is not None for d in dims) else False
+    if dims is False:
+        return None
+    offset = None
+    for layer, c, d in zip(layers, cache, dims):
+        if layer.is_linear:
+            if not _gdn_cache_ok(c):
+                return None
+        elif not _attn_cache_ok(c, h, d) or offset not in (None, c.offset):
+            return None
+        else:
+            offset = c.offset
+    fn = cs.whole
+    if fn is None:
+        fn = mx.compile(_whole_step_fn(text_model, layers))
+    args = [h]
+    for layer, c in zip(layers, cache):
+        args += [c[0], c[1]] if layer.is_linear else [c.keys, c.values]
+    args.append(mx.array([offset or 0], dtype=mx.int32))
+    try:
+        out = fn(*args)
+    except Exception as e:  # noqa: BLE001  (any tracing failure: per-layer path)
+        import warnings
+
+        warnings.warn(f"mlx-lily: compiling the whole decode step failed ({e!r}); layers "
+                      "run one compiled function each", stacklevel=3)
+        cs.whole = False
+        return None
+    cs.whole = fn
+    it = iter(out[1:])
+    for layer, c in zip(layers, cache):
+        if layer.is_linear:
+            c[0] = next(it)
+            c[1] = next(it)
+        else:
+            c.keys = next(it)
+            c.values = next(it)
+            c.offset += 1
+    return out[0]
 
 
 def _mlp_tail(layer):
@@ -514,13 +630,23 @@ def _weights_changed(module) -> bool:
 
 def _check_weights(text_model, layers) -> None:
     """Compiled decode functions capture the arrays they were traced with (each layer's
-    and the next layer's norm): when any weight was replaced, all are rebuilt."""
+    and the next layer's norm): when any weight or layer was replaced, all are rebuilt.
+    One signature over the final norm and every layer answers first (``WeightSig``);
+    only when it fails are the layers checked one by one (and stale fused projections
+    rebuilt)."""
+    whole = text_model.__dict__.get("_lily_sig_all")
+    if (whole is not None and len(whole[0]) == len(layers)
+            and all(map(operator.is_, whole[0], layers)) and whole[1].valid()):
+        return
     changed = _weights_changed(text_model.norm)
     for layer in layers:
         changed |= _weights_changed(layer)
+    changed |= whole is not None  # a layer replaced, or an array
     st = text_model.__dict__.get("_lily_steps") if changed else None
     if st is not None:
-        st.fns.clear()
+        st.clear()
+    object.__setattr__(text_model, "_lily_sig_all",
+                       (tuple(layers), WeightSig(text_model.norm, *layers)))
 
 
 def make_text_model_call(module, cls_name, layer_cls_name, with_embeddings):
@@ -562,16 +688,21 @@ def make_text_model_call(module, cls_name, layer_cls_name, with_embeddings):
                     if self.ssm_idx is not None else None)
         first = layers[0].input_layernorm
         x = mx.fast.rms_norm(h, first.weight, first.eps)
-        steps = None
+        steps = cs = None
         if h.shape[1] == 1 and fa_mask is None and ssm_mask is None:
             key = _compile_key()
             if key is not None:
-                steps = _compiled_steps(self, key).fns
+                cs = _compiled_steps(self, key)
+                steps = cs.fns
         _check_weights(self, layers)
         defer = op_enabled("norm_qgemv")
         m = None
         outer, _CHECKED.active = _CHECKED.active, True
         try:
+            if cs is not None and defer and cs.whole is not False:
+                y = _run_whole_step(self, cs, layers, cache, h)
+                if y is not None:
+                    return y
             for i, (layer, c) in enumerate(zip(layers, cache)):
                 if m is not None:
                     h, x = _layer_input(h, m, layer.input_layernorm, defer)
@@ -596,11 +727,16 @@ def make_text_model_call(module, cls_name, layer_cls_name, with_embeddings):
 
 def _gdn_step_ok(layer, c) -> bool:
     """Whether this GDN layer's decode step can run compiled: a plain ``ArraysCache``
-    holding both states, no batch lengths or padding, and the Lily GDN forward serving."""
+    holding both states, no batch lengths or padding (``_gdn_cache_ok``), and the Lily GDN
+    forward serving."""
+    return _gdn_cache_ok(c) and gdn_supported(layer.linear_attn)
+
+
+def _gdn_cache_ok(c) -> bool:
     from mlx_lm.models.cache import ArraysCache
 
     return (type(c) is ArraysCache and c.lengths is None and c.left_padding is None
-            and c[0] is not None and c[1] is not None and gdn_supported(layer.linear_attn))
+            and c[0] is not None and c[1] is not None)
 
 
 def _run_compiled(steps, key, layer, h, x, c, fa_mask):

@@ -404,12 +404,14 @@ def test_device_index_of_gpu_devices_and_cpu(monkeypatch):
     assert seen == [2]
 
 
-def test_compiled_attention_decode_steps_plumbing(monkeypatch):
-    """``MLX_LILY_COMPILE_ATTN=1`` on the CUDA path (kernels stubbed, nothing evaluated,
-    production dims, 4 layers): attention layers' decode steps run as compiled functions
-    over the whole cache buffers (DYN_T launches), the offset advances each step, a full
-    cache grows through the eager path once and the compiled step then retraces at the new
-    capacity."""
+@pytest.mark.parametrize("whole", ["1", "0"])
+def test_compiled_attention_decode_steps_plumbing(monkeypatch, whole):
+    """Compiled decode steps on the CUDA path (kernels stubbed, nothing evaluated,
+    production dims, 4 layers): attention layers' decode steps run compiled over the whole
+    cache buffers (DYN_T launches), the offset advances each step, a full cache grows
+    through the eager path once and the compiled step then retraces at the new capacity.
+    With ``MLX_LILY_COMPILE_WHOLE`` on (default) the whole stack is one compiled function
+    (``steps["whole"]``); off, each layer has its own."""
     import mlx_lily
     from mlx_lm.models.cache import KVCache, make_prompt_cache
 
@@ -420,6 +422,7 @@ def test_compiled_attention_decode_steps_plumbing(monkeypatch):
     monkeypatch.setenv("MLX_LILY_KERNELS", "all")
     monkeypatch.setenv("MLX_LILY_COMPILE", "1")
     monkeypatch.setenv("MLX_LILY_COMPILE_ATTN", "1")
+    monkeypatch.setenv("MLX_LILY_COMPILE_WHOLE", whole)
     model, _ = synth._lazy_model(synth._text_config(num_hidden_layers=4))
     model.eval()
     model.set_dtype(mx.bfloat16)
@@ -436,8 +439,13 @@ def test_compiled_attention_decode_steps_plumbing(monkeypatch):
             with cuda_cache.recording() as rec:
                 for _ in range(4):  # offsets 6, 7 compiled; 8 grows (eager); 9 compiled
                     model(mx.array([[5]]), cache=cache)
-            steps = inner._lily_steps.fns
+            cs = inner._lily_steps
+            steps = cs.fns
     assert c.offset == 10 and c.keys.shape[2] == 8 + c.step
-    assert any(len(k) == 3 and k[0] == ai and callable(f) for k, f in steps.items())
+    per_layer_attn = any(len(k) == 3 and k[0] == ai and callable(f) for k, f in steps.items())
+    if whole == "1":
+        assert callable(cs.whole) and not per_layer_attn
+    else:
+        assert cs.whole is None and per_layer_attn
     dyn = [dict(l.template).get("DYN_T") for l in rec if l.name == "lily_attn_decode_partial"]
     assert True in dyn and False in dyn  # compiled steps, and the growing step's eager one

@@ -202,6 +202,24 @@ def test_replaced_weights_are_picked_up(monkeypatch, compile_mode, when):
     assert mx.array_equal(got, ref).item(), float(mx.abs(got - ref).max())
 
 
+def test_replaced_layer_drops_compiled_steps(monkeypatch):
+    """A decoder layer object swapped in after decode steps (same class, new arrays):
+    the compiled steps traced over the old one are dropped and traced again."""
+    monkeypatch.setenv("MLX_LILY_COMPILE", "1")
+    model = _models.build("qwen3_5_moe", seed=2)
+    with mlx_lily.patched(model):
+        c = model.make_cache()
+        model(mx.array([PROMPT]), cache=c)
+        model(mx.array([[5]], ), cache=c)
+        inner = _inner(model)
+        before = dict(inner._lily_steps.fns)
+        assert before
+        inner.layers[1] = copy.deepcopy(inner.layers[1])
+        model(mx.array([[6]]), cache=c)
+        after = inner._lily_steps.fns
+    assert after and all(after[k] is not f for k, f in before.items() if k in after)
+
+
 def test_deepcopy_after_compiled_steps_and_unpatch_drops_them(monkeypatch):
     monkeypatch.setenv("MLX_LILY_COMPILE", "1")
     model = _models.build("qwen3_5_moe", seed=2)

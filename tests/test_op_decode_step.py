@@ -1,0 +1,66 @@
+"""The decode step on a GPU backend, end to end with every kernel: the whole decoder stack
+as one compiled function (default), one compiled function per layer
+(``MLX_LILY_COMPILE_WHOLE=0``) and uncompiled (``MLX_LILY_COMPILE=0``) give the same
+logits step by step within rounding (teacher-forced, through a KV cache growth). The
+comparison with stock mlx-lm is the A/B harness's gate (``benchmarks/ab.py``)."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+import mlx_lily
+from mlx_lily.backend import current_backend
+
+on_gpu = pytest.mark.skipif(current_backend() not in ("cuda", "metal"),
+                            reason="needs a GPU backend (compiled decode steps, kernels)")
+
+PROMPT = [(7 * i + 3) % 1000 + 10 for i in range(250)]  # 250 tokens: decode crosses 256
+STEPS = 12
+
+
+@pytest.fixture(scope="module")
+def small_model():
+    from mlx_lily import synth
+
+    model, _ = synth.build_model("tiny", seed=3)
+    return model
+
+
+def _forced_logits(model, tokens):
+    from mlx_lm.models.cache import make_prompt_cache
+
+    cache = make_prompt_cache(model)
+    model(mx.array([PROMPT]), cache=cache)
+    out = []
+    for t in tokens:
+        y = model(mx.array([[t]]), cache=cache)
+        out.append(np.array(y[0, -1].astype(mx.float32)))
+    return np.stack(out)
+
+
+@pytest.mark.gpu
+@on_gpu
+def test_whole_step_matches_per_layer_and_eager(small_model, monkeypatch):
+    rng = np.random.default_rng(0)
+    tokens = [int(t) for t in rng.integers(10, 1000, STEPS)]
+    got = {}
+    for name, env in (("whole", {}), ("per_layer", {"MLX_LILY_COMPILE_WHOLE": "0"}),
+                      ("eager", {"MLX_LILY_COMPILE": "0"})):
+        with monkeypatch.context() as mp:
+            for k, v in env.items():
+                mp.setenv(k, v)
+            with mlx_lily.patched(small_model):
+                got[name] = _forced_logits(small_model, tokens)
+                if name == "whole":
+                    inner = getattr(small_model, "language_model", small_model).model
+                    assert callable(inner._lily_steps.whole)
+    scale = float(np.abs(got["eager"]).max())
+    for name in ("whole", "per_layer"):
+        err = float(np.abs(got[name] - got["eager"]).max())
+        assert err <= 0.02 * scale, (name, err, scale)
+        assert np.isfinite(got[name]).all()
+    assert (got["whole"].argmax(-1) == got["per_layer"].argmax(-1)).mean() >= 0.9
+    # a wrong answer is caught by the same comparison
+    assert float(np.abs(got["whole"][::-1] - got["eager"]).max()) > 0.02 * scale
