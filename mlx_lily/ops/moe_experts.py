@@ -82,6 +82,7 @@ GATE_UP_NW, GATE_UP_RPW = 4, 4
 DOWN_NW, DOWN_RPW = 4, 2
 
 _FLOATS = (mx.bfloat16, mx.float16, mx.float32)
+_NO_INDS = mx.zeros((1,), dtype=mx.uint32)
 
 
 class DecodeWeights(NamedTuple):
@@ -242,8 +243,8 @@ def decode_plan(k_gate_up, k_down, wts: DecodeWeights, x_shape, x_dtype, k: int,
             else:
                 x, logits = args
                 tail = [logits, x, x, x, no_eps]
-            ph = x  # placeholder for the unread inds input
-            h, inds, scores, shared = k_gate_up(inputs=[x, ph, *w1, *tail], **kw1)
+            # inds unread with TOPK; a uint32 placeholder keeps the kernel's signature
+            h, inds, scores, shared = k_gate_up(inputs=[x, _NO_INDS, *w1, *tail], **kw1)
             y = k_down(inputs=[h, inds, scores, shared, *w2, scores], **kw2)[0]
             return y, inds, scores, shared
 
