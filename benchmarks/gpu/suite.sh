@@ -116,6 +116,16 @@ if has profile; then
   (cd /tmp && timeout "${T_PROFILE:-150}" python3 "$REPO/benchmarks/decode_profile.py" --synthetic ${PROFILE_PRESET:-qwen3.6-35b-a3b} \
      --context ${PROFILE_CONTEXT:-4096} ${PROFILE_ARGS:-} --out "$W") > "$W/decode_profile.log" 2>&1
   grep -A12 "^decode step at context" "$W/decode_profile.log" | tee -a "$S"; snapshot
+  # PROFILE_GPU=1: device-side figures in their own process, one CUDA graph per eval (so
+  # MLX's dispatch does not wait for the spinning GPU: mlx_lily.bench.gpu_clock)
+  if [ "${PROFILE_GPU:-0}" = "1" ]; then
+    mkdir -p "$W/profile-gpu"
+    say "== decode profile, device-side (one graph per eval)"
+    (cd /tmp && MLX_MAX_OPS_PER_BUFFER=1000000 MLX_MAX_MB_PER_BUFFER=10000000 timeout "${T_PROFILE:-150}" \
+       python3 "$REPO/benchmarks/decode_profile.py" --synthetic ${PROFILE_PRESET:-qwen3.6-35b-a3b} \
+       --context ${PROFILE_CONTEXT:-4096} --gpu-only ${PROFILE_ARGS:-} --out "$W/profile-gpu") > "$W/profile-gpu/decode_profile.log" 2>&1
+    grep -A12 "^decode step at context" "$W/profile-gpu/decode_profile.log" | tee -a "$S"; snapshot
+  fi
   # PROFILE_ENVS="MLX_USE_CUDA_GRAPHS=0;MLX_MAX_OPS_PER_BUFFER=400": one more profile per
   # setting, each in its own process (MLX reads these once), into $W/profile-<n>/
   n=0
