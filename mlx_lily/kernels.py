@@ -67,6 +67,68 @@ def split_header(text: str, marker: str = "// ---- body ----") -> tuple[str, str
     return "", text
 
 
+def strip_source(text: str) -> str:
+    """C/CUDA text without comments, indentation, trailing blanks or empty lines; string
+    and character literals kept as they are, one output line per remaining source line
+    (preprocessor lines such as ``#pragma unroll`` stay on their own).
+
+    Raises:
+        ValueError: a line ends with a ``\\`` continuation (not supported).
+
+    Why: MLX's CUDA backend hashes a custom kernel's whole generated source at every
+    launch (``std::hash`` over header + body, in ``CustomKernel::eval_gpu``) and copies it
+    at every eager call; comments are most of these files' bytes.
+    """
+    out, line = [], []
+    i, n = 0, len(text)
+    while i < n:
+        ch = text[i]
+        if ch in "\"'":
+            j = i + 1
+            while j < n and text[j] != ch:
+                j += 2 if text[j] == "\\" else 1
+            line.append(text[i:j + 1])
+            i = j + 1
+        elif text.startswith("//", i):
+            while i < n and text[i] != "\n":
+                i += 1
+        elif text.startswith("/*", i):
+            j = text.find("*/", i + 2)
+            j = n if j < 0 else j + 2
+            if "\n" in text[i:j]:  # a comment across lines still ends the line
+                kept = "".join(line).strip()
+                if kept:
+                    out.append(kept)
+                line = []
+            else:
+                line.append(" ")
+            i = j
+        elif ch == "\n":
+            kept = "".join(line).strip()
+            if kept:
+                out.append(kept)
+            line = []
+            i += 1
+        else:
+            line.append(ch)
+            i += 1
+    kept = "".join(line).strip()
+    if kept:
+        out.append(kept)
+    if any(ln.endswith("\\") for ln in out):
+        raise ValueError("strip_source: a line continuation ('\\' at a line end) is not "
+                         "supported (dropping the lines around it could splice code)")
+    return "\n".join(out) + "\n" if out else ""
+
+
+@functools.lru_cache(maxsize=None)
+def cuda_parts(stem: str) -> tuple[str, str]:
+    """``(header, body)`` of ``shaders/cuda/<stem>.cu`` as handed to
+    ``mx.fast.cuda_kernel`` (``split_header``, then ``strip_source`` on each part)."""
+    head, body = split_header(shader_source("cuda", stem + ".cu"))
+    return strip_source(head), strip_source(body)
+
+
 _F32_SCALARS: dict = {}
 
 
@@ -113,7 +175,7 @@ def build(spec: KernelSpec, backend: str, factory=None):
                        ensure_row_contiguous=spec.ensure_row_contiguous,
                        atomic_outputs=spec.atomic_outputs)
     if backend == "cuda":
-        head, body = split_header(shader_source("cuda", spec.stem + ".cu"))
+        head, body = cuda_parts(spec.stem)
         factory = factory or mx.fast.cuda_kernel
         kwargs = dict(name=spec.name, input_names=list(spec.inputs),
                       output_names=list(spec.outputs), source=body, header=head,
@@ -223,7 +285,7 @@ class RecordedCudaKernel:
     def __init__(self, kernel, spec: KernelSpec):
         self.kernel = kernel
         self.spec = spec
-        self.header, self.body = split_header(shader_source("cuda", spec.stem + ".cu"))
+        self.header, self.body = cuda_parts(spec.stem)
 
     def __call__(self, **kw):
         if cuda_cache._RECORDER is not None:

@@ -28,9 +28,9 @@ MODEL_TYPES = ("qwen3_next",)
 
 
 class WeightSig:
-    """The identity of every array in one or more module trees when it was taken: ``valid()`` turns
-    False once any of them is replaced (``load_weights``, ``update``, ``set_dtype``,
-    quantization). A copy (``copy.deepcopy``, pickling) is never valid, so a copied model
+    """The identity of every array, sub-module and list of modules in one or more module
+    trees when it was taken: ``valid()`` turns False once any of them is replaced
+    (``load_weights``, ``update``, ``set_dtype``, quantization, a layer swapped for another). A copy (``copy.deepcopy``, pickling) is never valid, so a copied model
     rebuilds what it derived from its weights."""
 
     __slots__ = ("_owners", "_keys", "_values")
@@ -38,7 +38,7 @@ class WeightSig:
     def __init__(self, module=None, *more):
         entries = [] if module is None else [
             (m, k, v) for top in (module, *more) for _, m in top.named_modules()
-            for k, v in m.items() if isinstance(v, mx.array)]
+            for k, v in m.items() if isinstance(v, (mx.array, nn.Module, list, tuple))]
         # parallel tuples, so that valid() (every decode step) runs in C
         self._owners = None if module is None else tuple(m for m, _, _ in entries)
         self._keys = tuple(k for _, k, _ in entries)
@@ -331,7 +331,7 @@ class _CompiledSteps:
     def __init__(self, key=None):
         self.key = key
         self.fns: dict = {}  # (layer index, pending[, "attn"]) -> compiled fn or False
-        self.whole = None  # the whole-stack step: compiled fn, False (failed), or None
+        self.whole = None  # whole-stack step: (KV shapes, compiled fn), False (failed), None
         self.static: dict = {}  # per-forward facts of the whole step, by dtype/switch
 
     def clear(self) -> None:
@@ -457,7 +457,8 @@ def _attn_static_head_dim(layer, dtype):
     if backend.env_value(COMPILE_ATTN_ENV, "1") == "0":
         return None
     attn = layer.self_attn
-    if not (op_enabled(attn_ops.NAME) and not attn.training and type(attn.rope) is nn.RoPE):
+    if not (op_enabled(attn_ops.NAME) and op_enabled(attn_ops.PACKED_OP)
+            and not attn.training and type(attn.rope) is nn.RoPE):
         return None
     st = getattr(attn, "_lily", None)
     proj = getattr(st, "qkv", None) if st is not None else None
@@ -569,7 +570,10 @@ def _run_whole_step(text_model, cs, layers, cache, h):
             return None
         else:
             offset = c.offset
-    fn = cs.whole
+    # one compiled function per cache capacity: a new one when the caches grew, so MLX
+    # frees the old traces with the old function instead of scanning them at every call
+    shapes = tuple(c.keys.shape for l, c in zip(layers, cache) if not l.is_linear)
+    fn = cs.whole[1] if cs.whole is not None and cs.whole[0] == shapes else None
     if fn is None:
         fn = mx.compile(_whole_step_fn(text_model, layers))
     args = [h]
@@ -585,7 +589,7 @@ def _run_whole_step(text_model, cs, layers, cache, h):
                       "run one compiled function each", stacklevel=3)
         cs.whole = False
         return None
-    cs.whole = fn
+    cs.whole = (shapes, fn)
     it = iter(out[1:])
     for layer, c in zip(layers, cache):
         if layer.is_linear:
@@ -642,6 +646,12 @@ def _check_weights(text_model, layers) -> None:
     for layer in layers:
         changed |= _weights_changed(layer)
     changed |= whole is not None  # a layer replaced, or an array
+    if changed:  # launch plans hold the old arrays: drop them with the compiled steps
+        for layer in layers:
+            sw = getattr(getattr(layer, "mlp", None), "switch_mlp", None)
+            if sw is not None:
+                sw.__dict__.pop("_lily_routed_plans", None)
+                sw.__dict__.pop("_lily_decode_plans", None)
     st = text_model.__dict__.get("_lily_steps") if changed else None
     if st is not None:
         st.clear()
@@ -802,13 +812,14 @@ def lm_head(owner, x):
     if type(head) is not nn.QuantizedLinear or "bias" in head or x.size != x.shape[-1]:
         return head(x)
     cached = owner.__dict__.get("_lily_head")
-    if cached is None or cached[0] is not head.weight:
+    if (cached is None or cached[0] is not head.weight or cached[1] is not head.scales
+            or cached[2] is not head.get("biases")):
         view = QProj.view([head])
         if view is None:
             return head(x)
-        cached = (head.weight, view)
+        cached = (head.weight, head.scales, head.get("biases"), view)
         object.__setattr__(owner, "_lily_head", cached)
-    return cached[1](x, split=False)[0]
+    return cached[3](x, split=False)[0]
 
 
 def make_lm_call(cls_getter, with_embeddings):
@@ -818,8 +829,9 @@ def make_lm_call(cls_getter, with_embeddings):
 
     def lm_call(self, inputs, cache=None, input_embeddings=None):
         if (self.args.tie_word_embeddings or getattr(self, "sharding_group", None) is not None
-                or self.training or not op_enabled("qgemv")):
-            if with_embeddings:
+                or self.training or not op_enabled("qgemv")
+                or (input_embeddings is not None and not with_embeddings)):
+            if with_embeddings or input_embeddings is not None:  # the original decides
                 return _original(cls_getter())(self, inputs, cache,
                                               input_embeddings=input_embeddings)
             return _original(cls_getter())(self, inputs, cache)

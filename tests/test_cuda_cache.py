@@ -314,7 +314,7 @@ def test_render_equals_mlx_generated_source(tmp_path):
     x = mx.random.normal((2, D)).astype(mx.bfloat16)
     w = mx.ones((D,), dtype=mx.bfloat16)
     k = kernels.build(arn.SPEC, "cuda")
-    head, body = kernels.split_header(kernels.shader_source("cuda", arn.SPEC.stem + ".cu"))
+    head, body = kernels.cuda_parts(arn.SPEC.stem)
     out_file = tmp_path / "stdout.txt"
     with cuda_cache.recording() as rec:
         kernels.RecordedCudaKernel(k, arn.SPEC)  # construction records nothing
@@ -437,15 +437,76 @@ def test_compiled_attention_decode_steps_plumbing(monkeypatch, whole):
             c.keys, c.values = c.keys[..., :8, :], c.values[..., :8, :]  # capacity 8
             c.offset = 6
             with cuda_cache.recording() as rec:
+                fns = []
                 for _ in range(4):  # offsets 6, 7 compiled; 8 grows (eager); 9 compiled
                     model(mx.array([[5]]), cache=cache)
+                    fns.append(inner._lily_steps.whole)
             cs = inner._lily_steps
             steps = cs.fns
     assert c.offset == 10 and c.keys.shape[2] == 8 + c.step
     per_layer_attn = any(len(k) == 3 and k[0] == ai and callable(f) for k, f in steps.items())
     if whole == "1":
-        assert callable(cs.whole) and not per_layer_attn
+        assert callable(cs.whole[1]) and not per_layer_attn
+        # one compiled function per cache capacity: a new one after the growth
+        assert fns[0][1] is fns[1][1] and fns[3][1] is not fns[1][1] and fns[3][0] != fns[1][0]
     else:
         assert cs.whole is None and per_layer_attn
     dyn = [dict(l.template).get("DYN_T") for l in rec if l.name == "lily_attn_decode_partial"]
     assert True in dyn and False in dyn  # compiled steps, and the growing step's eager one
+
+
+def test_strip_source_keeps_code_and_literals():
+    """``kernels.strip_source`` (what ``mx.fast.cuda_kernel`` gets: MLX hashes it at every
+    launch): comments, indentation and blank lines go; string and character literals,
+    preprocessor lines and line structure stay; every CUDA shader shrinks."""
+    text = ('// head comment\n#pragma unroll\n  int a = 1; // tail\n\n'
+            '  const char* s = "x // not a comment /* nor this */";\n'
+            "  char c = '/'; /* block\n comment */ int b = 2;\n"
+            '  asm("mov.u64 %0, %%globaltimer;\\n" : "=l"(t));\n')
+    out = kernels.strip_source(text)
+    assert out.splitlines() == [
+        "#pragma unroll", "int a = 1;",
+        'const char* s = "x // not a comment /* nor this */";',
+        "char c = '/';", "int b = 2;",
+        'asm("mov.u64 %0, %%globaltimer;\\n" : "=l"(t));']
+    import glob
+    import os
+
+    for f in glob.glob(str(kernels._REPO_SHADERS / "cuda" / "*.cu")):
+        stem = os.path.basename(f)[:-3]
+        head, body = kernels.split_header(kernels.shader_source("cuda", stem + ".cu"))
+        sh, sb = kernels.cuda_parts(stem)
+        assert len(sh) + len(sb) < len(head) + len(body), stem
+        assert "// ----" not in sb and "@header" not in sh, stem
+
+
+def test_compiled_decode_honours_attn_packed_switch(monkeypatch):
+    """``MLX_LILY_DISABLE=attn_packed`` keeps the packed attention kernels out of the
+    compiled decode step too (CUDA path, kernels stubbed): no whole-stack step, no
+    packed q/k norm + RoPE launch."""
+    import mlx_lily
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from mlx_lily import patching, synth
+
+    _stub_cuda_dispatch(monkeypatch)
+    monkeypatch.setattr(patching, "warmup", lambda *a, **k: 0.0)
+    monkeypatch.setenv("MLX_LILY_KERNELS", "all")
+    monkeypatch.setenv("MLX_LILY_COMPILE", "1")
+    monkeypatch.setenv("MLX_LILY_DISABLE", "attn_packed")
+    model, _ = synth._lazy_model(synth._text_config(num_hidden_layers=4))
+    model.eval()
+    model.set_dtype(mx.bfloat16)
+    inner = model.language_model.model
+    with backend.tracing_backend("cuda"):
+        with mlx_lily.patched(model):
+            cache = make_prompt_cache(model)
+            model(mx.array([[5]]), cache=cache)
+            with cuda_cache.recording() as rec:
+                for _ in range(2):
+                    model(mx.array([[5]]), cache=cache)
+            cs = inner._lily_steps
+    assert cs.whole is None
+    assert not any(len(k) == 3 for k in cs.fns)
+    packed = [dict(l.template).get("PACKED") for l in rec if l.name == "lily_attn_qk_norm_rope"]
+    assert packed and not any(packed)

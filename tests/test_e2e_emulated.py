@@ -276,3 +276,54 @@ def test_attention_decode_step_function_matches_eager_path():
                 assert err <= 0.02 * scale, (i, err, scale)
             checked += 1
     assert checked == len(idx)
+
+
+def test_whole_decode_step_function_matches_eager_path():
+    """``_whole_step_fn`` (the body the default compiled decode step compiles; run
+    uncompiled here, the emulator cannot run inside ``mx.compile``) on the emulated Metal
+    kernels: one decode step's final hidden state, every GDN state and the KV rows it
+    writes match the eager layer-by-layer forward (same kernels; the split-K blocks differ
+    as above), and a wrong offset is caught by the same checks."""
+    import copy
+
+    from mlx_lily.patches import qwen3_next as nxt
+
+    model = _models.build("qwen3_5_moe", num_attention_heads=16, num_key_value_heads=2)
+    inner = model.language_model.model
+    layers = inner.layers
+    assert any(l.is_linear for l in layers) and any(not l.is_linear for l in layers)
+
+    def close(got, want, what):
+        g, w = got.astype(mx.float32), want.astype(mx.float32)
+        scale = float(mx.abs(w).max().item()) or 1.0
+        err = float(mx.abs(g - w).max().item())
+        assert err <= 0.02 * scale, (what, err, scale)
+
+    with emulated_metal(), mlx_lily.patched(model):
+        cache = make_prompt_cache(model)
+        model(mx.array([PROMPT]), cache=cache)
+        c_eager = copy.deepcopy(cache)
+        tok = mx.array([[PROMPT[-1]]])
+        want = inner(tok, cache=c_eager)  # compiled steps are off under the emulator
+        h = inner.embed_tokens(tok)
+        offs = {c.offset for l, c in zip(layers, cache) if not l.is_linear}
+        assert len(offs) == 1
+        args = [h]
+        for l, c in zip(layers, cache):
+            args += [c[0], c[1]] if l.is_linear else [c.keys, c.values]
+        step = nxt._whole_step_fn(inner, layers)
+        out = step(*args, mx.array([offs.pop()], dtype=mx.int32))
+        close(out[0], want, "final hidden")
+        for i, (l, c) in enumerate(zip(layers, c_eager)):
+            a, b = out[1 + 2 * i], out[2 + 2 * i]
+            if l.is_linear:
+                close(a, c[0], f"conv state {i}")
+                close(b, c[1], f"recurrent state {i}")
+            else:
+                n = c.offset
+                assert mx.array_equal(a[..., :n, :], c.keys[..., :n, :]).item()
+                assert mx.array_equal(b[..., :n, :], c.values[..., :n, :]).item()
+        wrong = step(*args, mx.array([c_eager[[not l.is_linear for l in layers].index(True)]
+                                      .offset - 3], dtype=mx.int32))
+        with pytest.raises(AssertionError):
+            close(wrong[0], want, "wrong offset")

@@ -149,7 +149,7 @@ def test_unsupported_and_dispatch(monkeypatch):
 
 
 def test_cuda_body_compiles():
-    head, body = K.split_header(K.shader_source("cuda", "add_rms_norm.cu"))
+    head, body = K.cuda_parts("add_rms_norm")
     f = mx.float32
     for T, D, E in ((BF, 2048, 8), (mx.float16, 96, 1), (f, 2048, 8)):
         cached_nvcc_check(A.SPEC.name, [("x", T, 2), ("r", T, 2), ("w", T, 1), ("eps", f, 1)],

@@ -26,7 +26,7 @@ import pytest
 
 import mlx_lily.ops.attention as A
 from mlx_lily import kernels
-from mlx_lily.kernels import shader_source, split_header
+from mlx_lily.kernels import cuda_parts
 from mlx_lily.testing.backends import metal_emu_available, parity_backends
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -192,7 +192,7 @@ def cuda_emu_kernel(spec, **emu_options):
     """An emulated kernel object that runs ``spec``'s CUDA twin (MLX call signature)."""
     from mlx_lily.testing import metal_emu
 
-    head, body = split_header(shader_source("cuda", spec.stem + ".cu"))
+    head, body = cuda_parts(spec.stem)
     smem = max(spec.shared_memory, 16)
     body = re.sub(r"extern\s+__shared__\s+(\w+)\s+(\w+)\s*\[\s*\]\s*;",
                   lambda m: f"threadgroup {m.group(1)} {m.group(2)}[{smem} / sizeof({m.group(1)})];",
@@ -756,7 +756,7 @@ def _nvcc_check_cached(stem, dtype):
     inputs = [(n, res(d), nd) for n, d, nd in ins]
     outputs = [(n, res(d)) for n, d in outs]
     template = [("T", dtype)] + tmpl
-    head, body = split_header(shader_source("cuda", stem + ".cu"))
+    head, body = cuda_parts(stem)
     name = "lily_" + stem
     text = cuda_check.render(name, inputs, outputs, body, head, template)
     ver = subprocess.run([cuda_check.nvcc_path(), "--version"], capture_output=True,

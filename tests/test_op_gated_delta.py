@@ -49,7 +49,7 @@ _CUDA_EMU_BODY = ("const uint3 threadIdx = thread_position_in_threadgroup;\n"
 
 def cuda_emu_kernel(spec, factory):
     """Build ``spec``'s CUDA body as an emulated Metal kernel (see "cuda-emu" above)."""
-    head, body = K.split_header(K.shader_source("cuda", spec.stem + ".cu"))
+    head, body = K.cuda_parts(spec.stem)
     assert "blockDim" not in body and "gridDim" not in body
     body = _CUDA_EMU_BODY + body.replace("__shared__", "threadgroup").replace(
         "__syncthreads()", "threadgroup_barrier(mem_flags::mem_threadgroup)")
@@ -684,7 +684,7 @@ def test_cuda_bodies_compile():
 
     def one(case):
         spec, ins, outs, tmpl = case
-        head, body = K.split_header(K.shader_source("cuda", spec.stem + ".cu"))
+        head, body = K.cuda_parts(spec.stem)
         cached_nvcc_check(spec.name, ins, outs, body, head, tmpl)
 
     with ThreadPoolExecutor(2) as ex:

@@ -274,7 +274,7 @@ def test_cuda_twins_compile(which):
     common = [("T", bf), ("S", bf), ("D", 2048), ("I", 512), ("K", 8), ("E", 256),
               ("BITS", 4), ("GS", 64)]
     if which.startswith("gate_up"):
-        head, body = kernels.split_header(kernels.shader_source("cuda", "moe_gate_up.cu"))
+        head, body = kernels.cuda_parts("moe_gate_up")
         ins = [("x", bf, 2), ("inds", mx.uint32, 2)]
         for p in ("gate", "up"):
             ins += [(f"{p}_w", mx.uint32, 3), (f"{p}_s", bf, 3), (f"{p}_b", bf, 3)]
@@ -290,7 +290,7 @@ def test_cuda_twins_compile(which):
                                             ("TOPK", routed), ("NORM", True),
                                             ("PRE_NORM", routed)])
     else:
-        head, body = kernels.split_header(kernels.shader_source("cuda", "moe_down.cu"))
+        head, body = kernels.cuda_parts("moe_down")
         ins = [("h", bf, 3), ("inds", mx.uint32, 2), ("scores", bf, 2), ("shared", bf, 2),
                ("down_w", mx.uint32, 3), ("down_s", bf, 3), ("down_b", bf, 3),
                ("sdown_w", mx.uint32, 2), ("sdown_s", bf, 2), ("sdown_b", bf, 2),
@@ -480,3 +480,13 @@ def test_routed_dispatcher(monkeypatch):
     assert M.moe_experts_routed(xb, router, 4, True, blk.switch_mlp,
                                 blk.shared_expert) is None
     assert calls == []
+
+
+def test_routed_supported_requires_logits_in_x_dtype():
+    """The gate+up kernel reads the router's logits as x's dtype: a router whose scales
+    differ from it (``quantized_matmul`` would promote) is not routed there."""
+    blk = make_block(seed=12)
+    router = _fused_router(blk)
+    wts = M.decode_weights(blk.switch_mlp, blk.shared_expert)
+    assert M.routed_supported(router, 4, wts, (1, 1, 256), mx.bfloat16)
+    assert not M.routed_supported(router, 4, wts, (1, 1, 256), mx.float16)

@@ -323,7 +323,7 @@ def test_cuda_body_compiles(build):
     spec, ins, outs, tmpl = build
     assert [n for n, _, _ in ins] == list(spec.inputs)
     assert [n for n, _ in outs] == list(spec.outputs)
-    head, body = kernels.split_header(kernels.shader_source("cuda", spec.stem + ".cu"))
+    head, body = kernels.cuda_parts(spec.stem)
     cuda_check.check(spec.name, ins, outs, body, head, tmpl)
 
 

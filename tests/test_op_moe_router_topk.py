@@ -317,7 +317,7 @@ def test_dispatcher_uses_kernel_on_gpu_backend(monkeypatch):
 def test_cuda_twin_compiles():
     from mlx_lily.testing import cuda_check
 
-    head, body = kernels.split_header(kernels.shader_source("cuda", "moe_router_topk.cu"))
+    head, body = kernels.cuda_parts("moe_router_topk")
     bf = mx.bfloat16
     cuda_check.check(
         "lily_moe_router_topk",

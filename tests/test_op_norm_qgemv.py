@@ -133,7 +133,7 @@ def test_kernel_detects_wrong_answer(backend):
 def test_cuda_twin_compiles():
     from mlx_lily.testing import cuda_check
 
-    head, body = kernels.split_header(kernels.shader_source("cuda", "norm_qgemv.cu"))
+    head, body = kernels.cuda_parts("norm_qgemv")
     bf = mx.bfloat16
     cuda_check.check(
         "lily_norm_qgemv",

@@ -196,7 +196,7 @@ def test_lm_head_routes_one_row_to_kernel(monkeypatch):
 def test_cuda_twin_compiles():
     from mlx_lily.testing import cuda_check
 
-    head, body = kernels.split_header(kernels.shader_source("cuda", "qgemv.cu"))
+    head, body = kernels.cuda_parts("qgemv")
     bf = mx.bfloat16
     cuda_check.check(
         "lily_qgemv", [("x", bf, 2), ("w", mx.uint32, 2), ("scales", bf, 2), ("biases", bf, 2)],

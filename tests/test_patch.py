@@ -589,3 +589,25 @@ def test_env_frozen_reads_each_switch_once_per_block(monkeypatch):
         assert env_value("MLX_LILY_UNSET_SWITCH", "dflt") == "dflt"
     assert op_enabled("qgemv") and not op_enabled("attention")
     assert env_value("MLX_LILY_DISABLE") == "attention"
+
+
+def test_weight_signature_sees_replaced_submodules():
+    """``WeightSig``: an array, a sub-module or a list of modules replaced after it was
+    taken makes it invalid (quantizing or LoRA-wrapping a layer swaps modules, not arrays)."""
+    import mlx.nn as nn
+
+    from mlx_lily.patches.qwen3_next import WeightSig
+
+    m = nn.Module()
+    m.proj = nn.Linear(4, 4)
+    m.blocks = [nn.Linear(4, 4)]
+    sig = WeightSig(m)
+    assert sig.valid()
+    m.proj = nn.Linear(4, 4)
+    assert not sig.valid()
+    sig = WeightSig(m)
+    m.blocks = [m.blocks[0]]
+    assert not sig.valid()
+    sig = WeightSig(m)
+    m.proj.weight = mx.zeros((4, 4))
+    assert not sig.valid()

@@ -349,11 +349,14 @@ def routed_supported(router, k: int, wts: DecodeWeights | None, x_shape, x_dtype
     the kernels take, a ``QProj`` router whose parts are ``(E, 1)`` (the experts' logits
     and the shared-expert gate, E = the experts' count), ``k <= min(32, E)``, and a row
     that fits in threadgroup memory (the in-kernel norm stages it), at most
-    ``MAX_ROUTED_EXPERTS`` experts."""
+    ``MAX_ROUTED_EXPERTS`` experts, and a quantized router whose scales have x's dtype
+    (so its logits come out in that dtype from ``qgemv`` and ``quantized_matmul`` alike)."""
     from ..qproj import QProj
 
     if wts is None or not isinstance(router, QProj) or x_dtype not in _FLOATS:
         return False
+    if not router.quantized or router.scales.dtype != x_dtype:
+        return False  # logits must come out in x's dtype (the kernel reads them as T)
     if tuple(router.sizes) != (wts.num_experts, 1) or not 1 <= k <= min(32, wts.num_experts):
         return False
     if wts.num_experts > MAX_ROUTED_EXPERTS:

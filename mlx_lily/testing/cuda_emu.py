@@ -76,7 +76,7 @@ def cuda_on_emu(spec):
 
     from mlx_lily.testing import metal_emu
 
-    head, body = kernels.split_header(kernels.shader_source("cuda", spec.stem + ".cu"))
+    head, body = kernels.cuda_parts(spec.stem)
     body = re.sub(r"\bthreadIdx\b", "__tid3", body)
     body = re.sub(r"\bblockIdx\b", "__bid3", body)
     body = body.replace("__shared__", "threadgroup").replace(
