@@ -2,12 +2,13 @@
 # The GPU-machine run: install this tree, GPU parity tests, per-op benchmarks, A/B.
 # Run from the repository root on a machine with MLX's CUDA (or Metal) build installed:
 #   STAGES=install,tests,bench,ab AB_ARGS="--lengths 256,4096" bash benchmarks/gpu/suite.sh
-# Stages: install, tests (all op files in parallel, T_TESTS seconds cap each, default 300;
+# Stages: jitload, install, tests (all op files in parallel, T_TESTS seconds cap each, default 300;
 # TEST_OPS=a,b selects files; NVRTC compiles of every template make a cold file take 1-3 min),
 # bench (BENCHES=a,b selects scripts), startup, prims, ab, numerics, profile (decode_profile.py;
 # PROFILE_ARGS passes options, e.g. "--no-stock-arm --arm-env NAME:VAR=VAL --rounds 2 --cprofile";
 # PROFILE_ENVS adds runs under other MLX settings, one process each). With tests, prims and
 # numerics run alongside the test processes (they count nodes / measure accuracy, not time).
+# jitsave (last) / jitload (first) carry the machine's kernel caches to the next lease.
 # The device tool allows 10 min per command: split stages over calls on the warm machine.
 # Everything lands in one archive, $OUT/results.tgz, rewritten after each stage (the device
 # tool returns at most 8 files), plus $OUT/summary.txt.
@@ -31,6 +32,17 @@ say() { echo "$@" | tee -a "$S"; }
 snapshot() { tar czf "$OUTDIR/results.tgz" -C "$W" . 2>/dev/null; }
 has() { [[ ",$STAGES," == *",$1,"* ]]; }
 
+# jitload: restore MLX's and Lily's kernel caches saved by a jitsave stage of an earlier
+# lease (parts carried in .devcache/jit/ or stashed in ~/.lily-jit-stash/): a fresh machine
+# otherwise spends ~160 s on stock's first forward and ~80 s on the A/B gate's fp32 anchor.
+if has jitload; then
+  for d in .devcache/jit "$HOME/.lily-jit-stash"; do
+    if ls "$d"/jit.tgz.part* > /dev/null 2>&1; then
+      cat "$d"/jit.tgz.part* | tar xzf - -C / && echo "jit cache restored from $d" >> "$OUTDIR/summary.txt"
+      break
+    fi
+  done
+fi
 if has install; then
   python3 -m pip install -q --no-deps --no-build-isolation --force-reinstall . > "$W/install.log" 2>&1 \
     || { say "install failed"; tail -20 "$W/install.log" | tee -a "$S"; }
@@ -138,5 +150,16 @@ if has profile; then
        --context ${PROFILE_CONTEXT:-4096} --no-eager-arm --out "$W/profile-$n") > "$W/profile-$n/decode_profile.log" 2>&1
     tail -5 "$W/profile-$n/decode_profile.log" | tee -a "$S"; snapshot
   done
+fi
+# jitsave: MLX's kernel caches (its default /tmp/mlx/<version>/ptx and the folder patch()
+# points MLX_PTX_CACHE_DIR at) as 15 MiB parts under $OUT/jit/ for the next lease's jitload
+if has jitsave; then
+  mkdir -p "$OUTDIR/jit"
+  dirs=$(for d in tmp/mlx "${HOME#/}/.cache/mlx-lily/cuda-kernels"; do [ -d "/$d" ] && echo "$d"; done)
+  if [ -n "$dirs" ]; then
+    tar czf /tmp/lily-jit.tgz -C / $dirs 2>/dev/null
+    split -b 15m -d /tmp/lily-jit.tgz "$OUTDIR/jit/jit.tgz.part"
+    say "jit cache saved: $(du -h /tmp/lily-jit.tgz | cut -f1) in $(ls "$OUTDIR/jit" | wc -l) part(s)"
+  fi
 fi
 snapshot
