@@ -201,8 +201,22 @@ def backend_info() -> dict:
     return {"backend": backend, "device": str(mx.default_device()), "ops": ops}
 
 
+def compile_mode(backend: str | None = None) -> str:
+    """How decode steps run now: ``"whole"`` (the decoder stack as one compiled function),
+    ``"per-layer"`` or ``"off"``, from ``MLX_LILY_COMPILE`` / ``MLX_LILY_COMPILE_WHOLE``
+    and the backend (compiled by default on GPU backends only). ``"whole"`` is the
+    setting: a step where some layer cannot run compiled (its kernels do not serve, a
+    cache must grow) runs layer by layer."""
+    be = backend or current_backend()
+    mode = env_value("MLX_LILY_COMPILE", "")
+    if mode == "0" or (mode != "1" and be not in ("cuda", "metal")):
+        return "off"
+    return "per-layer" if env_value("MLX_LILY_COMPILE_WHOLE", "1") == "0" else "whole"
+
+
 def describe() -> str:
-    """One line for stderr: backend and active ops."""
+    """One line for stderr: backend, compiled decode steps, and active ops."""
     info = backend_info()
     parts = ", ".join(f"{k}={v}" for k, v in info["ops"].items())
-    return f"[mlx-lily] backend={info['backend']} ops: {parts}"
+    return (f"[mlx-lily] backend={info['backend']} compile={compile_mode(info['backend'])} "
+            f"ops: {parts}")

@@ -363,9 +363,8 @@ def _compile_key():
     (``unpatch`` drops every model's compiled functions, so a new patch starts afresh)."""
     from mlx_lily import backend
 
-    mode = backend.env_value(COMPILE_ENV, "")
     be = backend.current_backend()
-    if mode == "0" or (mode != "1" and be not in ("cuda", "metal")):
+    if backend.compile_mode(be) == "off":
         return None
     return (be, backend.disabled_ops(), backend._selected_ops,
             backend.env_value("MLX_LILY_KERNELS", ""))
