@@ -20,7 +20,7 @@ from mlx_lily.backend import op_enabled
 from mlx_lily.ops import attention as attn_ops
 from mlx_lily.ops.add_rms_norm import add_rms_norm
 from mlx_lily.ops.gated_delta import gated_delta, gated_delta_packed
-from mlx_lily.ops.moe_experts import moe_experts, moe_experts_routed
+from mlx_lily.ops.moe_experts import drop_plans, moe_experts, moe_experts_routed
 from mlx_lily.ops.moe_router_topk import PRE_NORM_OP, moe_router_topk, moe_router_topk_pending
 from mlx_lily.qproj import PendingNorm, QProj, resolve
 
@@ -588,7 +588,8 @@ def _run_whole_step(text_model, cs, layers, cache, h):
                       "run one compiled function each", stacklevel=3)
         cs.whole = False
         return None
-    cs.whole = (shapes, fn)
+    if cs.whole is None or cs.whole[1] is not fn:
+        cs.whole = (shapes, fn)
     it = iter(out[1:])
     for layer, c in zip(layers, cache):
         if layer.is_linear:
@@ -649,8 +650,7 @@ def _check_weights(text_model, layers) -> None:
         for layer in layers:
             sw = getattr(getattr(layer, "mlp", None), "switch_mlp", None)
             if sw is not None:
-                sw.__dict__.pop("_lily_routed_plans", None)
-                sw.__dict__.pop("_lily_decode_plans", None)
+                drop_plans(sw)
     st = text_model.__dict__.get("_lily_steps") if changed else None
     if st is not None:
         st.clear()

@@ -404,6 +404,23 @@ def test_device_index_of_gpu_devices_and_cpu(monkeypatch):
     assert seen == [2]
 
 
+def _stubbed_cuda_model(monkeypatch, **env):
+    """A lazy 4-layer model at production dims for the CUDA path with stubbed kernels
+    (every kernel allowed, compiled decode steps on, no warm-up), ``env`` set."""
+    from mlx_lily import patching, synth
+
+    _stub_cuda_dispatch(monkeypatch)
+    monkeypatch.setattr(patching, "warmup", lambda *a, **k: 0.0)
+    monkeypatch.setenv("MLX_LILY_KERNELS", "all")
+    monkeypatch.setenv("MLX_LILY_COMPILE", "1")
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    model, _ = synth._lazy_model(synth._text_config(num_hidden_layers=4))
+    model.eval()
+    model.set_dtype(mx.bfloat16)
+    return model
+
+
 @pytest.mark.parametrize("whole", ["1", "0"])
 def test_compiled_attention_decode_steps_plumbing(monkeypatch, whole):
     """Compiled decode steps on the CUDA path (kernels stubbed, nothing evaluated,
@@ -415,17 +432,8 @@ def test_compiled_attention_decode_steps_plumbing(monkeypatch, whole):
     import mlx_lily
     from mlx_lm.models.cache import KVCache, make_prompt_cache
 
-    from mlx_lily import patching, synth
-
-    _stub_cuda_dispatch(monkeypatch)
-    monkeypatch.setattr(patching, "warmup", lambda *a, **k: 0.0)
-    monkeypatch.setenv("MLX_LILY_KERNELS", "all")
-    monkeypatch.setenv("MLX_LILY_COMPILE", "1")
-    monkeypatch.setenv("MLX_LILY_COMPILE_ATTN", "1")
-    monkeypatch.setenv("MLX_LILY_COMPILE_WHOLE", whole)
-    model, _ = synth._lazy_model(synth._text_config(num_hidden_layers=4))
-    model.eval()
-    model.set_dtype(mx.bfloat16)
+    model = _stubbed_cuda_model(monkeypatch, MLX_LILY_COMPILE_ATTN="1",
+                                MLX_LILY_COMPILE_WHOLE=whole)
     inner = model.language_model.model
     with backend.tracing_backend("cuda"):
         with mlx_lily.patched(model):
@@ -487,16 +495,7 @@ def test_compiled_decode_honours_attn_packed_switch(monkeypatch):
     import mlx_lily
     from mlx_lm.models.cache import make_prompt_cache
 
-    from mlx_lily import patching, synth
-
-    _stub_cuda_dispatch(monkeypatch)
-    monkeypatch.setattr(patching, "warmup", lambda *a, **k: 0.0)
-    monkeypatch.setenv("MLX_LILY_KERNELS", "all")
-    monkeypatch.setenv("MLX_LILY_COMPILE", "1")
-    monkeypatch.setenv("MLX_LILY_DISABLE", "attn_packed")
-    model, _ = synth._lazy_model(synth._text_config(num_hidden_layers=4))
-    model.eval()
-    model.set_dtype(mx.bfloat16)
+    model = _stubbed_cuda_model(monkeypatch, MLX_LILY_DISABLE="attn_packed")
     inner = model.language_model.model
     with backend.tracing_backend("cuda"):
         with mlx_lily.patched(model):

@@ -82,7 +82,6 @@ GATE_UP_NW, GATE_UP_RPW = 4, 4
 DOWN_NW, DOWN_RPW = 4, 2
 
 _FLOATS = (mx.bfloat16, mx.float16, mx.float32)
-_NO_INDS = mx.zeros((1,), dtype=mx.uint32)
 
 
 class DecodeWeights(NamedTuple):
@@ -235,6 +234,7 @@ def decode_plan(k_gate_up, k_down, wts: DecodeWeights, x_shape, x_dtype, k: int,
     no_eps = kernels.f32_scalar(0.0)
 
     if topk:
+        no_inds = mx.zeros((1,), dtype=mx.uint32)  # inds unread with TOPK: the signature's
         def run_routed(*args):
             if pre_norm:
                 hin, res, nw_, eps, logits = args
@@ -243,8 +243,7 @@ def decode_plan(k_gate_up, k_down, wts: DecodeWeights, x_shape, x_dtype, k: int,
             else:
                 x, logits = args
                 tail = [logits, x, x, x, no_eps]
-            # inds unread with TOPK; a uint32 placeholder keeps the kernel's signature
-            h, inds, scores, shared = k_gate_up(inputs=[x, _NO_INDS, *w1, *tail], **kw1)
+            h, inds, scores, shared = k_gate_up(inputs=[x, no_inds, *w1, *tail], **kw1)
             y = k_down(inputs=[h, inds, scores, shared, *w2, scores], **kw2)[0]
             return y, inds, scores, shared
 
@@ -288,15 +287,34 @@ def has_routed_kernel(backend: str) -> bool:
     return has_kernel(backend) and kernels.kernels_allowed(TOPK_OP, backend)
 
 
+_PLAN_CACHES = ("_lily_decode_plans", "_lily_routed_plans")
+_MAX_PLANS = 64
+
+
+def _plans(switch_mlp, attr: str) -> dict:
+    """The launch-plan cache ``attr`` held on ``switch_mlp`` (a plain attribute, outside
+    the parameter tree), emptied once it grows past ``_MAX_PLANS`` (stale weights or many
+    shapes)."""
+    plans = switch_mlp.__dict__.get(attr)
+    if plans is None or len(plans) > _MAX_PLANS:
+        plans = {}
+        object.__setattr__(switch_mlp, attr, plans)
+    return plans
+
+
+def drop_plans(switch_mlp) -> None:
+    """Forget every launch plan cached on ``switch_mlp`` (they hold its arrays): called
+    when its weights were replaced, so the old arrays are freed."""
+    for attr in _PLAN_CACHES:
+        switch_mlp.__dict__.pop(attr, None)
+
+
 def _decode_run(switch_mlp, shared_expert, x, inds, scores, shared, residual, backend):
     """The cached decode plan for this call, or None when the kernels do not serve it.
 
     Cached on the SwitchGLU per (backend, weights, shapes, dtypes); re-derived when the
     expert or shared-expert arrays are replaced."""
-    plans = switch_mlp.__dict__.get("_lily_decode_plans")
-    if plans is None:
-        plans = {}
-        object.__setattr__(switch_mlp, "_lily_decode_plans", plans)
+    plans = _plans(switch_mlp, "_lily_decode_plans")
     key = (backend, id(shared_expert), id(switch_mlp.gate_proj.get("weight")),
            id(switch_mlp.up_proj.get("weight")), id(switch_mlp.down_proj.get("weight")),
            x.shape, x.dtype, inds.shape, scores.shape, shared.shape if shared is not None
@@ -311,8 +329,6 @@ def _decode_run(switch_mlp, shared_expert, x, inds, scores, shared, residual, ba
             if kg is not None and kd is not None:
                 run = decode_plan(kg, kd, wts, x.shape, x.dtype, inds.shape[-1],
                                   residual is not None)
-        if len(plans) > 64:  # stale weights or many shapes: start over
-            plans.clear()
         plans[key] = run
     return run
 
@@ -403,10 +419,7 @@ def moe_experts_routed(x, router, k: int, norm_topk_prob: bool, switch_mlp, shar
         return None
     pending = isinstance(x, PendingNorm)
     row = x.h0 if pending else x
-    plans = switch_mlp.__dict__.get("_lily_routed_plans")
-    if plans is None:
-        plans = {}
-        object.__setattr__(switch_mlp, "_lily_routed_plans", plans)
+    plans = _plans(switch_mlp, "_lily_routed_plans")
     key = (backend, id(router), id(shared_expert), id(switch_mlp.gate_proj.get("weight")),
            id(switch_mlp.up_proj.get("weight")), id(switch_mlp.down_proj.get("weight")),
            row.shape, row.dtype, k, bool(norm_topk_prob))
@@ -422,8 +435,6 @@ def moe_experts_routed(x, router, k: int, norm_topk_prob: bool, switch_mlp, shar
                                              False, topk=True,
                                              norm_topk_prob=norm_topk_prob, pre_norm=pre)
                 entry = (mk(False), mk(True))
-        if len(plans) > 64:
-            plans.clear()
         plans[key] = entry
     if entry is None:
         return None
