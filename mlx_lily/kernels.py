@@ -206,12 +206,14 @@ _STEM_OPS = (
 # gdn_packed, attn_packed, moe_router_norm (GPU tests: session 5 calls 5 and 7; the A/B
 # gate with them on passed in session 6, benchmarks/results/2026-11-30-cuda-h200-session6/,
 # ab/). Metal: no kernel has run on Apple hardware (the emulator proves semantics only).
-# moe_topk_in_experts (routing inside the gate+up kernel) joins once its GPU tests and a
-# gate pass.
+# moe_topk_in_experts (routing inside the gate+up kernel): GPU tests (moe_experts 14 passed,
+# decode_step 1 passed: session 7 call 2) and two gates with it on passed (session 7 calls
+# 3 and 9, benchmarks/results/2026-11-30-cuda-h200-session7/).
 VERIFIED: dict = {
     "cuda": frozenset({"add_rms_norm", "moe_router_topk", "moe_route", "moe_experts",
                        "moe_grouped", "attention", "qgemv", "gated_delta", "norm_qgemv",
-                       "gdn_packed", "attn_packed", "moe_router_norm"}),
+                       "gdn_packed", "attn_packed", "moe_router_norm",
+                       "moe_topk_in_experts"}),
     "metal": frozenset(),
 }
 

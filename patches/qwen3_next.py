@@ -162,7 +162,7 @@ def attention_call(self, x, mask=None, cache=None):
     if cache is not None:
         k, v = cache.update_and_fetch(k, v)
     out = attn_ops.sdpa_gated(q, k, v, self.scale, mask, gate)  # [B, L, Hq*D], gate fused
-    return self.o_proj(out)
+    return one_row_linear(self.o_proj, out)
 
 
 def _attention_decode_packed(self, proj, x, cache):
@@ -187,7 +187,7 @@ def _attention_decode_packed(self, proj, x, cache):
     q, k, v = qkv
     k, v = cache.update_and_fetch(k, v)
     out = attn_ops.sdpa_gated_packed(q, k, v, self.scale, y, Hq, Hkv, D)
-    return self.o_proj(out)
+    return one_row_linear(self.o_proj, out)
 
 
 # ---------------------------------------------------------------- MoE
@@ -262,7 +262,7 @@ def gdn_core(self, qkv, z, b, a, mask, cache, packed=False):
         cache[0] = new_conv
         cache[1] = new_state
         cache.advance(S)
-    return self.out_proj(out)
+    return one_row_linear(self.out_proj, out)
 
 
 def next_gdn_call(self, inputs, mask=None, cache=None):
@@ -505,7 +505,7 @@ def _attn_step_fn(layer, pending):
         values = mx.put_along_axis(values, idx, v, axis=2)
         out = attn_ops.decode_attention(q, keys, values, attn.scale, y, gate_packed=True,
                                         tlen=offset + 1 if tlen is None else tlen)
-        h, m = _layer_tail(layer, h, attn.o_proj(out))
+        h, m = _layer_tail(layer, h, one_row_linear(attn.o_proj, out))
         return h, m, keys, values
 
     return step
@@ -822,23 +822,31 @@ def _run_compiled(steps, key, layer, h, x, c, fa_mask):
 model_call = make_text_model_call(qwen3_next, "Qwen3NextModel", "Qwen3NextDecoderLayer", False)
 
 
+def one_row_linear(layer, x, attr="_lily_view", owner=None):
+    """``layer(x)`` with a one-row input of a plain ``nn.QuantizedLinear`` (no bias)
+    through the ``qgemv`` kernel (``QProj.__call__``: MLX's ``quantized_matmul`` exactly as
+    ``nn.QuantizedLinear`` computes it wherever the kernel does not serve); any other
+    layer or input: ``layer(x)``. The one-part ``QProj`` view is cached on ``owner``
+    (default ``layer``) under ``attr`` per weight array, so its launch plan survives
+    between calls and a weight swap is noticed."""
+    if type(layer) is not nn.QuantizedLinear or "bias" in layer or x.size != x.shape[-1]:
+        return layer(x)
+    owner = layer if owner is None else owner
+    cached = owner.__dict__.get(attr)
+    if (cached is None or cached[0] is not layer.weight or cached[1] is not layer.scales
+            or cached[2] is not layer.get("biases")):
+        view = QProj.view([layer])
+        if view is None:
+            return layer(x)
+        cached = (layer.weight, layer.scales, layer.get("biases"), view)
+        object.__setattr__(owner, attr, cached)
+    return cached[3](x, split=False)[0]
+
+
 def lm_head(owner, x):
     """``owner.lm_head(x)`` with a one-row input through the ``qgemv`` kernel (its output
-    GEMV over the whole vocabulary; MLX's ``quantized_matmul`` otherwise, exactly as
-    ``nn.QuantizedLinear`` computes it). The one-part ``QProj`` view is cached on
-    ``owner`` per weight array."""
-    head = owner.lm_head
-    if type(head) is not nn.QuantizedLinear or "bias" in head or x.size != x.shape[-1]:
-        return head(x)
-    cached = owner.__dict__.get("_lily_head")
-    if (cached is None or cached[0] is not head.weight or cached[1] is not head.scales
-            or cached[2] is not head.get("biases")):
-        view = QProj.view([head])
-        if view is None:
-            return head(x)
-        cached = (head.weight, head.scales, head.get("biases"), view)
-        object.__setattr__(owner, "_lily_head", cached)
-    return cached[3](x, split=False)[0]
+    GEMV over the whole vocabulary; ``one_row_linear``), the view cached on ``owner``."""
+    return one_row_linear(owner.lm_head, x, "_lily_head", owner)
 
 
 def make_lm_call(cls_getter, with_embeddings):

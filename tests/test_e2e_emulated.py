@@ -172,6 +172,38 @@ def test_decode_folds_layer_norms_into_projections(stock_run):
     assert float(np.abs(logits[True] - logits[False]).max()) <= 0.05 * scale
 
 
+def test_decode_output_projections_run_qgemv(stock_run):
+    """A decode step runs every layer's output projection (GDN ``out_proj``, attention
+    ``o_proj``), the LM head (``patches.qwen3_next.one_row_linear``) and the first layer's
+    input projection as ``lily_qgemv``;
+    with ``qgemv`` off none of them does, and the logits agree within rounding."""
+    from mlx_lily.ops import qgemv as Q
+
+    model, forced, ref, truth = stock_run
+    n_layers = len(model.layers)
+    counts, logits = {}, {}
+    for on in (True, False):
+        ops = None if on else [o for o in OPS if o != "qgemv"]
+        with emulated_metal():
+            with mlx_lily.patched(model, ops=ops), pytest.MonkeyPatch.context() as mp:
+                cache = make_prompt_cache(model)
+                model(mx.array([PROMPT]), cache=cache)
+                _drop_launch_plans(model)
+                for _, m in model.named_modules():
+                    for a in ("_lily_view", "_lily_head"):
+                        m.__dict__.pop(a, None)
+                calls = count_kernel_launches(mp)
+                out = model(mx.array([[forced[0]]]), cache=cache)
+                mx.eval(out)
+        counts[on] = calls.count(Q.SPEC.name)
+        logits[on] = np.array(out[0].astype(mx.float32))
+    # + the LM head + the first layer's input projection (its norm is not folded in)
+    assert counts[True] == n_layers + 2, counts
+    assert counts[False] == 0, counts
+    scale = float(np.abs(logits[False]).max())
+    assert float(np.abs(logits[True] - logits[False]).max()) <= 0.05 * scale
+
+
 # ------------------------------------------------------------ attention on model tensors
 def _f32(x):
     return x.astype(mx.float32) if isinstance(x, mx.array) and x.dtype in (

@@ -80,6 +80,7 @@ def test_supports_rejects_unmappable_shapes():
 CASES = [  # (K, O, bits, gs, rows, dtype)
     (2048, 40, 4, 64, 1, mx.bfloat16),   # production input width, 4-bit
     (2048, 24, 8, 64, 2, mx.bfloat16),   # production input width, 8-bit (router)
+    (4096, 37, 4, 64, 1, mx.bfloat16),   # output projections' input width (o_proj, out_proj)
     (512, 33, 4, 32, 3, mx.bfloat16),    # odd row count, group 32
     (128, 17, 8, 128, 1, mx.float16),    # 8 lanes per row
     (64, 7, 4, 64, 1, mx.float32),       # 2 lanes per row, 16 rows per warp
