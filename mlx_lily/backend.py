@@ -27,6 +27,7 @@ OP_NAMES = (
     "attn_packed",
     "moe_router_norm",
     "moe_topk_in_experts",
+    "qgemv_out",
 )
 
 DISABLE_ENV = "MLX_LILY_DISABLE"

@@ -217,6 +217,32 @@ VERIFIED: dict = {
     "metal": frozenset(),
 }
 
+class PlanCache(dict):
+    """A dict of launch plans cached on a module or projection (keys hold ``mx.Dtype``,
+    values closures over kernels and arrays). ``copy.deepcopy`` gives an empty one: plans
+    are rebuilt on the copy's first call (``mx.Dtype`` cannot be deep-copied)."""
+
+    def __deepcopy__(self, memo):
+        return type(self)()
+
+
+def plan_cache(obj, attr: str) -> PlanCache:
+    """The ``PlanCache`` stored on ``obj`` under ``attr`` (a plain attribute, outside any
+    parameter tree), created on first use."""
+    c = obj.__dict__.get(attr)
+    if c is None:
+        c = PlanCache()
+        object.__setattr__(obj, attr, c)
+    return c
+
+
+def stock_result_dtype(x_dtype, scales_dtype) -> bool:
+    """Whether ``mx.quantized_matmul`` of an ``x_dtype`` input with ``scales_dtype`` scales
+    returns ``x_dtype`` (same float type, or an fp32 input), as the kernels do: a GEMV
+    kernel standing in for it must not change the result's dtype."""
+    return scales_dtype == x_dtype or x_dtype == mx.float32
+
+
 KERNELS_ENV = "MLX_LILY_KERNELS"
 
 

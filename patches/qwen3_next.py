@@ -18,6 +18,7 @@ from mlx_lm.models.cache import KVCache
 
 from mlx_lily.backend import op_enabled
 from mlx_lily.ops import attention as attn_ops
+from mlx_lily.ops import qgemv as _qgemv_ops
 from mlx_lily.ops.add_rms_norm import add_rms_norm
 from mlx_lily.ops.gated_delta import gated_delta, gated_delta_packed
 from mlx_lily.ops.moe_experts import drop_plans, moe_experts, moe_experts_routed
@@ -350,7 +351,9 @@ _MODELS_WITH_STEPS: dict = {}  # id -> weakref of models holding compiled steps
 
 
 def drop_compiled_steps() -> None:
-    """Forget every model's compiled decode functions (``unpatch`` calls this)."""
+    """Forget every model's compiled decode functions and cached one-row views (``unpatch``
+    calls this)."""
+    drop_views()
     for ref in list(_MODELS_WITH_STEPS.values()):
         m = ref()
         if m is not None:
@@ -822,15 +825,25 @@ def _run_compiled(steps, key, layer, h, x, c, fa_mask):
 model_call = make_text_model_call(qwen3_next, "Qwen3NextModel", "Qwen3NextDecoderLayer", False)
 
 
-def one_row_linear(layer, x, attr="_lily_view", owner=None):
+OUT_PROJ_OP = _qgemv_ops.OUT_PROJ_OP
+_VIEW_OWNERS: dict = {}  # id -> weakref of modules holding a cached one-row view
+
+
+def one_row_linear(layer, x, attr="_lily_view", owner=None, op=OUT_PROJ_OP):
     """``layer(x)`` with a one-row input of a plain ``nn.QuantizedLinear`` (no bias)
     through the ``qgemv`` kernel (``QProj.__call__``: MLX's ``quantized_matmul`` exactly as
-    ``nn.QuantizedLinear`` computes it wherever the kernel does not serve); any other
-    layer or input: ``layer(x)``. The one-part ``QProj`` view is cached on ``owner``
-    (default ``layer``) under ``attr`` per weight array, so its launch plan survives
-    between calls and a weight swap is noticed."""
+    ``nn.QuantizedLinear`` computes it wherever the kernel does not serve) while switch
+    ``op`` is on and its kernels allowed (None: no switch of its own); any other layer or
+    input: ``layer(x)``. The one-part ``QProj`` view is cached on ``owner`` (default
+    ``layer``) under ``attr`` per weight array (a weight swap is noticed; ``unpatch``
+    drops the views)."""
     if type(layer) is not nn.QuantizedLinear or "bias" in layer or x.size != x.shape[-1]:
         return layer(x)
+    if op is not None:
+        from mlx_lily import backend, kernels
+
+        if not (op_enabled(op) and kernels.kernels_allowed(op, backend.current_backend())):
+            return layer(x)
     owner = layer if owner is None else owner
     cached = owner.__dict__.get(attr)
     if (cached is None or cached[0] is not layer.weight or cached[1] is not layer.scales
@@ -840,13 +853,23 @@ def one_row_linear(layer, x, attr="_lily_view", owner=None):
             return layer(x)
         cached = (layer.weight, layer.scales, layer.get("biases"), view)
         object.__setattr__(owner, attr, cached)
+        _VIEW_OWNERS[id(owner)] = (weakref.ref(owner), attr)
     return cached[3](x, split=False)[0]
+
+
+def drop_views() -> None:
+    """Forget every cached one-row view (``unpatch`` calls this: they hold weight arrays)."""
+    for ref, attr in list(_VIEW_OWNERS.values()):
+        m = ref()
+        if m is not None:
+            m.__dict__.pop(attr, None)
+    _VIEW_OWNERS.clear()
 
 
 def lm_head(owner, x):
     """``owner.lm_head(x)`` with a one-row input through the ``qgemv`` kernel (its output
     GEMV over the whole vocabulary; ``one_row_linear``), the view cached on ``owner``."""
-    return one_row_linear(owner.lm_head, x, "_lily_head", owner)
+    return one_row_linear(owner.lm_head, x, "_lily_head", owner, op=None)
 
 
 def make_lm_call(cls_getter, with_embeddings):

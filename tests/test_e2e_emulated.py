@@ -13,8 +13,11 @@ all positions' logits, and top-1 agreement.
 
 from __future__ import annotations
 
+import copy
+
 import mlx.core as mx
 import numpy as np
+
 import pytest
 from mlx_lm.models.cache import make_prompt_cache
 
@@ -174,16 +177,17 @@ def test_decode_folds_layer_norms_into_projections(stock_run):
 
 def test_decode_output_projections_run_qgemv(stock_run):
     """A decode step runs every layer's output projection (GDN ``out_proj``, attention
-    ``o_proj``), the LM head (``patches.qwen3_next.one_row_linear``) and the first layer's
-    input projection as ``lily_qgemv``;
+    ``o_proj``: switch ``qgemv_out``), the LM head (``patches.qwen3_next.one_row_linear``)
+    and the first layer's input projection as ``lily_qgemv``;
     with ``qgemv`` off none of them does, and the logits agree within rounding."""
     from mlx_lily.ops import qgemv as Q
 
     model, forced, ref, truth = stock_run
     n_layers = len(model.layers)
     counts, logits = {}, {}
-    for on in (True, False):
-        ops = None if on else [o for o in OPS if o != "qgemv"]
+    for on in (True, False, "no-out"):
+        ops = (None if on is True else [o for o in OPS if o != "qgemv"] if on is False
+               else [o for o in OPS if o != "qgemv_out"])
         with emulated_metal():
             with mlx_lily.patched(model, ops=ops), pytest.MonkeyPatch.context() as mp:
                 cache = make_prompt_cache(model)
@@ -200,8 +204,28 @@ def test_decode_output_projections_run_qgemv(stock_run):
     # + the LM head + the first layer's input projection (its norm is not folded in)
     assert counts[True] == n_layers + 2, counts
     assert counts[False] == 0, counts
+    assert counts["no-out"] == 2, counts  # switch qgemv_out off: the output projections
     scale = float(np.abs(logits[False]).max())
     assert float(np.abs(logits[True] - logits[False]).max()) <= 0.05 * scale
+
+
+def test_deepcopy_and_unpatch_after_kernel_decode(stock_run):
+    """After a decode step that ran the kernels (launch plans and one-row views cached on
+    modules), ``copy.deepcopy`` of the model works and the copy decodes as the original;
+    ``unpatch`` drops the cached views (they hold weight arrays)."""
+    model, forced, ref, truth = stock_run
+    with emulated_metal():
+        with mlx_lily.patched(model):
+            cache = make_prompt_cache(model)
+            model(mx.array([PROMPT]), cache=cache)
+            c2 = copy.deepcopy(cache)
+            out = model(mx.array([[forced[0]]]), cache=cache)
+            twin = copy.deepcopy(model)
+            out2 = twin(mx.array([[forced[0]]]), cache=c2)
+            assert mx.array_equal(out, out2).item()
+            assert any("_lily_view" in m.__dict__ for _, m in model.named_modules())
+    assert not any(a in m.__dict__ for _, m in model.named_modules()
+                   for a in ("_lily_view", "_lily_head"))
 
 
 # ------------------------------------------------------------ attention on model tensors

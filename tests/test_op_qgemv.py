@@ -183,14 +183,39 @@ def test_lm_head_routes_one_row_to_kernel(monkeypatch):
     t = truth(x.reshape(1, 256), h.weight, h.scales, h.biases, 64, 4)
     check_close(y.reshape(1, 40), t, x.reshape(1, 256), h.weight, h.scales, h.biases, 64,
                 4, mx.bfloat16)
-    view = owner.__dict__["_lily_head"][1]
+    view = owner.__dict__["_lily_head"][3]
     lm_head(owner, x)
-    assert owner.__dict__["_lily_head"][1] is view and len(calls) == 2
+    assert owner.__dict__["_lily_head"][3] is view and len(calls) == 2
+    # new weight arrays: a new view over them, and the result follows the new weights
+    owner.lm_head.update({"scales": owner.lm_head.scales * 2})
+    y2 = lm_head(owner, x)
+    assert owner.__dict__["_lily_head"][3] is not view and len(calls) == 3
+    assert mx.allclose(y2.astype(mx.float32), owner.lm_head(x).astype(mx.float32),
+                       rtol=0.05, atol=0.05).item()
     xs = mx.random.normal((1, 3, 256)).astype(mx.bfloat16)
     assert mx.array_equal(lm_head(owner, xs), owner.lm_head(xs)).item()
-    assert len(calls) == 2
+    assert len(calls) == 3
     owner.lm_head = lin  # unquantized: the layer itself
-    assert mx.array_equal(lm_head(owner, x), lin(x)).item() and len(calls) == 2
+    assert mx.array_equal(lm_head(owner, x), lin(x)).item() and len(calls) == 3
+
+
+def test_qproj_keeps_stock_result_dtype(monkeypatch):
+    """A one-row ``QProj`` call whose stock ``quantized_matmul`` would return another dtype
+    than the input's (fp32 scales, bf16 input: fp32) leaves the kernel out, so the result
+    has stock's dtype; matching scales run the kernel."""
+    from mlx_lily.qproj import QProj
+
+    emulated_metal_dispatch(monkeypatch, Q)
+    mx.random.seed(9)
+    lin = nn.Linear(256, 24, bias=False)
+    lin.weight = (mx.random.normal((24, 256)) * 0.06).astype(mx.bfloat16)
+    ql = nn.QuantizedLinear.from_linear(lin, 64, 4)
+    x = mx.random.normal((1, 256)).astype(mx.bfloat16)
+    calls = count_kernel_launches(monkeypatch)
+    assert QProj.view([ql])(x)[0].dtype == mx.bfloat16 and calls == ["lily_qgemv"]
+    ql.update({"scales": ql.scales.astype(mx.float32), "biases": ql.biases.astype(mx.float32)})
+    y = QProj.view([ql])(x)[0]
+    assert y.dtype == ql(x).dtype == mx.float32 and calls == ["lily_qgemv"]
 
 
 @pytest.mark.skipif(nvcc_path() is None, reason="nvcc not installed")

@@ -4,7 +4,8 @@
 #   STAGES=install,tests,bench,ab AB_ARGS="--lengths 256,4096" bash benchmarks/gpu/suite.sh
 # Stages: jitload, install, tests (all op files in parallel, T_TESTS seconds cap each, default 300;
 # TEST_OPS=a,b selects files; NVRTC compiles of every template make a cold file take 1-3 min),
-# bench (BENCHES=a,b selects scripts), startup, prims, ab, numerics, profile (decode_profile.py;
+# bench (BENCHES=a,b selects scripts), startup, prims, ab, numerics, ktimes (per-kernel GPU
+# time under ncu: kernel_times.py, KT_ARGS), profile (decode_profile.py;
 # PROFILE_ARGS passes options, e.g. "--no-stock-arm --arm-env NAME:VAR=VAL --rounds 2 --cprofile";
 # PROFILE_ENVS adds runs under other MLX settings, one process each). With tests, prims and
 # numerics run alongside the test processes (they count nodes / measure accuracy, not time).
@@ -150,6 +151,15 @@ if has profile; then
        --context ${PROFILE_CONTEXT:-4096} --no-eager-arm --out "$W/profile-$n") > "$W/profile-$n/decode_profile.log" 2>&1
     tail -5 "$W/profile-$n/decode_profile.log" | tee -a "$S"; snapshot
   done
+fi
+# ktimes: per-kernel GPU time of decode steps under Nsight Compute (kernel_times.py;
+# KT_ARGS passes options, e.g. "--context 32768 --arms lily")
+if has ktimes; then
+  say "== per-kernel GPU time (ncu)"
+  mkdir -p "$W/ktimes"
+  (cd /tmp && timeout "${T_KT:-420}" python3 "$REPO/benchmarks/gpu/kernel_times.py" ${KT_ARGS:-} \
+     --out "$W/ktimes") > "$W/ktimes/kernel_times.log" 2>&1
+  head -70 "$W/ktimes/kernel_times.log" | tee -a "$S"; snapshot
 fi
 # jitsave: MLX's kernel caches (its default /tmp/mlx/<version>/ptx and the folder patch()
 # points MLX_PTX_CACHE_DIR at) as 15 MiB parts under $OUT/jit/ for the next lease's jitload

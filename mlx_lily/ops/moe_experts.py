@@ -295,10 +295,9 @@ def _plans(switch_mlp, attr: str) -> dict:
     """The launch-plan cache ``attr`` held on ``switch_mlp`` (a plain attribute, outside
     the parameter tree), emptied once it grows past ``_MAX_PLANS`` (stale weights or many
     shapes)."""
-    plans = switch_mlp.__dict__.get(attr)
-    if plans is None or len(plans) > _MAX_PLANS:
-        plans = {}
-        object.__setattr__(switch_mlp, attr, plans)
+    plans = kernels.plan_cache(switch_mlp, attr)
+    if len(plans) > _MAX_PLANS:
+        plans.clear()
     return plans
 
 

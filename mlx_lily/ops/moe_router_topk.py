@@ -209,7 +209,7 @@ def moe_router_topk(x, router, k, norm_topk_prob):
     backend = current_backend()
     if (backend in ("metal", "cuda") and type(router) is QProj
             and kernels.kernels_allowed(NAME, backend)):
-        plans = router.__dict__.setdefault("_lily_router_plans", {})
+        plans = kernels.plan_cache(router, "_lily_router_plans")
         key = (backend, x.shape, x.dtype, k, bool(norm_topk_prob))
         run = plans.get(key, False)
         if run is False:
@@ -235,7 +235,7 @@ def moe_router_topk_pending(pending, router, k, norm_topk_prob):
     h0, res, nw_ = pending.h0, pending.res, pending.weight
     if (backend in ("metal", "cuda") and type(router) is QProj and op_enabled(PRE_NORM_OP)
             and kernels.kernels_allowed(PRE_NORM_OP, backend)):
-        plans = router.__dict__.setdefault("_lily_router_plans", {})
+        plans = kernels.plan_cache(router, "_lily_router_plans")
         key = (backend, h0.shape, h0.dtype, k, bool(norm_topk_prob), "pre_norm")
         run = plans.get(key, False)
         if run is False:

@@ -100,9 +100,10 @@ def for_qproj(h0, res, norm_w, eps, proj):
     # the GEMV half is qgemv's: its switches apply too
     if (backend not in ("metal", "cuda") or not op_enabled(NAME) or not op_enabled(_qgemv.NAME)
             or not _qgemv.USE_FOR_QPROJ.get(backend, False)
-            or not kernels.kernels_allowed(NAME, backend)):
+            or not kernels.kernels_allowed(NAME, backend)
+            or not kernels.stock_result_dtype(h0.dtype, proj.scales.dtype)):
         return None
-    plans = proj.__dict__.setdefault("_lily_norm_qgemv_plans", {})
+    plans = kernels.plan_cache(proj, "_lily_norm_qgemv_plans")
     key = (backend, h0.shape, h0.dtype, res.dtype, norm_w.dtype, norm_w.shape)
     run = plans.get(key, False)
     if run is False:

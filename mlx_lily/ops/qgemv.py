@@ -142,6 +142,17 @@ def has_kernel(backend: str) -> bool:
     return backend in ("metal", "cuda") and kernels.get(SPEC, backend) is not None
 
 
+#: The switch of routing a one-token step's output projections (GDN ``out_proj``,
+#: attention ``o_proj``) through this kernel (``patches.qwen3_next.one_row_linear``).
+OUT_PROJ_OP = "qgemv_out"
+
+
+def has_out_proj_kernel(backend: str) -> bool:
+    """True when the output projections' switch ``qgemv_out`` can run the kernel on
+    ``backend`` here."""
+    return has_kernel(backend) and kernels.kernels_allowed(OUT_PROJ_OP, backend)
+
+
 def try_kernel(x, w, scales, biases, group_size, bits, mode="affine") -> mx.array | None:
     """The kernel's result when it serves this call on the current backend, else None."""
     backend = current_backend()
@@ -170,9 +181,10 @@ def for_qproj(x: mx.array, proj) -> mx.array | None:
         return None
     backend = current_backend()
     if (not USE_FOR_QPROJ.get(backend, False) or not op_enabled(NAME)
-            or not kernels.kernels_allowed(NAME, backend)):
+            or not kernels.kernels_allowed(NAME, backend)
+            or not kernels.stock_result_dtype(x.dtype, proj.scales.dtype)):
         return None
-    plans = proj.__dict__.setdefault("_lily_qgemv_plans", {})
+    plans = kernels.plan_cache(proj, "_lily_qgemv_plans")
     key = (backend, x.shape, x.dtype)
     run = plans.get(key, False)
     if run is False:

@@ -1,0 +1,184 @@
+"""Per-kernel GPU time of decode steps, read by Nsight Compute (``ncu``): which kernels a
+stock and a Lily decode step launch, how many times, and how long each runs on the GPU
+(``gpu__time_duration``, kernels serialised by the profiler, clocks left alone).
+
+    python benchmarks/gpu/kernel_times.py --context 4096 --steps 2 --out DIR
+
+Runs itself under ``ncu --profile-from-start off`` once per arm: the child process loads
+the synthetic model, builds a ``--context``-token cache with Lily's prefill, decodes
+``--warmup`` steps, then turns the profiler on (``cudaProfilerStart`` through ctypes) for
+``--steps`` decode steps only. The sum over a step's kernels is the GPU's busy time with
+no gaps between kernels (a lower bound on the step's device time; the difference to
+``decode_profile.py --gpu-only``'s step time is launch gaps and idle). Writes
+DIR/kernel_times.json (per arm: per kernel name launches per step, us per step, mean us
+per launch) and prints the top kernels. Needs ``ncu`` (Nsight Compute) on a machine whose
+runtime lets it read the GPU (the lent H200's Firecracker does).
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import ctypes
+import glob
+import io
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+
+def find_ncu() -> str | None:
+    """Path of the ``ncu`` executable (PATH, then /opt/nvidia/nsight-compute/*/), or None."""
+    p = shutil.which("ncu")
+    if p:
+        return p
+    hits = sorted(glob.glob("/opt/nvidia/nsight-compute/*/ncu")) + sorted(
+        glob.glob("/usr/local/cuda*/bin/ncu"))
+    return hits[-1] if hits else None
+
+
+def _cudart():
+    """The CUDA runtime library MLX loaded (for cudaProfilerStart/Stop), or None."""
+    names = ["libcudart.so.13", "libcudart.so.12", "libcudart.so"]
+    try:
+        import nvidia.cu13  # noqa: F401  (MLX's CUDA wheel ships the runtime here)
+
+        base = os.path.dirname(nvidia.cu13.__file__)
+        names = sorted(glob.glob(os.path.join(base, "lib", "libcudart.so*"))) + names
+    except ImportError:
+        pass
+    for n in names:
+        try:
+            return ctypes.CDLL(n)
+        except OSError:
+            continue
+    return None
+
+
+def child(a) -> int:
+    """Inside ncu: decode with the profiler on for ``a.steps`` steps of arm ``a.arm``."""
+    os.environ.setdefault("MLX_LILY_KERNELS", "all")
+    import mlx.core as mx
+
+    from mlx_lily.bench.ab import (arm_context, build_context, copy_cache, load_target,
+                                   synthetic_ids, vocab_bounds)
+
+    rt = _cudart()
+    if rt is None:
+        print("kernel_times: no libcudart to start the profiler", file=sys.stderr)
+        return 2
+    t = load_target(None, synthetic=a.preset)
+    hi, ex = vocab_bounds(t.config, t.tokenizer)
+    ids = synthetic_ids(a.context + 1, hi, ex, seed=0)
+    with arm_context("lily", t.model, None):
+        ctx = build_context(t.model, ids[:a.context], 2048)
+    with arm_context(a.arm, t.model, None):
+        cache = copy_cache(ctx)
+        tok = mx.array([[int(ids[a.context])]])
+        for _ in range(max(1, a.warmup)):
+            y = mx.argmax(t.model(tok, cache=cache)[:, -1, :], axis=-1)
+            mx.eval(y)
+            tok = y.reshape(1, 1)
+        mx.synchronize()
+        rt.cudaProfilerStart()
+        for _ in range(a.steps):
+            y = mx.argmax(t.model(tok, cache=cache)[:, -1, :], axis=-1)
+            mx.eval(y)
+            tok = y.reshape(1, 1)
+        mx.synchronize()
+        rt.cudaProfilerStop()
+    return 0
+
+
+def parse_ncu_csv(text: str) -> list:
+    """``[(kernel name, duration ns), ...]`` from ``ncu --csv --page raw`` output with the
+    ``gpu__time_duration.sum`` metric (lines before the CSV header ignored)."""
+    lines = text.splitlines()
+    start = next((i for i, l in enumerate(lines) if l.startswith('"ID"')), None)
+    if start is None:
+        return []
+    rows = list(csv.reader(io.StringIO("\n".join(lines[start:]))))
+    head = rows[0]
+    name_col = head.index("Kernel Name")
+    dur_col = head.index("gpu__time_duration.sum")
+    out = []
+    for r in rows[1:]:
+        if len(r) <= max(name_col, dur_col):
+            continue
+        try:
+            out.append((r[name_col], float(r[dur_col].replace(",", ""))))
+        except ValueError:
+            continue  # the units row
+    return out
+
+
+def summarize(kernels: list, steps: int) -> dict:
+    """Per kernel name: launches per step, us per step, mean us per launch; plus totals."""
+    by: dict = {}
+    for name, ns in kernels:
+        short = name.split("(")[0].split("<")[0].strip()
+        e = by.setdefault(short, [0, 0.0])
+        e[0] += 1
+        e[1] += ns / 1e3
+    table = {k: {"launches_per_step": n / steps, "us_per_step": us / steps,
+                 "mean_us": us / n} for k, (n, us) in by.items()}
+    table = dict(sorted(table.items(), key=lambda kv: -kv[1]["us_per_step"]))
+    return {"kernels_per_step": len(kernels) / steps,
+            "busy_us_per_step": sum(ns for _, ns in kernels) / 1e3 / steps,
+            "by_kernel": table}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--preset", default="qwen3.6-35b-a3b")
+    p.add_argument("--context", type=int, default=4096)
+    p.add_argument("--steps", type=int, default=2)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--arms", default="stock,lily")
+    p.add_argument("--timeout-s", type=float, default=240.0, help="per arm")
+    p.add_argument("--out", type=Path, default=None)
+    p.add_argument("--child-arm", dest="arm", default=None, help=argparse.SUPPRESS)
+    a = p.parse_args(argv)
+    if a.arm:
+        return child(a)
+    ncu = find_ncu()
+    if ncu is None:
+        print("kernel_times: ncu (Nsight Compute) not found", file=sys.stderr)
+        return 2
+    res = {"context": a.context, "steps": a.steps, "ncu": ncu, "arms": {}}
+    for arm in a.arms.split(","):
+        log = Path(os.environ.get("TMPDIR", "/tmp")) / f"kernel_times_{arm}.csv"
+        cmd = [ncu, "--clock-control", "none", "--profile-from-start", "off",
+               "--metrics", "gpu__time_duration.sum", "--csv", "--page", "raw",
+               "--print-units", "base", "--log-file", str(log),
+               sys.executable, os.path.abspath(__file__), "--child-arm", arm,
+               "--preset", a.preset, "--context", str(a.context), "--steps", str(a.steps),
+               "--warmup", str(a.warmup)]
+        try:
+            r = subprocess.run(cmd, capture_output=True, text=True, timeout=a.timeout_s)
+            rc, err = r.returncode, r.stderr[-2000:]
+        except subprocess.TimeoutExpired:
+            rc, err = "timeout", ""
+        text = log.read_text() if log.exists() else ""
+        ks = parse_ncu_csv(text)
+        if not ks:
+            res["arms"][arm] = {"error": f"rc={rc}", "stderr": err, "log_head": text[:2000]}
+            print(f"{arm}: no kernels read (rc={rc})\n{err}\n{text[:2000]}", flush=True)
+            continue
+        s = summarize(ks, a.steps)
+        res["arms"][arm] = s
+        print(f"\n{arm}: {s['kernels_per_step']:.0f} kernels, "
+              f"{s['busy_us_per_step']:.0f} us busy per step (context {a.context})")
+        for name, row in list(s["by_kernel"].items())[:25]:
+            print(f"  {row['us_per_step']:9.1f} us  {row['launches_per_step']:6.1f} x "
+                  f"{row['mean_us']:7.2f} us  {name[:90]}")
+    if a.out:
+        a.out.mkdir(parents=True, exist_ok=True)
+        (a.out / "kernel_times.json").write_text(json.dumps(res, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,40 @@
+"""The ncu output parsing of ``benchmarks/gpu/kernel_times.py`` (the profiling itself
+needs Nsight Compute on a GPU machine)."""
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+_PATH = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu" / "kernel_times.py"
+spec = importlib.util.spec_from_file_location("kernel_times", _PATH)
+kt = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(kt)
+
+SAMPLE = '''==PROF== Connected to process 4242 (/usr/bin/python3)
+==PROF== Profiling "custom_kernel_lily_qgemv_bf16": 0%....50%....100% - 1 pass
+"ID","Process ID","Process Name","Host Name","Kernel Name","Context","Stream","Block Size","Grid Size","Device","CC","gpu__time_duration.sum"
+"","","","","","","","","","","","nsecond"
+"0","4242","python3","h","custom_kernel_lily_qgemv_bf16_2048","1","7","(128, 1, 1)","(512, 1, 1)","0","9.0","4,512"
+"1","4242","python3","h","void mlx::core::cu::gather_qmv<float, 4>(const float*, int)","1","7","(128, 1, 1)","(64, 1, 1)","0","9.0","1,000"
+"2","4242","python3","h","custom_kernel_lily_qgemv_bf16_2048","1","7","(128, 1, 1)","(512, 1, 1)","0","9.0","3,488"
+"3","4242","python3","h","void mlx::core::cu::gather_qmv<float, 4>(const float*, int)","1","7","(128, 1, 1)","(64, 1, 1)","0","9.0","3000"
+'''
+
+
+def test_parse_and_summarize():
+    ks = kt.parse_ncu_csv(SAMPLE)
+    assert ks == [("custom_kernel_lily_qgemv_bf16_2048", 4512.0),
+                  ("void mlx::core::cu::gather_qmv<float, 4>(const float*, int)", 1000.0),
+                  ("custom_kernel_lily_qgemv_bf16_2048", 3488.0),
+                  ("void mlx::core::cu::gather_qmv<float, 4>(const float*, int)", 3000.0)]
+    s = kt.summarize(ks, steps=2)
+    assert s["kernels_per_step"] == 2 and s["busy_us_per_step"] == pytest.approx(6.0)
+    first, second = list(s["by_kernel"].items())
+    assert first[0] == "custom_kernel_lily_qgemv_bf16_2048"
+    assert first[1] == {"launches_per_step": 1.0, "us_per_step": 4.0, "mean_us": 4.0}
+    assert second[0] == "void mlx::core::cu::gather_qmv"
+    assert second[1]["us_per_step"] == pytest.approx(2.0)
+
+
+def test_parse_without_table_is_empty():
+    assert kt.parse_ncu_csv("==ERROR== the profiler failed\n") == []
