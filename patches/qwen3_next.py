@@ -370,7 +370,8 @@ def _compile_key():
     if backend.compile_mode(be) == "off":
         return None
     return (be, backend.disabled_ops(), backend._selected_ops,
-            backend.env_value("MLX_LILY_KERNELS", ""))
+            backend.env_value("MLX_LILY_KERNELS", ""),
+            backend.env_value(attn_ops.DECODE_PF_ENV, ""))
 
 
 def _layer_tail(layer, h, r):

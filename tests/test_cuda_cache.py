@@ -509,3 +509,26 @@ def test_compiled_decode_honours_attn_packed_switch(monkeypatch):
     assert not any(len(k) == 3 for k in cs.fns)
     packed = [dict(l.template).get("PACKED") for l in rec if l.name == "lily_attn_qk_norm_rope"]
     assert packed and not any(packed)
+
+
+def test_decode_prefetch_setting_reaches_compiled_steps(monkeypatch):
+    """``MLX_LILY_DECODE_PF`` is part of the compiled decode steps' key: changing it between
+    steps retraces, and the new trace launches the decode partial kernel with the new
+    ``PF`` (kernels stubbed, production dims, 4 layers)."""
+    import mlx_lily
+    from mlx_lily.ops import attention as A
+    from mlx_lm.models.cache import make_prompt_cache
+
+    model = _stubbed_cuda_model(monkeypatch)
+    seen = []
+    with backend.tracing_backend("cuda"):
+        with mlx_lily.patched(model):
+            cache = make_prompt_cache(model)
+            model(mx.array([[5]]), cache=cache)
+            for pf in ("1", "2"):
+                monkeypatch.setenv(A.DECODE_PF_ENV, pf)
+                with cuda_cache.recording() as rec:
+                    model(mx.array([[5]]), cache=cache)
+                seen.append({dict(l.template)["PF"] for l in rec
+                             if l.name == "lily_attn_decode_partial"})
+    assert seen == [{1}, {2}]

@@ -602,6 +602,45 @@ def test_decode_valid_length_from_array(backend, T, cap, monkeypatch):
     assert got.shape == want.shape and mx.array_equal(got, want).item()
 
 
+@pytest.mark.parametrize("backend", [b for b in BACKENDS if b != "reference"])
+@pytest.mark.parametrize("T,block,dyn", [(300, 32, False), (77, 8, False), (300, 64, True),
+                                         (1, 32, True), (45, 16, False)])
+def test_decode_prefetch_does_not_change_results(backend, T, block, dyn, monkeypatch):
+    """``PF`` (load groups in flight per warp) is a speed knob only: PF=2 gives the PF=1
+    result bit for bit, with tails (T not a multiple of the block or of 2 tiles), blocks
+    of one tile, DYN_T and a one-key cache; and the partials are all written (outputs
+    pre-filled with NaN)."""
+    B, Hq, Hkv, D, dt = 1, 16, 2, 256, mx.bfloat16
+    mx.random.seed(T * 3 + block)
+    q = _rand((B, Hq, 1, D), dt)
+    cap = T + 13 if dyn else T
+    kb = _rand((B, Hkv, cap, D), dt)
+    vb = _rand((B, Hkv, cap, D), dt)
+    gate = _rand((B, 1, Hq, D), dt)
+    tlen = mx.array([T], dtype=mx.int32) if dyn else None
+    monkeypatch.setenv(kernels.KERNELS_ENV, "all")
+    outs = []
+    with use_backend(backend, monkeypatch):
+        be = A.current_backend()
+        for pf in (1, 2):
+            o = A.decode_attention(q, kb, vb, D ** -0.5, gate, block=block, backend=be,
+                                   tlen=tlen, prefetch=pf, init_value=float("nan"))
+            mx.eval(o)
+            outs.append(o)
+    assert not mx.isnan(outs[1]).any().item()
+    assert mx.array_equal(outs[0], outs[1]).item()
+    k, v = (kb, vb) if not dyn else (kb[:, :, :T], vb[:, :, :T])
+    ref = A.sdpa_gated_reference(*_f32(q, k, v), D ** -0.5, None, gate.astype(mx.float32))
+    _assert_close(outs[1].reshape(ref.shape), ref, dt, f"prefetch T={T} block={block}")
+
+
+def test_decode_prefetch_setting(monkeypatch):
+    monkeypatch.setenv(A.DECODE_PF_ENV, "2")
+    assert A.decode_prefetch("cuda") == 2
+    monkeypatch.setenv(A.DECODE_PF_ENV, "3")  # not 1 or 2: the table's value
+    assert A.decode_prefetch("cuda") == A.DECODE_PREFETCH["cuda"]
+
+
 @pytest.mark.parametrize("backend", EMU_BACKENDS)
 def test_decode_fixed_block_path(backend, monkeypatch):
     """T >= SPLIT_K_MIN_CONTEXT takes the fixed block (threshold lowered for the test)."""
@@ -734,7 +773,7 @@ _NVCC_CASES = {
         [("q", "T", 4), ("k", "T", 4), ("v", "T", 4), ("params", mx.float32, 1),
          ("tlen", mx.int32, 1)],
         [("part_o", mx.float32), ("part_ml", mx.float32)],
-        [("D", 256), ("G", 8), ("CH", 64), ("NSG", 4), ("DYN_T", True)]),
+        [("D", 256), ("G", 8), ("CH", 64), ("NSG", 4), ("DYN_T", True), ("PF", 2)]),
     "attn_decode_combine": (
         [("part_o", mx.float32, 4), ("part_ml", mx.float32, 4), ("gate", "T", 4)],
         [("out", "T")],

@@ -11,7 +11,8 @@ Measured:
 - decode (L = 1) at 4K / 32K / 128K cached tokens, K/V as KVCache views (256-token
   allocation steps): Lily split-K decode with fused gate and without, vs MLX SDPA (+ gate).
   GB/s counts the K and V bytes read: 2 * T * 256 * 2 B * 2 KV heads. Also a sweep of the
-  split block (keys per warp) to validate ``attention.decode_block``.
+  split block (keys per warp) and of ``PF`` (1 or 2 tiles' loads in flight per warp) to
+  validate ``attention.decode_block`` and ``attention.DECODE_PREFETCH``.
 - prefill (causal, fused gate) for L = 2048 at T = 2048 (first chunk), T = 8192 (the 4th
   mlx-lm chunk: offset 6144), and a single L = T = 8192 call. TFLOP/s counts
   4 * D * Hq * (causal query-key pairs).
@@ -123,13 +124,16 @@ def run_decode(A, rows, contexts, sweep):
                              if name.startswith("lily") else None))
         if sweep:
             for ch in sweep:
-                fn = lambda ch=ch: A.decode_attention(q, k, v, SCALE, gate, block=ch)  # noqa: E731
-                comp = first_call(fn)
-                b, s = bench(fn, inner=inner, reps=5)
-                err = maxerr(fn().reshape(ref32.shape), ref32)
-                rows.append(dict(op="decode_sweep", T=T, impl=f"block={ch}", block=ch,
-                                 batch_ms=b, sync_ms=s, gbps=nbytes / (b * 1e-3) / 1e9,
-                                 first_call_ms=comp, max_err=err))
+                for pf in (1, 2):
+                    fn = lambda ch=ch, pf=pf: A.decode_attention(  # noqa: E731
+                        q, k, v, SCALE, gate, block=ch, prefetch=pf)
+                    comp = first_call(fn)
+                    b, s = bench(fn, inner=inner, reps=5)
+                    err = maxerr(fn().reshape(ref32.shape), ref32)
+                    rows.append(dict(op="decode_sweep", T=T, impl=f"block={ch} pf={pf}",
+                                     block=ch, prefetch=pf, batch_ms=b, sync_ms=s,
+                                     gbps=nbytes / (b * 1e-3) / 1e9, first_call_ms=comp,
+                                     max_err=err))
 
 
 def run_prefill(A, rows, shapes):
@@ -273,13 +277,13 @@ def run_mixer(rows, contexts, chunk=2048):
 
 def fmt(rows):
     out = []
-    out.append(f"{'op':<13}{'shape':<14}{'impl':<15}{'batch ms':>10}{'sync ms':>9}"
+    out.append(f"{'op':<13}{'shape':<14}{'impl':<17}{'batch ms':>10}{'sync ms':>9}"
                f"{'GB/s|TF/s':>10}{'1st ms':>8}{'max err':>9}")
     for r in rows:
         shape = f"T={r['T']}" if r["op"].startswith("decode") else (
             f"L={r['L']},T={r['T']}" if r["op"] in ("prefill", "mixer") else f"L={r['L']}")
         rate = r.get("gbps") or r.get("tflops")
-        out.append(f"{r['op']:<13}{shape:<14}{r['impl']:<15}{r['batch_ms']:>10.4f}"
+        out.append(f"{r['op']:<13}{shape:<14}{r['impl']:<17}{r['batch_ms']:>10.4f}"
                    f"{r['sync_ms']:>9.3f}{(rate or 0):>10.1f}{r['first_call_ms']:>8.0f}"
                    f"{(r['max_err'] if r['max_err'] is not None else float('nan')):>9.2g}")
     return "\n".join(out)
@@ -300,7 +304,8 @@ def summary(rows):
                 f"decode T={T}: lily+gate {lg['batch_ms']*1e3:.1f} us ({lg['gbps']:.0f} GB/s, "
                 f"block {lg['block']}, err {lg['max_err']:.2g}) vs stock {ms['batch_ms']*1e3:.1f} us"
                 f" -> x{ms['batch_ms']/lg['batch_ms']:.2f}"
-                + (f"; best block {best['block']} {best['batch_ms']*1e3:.1f} us" if best else ""))
+                + (f"; best block {best['block']} pf {best['prefetch']} "
+                   f"{best['batch_ms']*1e3:.1f} us ({best['gbps']:.0f} GB/s)" if best else ""))
         elif op == "prefill":
             lg, ms = d.get("lily_gated"), d.get("mlx_sdpa+gate")
             lines.append(

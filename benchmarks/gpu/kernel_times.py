@@ -1,8 +1,11 @@
 """Per-kernel GPU time of decode steps, read by Nsight Compute (``ncu``): which kernels a
 stock and a Lily decode step launch, how many times, and how long each runs on the GPU
-(``gpu__time_duration``, kernels serialised by the profiler, clocks left alone).
+(``gpu__time_duration``, kernels serialised by the profiler, clocks left alone); with
+``--phase prefill`` the same for one prefill chunk.
 
     python benchmarks/gpu/kernel_times.py --context 4096 --steps 2 --out DIR
+    python benchmarks/gpu/kernel_times.py --phase prefill --context 2048 --chunk 2048 \
+        --arms lily --steps 1 --out DIR
 
 Runs itself under ``ncu --profile-from-start off`` once per arm: the child process loads
 the synthetic model, builds a ``--context``-token cache with Lily's prefill, decodes
@@ -74,6 +77,19 @@ def child(a) -> int:
     ids = synthetic_ids(a.context + 1, hi, ex, seed=0)
     with arm_context("lily", t.model, None):
         ctx = build_context(t.model, ids[:a.context], 2048)
+    if a.phase == "prefill":
+        chunk = mx.array([synthetic_ids(a.chunk, hi, ex, seed=1).tolist()])
+        with arm_context(a.arm, t.model, None):
+            for rnd in range(1 + a.steps):  # an untimed chunk first (kernel compiles)
+                cache = copy_cache(ctx)
+                mx.synchronize()
+                if rnd:
+                    rt.cudaProfilerStart()
+                mx.eval(t.model(chunk, cache=cache))
+                mx.synchronize()
+                if rnd:
+                    rt.cudaProfilerStop()
+        return 0
     with arm_context(a.arm, t.model, None):
         cache = copy_cache(ctx)
         tok = mx.array([[int(ids[a.context])]])
@@ -137,6 +153,10 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=2)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--arms", default="stock,lily")
+    p.add_argument("--phase", choices=("decode", "prefill"), default="decode",
+                   help="prefill: one --chunk-token forward after the --context cache "
+                        "(--steps such forwards profiled)")
+    p.add_argument("--chunk", type=int, default=2048)
     p.add_argument("--timeout-s", type=float, default=240.0, help="per arm")
     p.add_argument("--out", type=Path, default=None)
     p.add_argument("--child-arm", dest="arm", default=None, help=argparse.SUPPRESS)
@@ -147,7 +167,8 @@ def main(argv=None) -> int:
     if ncu is None:
         print("kernel_times: ncu (Nsight Compute) not found", file=sys.stderr)
         return 2
-    res = {"context": a.context, "steps": a.steps, "ncu": ncu, "arms": {}}
+    res = {"phase": a.phase, "context": a.context, "chunk": a.chunk if a.phase == "prefill"
+           else None, "steps": a.steps, "ncu": ncu, "arms": {}}
     for arm in a.arms.split(","):
         log = Path(os.environ.get("TMPDIR", "/tmp")) / f"kernel_times_{arm}.csv"
         cmd = [ncu, "--clock-control", "none", "--profile-from-start", "off",
@@ -155,7 +176,7 @@ def main(argv=None) -> int:
                "--print-units", "base", "--log-file", str(log),
                sys.executable, os.path.abspath(__file__), "--child-arm", arm,
                "--preset", a.preset, "--context", str(a.context), "--steps", str(a.steps),
-               "--warmup", str(a.warmup)]
+               "--warmup", str(a.warmup), "--phase", a.phase, "--chunk", str(a.chunk)]
         try:
             r = subprocess.run(cmd, capture_output=True, text=True, timeout=a.timeout_s)
             rc, err = r.returncode, r.stderr[-2000:]
@@ -169,8 +190,9 @@ def main(argv=None) -> int:
             continue
         s = summarize(ks, a.steps)
         res["arms"][arm] = s
+        unit = f"{a.chunk}-token chunk" if a.phase == "prefill" else "decode step"
         print(f"\n{arm}: {s['kernels_per_step']:.0f} kernels, "
-              f"{s['busy_us_per_step']:.0f} us busy per step (context {a.context})")
+              f"{s['busy_us_per_step']:.0f} us busy per {unit} (context {a.context})")
         for name, row in list(s["by_kernel"].items())[:25]:
             print(f"  {row['us_per_step']:9.1f} us  {row['launches_per_step']:6.1f} x "
                   f"{row['mean_us']:7.2f} us  {name[:90]}")

@@ -54,6 +54,12 @@ FIXED_BLOCK = {"cuda": 128, "metal": 256}
 # Apple: up to 40 GPU cores x 8).
 TARGET_SIMDGROUPS = {"cuda": 1056, "metal": 320}
 
+# Load groups in flight per warp/simdgroup in the decode partial kernel (``PF``: CUDA 8-key
+# tiles, Metal key rows): results do not depend on it. 1 until a measurement picks 2;
+# ``MLX_LILY_DECODE_PF=1|2`` overrides (benchmark sweeps).
+DECODE_PREFETCH = {"cuda": 1, "metal": 1}
+DECODE_PF_ENV = "MLX_LILY_DECODE_PF"
+
 # Prefill rows (packed query-head rows) per threadgroup, per backend (same grid formula).
 PREFILL_ROWS = {"cuda": 64, "metal": 32}
 PREFILL_THREADS = 128
@@ -181,6 +187,17 @@ def _rope_params(eps, base, scale):
         a = mx.array([float(eps), math.log2(float(base)), float(scale)], dtype=mx.float32)
         _CONST_CACHE[key] = a
     return a
+
+
+def decode_prefetch(backend: str) -> int:
+    """``PF`` of ``lily_attn_decode_partial`` on ``backend``: ``DECODE_PREFETCH``, or
+    ``MLX_LILY_DECODE_PF`` (1 or 2; anything else is ignored)."""
+    from mlx_lily.backend import env_value
+
+    raw = env_value(DECODE_PF_ENV, "")
+    if raw in ("1", "2"):
+        return int(raw)
+    return DECODE_PREFETCH.get(backend, 1)
 
 
 def decode_block(T: int, B: int, Hkv: int, backend: str) -> int:
@@ -364,7 +381,7 @@ def _sdpa_route(q, k, v, mask, gate, backend="cuda"):
 
 
 def decode_attention(q, k, v, scale, gate=None, *, block=None, backend=None,
-                     gate_packed=False, init_value=None, tlen=None):
+                     gate_packed=False, init_value=None, tlen=None, prefetch=None):
     """Split-K GQA decode attention with the Lily kernels (no routing checks).
 
     Args:
@@ -374,7 +391,9 @@ def decode_attention(q, k, v, scale, gate=None, *, block=None, backend=None,
             gate_packed: ``gate`` is the fused q|k|v projection ``[B, 1, Hq*2D+2*Hkv*D]``
             (each head's gate read from its columns, no view); init_value: output fill;
             tlen: None, or an int32 ``[1]`` array: k/v are whole cache buffers of which
-            only the first ``tlen`` keys count (static shapes for a compiled step).
+            only the first ``tlen`` keys count (static shapes for a compiled step);
+            prefetch: ``PF`` (1 or 2, default ``decode_prefetch``), load groups in
+            flight per warp (the result does not depend on it).
     Returns:
         ``[B, 1, Hq, D]`` (``attn * sigmoid(gate)`` when gate is given), q's dtype;
         ``[B, 1, Hq*D]`` with ``gate_packed`` (the layout ``o_proj`` reads).
@@ -399,7 +418,8 @@ def decode_attention(q, k, v, scale, gate=None, *, block=None, backend=None,
         inputs=[q, k, v, _params(scale), tlen if dyn else _dummy_len()],
         output_shapes=[(B, Hq, ns, D), (B, Hq, ns, 2)], output_dtypes=[mx.float32, mx.float32],
         grid=(32 * nsg * nblk, Hkv, B), threadgroup=(32 * nsg, 1, 1),
-        template=[("T", dt), ("D", D), ("G", G), ("CH", ch), ("NSG", nsg), ("DYN_T", dyn)])
+        template=[("T", dt), ("D", D), ("G", G), ("CH", ch), ("NSG", nsg), ("DYN_T", dyn),
+                  ("PF", int(prefetch) if prefetch else decode_prefetch(backend))])
     gated = gate is not None
     if gate_packed:
         g = gate

@@ -1,7 +1,7 @@
 // @kernel lily_attn_decode_partial
 // @inputs q[B,HQ,1,D] k[B,HKV,T,D] v[B,HKV,T,D] params[1]:float32 tlen[1]:int32 (q/k/v read through *_strides; k/v may be KV-cache views)
 // @outputs part_o[B,HQ,NS,D]:float32 part_ml[B,HQ,NS,2]:float32
-// @template T=bfloat16 D=256 G=8 CH=64 NSG=4 DYN_T=true
+// @template T=bfloat16 D=256 G=8 CH=64 NSG=4 DYN_T=true PF=2
 // @grid (32*NSG*ceil(NS/NSG), HKV, B) with NS = ceil(T/CH)
 // @threadgroup (32*NSG, 1, 1)
 // @ensure_row_contiguous false
@@ -19,6 +19,8 @@
 //     per register by byte permutes; B = P^T, which is exactly S's accumulator layout).
 // Lane (g = lane/4, c = lane%4) holds S for head g and keys 2c, 2c+1, and O for heads
 // 2c, 2c+1 and dims 64r + 8g + 0..7 (r < D/64). fp32 softmax in log2 units, P in T.
+// PF (1 or 2): tiles whose K/V loads are issued before the first of them is used (more
+// bytes in flight per warp; results do not depend on PF).
 
 #ifndef LILY_CUDA_EMU
 template <typename T>
@@ -100,6 +102,7 @@ __device__ __forceinline__ uint32_t lily_dec_u4(const uint4& v, int i) {
   static_assert(G >= 1 && G <= 8, "decode kernel packs at most 8 query heads per KV head");
   static_assert(D % 64 == 0, "head_dim must be a multiple of 64");
   static_assert(CH % 8 == 0, "CH must be a multiple of 8");
+  static_assert(PF == 1 || PF == 2, "PF: 1 or 2 tiles in flight");
   constexpr int NJ = D / 32;   // 16-byte K/Q chunks per lane (two k-steps each)
   constexpr int NR = D / 64;   // V rounds of 64 dims
   const float NEG_INF = __int_as_float(0xff800000);
@@ -151,62 +154,72 @@ __device__ __forceinline__ uint32_t lily_dec_u4(const uint4& v, int i) {
   const int t1 = min(t0 + CH, Tn);
   const uint4 zero4 = make_uint4(0u, 0u, 0u, 0u);
 
-  for (int tb = t0; tb < t1; tb += 8) {
-    // K rows: key tb + g; V rows: keys tb + 2c, tb + 2c + 1 (zero beyond t1).
-    const int kt = tb + g;
-    const int vt0 = tb + 2 * c;
-    const int vt1 = vt0 + 1;
-    uint4 kr[NJ];
-    uint4 va[NR];
-    uint4 vb[NR];
-    {
+  for (int tb = t0; tb < t1; tb += 8 * PF) {
+    // PF tiles' loads issued before the first is used (tiles past t1 load zeros)
+    uint4 kr[PF][NJ];
+    uint4 va[PF][NR];
+    uint4 vb[PF][NR];
+#pragma unroll
+    for (int u = 0; u < PF; ++u) {
+      // K rows: key tu + g; V rows: keys tu + 2c, tu + 2c + 1 (zero beyond t1).
+      const int tu = tb + 8 * u;
+      const int kt = tu + g;
+      const int vt0 = tu + 2 * c;
+      const int vt1 = vt0 + 1;
       const T* kp = kbase + int64_t(kt < t1 ? kt : t0) * ks + int64_t(8 * c) * kd;
 #pragma unroll
       for (int j = 0; j < NJ; ++j) {
-        kr[j] = kt < t1 ? lily_dec_ld8(kp + int64_t(32 * j) * kd, kd) : zero4;
+        kr[u][j] = kt < t1 ? lily_dec_ld8(kp + int64_t(32 * j) * kd, kd) : zero4;
       }
       const T* vp0 = vbase + int64_t(vt0 < t1 ? vt0 : t0) * vs + int64_t(8 * g) * vd;
       const T* vp1 = vbase + int64_t(vt1 < t1 ? vt1 : t0) * vs + int64_t(8 * g) * vd;
 #pragma unroll
       for (int r = 0; r < NR; ++r) {
-        va[r] = vt0 < t1 ? lily_dec_ld8(vp0 + int64_t(64 * r) * vd, vd) : zero4;
-        vb[r] = vt1 < t1 ? lily_dec_ld8(vp1 + int64_t(64 * r) * vd, vd) : zero4;
+        va[u][r] = vt0 < t1 ? lily_dec_ld8(vp0 + int64_t(64 * r) * vd, vd) : zero4;
+        vb[u][r] = vt1 < t1 ? lily_dec_ld8(vp1 + int64_t(64 * r) * vd, vd) : zero4;
       }
     }
 
-    float s[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
-    for (int j = 0; j < NJ; ++j) {
-      Mma::m16n8k16(s, qa[j].x, 0u, qa[j].y, 0u, kr[j].x, kr[j].y);
-      Mma::m16n8k16(s, qa[j].z, 0u, qa[j].w, 0u, kr[j].z, kr[j].w);
-    }
+    for (int u = 0; u < PF; ++u) {
+      const int tu = tb + 8 * u;
+      if (tu >= t1) break;  // warp-uniform
+      const int vt0 = tu + 2 * c;
+      const int vt1 = vt0 + 1;
+      float s[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+      for (int j = 0; j < NJ; ++j) {
+        Mma::m16n8k16(s, qa[j].x, 0u, qa[j].y, 0u, kr[u][j].x, kr[u][j].y);
+        Mma::m16n8k16(s, qa[j].z, 0u, qa[j].w, 0u, kr[u][j].z, kr[u][j].w);
+      }
 
-    const float x0 = vt0 < t1 ? s[0] * sl : NEG_INF;
-    const float x1 = vt1 < t1 ? s[1] * sl : NEG_INF;
-    float mx = fmaxf(x0, x1);
-    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-    const float m_new = fmaxf(m_run, mx);
-    const float alpha = exp2f(m_run - m_new);
-    const float p0 = exp2f(x0 - m_new);
-    const float p1 = exp2f(x1 - m_new);
-    l_run = l_run * alpha + p0 + p1;
-    m_run = m_new;
-    const float a_lo = __shfl_sync(0xffffffffu, alpha, 8 * c);
-    const float a_hi = __shfl_sync(0xffffffffu, alpha, 8 * c + 4);
-    const uint32_t pb = Mma::pack(p0, p1);
+      const float x0 = vt0 < t1 ? s[0] * sl : NEG_INF;
+      const float x1 = vt1 < t1 ? s[1] * sl : NEG_INF;
+      float mx = fmaxf(x0, x1);
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+      const float m_new = fmaxf(m_run, mx);
+      const float alpha = exp2f(m_run - m_new);
+      const float p0 = exp2f(x0 - m_new);
+      const float p1 = exp2f(x1 - m_new);
+      l_run = l_run * alpha + p0 + p1;
+      m_run = m_new;
+      const float a_lo = __shfl_sync(0xffffffffu, alpha, 8 * c);
+      const float a_hi = __shfl_sync(0xffffffffu, alpha, 8 * c + 4);
+      const uint32_t pb = Mma::pack(p0, p1);
 
 #pragma unroll
-    for (int r = 0; r < NR; ++r) {
+      for (int r = 0; r < NR; ++r) {
 #pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        acc[r][i][0] *= a_lo;
-        acc[r][i][1] *= a_hi;
-        acc[r][i][2] *= a_lo;
-        acc[r][i][3] *= a_hi;
-        const uint32_t wa = lily_dec_u4(va[r], i);
-        const uint32_t wb = lily_dec_u4(vb[r], i);
-        Mma::m16n8k8(acc[r][i], __byte_perm(wa, wb, 0x5410), __byte_perm(wa, wb, 0x7632), pb);
+        for (int i = 0; i < 4; ++i) {
+          acc[r][i][0] *= a_lo;
+          acc[r][i][1] *= a_hi;
+          acc[r][i][2] *= a_lo;
+          acc[r][i][3] *= a_hi;
+          const uint32_t wa = lily_dec_u4(va[u][r], i);
+          const uint32_t wb = lily_dec_u4(vb[u][r], i);
+          Mma::m16n8k8(acc[r][i], __byte_perm(wa, wb, 0x5410), __byte_perm(wa, wb, 0x7632), pb);
+        }
       }
     }
   }

@@ -1,8 +1,8 @@
 // @kernel lily_attn_decode_partial
 // @inputs q[B,HQ,1,D] k[B,HKV,T,D] v[B,HKV,T,D] params[1]:float32 tlen[1]:int32 (q/k/v read through *_strides; k/v may be KV-cache views)
 // @outputs part_o[B,HQ,NS,D]:float32 part_ml[B,HQ,NS,2]:float32
-// @template T=bfloat16 D=256 G=8 CH=64 NSG=4 DYN_T=true
-// @template T=float16 D=128 G=4 CH=32 NSG=4 DYN_T=false
+// @template T=bfloat16 D=256 G=8 CH=64 NSG=4 DYN_T=true PF=2
+// @template T=float16 D=128 G=4 CH=32 NSG=4 DYN_T=false PF=1
 // @grid (32*NSG*ceil(NS/NSG), HKV, B) with NS = ceil(T/CH)
 // @threadgroup (32*NSG, 1, 1)
 // @ensure_row_contiguous false
@@ -14,6 +14,8 @@
 // sharing it, so each K/V row is read once for G heads. Lane owns dims lane*D/32..+D/32
 // (a simdgroup reads a 2*D-byte row contiguously). fp32 online softmax in log2 units
 // (params[0] = scale*log2(e)); writes the block's unnormalised acc, max m and sum l.
+// PF (1 or 2): key rows whose loads are issued before the first of them is used
+// (results do not depend on PF).
 
 // ---- body ----
   constexpr int DPL = D / 32;
@@ -54,38 +56,43 @@
   const int64_t vs = v_strides[2];
   const int t0 = split * CH;
   const int t1 = metal::min(t0 + CH, Tn);
-  for (int t = t0; t < t1; ++t) {
-    float kr[DPL];
-    float vr[DPL];
-    if (unit) {
-      for (int i = 0; i < DPL; ++i) {
-        kr[i] = static_cast<float>(kp[t * ks + i]);
-        vr[i] = static_cast<float>(vp[t * vs + i]);
-      }
-    } else {
-      for (int i = 0; i < DPL; ++i) {
-        kr[i] = static_cast<float>(kp[t * ks + i * kd]);
-        vr[i] = static_cast<float>(vp[t * vs + i * vd]);
+  for (int tb = t0; tb < t1; tb += PF) {
+    float kr[PF][DPL];
+    float vr[PF][DPL];
+    for (int u = 0; u < PF; ++u) {
+      const int t = metal::min(tb + u, t1 - 1);  // past t1: row t1 - 1 again, unused
+      if (unit) {
+        for (int i = 0; i < DPL; ++i) {
+          kr[u][i] = static_cast<float>(kp[t * ks + i]);
+          vr[u][i] = static_cast<float>(vp[t * vs + i]);
+        }
+      } else {
+        for (int i = 0; i < DPL; ++i) {
+          kr[u][i] = static_cast<float>(kp[t * ks + i * kd]);
+          vr[u][i] = static_cast<float>(vp[t * vs + i * vd]);
+        }
       }
     }
-    for (int h = 0; h < G; ++h) {
-      float d = 0.0f;
-      for (int i = 0; i < DPL; ++i) {
-        d += qv[h][i] * kr[i];
-      }
-      const float s = simd_sum(d) * sl;
-      if (s > m[h]) {
-        const float f = metal::exp2(m[h] - s);
-        l[h] *= f;
+    for (int u = 0; u < PF && tb + u < t1; ++u) {
+      for (int h = 0; h < G; ++h) {
+        float d = 0.0f;
         for (int i = 0; i < DPL; ++i) {
-          acc[h][i] *= f;
+          d += qv[h][i] * kr[u][i];
         }
-        m[h] = s;
-      }
-      const float p = metal::exp2(s - m[h]);
-      l[h] += p;
-      for (int i = 0; i < DPL; ++i) {
-        acc[h][i] += p * vr[i];
+        const float s = simd_sum(d) * sl;
+        if (s > m[h]) {
+          const float f = metal::exp2(m[h] - s);
+          l[h] *= f;
+          for (int i = 0; i < DPL; ++i) {
+            acc[h][i] *= f;
+          }
+          m[h] = s;
+        }
+        const float p = metal::exp2(s - m[h]);
+        l[h] += p;
+        for (int i = 0; i < DPL; ++i) {
+          acc[h][i] += p * vr[u][i];
+        }
       }
     }
   }
