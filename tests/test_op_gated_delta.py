@@ -13,6 +13,7 @@ source ($MLX_LILY_CUDA_CHECK_CACHE, default ~/.cache/mlx-lily/cuda-check).
 from __future__ import annotations
 
 import functools
+import os
 
 import numpy as np
 import pytest
@@ -21,6 +22,10 @@ import mlx.core as mx
 
 from mlx_lily import kernels as K
 from mlx_lily.ops import gated_delta as G
+
+# fp32 matmuls in fp32 on CUDA for the chunked-scan tests (MLX reads this once, at its
+# first fp32 matmul; the GPU suite runs each test file in its own process)
+os.environ.setdefault("MLX_ENABLE_TF32", "0")
 from mlx_lily.testing.backends import metal_kernel_factory, parity_backends
 
 BF = mx.bfloat16
@@ -202,7 +207,7 @@ def _kernel(spec, backend):
     return K.build(spec, "metal", factory=metal_kernel_factory(backend))
 
 
-def run_kernels(backend, inp, dims, scan_cfg=(8, 1, 4)):
+def run_kernels(backend, inp, dims, scan_cfg=(8, 1, 4), scan="kernel"):
     reason = G.kernel_unsupported(**inp, **dims, scan_cfg=scan_cfg)
     assert reason is None, reason
     stream = mx.gpu if backend in ("metal", "cuda") else mx.cpu
@@ -210,7 +215,7 @@ def run_kernels(backend, inp, dims, scan_cfg=(8, 1, 4)):
         # real devices: NaN-filled outputs (the emulator poisons them itself)
         init = float("nan") if backend in ("metal", "cuda") else None
         out = G.gated_delta_fused(**inp, **dims, scan_cfg=scan_cfg, init_value=init,
-                                  get_kernel=lambda spec: _kernel(spec, backend))
+                                  get_kernel=lambda spec: _kernel(spec, backend), scan=scan)
         mx.eval(out)
     return out
 
@@ -404,6 +409,97 @@ def test_prefill_kernels(backend, case):
 
 
 @pytest.mark.parametrize("backend", [_param(b) for b in KERNEL_BACKENDS])
+@pytest.mark.parametrize("case", [PREFILL_CASES[i] for i in (1, 2, 3, 6, 7)],
+                         ids=lambda c: _case_id(c))
+def test_prefill_chunked_scan(backend, case):
+    """``scan="chunked"``: the prep and norm kernels around ``scan_chunked`` (MLX ops)
+    instead of ``lily_gdn_scan``; the same checks against the float64 oracle and the
+    reference as the kernel scan."""
+    case = dict(case)
+    case.pop("cfg", None)
+    inp, dims = make_inputs(**case)
+    got = run_kernels(backend, inp, dims, scan="chunked")
+    _check_vs_oracle(got, oracle(**inp, **dims), inp["qkv"].dtype)
+    if inp["qkv"].dtype == BF:
+        _check_vs_reference(got, cpu_reference(**inp, **dims))
+
+
+def _scan_inputs(B, S, Hk, Hv, Dk, Dv, kind="random", seed=0):
+    mx.random.seed(seed)
+    q = mx.random.normal((B, S, Hk, Dk))
+    k = mx.random.normal((B, S, Hk, Dk))
+    if kind == "same_keys":
+        k = mx.broadcast_to(k[:, :1], k.shape)
+    k = k / mx.linalg.norm(k, axis=-1, keepdims=True)
+    q = q / mx.linalg.norm(q, axis=-1, keepdims=True) * Dk ** -0.5
+    v = mx.random.normal((B, S, Hv, Dv))
+    lo, hi = {"tiny_decay": (50.0, 120.0), "no_decay": (0.0, 0.0)}.get(kind, (0.0, 2.0))
+    g = mx.exp(-mx.random.uniform(lo, hi, (B, S, Hv)))
+    beta = mx.random.uniform(0, 1, (B, S, Hv)) if kind != "same_keys" else mx.ones((B, S, Hv))
+    state = mx.random.normal((B, Hv, Dv, Dk)) * 0.1
+    return q, k, v, g, beta, state
+
+
+@pytest.mark.parametrize("B,S,Hk,Hv,Dk,Dv,chunk,kind", [
+    (1, 37, 2, 4, 16, 8, 8, "random"),         # padded last chunk, GQA 2:1
+    (2, 64, 1, 2, 32, 16, 16, "random"),       # whole chunks, batch 2
+    (1, 130, 2, 2, 16, 16, 64, "random"),
+    (1, 5, 1, 1, 8, 8, 4, "random"),
+    (1, 300, 2, 4, 32, 32, 64, "tiny_decay"),  # decays underflowing fp32
+    (1, 300, 2, 4, 32, 32, 64, "no_decay"),
+    (1, 200, 1, 2, 32, 32, 64, "same_keys"),   # one key repeated, beta 1
+])
+def test_scan_chunked_matches_sequential_scan(B, S, Hk, Hv, Dk, Dv, chunk, kind):
+    """``scan_chunked`` against mlx-lm's sequential ``gated_delta_ops`` (fp32, CPU):
+    outputs and final state within fp32 rounding."""
+    from mlx_lm.models.gated_delta import gated_delta_ops
+
+    args = _scan_inputs(B, S, Hk, Hv, Dk, Dv, kind, seed=S + chunk)
+    with mx.stream(mx.cpu):
+        yr, sr = gated_delta_ops(*args)
+        yc, sc = G.scan_chunked(*args, chunk=chunk)
+        mx.eval(yr, sr, yc, sc)
+    assert yc.shape == yr.shape and sc.shape == sr.shape and sc.dtype == mx.float32
+    assert mx.isfinite(yc).all().item() and mx.isfinite(sc).all().item()
+    assert mx.abs(yc - yr).max().item() <= 1e-5 * mx.abs(yr).max().item()
+    assert mx.abs(sc - sr).max().item() <= 1e-5 * max(mx.abs(sr).max().item(), 1e-30)
+
+
+def test_scan_chunked_detects_a_wrong_gate():
+    """The check above fails when one step's decay differs (the test can fail)."""
+    from mlx_lm.models.gated_delta import gated_delta_ops
+
+    q, k, v, g, beta, st = _scan_inputs(1, 40, 1, 2, 16, 16)
+    with mx.stream(mx.cpu):
+        yr, _ = gated_delta_ops(q, k, v, g, beta, st)
+        yc, _ = G.scan_chunked(q, k, v, g.at[0, 17, 1].multiply(0.5), beta, st, chunk=16)
+    assert mx.abs(yc - yr).max().item() > 1e-3 * mx.abs(yr).max().item()
+
+
+def test_unit_lower_inverse():
+    rng = np.random.default_rng(0)
+    for C in (1, 2, 8, 64):
+        a = np.tril(rng.uniform(-1, 1, (3, C, C)), -1).astype(np.float32)
+        with mx.stream(mx.cpu):
+            x = np.array(G.unit_lower_inverse(mx.array(a)))
+        want = np.linalg.inv(np.eye(C) + a.astype(np.float64))
+        assert np.abs(x - want).max() <= 1e-4 * max(1.0, np.abs(want).max())
+    with pytest.raises(ValueError):
+        G.scan_chunked(*_scan_inputs(1, 4, 1, 1, 8, 8), chunk=48)
+
+
+def test_prefill_scan_setting(monkeypatch):
+    assert G.prefill_scan("cuda") == "kernel"
+    monkeypatch.setenv(G.PREFILL_ENV, "chunked")
+    monkeypatch.setenv("MLX_ENABLE_TF32", "0")
+    assert G.prefill_scan("cuda") == "chunked"
+    monkeypatch.setenv("MLX_ENABLE_TF32", "1")  # TF32 matmuls: the kernel scan, a warning
+    with pytest.warns(UserWarning, match="TF32"):
+        assert G.prefill_scan("cuda") == "kernel"
+    assert G.prefill_scan("metal") == "chunked"
+
+
+@pytest.mark.parametrize("backend", [_param(b) for b in KERNEL_BACKENDS])
 def test_prefill_then_decode_chain(backend):
     """Prefill kernels, then decode steps fed the kernels' own caches, vs the reference
     chained the same way."""
@@ -472,13 +568,16 @@ def test_packed_dispatcher_on_cpu_and_width_check():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("backend", [b for b in KERNEL_BACKENDS if b in ("metal", "cuda")])
-@pytest.mark.parametrize("S", [1, 64])
-def test_production_dims_gpu(backend, S):
+@pytest.mark.parametrize("S,scan", [(1, "kernel"), (64, "kernel"), (200, "chunked")])
+def test_production_dims_gpu(backend, S, scan):
     """Qwen3.6-35B-A3B dims (Hk=16, Hv=32, Dk=Dv=128), kernels vs the float64 oracle and
-    vs the reference."""
+    vs the reference (``scan="chunked"``: the prep and norm kernels around
+    ``scan_chunked``, with MLX's own GPU matmuls)."""
+    if scan == "chunked" and G.tf32_matmuls(backend):
+        pytest.skip("MLX runs fp32 matmuls in TF32 in this process (MLX_ENABLE_TF32)")
     inp, dims = make_inputs(1, S, Hk=16, Hv=32, seed=S)
     with mx.stream(mx.gpu):
-        got = run_kernels(backend, inp, dims, scan_cfg=G.scan_config(backend))
+        got = run_kernels(backend, inp, dims, scan_cfg=G.scan_config(backend), scan=scan)
     _check_vs_oracle(got, oracle(**inp, **dims), BF)
     _check_vs_reference(got, cpu_reference(**inp, **dims))
     if S == 1:  # the packed decode form at production dims: the same bits
@@ -527,6 +626,19 @@ def test_masked_batches(backend, case):
     cfg = case.pop("cfg", (8, 1, 4))
     inp, dims = _masked_inputs(**case)
     got = run_kernels(backend, inp, dims, scan_cfg=cfg)
+    _check_vs_oracle(got, oracle(**inp, **dims), inp["qkv"].dtype)
+    _check_masked_vs_reference(got, cpu_reference(**inp, **dims), inp["mask"])
+
+
+@pytest.mark.parametrize("backend", [_param(b) for b in KERNEL_BACKENDS])
+@pytest.mark.parametrize("case", MASK_CASES[2:], ids=lambda c: _case_id(c))
+def test_masked_batches_chunked_scan(backend, case):
+    """Left-padding masks and lengths with ``scan="chunked"`` (masked steps reach the
+    chunked scan as decay 1, beta 0)."""
+    case = dict(case)
+    case.pop("cfg", None)
+    inp, dims = _masked_inputs(**case)
+    got = run_kernels(backend, inp, dims, scan="chunked")
     _check_vs_oracle(got, oracle(**inp, **dims), inp["qkv"].dtype)
     _check_masked_vs_reference(got, cpu_reference(**inp, **dims), inp["mask"])
 
@@ -605,6 +717,22 @@ def test_dispatcher_routes_kernel_calls(monkeypatch):
     assert G.gated_delta(**inp, **dims, lengths=mx.array([4], mx.int64)) == "R"
     assert G.gated_delta(**dict(inp, state=inp["state"].astype(BF)), **dims) == "R"
     assert calls == ["kernel", "kernel", "ref", "ref", "ref"]
+
+
+def test_dispatcher_passes_the_prefill_scan_choice(monkeypatch):
+    """``MLX_LILY_GDN_PREFILL=chunked`` reaches the fused path for prefill calls only."""
+    seen = []
+    monkeypatch.setenv("MLX_ENABLE_TF32", "0")
+    monkeypatch.setattr(G, "current_backend", lambda: "metal")
+    monkeypatch.setattr(G._k, "get", lambda spec, backend: object())
+    monkeypatch.setattr(G, "gated_delta_fused", lambda *a, **k: seen.append(k["scan"]))
+    monkeypatch.setenv(G.PREFILL_ENV, "chunked")
+    for S in (4, 1):
+        inp, dims = make_inputs(1, S)
+        G.gated_delta(**inp, **dims)
+    monkeypatch.delenv(G.PREFILL_ENV)
+    G.gated_delta(**make_inputs(1, 4)[0], **make_inputs(1, 4)[1])
+    assert seen == ["chunked", "kernel", "kernel"]
 
 
 def test_scan_config_env(monkeypatch):

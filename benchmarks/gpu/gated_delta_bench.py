@@ -11,7 +11,8 @@ Measured (inputs are row views of one fused projection output, as the patch pass
   next) built lazily, one eval, per step; "sync" = one step + eval + synchronize.
   GB/s = (state read + write, 2 x 2 MiB per layer at B=1, + conv state read/write + inputs
   + conv weight + output) / batch time. Also a sweep of the decode warps per block.
-- prefill S=512 and S=2048 (B=1, fresh caches): kernels (prep + scan + norm) vs the
+- prefill S=512 and S=2048 (B=1, fresh caches): kernels (prep + scan + norm), the
+  chunked formulation (prep + ``scan_chunked`` on MLX matmuls + norm), vs the
   reference (stock ops; ~0.2 s per layer at 2048 on CUDA, timed once), and a sweep of the
   scan configuration (LPR lanes per row, RPL rows per lane group, WPB warps per block)
   at S=2048 to pick ``SCAN_CONFIG``.
@@ -134,6 +135,8 @@ def decode_bytes(B):
 
 
 def main():
+    # the chunked scan's matmuls in fp32 (MLX's CUDA default is TF32; read at first use)
+    os.environ.setdefault("MLX_ENABLE_TF32", "0")
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--quick", action="store_true", help="fewer reps / sweeps")
@@ -203,6 +206,13 @@ def main():
         t_k = timed(lambda: kern(p), reps=5 if S == 512 else 3)
         r = dict(parity=par, lily_ms=t_k * 1e3, reference_ms=t_ref * 1e3,
                  lily_tok_per_s=S / t_k, speedup=t_ref / t_k)
+        # the chunked formulation (prep + scan_chunked with MLX matmuls + norm)
+        kc = kernel_fn(backend, scan_cfg=G.scan_config(backend), scan="chunked")
+        r["chunked_parity"] = parity(kc(p), ref)
+        t_c = timed(lambda: kc(p), reps=5 if S == 512 else 3)
+        r.update(chunked_ms=t_c * 1e3, chunked_tok_per_s=S / t_c)
+        print(f"prefill S={S}: chunked scan {t_c * 1e3:.2f} ms ({S / t_c:.0f} tok/s per layer), "
+              f"parity {r['chunked_parity']}", flush=True)
         if backend == "metal":  # there the reference uses mlx-lm's Metal kernel
             t0 = time.perf_counter()
             _sync_eval(ops_fn(p))

@@ -25,6 +25,8 @@ None; everything else runs the reference):
 - S > 1: ``lily_gdn_prep`` (conv over the chunk with the carried state, SiLU, l2norm,
   gates), ``lily_gdn_scan`` (register-resident sequential scan over the chunk),
   ``lily_gdn_norm`` (gated RMSNorm): three launches per layer and chunk.
+  ``MLX_LILY_GDN_PREFILL=chunked``: ``scan_chunked`` (the chunkwise form on MLX matmuls,
+  compiled) replaces ``lily_gdn_scan`` where fp32 matmuls are fp32 (``tf32_matmuls``).
 
 Numerics: activations are rounded to the input dtype where mlx-lm materialises arrays
 (conv output, the sigmoid inside SiLU, normalised q/k, y, normalised y), so q/k/v match
@@ -282,7 +284,7 @@ def kernel_unsupported(qkv, z, b, a, conv_weight, conv_state, A_log, dt_bias, st
 def gated_delta_fused(qkv, z, b, a, conv_weight, conv_state, A_log, dt_bias, state,
                       norm_weight, *, num_k_heads, head_k_dim, num_v_heads, head_v_dim,
                       eps, get_kernel, scan_cfg=(8, 1, 4), decode_nw=None, mask=None,
-                      lengths=None, init_value=None, packed=False):
+                      lengths=None, init_value=None, packed=False, scan="kernel"):
     """The fused kernels for a call ``kernel_unsupported`` accepted.
 
     S == 1: one ``lily_gdn_decode`` launch. S > 1: ``lily_gdn_prep`` (conv, SiLU, l2norm,
@@ -297,7 +299,9 @@ def gated_delta_fused(qkv, z, b, a, conv_weight, conv_state, A_log, dt_bias, sta
     new_state)``, the results of ``gated_delta_reference`` within rounding (module
     docstring, Numerics). ``packed`` (S == 1 only): ``qkv`` is the whole
     ``[B, 1, C + Hv*Dv + 2*Hv]`` projection row and z, b, a are ignored (see
-    ``gated_delta_packed``).
+    ``gated_delta_packed``). ``scan="chunked"`` (S > 1): the recurrence runs as
+    ``scan_chunked`` (MLX matmuls, compiled) between the prep and norm kernels instead of
+    ``lily_gdn_scan`` (masked steps reach it as decay 1, beta 0, as the prep kernel writes).
     """
     B, S, C = qkv.shape
     Hk, Dk, Hv, Dv = num_k_heads, head_k_dim, num_v_heads, head_v_dim
@@ -338,15 +342,19 @@ def gated_delta_fused(qkv, z, b, a, conv_weight, conv_state, A_log, dt_bias, sta
         output_shapes=[(B, S, Hk, Dk), (B, S, Hk, Dk), (B, S, Hv, Dv), (B, S, Hv),
                        (B, S, Hv), (B, K - 1, C)],
         output_dtypes=[mx.float32, mx.float32, T, mx.float32, mx.float32, T], **extra)
-    lpr, rpl, wpb = scan_cfg
-    rb = wpb * (32 // lpr) * rpl
-    y, new_state = get_kernel(SCAN)(
-        inputs=[qn, kn, vv, g, beta, state],
-        template=[("T", T), ("Hk", Hk), ("Hv", Hv), ("Dk", Dk), ("Dv", Dv), ("LPR", lpr),
-                  ("RPL", rpl), ("WPB", wpb)],
-        grid=(32 * wpb, Dv // rb, B * Hv), threadgroup=(32 * wpb, 1, 1),
-        output_shapes=[(B, S, Hv, Dv), (B, Hv, Dv, Dk)],
-        output_dtypes=[T, mx.float32], **extra)
+    if scan == "chunked":
+        y, new_state = _compiled_scan(CHUNK)(qn, kn, vv, g, beta, state)
+        y = mx.contiguous(y.astype(T))  # the norm kernel reads y rows as laid out
+    else:
+        lpr, rpl, wpb = scan_cfg
+        rb = wpb * (32 // lpr) * rpl
+        y, new_state = get_kernel(SCAN)(
+            inputs=[qn, kn, vv, g, beta, state],
+            template=[("T", T), ("Hk", Hk), ("Hv", Hv), ("Dk", Dk), ("Dv", Dv),
+                      ("LPR", lpr), ("RPL", rpl), ("WPB", wpb)],
+            grid=(32 * wpb, Dv // rb, B * Hv), threadgroup=(32 * wpb, 1, 1),
+            output_shapes=[(B, S, Hv, Dv), (B, Hv, Dv, Dk)],
+            output_dtypes=[T, mx.float32], **extra)
     rows = B * S * Hv
     (out,) = get_kernel(NORM)(
         inputs=[y, z, norm_weight, eps_a],
@@ -355,6 +363,166 @@ def gated_delta_fused(qkv, z, b, a, conv_weight, conv_state, A_log, dt_bias, sta
         threadgroup=(32 * NORM_RPB, 1, 1),
         output_shapes=[(B, S, Hv * Dv)], output_dtypes=[T], **extra)
     return out, new_conv, new_state
+
+
+# ---------------------------------------------------------------- chunked scan
+PREFILL_ENV = "MLX_LILY_GDN_PREFILL"  # "chunked": scan_chunked instead of lily_gdn_scan
+CHUNK = 64
+_CHUNK_CONST: dict = {}
+
+
+def _chunk_constants(C: int):
+    """``(I, incl, strict, level_masks)`` for chunk size ``C`` (a power of two): identity,
+    lower-triangular masks with and without the diagonal, and per doubling level ``s`` the
+    positions of the blocks below the diagonal that ``unit_lower_inverse`` fills."""
+    c = _CHUNK_CONST.get(C)
+    if c is None:
+        import numpy as np
+
+        i = np.arange(C)
+        lv = []
+        s = 1
+        while s < C:
+            same = (i[:, None] // (2 * s)) == (i[None, :] // (2 * s))
+            lv.append(mx.array((same & ((i[:, None] % (2 * s)) >= s)
+                                & ((i[None, :] % (2 * s)) < s)).astype(np.float32)))
+            s *= 2
+        c = (mx.eye(C, dtype=mx.float32), mx.array(np.tril(np.ones((C, C), np.float32))),
+             mx.array(np.tril(np.ones((C, C), np.float32), -1)), lv)
+        _CHUNK_CONST[C] = c
+    return c
+
+
+_SCAN_FNS: dict = {}
+
+
+def _compiled_scan(chunk: int):
+    """``scan_chunked`` at ``chunk`` under ``mx.compile`` (elementwise ops fused; one
+    trace per input shape)."""
+    fn = _SCAN_FNS.get(chunk)
+    if fn is None:
+        fn = _SCAN_FNS[chunk] = mx.compile(
+            lambda q, k, v, g, beta, state: scan_chunked(q, k, v, g, beta, state, chunk))
+    return fn
+
+
+def tf32_matmuls(backend: str) -> bool:
+    """Whether MLX runs fp32 matmuls in TF32 on ``backend`` (CUDA unless
+    ``MLX_ENABLE_TF32=0``, which MLX reads once per process): ``scan_chunked`` would then
+    carry the state with ~1e-3 relative error instead of fp32's."""
+    import os
+
+    return backend == "cuda" and os.environ.get("MLX_ENABLE_TF32", "1") != "0"
+
+
+def prefill_scan(backend: str) -> str:
+    """``"chunked"`` when ``MLX_LILY_GDN_PREFILL=chunked`` (``scan_chunked`` between the
+    prep and norm kernels) and fp32 matmuls are fp32 (``tf32_matmuls`` False), else
+    ``"kernel"`` (``lily_gdn_scan``, the default)."""
+    from ..backend import env_value
+
+    if env_value(PREFILL_ENV, "") != "chunked":
+        return "kernel"
+    if tf32_matmuls(backend):
+        import warnings
+
+        warnings.warn("mlx-lily: MLX_LILY_GDN_PREFILL=chunked ignored: MLX runs fp32 matmuls "
+                      "in TF32 here (set MLX_ENABLE_TF32=0 to use it)", stacklevel=3)
+        return "kernel"
+    return "chunked"
+
+
+def unit_lower_inverse(a: mx.array) -> mx.array:
+    """``(I + a)^-1`` for strictly lower-triangular ``a [..., C, C]`` (C a power of two),
+    fp32, by block doubling: with ``X`` the inverse of the diagonal blocks of size ``s``,
+    ``X - X (L o M_s) X`` is the inverse of the blocks of size ``2s`` (``M_s`` selects each
+    block's lower-left quarter). ``log2(C)`` levels of two batched matmuls; the result is
+    exact up to fp32 rounding (no series truncation)."""
+    C = a.shape[-1]
+    eye, _, _, levels = _chunk_constants(C)
+    lo = eye + a
+    x = mx.broadcast_to(eye, a.shape)
+    for m in levels:
+        x = x - x @ (lo * m) @ x
+    return x
+
+
+def scan_chunked(q, k, v, g, beta, state, chunk: int = CHUNK):
+    """The gated delta-rule scan (module docstring, step 4; ``mlx_lm``'s
+    ``gated_delta_ops`` without a mask) in the chunked form: within a chunk of ``chunk``
+    steps the recurrence is a triangular solve and matmuls, across chunks an affine map of
+    the state, applied chunk after chunk (one ``addmm`` each).
+
+    Per (batch, v-head), with ``S`` the state as ``[Dk, Dv]``, ``b_t`` the running product
+    of the decays inside the chunk and ``A_tj = beta_t (k_t . k_j) b_t / b_j`` (j < t):
+    ``D = (I + A)^-1 diag(beta) (V - diag(b) K S)`` (the chunk's deltas),
+    ``y = diag(b) Q S + ((Q K^T) o G) D`` with ``G_tj = b_t / b_j`` (j <= t), and
+    ``S' = b_C S + (diag(b_C / b) K)^T D``. Decays enter as log-differences (no products of
+    small numbers); padded steps have decay 1 and beta 0.
+
+    Args:
+        q, k: ``[B, S, Hk, Dk]`` fp32 (normalised, q scaled); v: ``[B, S, Hv, Dv]``;
+        g, beta: ``[B, S, Hv]`` fp32 (decay in (0, 1], beta in [0, 1]); state:
+        ``[B, Hv, Dv, Dk]`` fp32; chunk: a power of two.
+    Returns:
+        ``(y [B, S, Hv, Dv] fp32, new_state [B, Hv, Dv, Dk] fp32)``.
+    Raises:
+        ValueError: ``chunk`` not a power of two, or Hv not a multiple of Hk.
+    Source: Yang et al., "Gated Delta Networks" (2024), the chunkwise form (WY / UT
+    transform) of the delta rule, Yang et al., "Parallelizing Linear Transformers with
+    the Delta Rule over Sequence Length" (2024).
+    """
+    C = int(chunk)
+    if C < 1 or C & (C - 1):
+        raise ValueError(f"scan_chunked: chunk must be a power of two, got {chunk}")
+    B, S, Hk, Dk = q.shape
+    Hv, Dv = v.shape[-2:]
+    if Hv % Hk:
+        raise ValueError(f"scan_chunked: {Hv} v-heads not a multiple of {Hk} k-heads")
+    f32 = mx.float32
+    if Hv > Hk:
+        q = mx.repeat(q, Hv // Hk, axis=2)
+        k = mx.repeat(k, Hv // Hk, axis=2)
+    N = -(-S // C)
+    pad = N * C - S
+    lg = mx.log(mx.maximum(g.astype(f32), 1e-30))
+    bt = beta.astype(f32)
+    v = v.astype(f32)
+    if pad:
+        zq = [(0, 0), (0, pad), (0, 0), (0, 0)]
+        q, k, v = mx.pad(q, zq), mx.pad(k, zq), mx.pad(v, zq)
+        lg = mx.pad(lg, [(0, 0), (0, pad), (0, 0)])
+        bt = mx.pad(bt, [(0, 0), (0, pad), (0, 0)])
+
+    def heads(x):  # [B, N*C, H, D] -> [B, H, N, C, D]
+        return x.reshape(B, N, C, Hv, x.shape[-1]).transpose(0, 3, 1, 2, 4)
+
+    qh, kh, vh = heads(q), heads(k), heads(v)
+    lg = lg.reshape(B, N, C, Hv).transpose(0, 3, 1, 2)
+    bt = bt.reshape(B, N, C, Hv).transpose(0, 3, 1, 2)
+    _, incl, strict, _ = _chunk_constants(C)
+    gam = mx.cumsum(lg, axis=-1)  # log b_t
+    diff = gam[..., :, None] - gam[..., None, :]
+    gi = mx.exp(mx.where(incl > 0, diff, 0.0)) * incl  # b_t / b_j, j <= t
+    a = bt[..., :, None] * (kh @ kh.swapaxes(-1, -2)) * (gi * strict)
+    tinv = unit_lower_inverse(a)
+    u = tinv @ (bt[..., None] * vh)  # [.., C, Dv]
+    w = tinv @ ((bt * mx.exp(gam))[..., None] * kh)  # [.., C, Dk]
+    kt = kh * mx.exp(gam[..., -1:] - gam)[..., None]  # b_C / b_j
+    bc = mx.exp(gam[..., -1])  # [B, Hv, N]
+    eye_k = mx.eye(Dk, dtype=f32)
+    m = bc[..., None, None] * eye_k - kt.swapaxes(-1, -2) @ w  # [.., Dk, Dk]
+    cst = kt.swapaxes(-1, -2) @ u  # [.., Dk, Dv]
+    s_cur = state.astype(f32).swapaxes(-1, -2)  # [B, Hv, Dk, Dv]
+    entering = []
+    for n in range(N):
+        entering.append(s_cur)
+        s_cur = mx.addmm(cst[:, :, n], m[:, :, n], s_cur)
+    s_in = mx.stack(entering, axis=2)  # [B, Hv, N, Dk, Dv]
+    d = u - w @ s_in
+    y = (qh * mx.exp(gam)[..., None]) @ s_in + ((qh @ kh.swapaxes(-1, -2)) * gi) @ d
+    y = y.transpose(0, 2, 3, 1, 4).reshape(B, N * C, Hv, Dv)[:, :S]
+    return y, s_cur.swapaxes(-1, -2)
 
 
 def has_kernel(backend: str) -> bool:
@@ -378,7 +546,8 @@ def gated_delta(qkv, z, b, a, conv_weight, conv_state, A_log, dt_bias, state, no
                 and _k.get(DECODE, backend) is not None):
             return gated_delta_fused(
                 qkv, z, b, a, conv_weight, conv_state, A_log, dt_bias, state, norm_weight,
-                get_kernel=lambda spec: _k.get(spec, backend), scan_cfg=cfg, **dims)
+                get_kernel=lambda spec: _k.get(spec, backend), scan_cfg=cfg,
+                scan=prefill_scan(backend) if qkv.shape[1] > 1 else "kernel", **dims)
     return gated_delta_reference(qkv, z, b, a, conv_weight, conv_state, A_log, dt_bias,
                                  state, norm_weight, **dims)
 
