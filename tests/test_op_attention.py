@@ -603,19 +603,28 @@ def test_decode_valid_length_from_array(backend, T, cap, monkeypatch):
 
 
 @pytest.mark.parametrize("backend", [b for b in BACKENDS if b != "reference"])
-@pytest.mark.parametrize("T,block,dyn", [(300, 32, False), (77, 8, False), (300, 64, True),
-                                         (1, 32, True), (45, 16, False)])
-def test_decode_prefetch_does_not_change_results(backend, T, block, dyn, monkeypatch):
+@pytest.mark.parametrize("T,block,extra,heads", [
+    (300, 32, None, (16, 2, 256, "bf16")), (77, 8, None, (16, 2, 256, "bf16")),
+    (300, 64, 13, (16, 2, 256, "bf16")), (1, 32, 13, (16, 2, 256, "bf16")),
+    (45, 16, None, (16, 2, 256, "bf16")),
+    (40, 16, 200, (16, 2, 256, "bf16")),   # DYN_T: whole splits past tlen
+    (90, 16, 30, (8, 2, 128, "f16")),       # G=4, D=128, fp16
+])
+def test_decode_prefetch_does_not_change_results(backend, T, block, extra, heads,
+                                                 monkeypatch):
     """``PF`` (load groups in flight per warp) is a speed knob only: PF=2 gives the PF=1
     result bit for bit, with tails (T not a multiple of the block or of 2 tiles), blocks
-    of one tile, DYN_T and a one-key cache; and the partials are all written (outputs
-    pre-filled with NaN)."""
-    B, Hq, Hkv, D, dt = 1, 16, 2, 256, mx.bfloat16
+    of one tile, DYN_T (``extra`` cache rows past tlen, filled with NaN: never read) and
+    a one-key cache; and the partials are all written (outputs pre-filled with NaN)."""
+    Hq, Hkv, D, dname = heads
+    B, dt = 1, {"bf16": mx.bfloat16, "f16": mx.float16}[dname]
+    dyn = extra is not None
     mx.random.seed(T * 3 + block)
     q = _rand((B, Hq, 1, D), dt)
-    cap = T + 13 if dyn else T
-    kb = _rand((B, Hkv, cap, D), dt)
-    vb = _rand((B, Hkv, cap, D), dt)
+    cap = T + extra if dyn else T
+    nan_tail = mx.arange(cap)[None, None, :, None] >= T
+    kb = mx.where(nan_tail, float("nan"), _rand((B, Hkv, cap, D), dt)).astype(dt)
+    vb = mx.where(nan_tail, float("nan"), _rand((B, Hkv, cap, D), dt)).astype(dt)
     gate = _rand((B, 1, Hq, D), dt)
     tlen = mx.array([T], dtype=mx.int32) if dyn else None
     monkeypatch.setenv(kernels.KERNELS_ENV, "all")
@@ -639,6 +648,10 @@ def test_decode_prefetch_setting(monkeypatch):
     assert A.decode_prefetch("cuda") == 2
     monkeypatch.setenv(A.DECODE_PF_ENV, "3")  # not 1 or 2: the table's value
     assert A.decode_prefetch("cuda") == A.DECODE_PREFETCH["cuda"]
+    q = mx.zeros((1, 16, 1, 256), mx.bfloat16)
+    kv = mx.zeros((1, 2, 8, 256), mx.bfloat16)
+    with pytest.raises(ValueError, match="prefetch"):
+        A.decode_attention(q, kv, kv, 1.0, prefetch=3, backend="cuda")
 
 
 @pytest.mark.parametrize("backend", EMU_BACKENDS)

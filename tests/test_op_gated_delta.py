@@ -409,7 +409,8 @@ def test_prefill_kernels(backend, case):
 
 
 @pytest.mark.parametrize("backend", [_param(b) for b in KERNEL_BACKENDS])
-@pytest.mark.parametrize("case", [PREFILL_CASES[i] for i in (1, 2, 3, 6, 7)],
+@pytest.mark.parametrize("case", [PREFILL_CASES[i] for i in (1, 2, 3, 6, 7)]
+                         + [dict(B=1, S=150, seed=8)],  # three 64-step chunks, padded
                          ids=lambda c: _case_id(c))
 def test_prefill_chunked_scan(backend, case):
     """``scan="chunked"``: the prep and norm kernels around ``scan_chunked`` (MLX ops)
@@ -435,6 +436,12 @@ def _scan_inputs(B, S, Hk, Hv, Dk, Dv, kind="random", seed=0):
     v = mx.random.normal((B, S, Hv, Dv))
     lo, hi = {"tiny_decay": (50.0, 120.0), "no_decay": (0.0, 0.0)}.get(kind, (0.0, 2.0))
     g = mx.exp(-mx.random.uniform(lo, hi, (B, S, Hv)))
+    if kind == "zero_then_slow":  # decays exactly 0 (the prep kernel's underflow), then ~1
+        t = mx.arange(S)[None, :, None]
+        g = mx.where(t % 64 < 32, 0.0, 0.999) * mx.ones((B, S, Hv))
+    elif kind == "strong_then_slow":
+        t = mx.arange(S)[None, :, None]
+        g = mx.where(t % 64 < 32, 0.1353, 0.999) * mx.ones((B, S, Hv))
     beta = mx.random.uniform(0, 1, (B, S, Hv)) if kind != "same_keys" else mx.ones((B, S, Hv))
     state = mx.random.normal((B, Hv, Dv, Dk)) * 0.1
     return q, k, v, g, beta, state
@@ -448,6 +455,8 @@ def _scan_inputs(B, S, Hk, Hv, Dk, Dv, kind="random", seed=0):
     (1, 300, 2, 4, 32, 32, 64, "tiny_decay"),  # decays underflowing fp32
     (1, 300, 2, 4, 32, 32, 64, "no_decay"),
     (1, 200, 1, 2, 32, 32, 64, "same_keys"),   # one key repeated, beta 1
+    (1, 256, 2, 2, 64, 64, 64, "zero_then_slow"),    # decay ratios across exact zeros
+    (1, 256, 2, 2, 64, 64, 64, "strong_then_slow"),
 ])
 def test_scan_chunked_matches_sequential_scan(B, S, Hk, Hv, Dk, Dv, chunk, kind):
     """``scan_chunked`` against mlx-lm's sequential ``gated_delta_ops`` (fp32, CPU):
@@ -493,10 +502,11 @@ def test_prefill_scan_setting(monkeypatch):
     monkeypatch.setenv(G.PREFILL_ENV, "chunked")
     monkeypatch.setenv("MLX_ENABLE_TF32", "0")
     assert G.prefill_scan("cuda") == "chunked"
-    monkeypatch.setenv("MLX_ENABLE_TF32", "1")  # TF32 matmuls: the kernel scan, a warning
-    with pytest.warns(UserWarning, match="TF32"):
-        assert G.prefill_scan("cuda") == "kernel"
     assert G.prefill_scan("metal") == "chunked"
+    monkeypatch.setenv("MLX_ENABLE_TF32", "1")  # TF32 matmuls: the kernel scan, a warning
+    for be in ("cuda", "metal"):
+        with pytest.warns(UserWarning, match="TF32"):
+            assert G.prefill_scan(be) == "kernel"
 
 
 @pytest.mark.parametrize("backend", [_param(b) for b in KERNEL_BACKENDS])

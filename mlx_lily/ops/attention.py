@@ -398,8 +398,11 @@ def decode_attention(q, k, v, scale, gate=None, *, block=None, backend=None,
         ``[B, 1, Hq, D]`` (``attn * sigmoid(gate)`` when gate is given), q's dtype;
         ``[B, 1, Hq*D]`` with ``gate_packed`` (the layout ``o_proj`` reads).
     Raises:
+        ValueError: ``prefetch`` not None, 1 or 2.
         RuntimeError: no kernel for the backend.
     """
+    if prefetch not in (None, 1, 2):
+        raise ValueError(f"decode_attention: prefetch must be 1 or 2, got {prefetch!r}")
     backend = backend or current_backend()
     kp = _kernel(DECODE_PARTIAL, backend)
     kc = _kernel(DECODE_COMBINE, backend)

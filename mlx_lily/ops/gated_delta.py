@@ -26,7 +26,8 @@ None; everything else runs the reference):
   gates), ``lily_gdn_scan`` (register-resident sequential scan over the chunk),
   ``lily_gdn_norm`` (gated RMSNorm): three launches per layer and chunk.
   ``MLX_LILY_GDN_PREFILL=chunked``: ``scan_chunked`` (the chunkwise form on MLX matmuls,
-  compiled) replaces ``lily_gdn_scan`` where fp32 matmuls are fp32 (``tf32_matmuls``).
+  compiled) replaces ``lily_gdn_scan`` where fp32 matmuls stay fp32 (``MLX_ENABLE_TF32=0``:
+  ``tf32_matmuls``).
 
 Numerics: activations are rounded to the input dtype where mlx-lm materialises arrays
 (conv output, the sigmoid inside SiLU, normalised q/k, y, normalised y), so q/k/v match
@@ -407,12 +408,13 @@ def _compiled_scan(chunk: int):
 
 
 def tf32_matmuls(backend: str) -> bool:
-    """Whether MLX runs fp32 matmuls in TF32 on ``backend`` (CUDA unless
-    ``MLX_ENABLE_TF32=0``, which MLX reads once per process): ``scan_chunked`` would then
-    carry the state with ~1e-3 relative error instead of fp32's."""
+    """Whether MLX may run fp32 matmuls at reduced (TF32-like) precision on ``backend``:
+    on CUDA, and on Metal GPUs that support it, unless ``MLX_ENABLE_TF32=0`` (MLX reads it
+    once per process, at its first such matmul; this reads the environment now).
+    ``scan_chunked`` would then carry the state with ~1e-3 relative error."""
     import os
 
-    return backend == "cuda" and os.environ.get("MLX_ENABLE_TF32", "1") != "0"
+    return backend in ("cuda", "metal") and os.environ.get("MLX_ENABLE_TF32", "1") != "0"
 
 
 def prefill_scan(backend: str) -> str:
@@ -457,8 +459,9 @@ def scan_chunked(q, k, v, g, beta, state, chunk: int = CHUNK):
     of the decays inside the chunk and ``A_tj = beta_t (k_t . k_j) b_t / b_j`` (j < t):
     ``D = (I + A)^-1 diag(beta) (V - diag(b) K S)`` (the chunk's deltas),
     ``y = diag(b) Q S + ((Q K^T) o G) D`` with ``G_tj = b_t / b_j`` (j <= t), and
-    ``S' = b_C S + (diag(b_C / b) K)^T D``. Decays enter as log-differences (no products of
-    small numbers); padded steps have decay 1 and beta 0.
+    ``S' = b_C S + (diag(b_C / b) K)^T D``. Decay ratios are exponentials of sums of log
+    decays over the steps between (no products of small numbers, no differences of large
+    prefix sums); padded steps have decay 1 and beta 0.
 
     Args:
         q, k: ``[B, S, Hk, Dk]`` fp32 (normalised, q scaled); v: ``[B, S, Hv, Dv]``;
@@ -502,13 +505,15 @@ def scan_chunked(q, k, v, g, beta, state, chunk: int = CHUNK):
     bt = bt.reshape(B, N, C, Hv).transpose(0, 3, 1, 2)
     _, incl, strict, _ = _chunk_constants(C)
     gam = mx.cumsum(lg, axis=-1)  # log b_t
-    diff = gam[..., :, None] - gam[..., None, :]
-    gi = mx.exp(mx.where(incl > 0, diff, 0.0)) * incl  # b_t / b_j, j <= t
+    # log(b_t / b_j) as the sum over j < i <= t itself, not a difference of prefix sums
+    # (those reach thousands when decays underflow and would cancel)
+    seg = mx.cumsum(mx.broadcast_to(lg[..., :, None], lg.shape + (C,)) * strict, axis=-2)
+    gi = mx.exp(seg) * incl  # b_t / b_j, j <= t
     a = bt[..., :, None] * (kh @ kh.swapaxes(-1, -2)) * (gi * strict)
     tinv = unit_lower_inverse(a)
     u = tinv @ (bt[..., None] * vh)  # [.., C, Dv]
     w = tinv @ ((bt * mx.exp(gam))[..., None] * kh)  # [.., C, Dk]
-    kt = kh * mx.exp(gam[..., -1:] - gam)[..., None]  # b_C / b_j
+    kt = kh * mx.exp(mx.cumsum(lg, axis=-1, reverse=True) - lg)[..., None]  # b_C / b_j
     bc = mx.exp(gam[..., -1])  # [B, Hv, N]
     eye_k = mx.eye(Dk, dtype=f32)
     m = bc[..., None, None] * eye_k - kt.swapaxes(-1, -2) @ w  # [.., Dk, Dk]
