@@ -38,3 +38,10 @@ def test_parse_and_summarize():
 
 def test_parse_without_table_is_empty():
     assert kt.parse_ncu_csv("==ERROR== the profiler failed\n") == []
+
+
+def test_measured_rows_between_markers():
+    rows = [("a", 1.0), ("x_lily_ncu_mark_begin_1", 0.1), ("b", 2.0), ("c", 3.0),
+            ("x_lily_ncu_mark_end_1", 0.1), ("d", 4.0)]
+    assert kt.measured(rows) == [("b", 2.0), ("c", 3.0)]
+    assert kt.measured([("a", 1.0), ("b", 2.0)]) == [("a", 1.0), ("b", 2.0)]

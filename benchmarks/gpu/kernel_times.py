@@ -10,7 +10,8 @@ stock and a Lily decode step launch, how many times, and how long each runs on t
 Runs itself under ``ncu --profile-from-start off`` once per arm: the child process loads
 the synthetic model, builds a ``--context``-token cache with Lily's prefill, decodes
 ``--warmup`` steps, then turns the profiler on (``cudaProfilerStart`` through ctypes) for
-``--steps`` decode steps only. The sum over a step's kernels is the GPU's busy time with
+``--steps`` decode steps only, between two one-thread marker kernels; if that records
+nothing, once more profiling everything, the rows cut at the markers. The sum over a step's kernels is the GPU's busy time with
 no gaps between kernels (a lower bound on the step's device time; the difference to
 ``decode_profile.py --gpu-only``'s step time is launch gaps and idle). Writes
 DIR/kernel_times.json (per arm: per kernel name launches per step, us per step, mean us
@@ -60,10 +61,39 @@ def _cudart():
     return None
 
 
+MARK_BEGIN, MARK_END = "lily_ncu_mark_begin", "lily_ncu_mark_end"
+
+
+def _marker(name: str):
+    """A function launching a one-thread kernel named ``name`` (its row in ncu's table
+    delimits the measured kernels), or None off CUDA."""
+    import mlx.core as mx
+
+    if not (hasattr(mx, "cuda") and mx.cuda.is_available()):
+        return None
+    k = mx.fast.cuda_kernel(name=name, input_names=["x"], output_names=["y"],
+                            source="if (threadIdx.x == 0) { y[0] = x[0]; }")
+    x = mx.zeros((1,), mx.float32)
+
+    def launch():
+        (y,) = k(inputs=[x], grid=(1, 1, 1), threadgroup=(1, 1, 1), output_shapes=[(1,)],
+                 output_dtypes=[mx.float32])
+        mx.eval(y)
+        mx.synchronize()
+
+    return launch
+
+
 def child(a) -> int:
-    """Inside ncu: decode with the profiler on for ``a.steps`` steps of arm ``a.arm``."""
+    """Inside ncu: ``a.steps`` decode steps (or prefill chunks) of arm ``a.arm`` between
+    two marker kernels, with the profiler API switched on around them."""
     os.environ.setdefault("MLX_LILY_KERNELS", "all")
     import mlx.core as mx
+
+    begin, end = _marker(MARK_BEGIN), _marker(MARK_END)
+    if begin is not None:  # compile them outside the measured range
+        begin()
+        end()
 
     from mlx_lily.bench.ab import (arm_context, build_context, copy_cache, load_target,
                                    synthetic_ids, vocab_bounds)
@@ -85,9 +115,13 @@ def child(a) -> int:
                 mx.synchronize()
                 if rnd:
                     rt.cudaProfilerStart()
+                    if begin is not None:
+                        begin()
                 mx.eval(t.model(chunk, cache=cache))
                 mx.synchronize()
                 if rnd:
+                    if end is not None:
+                        end()
                     rt.cudaProfilerStop()
         return 0
     with arm_context(a.arm, t.model, None):
@@ -99,13 +133,33 @@ def child(a) -> int:
             tok = y.reshape(1, 1)
         mx.synchronize()
         rt.cudaProfilerStart()
+        if begin is not None:
+            begin()
         for _ in range(a.steps):
             y = mx.argmax(t.model(tok, cache=cache)[:, -1, :], axis=-1)
             mx.eval(y)
             tok = y.reshape(1, 1)
         mx.synchronize()
+        if end is not None:
+            end()
         rt.cudaProfilerStop()
     return 0
+
+
+def measured(kernels: list) -> list:
+    """The rows strictly between each ``MARK_BEGIN`` row and the next ``MARK_END`` row
+    (all rows but markers when there are none)."""
+    if not any(MARK_BEGIN in n for n, _ in kernels):
+        return [(n, d) for n, d in kernels if MARK_END not in n]
+    out, inside = [], False
+    for n, d in kernels:
+        if MARK_BEGIN in n:
+            inside = True
+        elif MARK_END in n:
+            inside = False
+        elif inside:
+            out.append((n, d))
+    return out
 
 
 def parse_ncu_csv(text: str) -> list:
@@ -171,19 +225,26 @@ def main(argv=None) -> int:
            else None, "steps": a.steps, "ncu": ncu, "arms": {}}
     for arm in a.arms.split(","):
         log = Path(os.environ.get("TMPDIR", "/tmp")) / f"kernel_times_{arm}.csv"
-        cmd = [ncu, "--clock-control", "none", "--profile-from-start", "off",
-               "--metrics", "gpu__time_duration.sum", "--csv", "--page", "raw",
-               "--print-units", "base", "--log-file", str(log),
-               sys.executable, os.path.abspath(__file__), "--child-arm", arm,
-               "--preset", a.preset, "--context", str(a.context), "--steps", str(a.steps),
-               "--warmup", str(a.warmup), "--phase", a.phase, "--chunk", str(a.chunk)]
-        try:
-            r = subprocess.run(cmd, capture_output=True, text=True, timeout=a.timeout_s)
-            rc, err = r.returncode, r.stderr[-2000:]
-        except subprocess.TimeoutExpired:
-            rc, err = "timeout", ""
-        text = log.read_text() if log.exists() else ""
-        ks = parse_ncu_csv(text)
+        # first with the profiler API range only; if that records nothing (the range did
+        # not reach the context MLX uses), everything, cut at the marker kernels
+        for from_start in ("off", "on"):
+            log.unlink(missing_ok=True)
+            cmd = [ncu, "--clock-control", "none", "--profile-from-start", from_start,
+                   "--metrics", "gpu__time_duration.sum", "--csv", "--page", "raw",
+                   "--print-units", "base", "--log-file", str(log),
+                   sys.executable, os.path.abspath(__file__), "--child-arm", arm,
+                   "--preset", a.preset, "--context", str(a.context), "--steps",
+                   str(a.steps), "--warmup", str(a.warmup), "--phase", a.phase,
+                   "--chunk", str(a.chunk)]
+            try:
+                r = subprocess.run(cmd, capture_output=True, text=True, timeout=a.timeout_s)
+                rc, err = r.returncode, r.stderr[-2000:]
+            except subprocess.TimeoutExpired:
+                rc, err = "timeout", ""
+            text = log.read_text() if log.exists() else ""
+            ks = measured(parse_ncu_csv(text))
+            if ks:
+                break
         if not ks:
             res["arms"][arm] = {"error": f"rc={rc}", "stderr": err, "log_head": text[:2000]}
             print(f"{arm}: no kernels read (rc={rc})\n{err}\n{text[:2000]}", flush=True)
