@@ -255,3 +255,20 @@ def test_gate_fp32_anchor():
     none = ab.correctness_gate(target, ids, ids[:4], anchor="none", **strict)
     assert not none["passed"] and none["fp32_anchor"] is None
     assert {k: id(v) for k, v in tree_flatten(target.model.parameters())} == before
+
+
+def test_git_info_falls_back_to_the_stamped_revision(monkeypatch):
+    """Where the installed copy is no git checkout (GPU machines), the commit comes from
+    ``MLX_LILY_TREE_REV`` (``<sha>`` or ``<sha>+dirty``); a checkout's own git wins."""
+    from mlx_lily.bench import ab
+
+    real = ab.git_info()
+    monkeypatch.setenv(ab.TREE_REV_ENV, "abc123+dirty")
+    if real["commit"]:  # this checkout's own git wins
+        assert ab.git_info() == real
+    monkeypatch.setattr(ab.subprocess, "run", lambda *a, **k: (_ for _ in ()).throw(OSError()))
+    assert ab.git_info() == {"commit": "abc123", "dirty": True, "source": ab.TREE_REV_ENV}
+    monkeypatch.setenv(ab.TREE_REV_ENV, "abc123")
+    assert ab.git_info()["dirty"] is False
+    monkeypatch.delenv(ab.TREE_REV_ENV)
+    assert ab.git_info() == {"commit": None, "dirty": None}

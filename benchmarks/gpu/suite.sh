@@ -23,6 +23,13 @@ if [ -f /tmp/lily-disable ] && [ -z "${MLX_LILY_DISABLE:-}" ]; then
   export MLX_LILY_DISABLE=$(cat /tmp/lily-disable)
 fi
 REPO=$(pwd)
+# the tree's commit for the results (the installed copy has no git): .lily-rev, written
+# here by benchmarks/gpu/stamp_rev.sh and carried with the call, else git when present
+if [ -f .lily-rev ]; then
+  export MLX_LILY_TREE_REV=$(cat .lily-rev)
+elif git rev-parse HEAD > /dev/null 2>&1; then
+  export MLX_LILY_TREE_REV=$(git rev-parse HEAD)$([ -n "$(git status --porcelain --untracked-files=no)" ] && echo +dirty)
+fi
 OUTDIR=${OUT:-/tmp/lily-out}
 W=/tmp/lily-results
 mkdir -p "$OUTDIR" "$W"
@@ -48,7 +55,7 @@ if has install; then
   python3 -m pip install -q --no-deps --no-build-isolation --force-reinstall . > "$W/install.log" 2>&1 \
     || { say "install failed"; tail -20 "$W/install.log" | tee -a "$S"; }
 fi
-say "MLX_LILY_DISABLE=${MLX_LILY_DISABLE:-}"
+say "MLX_LILY_DISABLE=${MLX_LILY_DISABLE:-} tree=${MLX_LILY_TREE_REV:-unknown}"
 (cd /tmp && python3 - <<'PY') 2>&1 | tee "$W/env.txt" | tee -a "$S"
 import mlx.core as mx, mlx_lm, mlx_lily
 print("mlx", mx.__version__, "mlx-lm", mlx_lm.__version__, "device", mx.default_device())

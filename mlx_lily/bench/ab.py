@@ -539,8 +539,16 @@ def device_name() -> str:
     return platform.processor() or platform.machine() or "unknown"
 
 
+TREE_REV_ENV = "MLX_LILY_TREE_REV"  # "<sha>[+dirty]" where the installed copy has no git
+
+
 def git_info() -> dict:
-    """``{"commit": sha|None, "dirty": bool|None}`` of the checkout holding mlx_lily."""
+    """``{"commit": sha|None, "dirty": bool|None}`` of the checkout holding mlx_lily; where
+    that is no git checkout (an installed copy on a GPU machine), ``MLX_LILY_TREE_REV``
+    (``<sha>`` or ``<sha>+dirty``, exported by ``benchmarks/gpu/suite.sh`` from the tree's
+    ``.lily-rev``) when set."""
+    import os
+
     import mlx_lily
 
     root = Path(mlx_lily.__file__).resolve().parent.parent
@@ -553,6 +561,10 @@ def git_info() -> dict:
         dirty = bool(st.stdout.strip()) if st.returncode == 0 else None
     except Exception:
         commit, dirty = None, None
+    rev = os.environ.get(TREE_REV_ENV, "").strip()
+    if commit is None and rev:
+        sha, _, flag = rev.partition("+")
+        return {"commit": sha, "dirty": flag == "dirty", "source": TREE_REV_ENV}
     return {"commit": commit, "dirty": dirty}
 
 
