@@ -304,16 +304,21 @@ def qgemv_vs_qmv(reps, out):
         t_mlx = _bench(mlx_fn, reps) / chain
         t_lily = _bench(lily_fn(), reps) / chain
         t_alt = _bench(lily_fn(4, 2), reps) / chain
+        # launch-shape sweep (warps per block x rows per lane group): for a per-shape table
+        sweep = {}
+        for nw, rpw in ((2, 1), (4, 1), (8, 1), (2, 2), (8, 2), (4, 4), (8, 4)):
+            sweep[f"{nw},{rpw}"] = 1e6 * _bench(lily_fn(nw, rpw), max(3, reps // 3)) / chain
+        best = min(sweep, key=sweep.get)
         ref = mlx_fn()[0].astype(mx.float32)
         d = mx.abs(ref - lily_fn()()[0].astype(mx.float32)).max() / mx.abs(ref).max()
         rows.append({"shape": name, "K": k, "O": o, "bits": bits, "mlx_us": 1e6 * t_mlx,
                      "lily_us": 1e6 * t_lily, "lily_nw4_rpw2_us": 1e6 * t_alt,
                      "mlx_GBps": nbytes / t_mlx / 1e9, "lily_GBps": nbytes / t_lily / 1e9,
-                     "max_rel_diff": d.item()})
+                     "max_rel_diff": d.item(), "sweep_us": sweep, "best_nw_rpw": best})
         r = rows[-1]
         print(f"{name:28s} {k:5d} {o:7d} {bits:2d} {r['mlx_us']:8.1f} {r['lily_us']:8.1f} "
               f"{r['lily_nw4_rpw2_us']:13.1f} {r['mlx_GBps']:9.1f} {r['lily_GBps']:9.1f} "
-              f"{r['max_rel_diff']:8.3g}")
+              f"{r['max_rel_diff']:8.3g}  best NW,RPW {best}: {sweep[best]:.1f} us")
     out["qgemv"] = rows
 
 
