@@ -34,12 +34,12 @@ from pathlib import Path
 
 import mlx.core as mx
 
+from mlx_lily.backend import COMPILE_ENV
 from mlx_lily.bench import gpu_clock
 from mlx_lily.bench.ab import (ARMS, arm_context, build_context, copy_cache, environment, ids_array,
                                load_target, log, measure_decode, synthetic_ids, vocab_bounds)
 from mlx_lily.bench.primitives import _state_arrays, count_graph
 from mlx_lily.bench.traffic import copy_bandwidth_gbps, decode_step_bytes
-from mlx_lily.patches.qwen3_next import COMPILE_ENV
 
 
 @contextlib.contextmanager

@@ -202,6 +202,10 @@ def backend_info() -> dict:
     return {"backend": backend, "device": str(mx.default_device()), "ops": ops}
 
 
+COMPILE_ENV = "MLX_LILY_COMPILE"  # "0" off, "1" on everywhere, default: on GPU backends
+COMPILE_WHOLE_ENV = "MLX_LILY_COMPILE_WHOLE"  # "0": one compiled function per layer
+
+
 def compile_mode(backend: str | None = None) -> str:
     """How decode steps run now: ``"whole"`` (the decoder stack as one compiled function),
     ``"per-layer"`` or ``"off"``, from ``MLX_LILY_COMPILE`` / ``MLX_LILY_COMPILE_WHOLE``
@@ -209,10 +213,10 @@ def compile_mode(backend: str | None = None) -> str:
     setting: a step where some layer cannot run compiled (its kernels do not serve, a
     cache must grow) runs layer by layer."""
     be = backend or current_backend()
-    mode = env_value("MLX_LILY_COMPILE", "")
+    mode = env_value(COMPILE_ENV, "")
     if mode == "0" or (mode != "1" and be not in ("cuda", "metal")):
         return "off"
-    return "per-layer" if env_value("MLX_LILY_COMPILE_WHOLE", "1") == "0" else "whole"
+    return "per-layer" if env_value(COMPILE_WHOLE_ENV, "1") == "0" else "whole"
 
 
 def describe() -> str:

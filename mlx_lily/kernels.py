@@ -217,6 +217,7 @@ VERIFIED: dict = {
     "metal": frozenset(),
 }
 
+
 class PlanCache(dict):
     """A dict of launch plans cached on a module or projection (keys hold ``mx.Dtype``,
     values closures over kernels and arrays). ``copy.deepcopy`` gives an empty one: plans

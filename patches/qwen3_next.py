@@ -298,7 +298,6 @@ def make_decoder_call(cls_getter):
 decoder_call = make_decoder_call(lambda: qwen3_next.Qwen3NextDecoderLayer)
 
 
-COMPILE_ENV = "MLX_LILY_COMPILE"  # "0" off, "1" on everywhere, default: on GPU backends
 
 
 class _StepCache:
@@ -527,7 +526,6 @@ def kv_write_index(offset, row_shape):
     return mx.broadcast_to(offset.reshape(1, 1, 1, 1), row_shape)
 
 
-WHOLE_STEP_ENV = "MLX_LILY_COMPILE_WHOLE"  # "0": one compiled function per layer instead
 
 
 def _whole_step_fn(text_model, layers):
@@ -573,7 +571,7 @@ def _run_whole_step(text_model, cs, layers, cache, h):
     tracing failure marks it off for this model (one warning)."""
     from mlx_lily import backend
 
-    if backend.env_value(WHOLE_STEP_ENV, "1") == "0":
+    if backend.compile_mode() != "whole":
         return None
     # what holds for every step (switches, modules, dtype): once per compile key
     skey = ("whole-ok", h.dtype, backend.env_value(COMPILE_ATTN_ENV, "1"))

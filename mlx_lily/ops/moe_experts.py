@@ -234,7 +234,8 @@ def decode_plan(k_gate_up, k_down, wts: DecodeWeights, x_shape, x_dtype, k: int,
     no_eps = kernels.f32_scalar(0.0)
 
     if topk:
-        no_inds = mx.zeros((1,), dtype=mx.uint32)  # inds unread with TOPK: the signature's
+        no_inds = mx.zeros((1,), dtype=mx.uint32)  # the unread inds input (uint32, its type)
+
         def run_routed(*args):
             if pre_norm:
                 hin, res, nw_, eps, logits = args
