@@ -673,9 +673,14 @@ def test_decode_fixed_block_path(backend, monkeypatch):
 
 
 def test_decode_block_plan():
-    # General rule: 2 KV heads at batch 1 must still fill an H200 (>= ~1000 warps).
-    assert A.decode_block(4096, 1, 2, "cuda") == 32
-    assert A.decode_block(20000, 1, 2, "cuda") == 64
+    # General rule: the smallest power of two >= 32 giving at most TARGET_SIMDGROUPS
+    # warps (CUDA: 128, measured), capped at the fixed block.
+    assert A.TARGET_SIMDGROUPS["cuda"] == 128
+    assert A.decode_block(4096, 1, 2, "cuda") == 64
+    assert A.decode_block(8192, 1, 2, "cuda") == 128
+    assert A.decode_block(1024, 1, 2, "cuda") == 32
+    assert A.decode_block(20000, 1, 2, "cuda") == min(512, A.FIXED_BLOCK["cuda"])
+    assert A.decode_block(4096, 1, 2, "metal") == 32
     assert A.decode_block(A.SPLIT_K_MIN_CONTEXT, 1, 2, "cuda") == A.FIXED_BLOCK["cuda"]
     assert A.decode_block(131072, 1, 2, "metal") == A.FIXED_BLOCK["metal"]
     for T in (1, 100, 5000, 31000, 40000, 131072):

@@ -198,6 +198,32 @@ def test_decode_kernels_match_truth(backend, case):
 
 
 @pytest.mark.parametrize("backend", KERNEL_BACKENDS)
+@pytest.mark.parametrize("shape_of", sorted(M.GATE_UP_SHAPE))
+@pytest.mark.parametrize("case", [CASES[1], CASES[2], CASES[3]],
+                         ids=["small-res", "production-DI", "odd-Ek"])
+def test_decode_kernels_each_backends_launch_shape(backend, shape_of, case):
+    """Every backend's launch shapes (``launch_shapes``) on every parity backend: the
+    emulators otherwise run the shape of the backend they pose as."""
+    d, i, e, k, rows, bits, gs, dtype, use_res = case
+    blk = make_block(d=d, e=e, k=k, i=i, seed=d + i + e + k + 1, bits=bits, gs=gs, dtype=dtype)
+    x = mx.random.normal((rows, 1, d)).astype(dtype)
+    inds, scores, shared = route(blk, x)
+    res = mx.random.normal(x.shape).astype(dtype) if use_res else None
+    wts = M.decode_weights(blk.switch_mlp, blk.shared_expert)
+    gu, dn = M.launch_shapes(shape_of)
+    kg, kd, init = kernels_for(backend)
+    y = M.launch_decode(kg, kd, x, inds, scores, shared, wts, res, init_value=init,
+                        gate_up=gu, down=dn)
+    t, mag = truth(x, inds, scores, shared, wts, res)
+    check_close(y, t, mag, dtype)
+
+
+def test_launch_shapes_per_backend():
+    assert M.launch_shapes("cuda") == (M.GATE_UP_SHAPE["cuda"], M.DOWN_SHAPE["cuda"])
+    assert M.launch_shapes("cpu") == M.launch_shapes("metal")
+
+
+@pytest.mark.parametrize("backend", KERNEL_BACKENDS)
 def test_decode_kernels_int32_inds_and_repeated_experts(backend):
     """int32 ids are accepted; the same expert twice in a row's picks counts twice."""
     blk = make_block(seed=4)
@@ -286,7 +312,8 @@ def test_cuda_twins_compile(which):
         cuda_check.check("lily_moe_gate_up", ins,
                          [("h", bf), ("inds_o", mx.uint32), ("scores_o", bf),
                           ("shared_o", bf)], body, head,
-                         template=common + [("NW", M.GATE_UP_NW), ("RPW", M.GATE_UP_RPW),
+                         template=common + [("NW", M.GATE_UP_SHAPE["cuda"][0]),
+                                            ("RPW", M.GATE_UP_SHAPE["cuda"][1]),
                                             ("TOPK", routed), ("NORM", True),
                                             ("PRE_NORM", routed)])
     else:
@@ -296,7 +323,8 @@ def test_cuda_twins_compile(which):
                ("sdown_w", mx.uint32, 2), ("sdown_s", bf, 2), ("sdown_b", bf, 2),
                ("res", bf, 2)]
         cuda_check.check("lily_moe_down", ins, [("y", bf)], body, head,
-                         template=common + [("NW", M.DOWN_NW), ("RPW", M.DOWN_RPW),
+                         template=common + [("NW", M.DOWN_SHAPE["cuda"][0]),
+                                            ("RPW", M.DOWN_SHAPE["cuda"][1]),
                                             ("RES", True)])
 
 

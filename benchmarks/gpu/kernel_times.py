@@ -7,8 +7,9 @@ stock and a Lily decode step launch, how many times, and how long each runs on t
     python benchmarks/gpu/kernel_times.py --phase prefill --context 2048 --chunk 2048 \
         --arms lily --steps 1 --out DIR
 
-Runs itself under ``ncu --profile-from-start off`` once per arm: the child process loads
-the synthetic model, builds a ``--context``-token cache with Lily's prefill, decodes
+Runs itself under ``ncu --profile-from-start off`` once per arm: the child process
+(``MLX_USE_CUDA_GRAPHS=0``: ncu read no kernel replayed from MLX's CUDA graphs) loads the
+synthetic model, builds a ``--context``-token cache with Lily's prefill, decodes
 ``--warmup`` steps, then turns the profiler on (``cudaProfilerStart`` through ctypes) for
 ``--steps`` decode steps only, between two one-thread marker kernels; if that records
 nothing, once more profiling everything, the rows cut at the markers. The sum over a step's kernels is the GPU's busy time with
@@ -236,8 +237,12 @@ def main(argv=None) -> int:
                    "--preset", a.preset, "--context", str(a.context), "--steps",
                    str(a.steps), "--warmup", str(a.warmup), "--phase", a.phase,
                    "--chunk", str(a.chunk)]
+            # kernels replayed from a CUDA graph were not read by ncu on the H200 (session 8:
+            # only a stray copy kernel per run), so the child launches them one by one
+            env = dict(os.environ, MLX_USE_CUDA_GRAPHS="0")
             try:
-                r = subprocess.run(cmd, capture_output=True, text=True, timeout=a.timeout_s)
+                r = subprocess.run(cmd, capture_output=True, text=True, timeout=a.timeout_s,
+                                   env=env)
                 rc, err = r.returncode, r.stderr[-2000:]
             except subprocess.TimeoutExpired:
                 rc, err = "timeout", ""

@@ -22,9 +22,10 @@ Kernels (one launch contract per kernel, Metal and CUDA twins; see each shader's
   once for the G heads, rows read contiguously by neighbouring lanes); the combine kernel
   merges the per-block (max, sum, acc) partials and applies the optional output gate.
   Block size (``decode_block``): below ``SPLIT_K_MIN_CONTEXT`` the "general" rule sizes
-  blocks so that ``B*Hkv*ceil(T/CH)`` simdgroups fill the GPU (Qwen3.6 has 2 KV heads, so
-  without a split a batch-1 decode would occupy 2 of 132 SMs on an H200); at or above it
-  the block is fixed (``FIXED_BLOCK``) and the number of blocks grows with the cache.
+  blocks so that ``B*Hkv*ceil(T/CH)`` simdgroups reach a per-backend target
+  (``TARGET_SIMDGROUPS``: Qwen3.6 has 2 KV heads, so without a split a batch-1 decode
+  would occupy 2 of 132 SMs on an H200; the target was measured, see there); at or above
+  it the block is fixed (``FIXED_BLOCK``) and the number of blocks grows with the cache.
 - ``lily_attn_prefill``: causal (or unmasked) flash attention of an L-token chunk over
   the whole cache (T = offset + L keys), GQA rows packed as ``i*G + h``; tensor cores on
   CUDA (mma m16n8k16), ``simdgroup_matrix`` on Metal; optional fused output gate.
@@ -49,10 +50,13 @@ SPLIT_K_MIN_CONTEXT = 32768
 DECODE_SIMDGROUPS = 4
 DECODE_BLOCK_MIN = 32
 # Fixed block (keys per simdgroup) at T >= SPLIT_K_MIN_CONTEXT, per backend.
-FIXED_BLOCK = {"cuda": 128, "metal": 256}
-# Simdgroups the general rule aims for (H200: 132 SMs x 8 resident warps of this kernel;
-# Apple: up to 40 GPU cores x 8).
-TARGET_SIMDGROUPS = {"cuda": 1056, "metal": 320}
+# CUDA: attention_bench's block sweep on the H200 (session 8, 2 KV heads, D 256, G 8, us per
+# call, chained): 128K 206/168/146/136/124 for blocks 32..512, 32K 84/77/68/64/65.
+FIXED_BLOCK = {"cuda": 512, "metal": 256}
+# Simdgroups the general rule aims for. CUDA: fewer, longer blocks won over filling every
+# SM (same sweep, 4K: 58/38/40/36/45 us for blocks 32..512; the combine pass grows with
+# the number of blocks), hence 128. Apple: up to 40 GPU cores x 8.
+TARGET_SIMDGROUPS = {"cuda": 128, "metal": 320}
 
 # Load groups in flight per warp/simdgroup in the decode partial kernel (``PF``: CUDA 8-key
 # tiles, Metal key rows): results do not depend on it. 1 until a measurement picks 2;

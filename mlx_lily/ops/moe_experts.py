@@ -77,9 +77,21 @@ DOWN_SPEC = kernels.KernelSpec(
 #: Most token rows the decode kernels take per call; more go to the grouped GEMM
 #: (``moe_grouped.try_grouped``) or the reference.
 MAX_DECODE_ROWS = 8
-#: Launch shapes: warps per threadgroup and rows per lane group, per kernel.
-GATE_UP_NW, GATE_UP_RPW = 4, 4
-DOWN_NW, DOWN_RPW = 4, 2
+#: Launch shapes (warps per threadgroup, rows per lane group) per kernel and backend.
+#: CUDA: ``moe_decode_bench.py``'s variant sweep on the H200 (session 8; production dims,
+#: 40 independent layers per eval, us per layer, gate+up / down): (4,4)/(4,2) 62.6,
+#: (4,2)/(4,1) 75.4, (8,2)/(8,2) 77.5, (2,4)/(2,4) 77.4, (4,8)/(4,4) 48.7.
+GATE_UP_SHAPE = {"cuda": (4, 8), "metal": (4, 4)}
+DOWN_SHAPE = {"cuda": (4, 4), "metal": (4, 2)}
+#: Warps per gate+up threadgroup on every backend (its threadgroup memory depends on it).
+GATE_UP_NW = 4
+assert all(nw == GATE_UP_NW for nw, _ in GATE_UP_SHAPE.values())
+
+
+def launch_shapes(backend: str) -> tuple[tuple[int, int], tuple[int, int]]:
+    """``((NW, RPW) of gate+up, (NW, RPW) of down)`` for ``backend`` (Metal's off CUDA)."""
+    b = backend if backend in GATE_UP_SHAPE else "metal"
+    return GATE_UP_SHAPE[b], DOWN_SHAPE[b]
 
 _FLOATS = (mx.bfloat16, mx.float16, mx.float32)
 
@@ -187,8 +199,8 @@ def supports_decode(x: mx.array, inds: mx.array, scores: mx.array, shared,
 
 
 def decode_plan(k_gate_up, k_down, wts: DecodeWeights, x_shape, x_dtype, k: int,
-                with_residual: bool, *, gate_up=(GATE_UP_NW, GATE_UP_RPW),
-                down=(DOWN_NW, DOWN_RPW), init_value: float | None = None,
+                with_residual: bool, *, gate_up=None, down=None,
+                init_value: float | None = None,
                 topk: bool = False, norm_topk_prob: bool = True, pre_norm: bool = False):
     """A callable launching the two decode kernels for inputs of one shape and dtype
     (templates, grids and output shapes worked out once). The kernels index flat
@@ -212,6 +224,9 @@ def decode_plan(k_gate_up, k_down, wts: DecodeWeights, x_shape, x_dtype, k: int,
               ("E", wts.num_experts), ("BITS", wts.bits), ("GS", wts.group_size)]
     extra = {} if init_value is None else {"init_value": init_value}
 
+    if gate_up is None or down is None:
+        gu0, dn0 = launch_shapes(current_backend())
+        gate_up, down = gate_up or gu0, down or dn0
     nw, rpw = gate_up
     tg = 32 * nw
     rpb = nw * (32 // qgemv.lanes_per_row(d, wts.bits)) * rpw
@@ -265,8 +280,8 @@ def decode_plan(k_gate_up, k_down, wts: DecodeWeights, x_shape, x_dtype, k: int,
 
 
 def launch_decode(k_gate_up, k_down, x, inds, scores, shared, wts: DecodeWeights,
-                  residual=None, *, gate_up=(GATE_UP_NW, GATE_UP_RPW),
-                  down=(DOWN_NW, DOWN_RPW), init_value: float | None = None):
+                  residual=None, *, gate_up=None, down=None,
+                  init_value: float | None = None):
     """Run the gate+up and down+combine kernel objects (either backend, or the Metal
     emulator's) on a call ``supports_decode`` accepted. Returns ``[..., D]`` in x's
     dtype (``residual + y`` when ``residual`` is given)."""
