@@ -325,6 +325,7 @@ def test_cuda_twins_compile(which):
         cuda_check.check("lily_moe_down", ins, [("y", bf)], body, head,
                          template=common + [("NW", M.DOWN_SHAPE["cuda"][0]),
                                             ("RPW", M.DOWN_SHAPE["cuda"][1]),
+                                            ("SL", M.DOWN_SHAPE["cuda"][2]),
                                             ("RES", True)])
 
 

@@ -339,8 +339,10 @@ def kernel_variants(blk, router, reps, out):
     rows = []
     print(f"\nexpert kernels, launch shapes (gate_up NW,RPW / down NW,RPW): {LAYERS} "
           f"independent layers per eval, per layer")
-    for gu, dn in (((4, 4), (4, 2)), ((4, 2), (4, 1)), ((8, 2), (8, 2)), ((2, 4), (2, 4)),
-                   ((4, 8), (4, 4))):
+    # down (NW, RPW[, SL]): SL slot groups of NW warps per threadgroup
+    for gu, dn in (((4, 4), (4, 2)), ((4, 8), (4, 4)), ((4, 8), (4, 2, 3)), ((4, 8), (4, 4, 3)),
+                   ((4, 8), (4, 1, 3)), ((4, 8), (2, 2, 9)), ((4, 16), (4, 2, 3)),
+                   ((8, 4), (4, 2, 3))):
         def f():
             return [M.launch_decode(kg, kd, x, *r, wts, gate_up=gu, down=dn)
                     for x, r in zip(xs, routed)]

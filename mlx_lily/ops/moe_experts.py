@@ -77,19 +77,24 @@ DOWN_SPEC = kernels.KernelSpec(
 #: Most token rows the decode kernels take per call; more go to the grouped GEMM
 #: (``moe_grouped.try_grouped``) or the reference.
 MAX_DECODE_ROWS = 8
-#: Launch shapes (warps per threadgroup, rows per lane group) per kernel and backend.
-#: CUDA: ``moe_decode_bench.py``'s variant sweep on the H200 (session 8; production dims,
-#: 40 independent layers per eval, us per layer, gate+up / down): (4,4)/(4,2) 62.6,
-#: (4,2)/(4,1) 75.4, (8,2)/(8,2) 77.5, (2,4)/(2,4) 77.4, (4,8)/(4,4) 48.7.
+#: Launch shapes per kernel and backend: gate+up (warps per threadgroup NW, rows per lane
+#: group RPW), down (NW, RPW, slot groups SL: SL*NW warps per threadgroup, each serving
+#: every SL-th of the K+1 expert slots). CUDA gate+up: ``moe_decode_bench.py``'s variant
+#: sweep on the H200 (session 8; production dims, 40 independent layers per eval, us per
+#: layer, gate+up / down without slot groups): (4,4)/(4,2) 62.6, (4,2)/(4,1) 75.4,
+#: (8,2)/(8,2) 77.5, (2,4)/(2,4) 77.4, (4,8)/(4,4) 48.7. CUDA down: ncu on the H200
+#: (session 8) read 45.7 us per call for (4,4) without slot groups: 256 warps for 4.7 MB,
+#: each lane walking all 9 slots; (4,2,3) gives 1536 warps of 3 slots (not yet measured).
 GATE_UP_SHAPE = {"cuda": (4, 8), "metal": (4, 4)}
-DOWN_SHAPE = {"cuda": (4, 4), "metal": (4, 2)}
+DOWN_SHAPE = {"cuda": (4, 2, 3), "metal": (4, 2, 1)}
 #: Warps per gate+up threadgroup on every backend (its threadgroup memory depends on it).
 GATE_UP_NW = 4
 assert all(nw == GATE_UP_NW for nw, _ in GATE_UP_SHAPE.values())
 
 
-def launch_shapes(backend: str) -> tuple[tuple[int, int], tuple[int, int]]:
-    """``((NW, RPW) of gate+up, (NW, RPW) of down)`` for ``backend`` (Metal's off CUDA)."""
+def launch_shapes(backend: str) -> tuple[tuple[int, int], tuple[int, int, int]]:
+    """``((NW, RPW) of gate+up, (NW, RPW, SL) of down)`` for ``backend`` (Metal's off
+    CUDA)."""
     b = backend if backend in GATE_UP_SHAPE else "metal"
     return GATE_UP_SHAPE[b], DOWN_SHAPE[b]
 
@@ -238,10 +243,11 @@ def decode_plan(k_gate_up, k_down, wts: DecodeWeights, x_shape, x_dtype, k: int,
                grid=(-(-i // rpb) * tg, k + 1, n), threadgroup=(tg, 1, 1),
                output_shapes=[(n, k + 1, i)] + route_shapes,
                output_dtypes=[dt, mx.uint32, dt, dt], **extra)
-    nw, rpw = down
-    tg = 32 * nw
+    nw, rpw, sl = down if len(down) == 3 else (*down, 1)
+    tg = 32 * nw * sl
     rpb = nw * (32 // qgemv.lanes_per_row(i, wts.bits)) * rpw
-    kw2 = dict(template=common + [("NW", nw), ("RPW", rpw), ("RES", bool(with_residual))],
+    kw2 = dict(template=common + [("NW", nw), ("RPW", rpw), ("SL", sl),
+                                  ("RES", bool(with_residual))],
                grid=(-(-d // rpb) * tg, n, 1), threadgroup=(tg, 1, 1),
                output_shapes=[lead + (d,)], output_dtypes=[dt], **extra)
     w1 = [*wts.gate, *wts.up, *wts.sgate, *wts.sup]

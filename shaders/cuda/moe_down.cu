@@ -1,13 +1,15 @@
 // @kernel lily_moe_down
 // @inputs h[N,K+1,I]:T inds[N,K]:uint32 scores[N,K]:T shared[N,1]:T down_w[E,D,I*BITS/32]:uint32 down_s[E,D,I/GS]:S down_b[E,D,I/GS]:S sdown_w[D,I*BITS/32]:uint32 sdown_s[D,I/GS]:S sdown_b[D,I/GS]:S res[N,D]:T
 // @outputs y[N,D]:T
-// @template T=bfloat16 S=bfloat16 D=2048 I=512 K=8 E=256 BITS=4 GS=64 NW=4 RPW=2 RES=false
-// @template T=float32 S=float16 D=128 I=64 K=3 E=5 BITS=8 GS=64 NW=4 RPW=2 RES=true
-// @grid (ceil(D/RPB)*32*NW, N, 1)   RPB = NW*(32/LPR)*RPW, LPR = min(32, I*BITS/128)
-// @threadgroup (32*NW, 1, 1)
+// @template T=bfloat16 S=bfloat16 D=2048 I=512 K=8 E=256 BITS=4 GS=64 NW=4 RPW=2 SL=3 RES=false
+// @template T=float32 S=float16 D=128 I=64 K=3 E=5 BITS=8 GS=64 NW=4 RPW=2 SL=1 RES=true
+// @grid (ceil(D/RPB)*32*NW*SL, N, 1)   RPB = NW*(32/LPR)*RPW, LPR = min(32, I*BITS/128)
+// @threadgroup (32*NW*SL, 1, 1)
 // y[n,d] = sum_j scores[n,j] * down_{inds[n,j]}(h[n,j])[d] + shared[n] * sdown(h[n,K])[d],
 // accumulated per lane in fp32 over the K+1 slots and reduced once; with RES,
 // y = res + round_T(that) (the decoder layer's residual add). res is unread otherwise.
+// SL slot groups: warp w serves row group w % NW and slots w/NW, w/NW + SL, ...; the SL
+// partial sums of a row meet in shared memory, added in slot-group order.
 // @header qgemv_common.cuh
 // ---- body ----
   constexpr int VPL = 128 / BITS;
@@ -21,7 +23,9 @@
   static_assert(GS % VPL == 0, "down: bad GS");
 
   const int lane = threadIdx.x & 31;
-  const int warp = threadIdx.x >> 5;
+  const int warp = (threadIdx.x >> 5) % NW;
+  const int sgp = (threadIdx.x >> 5) / NW;
+  __shared__ float part[SL > 1 ? SL * RPB : 1];
   const int sub = lane / LPR;
   const int sl = lane % LPR;
   const int n = blockIdx.y;
@@ -32,7 +36,7 @@
 #pragma unroll
   for (int r = 0; r < RPW; ++r) acc[r] = 0.f;
 #pragma unroll
-  for (int slot = 0; slot <= K; ++slot) {
+  for (int slot = sgp; slot <= K; slot += SL) {
     const uint4* w4;
     const S* sp;
     const S* bp;
@@ -65,9 +69,26 @@
       }
     }
   }
+  const int prow = (warp * SG + sub) * RPW;
 #pragma unroll
   for (int r = 0; r < RPW; ++r) {
-    const float v = lily_group_sum<LPR>(acc[r]);
+    acc[r] = lily_group_sum<LPR>(acc[r]);
+    if (SL > 1 && sl == 0) part[sgp * RPB + prow + r] = acc[r];
+  }
+  if (SL > 1) {
+    __syncthreads();
+    if (sgp != 0) return;
+#pragma unroll
+    for (int r = 0; r < RPW; ++r) {
+      float v = 0.f;
+#pragma unroll
+      for (int q = 0; q < SL; ++q) v += part[q * RPB + prow + r];
+      acc[r] = v;
+    }
+  }
+#pragma unroll
+  for (int r = 0; r < RPW; ++r) {
+    const float v = acc[r];
     const int row = row0 + r;
     if (sl == 0 && row < D) {
       float o = v;
