@@ -192,3 +192,33 @@ def test_for_qproj_follows_switches(monkeypatch):
             assert NQ.for_qproj(h0, res, nw, 1e-6, proj) is None, (var, val)
     monkeypatch.setitem(Q.USE_FOR_QPROJ, "metal", False)
     assert NQ.for_qproj(h0, res, nw, 1e-6, proj) is None
+
+
+def test_launch_shape_spreads_small_outputs():
+    """CUDA: small O (the 8-bit router + shared gate, 2048 -> 257) is spread over at
+    least MIN_BLOCKS threadgroups; large O keeps (NW, RPW); other backends keep it."""
+    from mlx_lily.ops import qgemv as Q
+
+    assert Q.launch_shape(2048, 257, 8, "cuda") == (2, 1)
+    assert -(-257 // Q.rows_per_block(2048, 8, 2, 1)) >= Q.MIN_BLOCKS["cuda"]
+    assert Q.launch_shape(2048, 12352, 4, "cuda") == (Q.NW, Q.RPW)
+    assert Q.launch_shape(2048, 257, 8, "metal") == (Q.NW, Q.RPW)
+    assert Q.launch_shape(2048, 3, 4, "cuda") == (1, 1)
+    with pytest.raises(ValueError):
+        Q.launch_shape(100, 8, 4, "cuda")
+
+
+@pytest.mark.parametrize("backend", KERNEL_BACKENDS)
+@pytest.mark.parametrize("nw,rpw", [(2, 1), (1, 1), (1, 4)])
+def test_kernel_parity_small_launch_shapes(backend, nw, rpw):
+    """The router's shape (2048 -> 257, 8-bit) at the launch shapes ``launch_shape``
+    picks for small O: one- and two-warp threadgroups (the norm prologue's word loop
+    then covers the row in 8 words per thread)."""
+    k, o, bits, gs, rows, dtype = 2048, 257, 8, 64, 1, mx.bfloat16
+    mx.random.seed(11)
+    q, s, b = make_weights(o, k, bits, gs)
+    h0, res, nw_ = make_inputs(rows, k, dtype, 12)
+    kern, init = kernel_for(NQ.SPEC, backend)
+    y, h = NQ.launch(kern, h0, res, nw_, 1e-6, q, s, b, gs, bits, nw=nw, rpw=rpw,
+                     init_value=init)
+    check(y, h, h0, res, nw_, 1e-6, q, s, b, gs, bits, dtype)

@@ -61,7 +61,7 @@ def supports(h0, res, norm_w, w, scales, biases, group_size, bits, mode="affine"
             and _qgemv.supports(h0, w, scales, biases, group_size, bits, mode))
 
 
-def plan(kernel, x_shape, x_dtype, w, scales, biases, group_size, bits, *, nw=NW, rpw=RPW,
+def plan(kernel, x_shape, x_dtype, w, scales, biases, group_size, bits, *, nw=None, rpw=None,
          init_value=None):
     """A callable ``run(h0, res, norm_w, eps) -> (y, h)`` launching ``kernel`` for inputs
     of one shape and dtype (template, grid and output shapes worked out once)."""
@@ -76,8 +76,8 @@ def plan(kernel, x_shape, x_dtype, w, scales, biases, group_size, bits, *, nw=NW
     return run
 
 
-def launch(kernel, h0, res, norm_w, eps, w, scales, biases, group_size, bits, *, nw=NW,
-           rpw=RPW, init_value=None):
+def launch(kernel, h0, res, norm_w, eps, w, scales, biases, group_size, bits, *, nw=None,
+           rpw=None, init_value=None):
     """Run the ``lily_norm_qgemv`` kernel object on a call ``supports`` accepted;
     returns ``(y, h)``."""
     return plan(kernel, h0.shape, h0.dtype, w, scales, biases, group_size, bits, nw=nw,

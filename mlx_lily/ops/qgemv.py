@@ -25,9 +25,13 @@ SPEC = kernels.KernelSpec(
 
 #: Largest number of activation rows the kernel takes (it re-reads W once per row).
 MAX_ROWS = 8
-#: Launch shape: warps per threadgroup and output rows per lane group.
+#: Launch shape: warps per threadgroup and output rows per lane group (``launch_shape``).
 NW = 4
 RPW = 4
+#: Fewest threadgroups a GEMV is spread over, per backend (about the H200's 132 SMs):
+#: ncu on the H200 (session 8) read 17.1 us per call for the 8-bit router + shared gate
+#: (2048 -> 257, norm prologue included) at NW 4 / RPW 4, i.e. 17 threadgroups.
+MIN_BLOCKS = {"cuda": 128}
 #: Whether ``QProj.__call__`` routes one-row inputs to this kernel, per backend. The
 #: GPU bench (``benchmarks/gpu/moe_decode_bench.py``) prints kernel vs MLX qmv times;
 #: flip an entry to False where MLX's own qmv is faster.
@@ -69,6 +73,22 @@ def rows_per_block(k: int, bits: int, nw: int = NW, rpw: int = RPW) -> int:
     return nw * (32 // lanes_per_row(k, bits)) * rpw
 
 
+def launch_shape(k: int, o: int, bits: int, backend: str) -> tuple[int, int]:
+    """``(NW, RPW)`` for an ``o``-row GEMV over ``k`` inputs on ``backend``: ``(NW, RPW)``,
+    then RPW and after it NW halved while the grid has fewer than ``MIN_BLOCKS[backend]``
+    threadgroups (small ``o``: the router). Raises ValueError when ``k``/``bits`` do not
+    map onto lane groups (``lanes_per_row``)."""
+    if lanes_per_row(k, bits) is None:
+        raise ValueError(f"qgemv: K={k} at {bits} bits does not map onto lane groups")
+    nw, rpw = NW, RPW
+    want = MIN_BLOCKS.get(backend, 0)
+    while -(-o // rows_per_block(k, bits, nw, rpw)) < want and rpw > 1:
+        rpw //= 2
+    while -(-o // rows_per_block(k, bits, nw, rpw)) < want and nw > 1:
+        nw //= 2
+    return nw, rpw
+
+
 def supports(x: mx.array, w: mx.array, scales: mx.array, biases, group_size: int,
              bits: int, mode: str = "affine") -> bool:
     """True when the kernel computes this call (shapes, dtypes, quantization mode)."""
@@ -91,13 +111,17 @@ def supports(x: mx.array, w: mx.array, scales: mx.array, biases, group_size: int
 
 
 def launch_args(x_shape, x_dtype, w, scales, group_size: int, bits: int, *,
-                nw: int = NW, rpw: int = RPW, init_value: float | None = None,
-                extra_outputs=()) -> dict:
+                nw: int | None = None, rpw: int | None = None,
+                init_value: float | None = None, extra_outputs=()) -> dict:
     """Template, grid, threadgroup and output shapes/dtypes of a ``lily_qgemv``-family
     launch (``lily_norm_qgemv`` shares them) for activations ``x_shape`` of ``x_dtype``;
-    ``extra_outputs``: ``(shape, dtype)`` pairs after ``y``."""
+    ``nw``/``rpw`` default to ``launch_shape`` on the current backend; ``extra_outputs``:
+    ``(shape, dtype)`` pairs after ``y``."""
     k = x_shape[-1]
     o = w.shape[0]
+    if nw is None or rpw is None:
+        nw0, rpw0 = launch_shape(k, o, bits, current_backend())
+        nw, rpw = nw or nw0, rpw or rpw0
     lead = tuple(x_shape[:-1])
     n = 1
     for s_ in lead:
@@ -115,7 +139,7 @@ def launch_args(x_shape, x_dtype, w, scales, group_size: int, bits: int, *,
 
 
 def plan(kernel, x_shape, x_dtype, w: mx.array, scales: mx.array, biases: mx.array,
-         group_size: int, bits: int, *, nw: int = NW, rpw: int = RPW,
+         group_size: int, bits: int, *, nw: int | None = None, rpw: int | None = None,
          init_value: float | None = None):
     """A callable ``run(x) -> y`` launching the kernel object for inputs of one shape
     and dtype (template, grid and output shape worked out once)."""
@@ -129,7 +153,7 @@ def plan(kernel, x_shape, x_dtype, w: mx.array, scales: mx.array, biases: mx.arr
 
 
 def launch(kernel, x: mx.array, w: mx.array, scales: mx.array, biases: mx.array,
-           group_size: int, bits: int, *, nw: int = NW, rpw: int = RPW,
+           group_size: int, bits: int, *, nw: int | None = None, rpw: int | None = None,
            init_value: float | None = None) -> mx.array:
     """Run the ``lily_qgemv`` kernel object ``kernel`` (either backend, or the Metal
     emulator's) on a call ``supports`` accepted; returns ``[..., O]`` in x's dtype."""
