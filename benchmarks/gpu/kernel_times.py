@@ -50,8 +50,9 @@ def _cudart():
     try:
         import nvidia.cu13  # noqa: F401  (MLX's CUDA wheel ships the runtime here)
 
-        base = os.path.dirname(nvidia.cu13.__file__)
-        names = sorted(glob.glob(os.path.join(base, "lib", "libcudart.so*"))) + names
+        # a namespace package on the lent machine (``__file__`` is None): its __path__
+        for base in getattr(nvidia.cu13, "__path__", []):
+            names = sorted(glob.glob(os.path.join(base, "lib", "libcudart.so*"))) + names
     except ImportError:
         pass
     for n in names:
