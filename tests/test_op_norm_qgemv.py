@@ -194,11 +194,14 @@ def test_for_qproj_follows_switches(monkeypatch):
     assert NQ.for_qproj(h0, res, nw, 1e-6, proj) is None
 
 
-def test_launch_shape_spreads_small_outputs():
-    """CUDA: small O (the 8-bit router + shared gate, 2048 -> 257) is spread over at
-    least MIN_BLOCKS threadgroups; large O keeps (NW, RPW); other backends keep it."""
+def test_launch_shape_spreads_small_outputs(monkeypatch):
+    """With a MIN_BLOCKS entry, small O (the 8-bit router + shared gate, 2048 -> 257) is
+    spread over at least that many threadgroups; large O keeps (NW, RPW); backends
+    without an entry keep it."""
     from mlx_lily.ops import qgemv as Q
 
+    assert Q.launch_shape(2048, 257, 8, "cuda") == (Q.NW, Q.RPW)  # none set (measured)
+    monkeypatch.setattr(Q, "MIN_BLOCKS", {"cuda": 128})
     assert Q.launch_shape(2048, 257, 8, "cuda") == (2, 1)
     assert -(-257 // Q.rows_per_block(2048, 8, 2, 1)) >= Q.MIN_BLOCKS["cuda"]
     assert Q.launch_shape(2048, 12352, 4, "cuda") == (Q.NW, Q.RPW)

@@ -28,10 +28,12 @@ MAX_ROWS = 8
 #: Launch shape: warps per threadgroup and output rows per lane group (``launch_shape``).
 NW = 4
 RPW = 4
-#: Fewest threadgroups a GEMV is spread over, per backend (about the H200's 132 SMs):
-#: ncu on the H200 (session 8) read 17.1 us per call for the 8-bit router + shared gate
-#: (2048 -> 257, norm prologue included) at NW 4 / RPW 4, i.e. 17 threadgroups.
-MIN_BLOCKS = {"cuda": 128}
+#: Fewest threadgroups ``launch_shape`` spreads a small-O GEMV over, per backend (none
+#: set). Measured against: ncu on the H200 (session 8) read 17.1 us per call for the
+#: 8-bit router + shared gate (2048 -> 257, ``norm_qgemv``) on 17 threadgroups (NW 4,
+#: RPW 4) and 23.3 us on 129 (NW 2, RPW 1, from MIN_BLOCKS 128): every threadgroup pays
+#: the norm prologue.
+MIN_BLOCKS: dict = {}
 #: Whether ``QProj.__call__`` routes one-row inputs to this kernel, per backend. The
 #: GPU bench (``benchmarks/gpu/moe_decode_bench.py``) prints kernel vs MLX qmv times;
 #: flip an entry to False where MLX's own qmv is faster.
