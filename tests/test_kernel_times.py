@@ -36,6 +36,17 @@ def test_parse_and_summarize():
     assert second[1]["us_per_step"] == pytest.approx(2.0)
 
 
+def test_parse_by_grid_keeps_shapes_apart():
+    ks = kt.parse_ncu_csv(SAMPLE, with_grid=True)
+    assert ks[0] == ("custom_kernel_lily_qgemv_bf16_2048" + kt.GRID_SEP + "(512, 1, 1)", 4512.0)
+    s = kt.summarize(ks, steps=2)
+    assert list(s["by_kernel"]) == ["custom_kernel_lily_qgemv_bf16_2048 grid(512, 1, 1)",
+                                    "void mlx::core::cu::gather_qmv grid(64, 1, 1)"]
+    no_col = "\n".join(l.replace(',"Grid Size"', "") if l.startswith('"ID"') else l
+                       for l in SAMPLE.splitlines())
+    assert kt.parse_ncu_csv(no_col, with_grid=True)[0][0].startswith("custom_kernel")
+
+
 def test_parse_without_table_is_empty():
     assert kt.parse_ncu_csv("==ERROR== the profiler failed\n") == []
 

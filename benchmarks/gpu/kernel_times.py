@@ -164,9 +164,15 @@ def measured(kernels: list) -> list:
     return out
 
 
-def parse_ncu_csv(text: str) -> list:
+GRID_SEP = " @grid "
+
+
+def parse_ncu_csv(text: str, with_grid: bool = False) -> list:
     """``[(kernel name, duration ns), ...]`` from ``ncu --csv --page raw`` output with the
-    ``gpu__time_duration.sum`` metric (lines before the CSV header ignored)."""
+    ``gpu__time_duration.sum`` metric (lines before the CSV header ignored); with
+    ``with_grid`` each name carries its launch's grid (``GRID_SEP``) where the table has a
+    "Grid Size" column, so one kernel's launches of different shapes stay apart (MLX's
+    ``qmm_naive_kernel`` served two projections in session 8's prefill table)."""
     lines = text.splitlines()
     start = next((i for i, l in enumerate(lines) if l.startswith('"ID"')), None)
     if start is None:
@@ -175,14 +181,19 @@ def parse_ncu_csv(text: str) -> list:
     head = rows[0]
     name_col = head.index("Kernel Name")
     dur_col = head.index("gpu__time_duration.sum")
+    grid_col = head.index("Grid Size") if with_grid and "Grid Size" in head else None
     out = []
     for r in rows[1:]:
-        if len(r) <= max(name_col, dur_col):
+        if len(r) <= max(name_col, dur_col, grid_col or 0):
             continue
         try:
-            out.append((r[name_col], float(r[dur_col].replace(",", ""))))
+            ns = float(r[dur_col].replace(",", ""))
         except ValueError:
             continue  # the units row
+        name = r[name_col]
+        if grid_col is not None and r[grid_col]:
+            name += GRID_SEP + r[grid_col]
+        out.append((name, ns))
     return out
 
 
@@ -190,7 +201,8 @@ def summarize(kernels: list, steps: int) -> dict:
     """Per kernel name: launches per step, us per step, mean us per launch; plus totals."""
     by: dict = {}
     for name, ns in kernels:
-        short = name.split("(")[0].split("<")[0].strip()
+        base, _, grid = name.partition(GRID_SEP)
+        short = base.split("(")[0].split("<")[0].strip() + (f" grid{grid}" if grid else "")
         e = by.setdefault(short, [0, 0.0])
         e[0] += 1
         e[1] += ns / 1e3
@@ -213,6 +225,9 @@ def main(argv=None) -> int:
                    help="prefill: one --chunk-token forward after the --context cache "
                         "(--steps such forwards profiled)")
     p.add_argument("--chunk", type=int, default=2048)
+    p.add_argument("--by-grid", action="store_true",
+                   help="one row per (kernel, grid size): launches of one kernel for "
+                        "different shapes apart")
     p.add_argument("--timeout-s", type=float, default=240.0, help="per arm")
     p.add_argument("--out", type=Path, default=None)
     p.add_argument("--child-arm", dest="arm", default=None, help=argparse.SUPPRESS)
@@ -248,7 +263,7 @@ def main(argv=None) -> int:
             except subprocess.TimeoutExpired:
                 rc, err = "timeout", ""
             text = log.read_text() if log.exists() else ""
-            ks = measured(parse_ncu_csv(text))
+            ks = measured(parse_ncu_csv(text, with_grid=a.by_grid))
             if ks:
                 break
         if not ks:
@@ -260,9 +275,9 @@ def main(argv=None) -> int:
         unit = f"{a.chunk}-token chunk" if a.phase == "prefill" else "decode step"
         print(f"\n{arm}: {s['kernels_per_step']:.0f} kernels, "
               f"{s['busy_us_per_step']:.0f} us busy per {unit} (context {a.context})")
-        for name, row in list(s["by_kernel"].items())[:25]:
+        for name, row in list(s["by_kernel"].items())[:40 if a.by_grid else 25]:
             print(f"  {row['us_per_step']:9.1f} us  {row['launches_per_step']:6.1f} x "
-                  f"{row['mean_us']:7.2f} us  {name[:90]}")
+                  f"{row['mean_us']:7.2f} us  {name[:110]}")
     if a.out:
         a.out.mkdir(parents=True, exist_ok=True)
         (a.out / "kernel_times.json").write_text(json.dumps(res, indent=2))
