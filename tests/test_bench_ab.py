@@ -272,3 +272,71 @@ def test_git_info_falls_back_to_the_stamped_revision(monkeypatch):
     assert ab.git_info()["dirty"] is False
     monkeypatch.delenv(ab.TREE_REV_ENV)
     assert ab.git_info() == {"commit": None, "dirty": None}
+
+
+def test_round_orders_and_drift():
+    from mlx_lily.bench import ab
+
+    assert ab.round_orders(3) == [("stock", "lily"), ("lily", "stock"), ("stock", "lily")]
+    with pytest.raises(ValueError, match="at least 2"):
+        ab.round_orders(1)
+    assert ab._drift(100.0, 110.0) == pytest.approx(10 / 105)
+    # a first round carrying one-time cost: the median of three ignores it
+    row = ab._new_row("prefill", 4096)
+    for arm, vals in (("stock", [200.0, 260.0, 262.0]), ("lily", [900.0, 10000.0, 10200.0])):
+        row["arms"][arm]["rounds"] = [{"tok_s": v, "peak_memory_bytes": 1} for v in vals]
+    ab._finish_row(row)
+    assert row["arms"]["lily"]["tok_s"] == 10000.0 and row["arms"]["stock"]["tok_s"] == 260.0
+    assert row["ratio"] == pytest.approx(10000.0 / 260.0)
+    assert "drift>3%:lily" in row["flags"]
+
+
+def test_rounds_option_rejects_one(capsys):
+    from mlx_lily.bench import ab
+
+    with pytest.raises(SystemExit):
+        ab.main(["--synthetic", "tiny", "--rounds", "1"])
+    assert "--rounds must be at least 2" in capsys.readouterr().err
+
+
+def test_three_rounds_median_end_to_end(tmp_path, monkeypatch):
+    """--rounds 3 on the fixture with faked prefill timings in which every arm's first round
+    at a length is 10x slower: the row's figure is the median (the warm one), the order
+    alternates, and the result validates with three rounds per arm."""
+    from mlx_lily.bench import ab
+
+    arm_now, seen = {}, set()
+    orig_ctx = ab.arm_context
+
+    def ctx(arm, *a, **k):
+        arm_now["arm"] = arm
+        return orig_ctx(arm, *a, **k)
+
+    def fake_prefill(model, ids, step):
+        key = (arm_now["arm"], len(ids))
+        per_tok = (1e-2 if arm_now["arm"] == "stock" else 1e-4) * (1 if key in seen else 10)
+        seen.add(key)
+        dt = len(ids) * per_tok
+        return {"seconds": dt, "tok_s": len(ids) / dt, "peak_memory_bytes": 1 << 20,
+                "first_token": 0}
+
+    monkeypatch.setattr(ab, "arm_context", ctx)
+    monkeypatch.setattr(ab, "measure_prefill", fake_prefill)
+    code = ab.main([str(FIXTURE), "--sweeps", "prefill", "--lengths", "16", "--rounds", "3",
+                    "--warmup", "0", "--out", str(tmp_path)])
+    assert code == 0
+    res = json.loads((tmp_path / "ab.json").read_text())
+    ab.validate_result(res)
+    assert res["settings"]["rounds"] == 3
+    (row,) = res["rows"]
+    for arm in ("stock", "lily"):
+        assert [r["round"] for r in row["arms"][arm]["rounds"]] == [0, 1, 2]
+    assert [r["position"] for r in row["arms"]["stock"]["rounds"]] == [0, 1, 0]
+    assert row["arms"]["stock"]["tok_s"] == pytest.approx(100.0)
+    assert row["arms"]["lily"]["tok_s"] == pytest.approx(1e4)
+    assert row["ratio"] == pytest.approx(100.0)
+    assert "3 rounds per row" in (tmp_path / "ab.md").read_text()
+    bad = copy.deepcopy(res)
+    bad["rows"][0]["arms"]["lily"]["rounds"].pop()
+    with pytest.raises(ValueError, match="rounds"):
+        ab.validate_result(bad)

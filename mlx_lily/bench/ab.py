@@ -8,9 +8,11 @@ Method (see ``benchmarks/README`` in the result's markdown header too):
 * A correctness gate runs first (greedy tokens + a logits check, Lily vs stock).  If it
   fails, no speed is reported: the JSON carries ``gate.passed = false`` and no rows,
   and the exit code is 2.
-* Two rounds per row; within a row, round 1 runs stock then Lily, round 2 Lily then
-  stock (drift and background load cancel; rows whose rounds differ by more than 3%
-  are flagged).
+* ``--rounds`` per row (default 2); odd rounds run stock then Lily, even rounds Lily then
+  stock (drift and background load cancel; rows whose rounds spread by more than 3% of
+  their median are flagged). Each arm's figure is the median over its rounds, so with
+  three or more rounds one round's one-time cost (a first prompt of a new length: MLX's
+  and Lily's kernels compiled, a compiled step traced) does not move it.
 * Timing boundaries are those of mlx-lm's ``generate_step``: prefill tok/s = prompt
   tokens / time to the first yielded token; decode tok/s from the intervals between
   consecutive yielded tokens (``--decode-steps`` intervals; median and mean reported).
@@ -40,7 +42,8 @@ JSON schema ``mlx-lily-ab`` version 1 (every key always present; ``None`` where 
                              config_sha256 (canonical JSON of config.json / the preset config),
                              tensors_sha256 (sorted name|shape|dtype of every parameter), n_tensors}
     lily_backend_info       mlx_lily.backend_info() while patched: {backend, ops: {op: mode}, ...}
-    settings                {lengths, sweeps, rounds (2), order ([[stock, lily], [lily, stock]]),
+    settings                {lengths, sweeps, rounds (--rounds, default 2), order (per round:
+                             [stock, lily] in odd rounds, [lily, stock] in even ones),
                              decode_steps, prefill_step_size, budget_s, warmup, seed, drift_flag, ops}
     gate                    {passed, checks {logits_rel_max_diff, top1_agreement, greedy_prefix},
                              injected_wrong, logits_positions, max_abs_logit_diff, mean_abs_logit_diff,
@@ -51,8 +54,9 @@ JSON schema ``mlx-lily-ab`` version 1 (every key always present; ``None`` where 
                              arms: {stock|lily: {rounds[], tok_s (median over rounds),
                                     [tok_s_median, tok_s_mean (decode)], peak_memory_bytes}},
                              ratio (lily tok_s / stock tok_s), drift {stock, lily}
-                             (|round1 - round2| / mean), flags [e.g. "drift>3%:stock"]}
-    rows[].arms[a].rounds[] {round 0|1, position (0 = ran first in its round), seconds, tok_s,
+                             ((max - min) / median over the rounds; for two |r1 - r2| / mean),
+                             flags [e.g. "drift>3%:stock"]}
+    rows[].arms[a].rounds[] {round (0-based), position (0 = ran first in its round), seconds, tok_s,
                              peak_memory_bytes; decode adds tok_s_median, tok_s_mean,
                              interval_s_median/min/max, n_intervals}
     summary                 {prefill|decode: {rows_run, rows_not_run, mean_ratio, geomean_ratio,
@@ -596,10 +600,12 @@ def environment(ops=None) -> dict:
 # ----------------------------------------------------------------------------
 # the sweeps
 # ----------------------------------------------------------------------------
-def _drift(a: float | None, b: float | None) -> float | None:
-    if a is None or b is None or (a + b) == 0:
+def _drift(*vals: float | None) -> float | None:
+    """Spread of the rounds' figures over their median (for two: |a-b| / mean)."""
+    if len(vals) < 2 or any(v is None for v in vals):
         return None
-    return abs(a - b) / ((a + b) / 2)
+    med = statistics.median(vals)
+    return (max(vals) - min(vals)) / med if med else None
 
 
 def _finish_row(row: dict) -> dict:
@@ -614,7 +620,7 @@ def _finish_row(row: dict) -> dict:
             row["arms"][arm]["tok_s_median"] = statistics.median([r["tok_s_median"] for r in rounds])
             row["arms"][arm]["tok_s_mean"] = statistics.median([r["tok_s_mean"] for r in rounds])
         row["arms"][arm]["peak_memory_bytes"] = max((r["peak_memory_bytes"] for r in rounds), default=None)
-        d = _drift(*vals) if len(vals) == 2 else None
+        d = _drift(*vals) if len(vals) >= 2 else None
         row["drift"][arm] = d
         if d is not None and d > DRIFT_FLAG:
             flags.append(f"drift>{DRIFT_FLAG:.0%}:{arm}")
@@ -623,6 +629,14 @@ def _finish_row(row: dict) -> dict:
         row["ratio"] = per_arm["lily"] / per_arm["stock"]
     row["flags"] = flags
     return row
+
+
+def round_orders(rounds: int) -> list[tuple]:
+    """The arms' order in each of ``rounds`` rounds: stock first in odd rounds (1, 3, ..),
+    Lily first in even ones. Raises ValueError below two rounds (no drift estimate)."""
+    if int(rounds) < 2:
+        raise ValueError(f"--rounds must be at least 2, got {rounds}")
+    return [ARMS if r % 2 == 0 else tuple(reversed(ARMS)) for r in range(int(rounds))]
 
 
 def _new_row(sweep: str, length: int) -> dict:
@@ -661,7 +675,7 @@ def run_sweeps(target: Target, opts) -> list[dict]:
                     warmup(model, ids[:wl], 4, opts.prefill_step_size)
         log(f"warm-up done ({opts.warmup} x {wl}-token prefill + 4 decode steps per arm)")
 
-    orders = [ARMS, tuple(reversed(ARMS))]
+    orders = round_orders(getattr(opts, "rounds", 2))
     for sweep in opts.sweeps:
         for L in lengths:
             row = _new_row(sweep, L)
@@ -826,9 +840,9 @@ def validate_result(d: dict) -> bool:
 
     Top level: ``RESULT_SCHEMA``; each row ``ROW_SCHEMA``; each ``rows[i].arms[arm].rounds[j]``
     ``ROUND_SCHEMA`` (+ ``DECODE_ROUND_SCHEMA`` for decode rows).  Also: a failed gate must
-    come with no rows; a row with status ``ok`` has two rounds per arm and a ratio; a
-    ``lily_only`` row (stock predicted over budget, ``--lily-only-over-budget``) has two Lily
-    rounds, no stock rounds and no ratio; statuses are ``ROW_STATUSES``; lengths / sweeps are consistent with the settings.
+    come with no rows; a row with status ``ok`` has ``settings.rounds`` rounds per arm and a
+    ratio; a ``lily_only`` row (stock predicted over budget, ``--lily-only-over-budget``) has
+    that many Lily rounds, no stock rounds and no ratio; statuses are ``ROW_STATUSES``; lengths / sweeps are consistent with the settings.
     Returns True, or raises ``ValueError`` listing every problem.
     """
     errors: list[str] = []
@@ -916,7 +930,8 @@ def render_markdown(result: dict) -> str:
         f"- Checkpoint: {ident} (config {ck['config_sha256'][:12]}, tensors {ck['tensors_sha256'][:12]}, "
         f"{ck['n_tensors']} tensors)",
         f"- Lily ops: " + ", ".join(f"{k}={v}" for k, v in result["lily_backend_info"].get("ops", {}).items()),
-        f"- Method: 2 rounds per row (round 1 stock->lily, round 2 lily->stock); prefill tok/s = prompt / "
+        f"- Method: {s['rounds']} rounds per row (odd rounds stock->lily, even rounds lily->stock; "
+        f"each arm's figure the median over its rounds); prefill tok/s = prompt / "
         f"time to first token (generate_step, prefill_step_size {s['prefill_step_size']}); decode tok/s = "
         f"1 / median of {s['decode_steps']} inter-token intervals (mean in brackets), from a context built "
         f"once by Lily and deep-copied per arm; rows whose rounds differ > {s['drift_flag']:.0%} are flagged",
@@ -1062,6 +1077,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="comma-separated subset of prefill,decode")
     p.add_argument("--decode-steps", type=int, default=64, help="timed decode intervals per row")
     p.add_argument("--prefill-step-size", type=int, default=2048)
+    p.add_argument("--rounds", type=int, default=2,
+                   help="rounds per row and arm (>= 2; arms alternate who runs first); "
+                        "each arm's figure is the median over its rounds")
     p.add_argument("--lily-only-over-budget", action="store_true",
                    help="rows where only stock is predicted over --budget-s run the Lily arm alone "
                         "(status lily_only; the stock figure shown is a linear prediction)")
@@ -1127,8 +1145,8 @@ def run(opts) -> tuple[dict, int]:
         **env,
         "checkpoint": target.identity,
         "settings": {
-            "lengths": list(opts.lengths), "sweeps": sweeps, "rounds": 2,
-            "order": [list(ARMS), list(reversed(ARMS))], "decode_steps": opts.decode_steps,
+            "lengths": list(opts.lengths), "sweeps": sweeps, "rounds": int(opts.rounds),
+            "order": [list(o) for o in round_orders(opts.rounds)], "decode_steps": opts.decode_steps,
             "prefill_step_size": opts.prefill_step_size, "budget_s": opts.budget_s,
             "lily_only_over_budget": bool(getattr(opts, "lily_only_over_budget", False)),
             "warmup": opts.warmup, "seed": opts.seed, "drift_flag": DRIFT_FLAG, "ops": opts.ops,
@@ -1148,7 +1166,11 @@ def run(opts) -> tuple[dict, int]:
 
 def main(argv=None) -> int:
     """Console entry point ``mlx_lily.ab``. Exit codes: 0 ok, 2 gate failed, 1 error."""
-    opts = build_parser().parse_args(argv)
+    parser = build_parser()
+    opts = parser.parse_args(argv)
+    if opts.rounds < 2:
+        parser.error(f"--rounds must be at least 2 (got {opts.rounds}): the drift check "
+                     "compares rounds")
     opts.command = ["mlx_lily.ab", *(sys.argv[1:] if argv is None else list(argv))]
     if opts.watchdog_s > 0:  # a run that stalls shows where: every thread's stack on stderr
         import faulthandler
