@@ -56,3 +56,21 @@ def test_measured_rows_between_markers():
             ("x_lily_ncu_mark_end_1", 0.1), ("d", 4.0)]
     assert kt.measured(rows) == [("b", 2.0), ("c", 3.0)]
     assert kt.measured([("a", 1.0), ("b", 2.0)]) == [("a", 1.0), ("b", 2.0)]
+
+
+DETAILS = '''==PROF== Disconnected from process 7
+"ID","Process ID","Process Name","Host Name","Kernel Name","Context","Stream","Block Size","Grid Size","Device","CC","Section Name","Metric Name","Metric Unit","Metric Value"
+"0","7","python3","h","custom_kernel_lily_norm_qgemv_bf16","1","7","(128, 1, 1)","(772, 1, 1)","0","9.0","Launch Statistics","Registers Per Thread","register/thread","96"
+"0","7","python3","h","custom_kernel_lily_norm_qgemv_bf16","1","7","(128, 1, 1)","(772, 1, 1)","0","9.0","Occupancy","Achieved Occupancy","%","41.5"
+"1","7","python3","h","custom_kernel_lily_norm_qgemv_bf16","1","7","(64, 1, 1)","(129, 1, 1)","0","9.0","Launch Statistics","Registers Per Thread","register/thread","72"
+'''
+
+
+def test_parse_details_per_launch():
+    ls = kt.parse_ncu_details(DETAILS)
+    assert [e["id"] for e in ls] == ["0", "1"]
+    assert ls[0]["grid"] == "(772, 1, 1)" and ls[1]["block"] == "(64, 1, 1)"
+    assert ls[0]["metrics"] == {
+        "Launch Statistics / Registers Per Thread": "96 register/thread",
+        "Occupancy / Achieved Occupancy": "41.5 %"}
+    assert kt.parse_ncu_details("no table\n") == []

@@ -12,12 +12,15 @@ Runs itself under ``ncu --profile-from-start off`` once per arm: the child proce
 synthetic model, builds a ``--context``-token cache with Lily's prefill, decodes
 ``--warmup`` steps, then turns the profiler on (``cudaProfilerStart`` through ctypes) for
 ``--steps`` decode steps only, between two one-thread marker kernels; if that records
-nothing, once more profiling everything, the rows cut at the markers. The sum over a step's kernels is the GPU's busy time with
-no gaps between kernels (a lower bound on the step's device time; the difference to
-``decode_profile.py --gpu-only``'s step time is launch gaps and idle). Writes
-DIR/kernel_times.json (per arm: per kernel name launches per step, us per step, mean us
-per launch) and prints the top kernels. Needs ``ncu`` (Nsight Compute) on a machine whose
-runtime lets it read the GPU (the lent H200's Firecracker does).
+nothing, once more profiling everything, the rows cut at the markers. The sum over a
+step's kernels is the GPU's busy time with no gaps between kernels (a lower bound on the
+step's device time; the difference to ``decode_profile.py --gpu-only``'s step time is
+launch gaps and idle). ``--detail REGEX``: Nsight Compute's sections (registers per
+thread, occupancy, throughput, warp states) for the first ``--detail-count`` launches
+matching REGEX, into DIR/kernel_detail.json. Writes DIR/kernel_times.json (per arm: per
+kernel name launches per step, us per step, mean us per launch) and prints the top
+kernels. Needs ``ncu`` (Nsight Compute) on a machine whose runtime lets it read the GPU
+(the lent H200's Firecracker does).
 """
 from __future__ import annotations
 
@@ -214,6 +217,84 @@ def summarize(kernels: list, steps: int) -> dict:
             "by_kernel": table}
 
 
+def _run_ncu(ncu: str, opts: list, log: Path, arm: str, a) -> tuple:
+    """Run this script's child for ``arm`` under ``ncu opts`` (CSV into ``log``); returns
+    ``(returncode or "timeout", stderr tail, log text)``."""
+    log.unlink(missing_ok=True)
+    cmd = [ncu, "--clock-control", "none", *opts, "--csv", "--print-units", "base",
+           "--log-file", str(log), sys.executable, os.path.abspath(__file__), "--child-arm",
+           arm, "--preset", a.preset, "--context", str(a.context), "--steps", str(a.steps),
+           "--warmup", str(a.warmup), "--phase", a.phase, "--chunk", str(a.chunk)]
+    # kernels replayed from a CUDA graph were not read by ncu on the H200 (session 8: only a
+    # stray copy kernel per run), so the child launches them one by one
+    env = dict(os.environ, MLX_USE_CUDA_GRAPHS="0")
+    try:
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=a.timeout_s, env=env)
+        rc, err = r.returncode, r.stderr[-2000:]
+    except subprocess.TimeoutExpired:
+        rc, err = "timeout", ""
+    return rc, err, log.read_text() if log.exists() else ""
+
+
+#: Nsight Compute sections read by ``--detail``.
+DETAIL_SECTIONS = ("SpeedOfLight", "LaunchStats", "Occupancy", "WarpStateStats",
+                   "SchedulerStats", "MemoryWorkloadAnalysis")
+
+
+def parse_ncu_details(text: str) -> list:
+    """Launches from ``ncu --csv --page details`` output: ``[{"id", "name", "grid",
+    "block", "metrics": {"Section / Metric": "value unit"}}]`` in launch order."""
+    lines = text.splitlines()
+    start = next((i for i, l in enumerate(lines) if l.startswith('"ID"')), None)
+    if start is None:
+        return []
+    rows = list(csv.reader(io.StringIO("\n".join(lines[start:]))))
+    head = rows[0]
+    col = {k: head.index(k) for k in ("ID", "Kernel Name", "Section Name", "Metric Name",
+                                      "Metric Unit", "Metric Value") if k in head}
+    if len(col) < 6:
+        return []
+    grid = head.index("Grid Size") if "Grid Size" in head else None
+    block = head.index("Block Size") if "Block Size" in head else None
+    out: dict = {}
+    for r in rows[1:]:
+        if len(r) < len(head):
+            continue
+        e = out.setdefault(r[col["ID"]], {
+            "id": r[col["ID"]], "name": r[col["Kernel Name"]],
+            "grid": r[grid] if grid is not None else None,
+            "block": r[block] if block is not None else None, "metrics": {}})
+        unit = r[col["Metric Unit"]]
+        e["metrics"][f"{r[col['Section Name']]} / {r[col['Metric Name']]}"] = (
+            r[col["Metric Value"]] + (f" {unit}" if unit else ""))
+    return list(out.values())
+
+
+def detail(ncu: str, a) -> dict:
+    """``--detail``: the Nsight Compute sections ``DETAIL_SECTIONS`` for the first
+    ``--detail-count`` launches whose name matches ``a.detail`` (a regex), per arm."""
+    res = {"phase": a.phase, "context": a.context, "detail": a.detail, "ncu": ncu, "arms": {}}
+    for arm in a.arms.split(","):
+        log = Path(os.environ.get("TMPDIR", "/tmp")) / f"kernel_detail_{arm}.csv"
+        opts = ["--profile-from-start", "off", "-k", f"regex:{a.detail}", "-c",
+                str(a.detail_count), "--page", "details"]
+        for sec in DETAIL_SECTIONS:
+            opts += ["--section", sec]
+        rc, err, text = _run_ncu(ncu, opts, log, arm, a)
+        launches = parse_ncu_details(text)
+        if not launches:
+            res["arms"][arm] = {"error": f"rc={rc}", "stderr": err, "log_head": text[:2000]}
+            print(f"{arm}: no launch matched {a.detail!r} (rc={rc})\n{err}\n{text[:2000]}",
+                  flush=True)
+            continue
+        res["arms"][arm] = launches
+        for e in launches:
+            print(f"\n{arm}: {e['name'][:100]} grid {e['grid']} block {e['block']}")
+            for k, v in e["metrics"].items():
+                print(f"  {k[:70]:70s} {v}")
+    return res
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--preset", default="qwen3.6-35b-a3b")
@@ -225,6 +306,11 @@ def main(argv=None) -> int:
                    help="prefill: one --chunk-token forward after the --context cache "
                         "(--steps such forwards profiled)")
     p.add_argument("--chunk", type=int, default=2048)
+    p.add_argument("--detail", default=None, metavar="REGEX",
+                   help="instead of the table: Nsight Compute's sections (registers, "
+                        "occupancy, throughput, warp states) for launches matching REGEX")
+    p.add_argument("--detail-count", type=int, default=2,
+                   help="launches --detail profiles per arm")
     p.add_argument("--by-grid", action="store_true",
                    help="one row per (kernel, grid size): launches of one kernel for "
                         "different shapes apart")
@@ -238,6 +324,12 @@ def main(argv=None) -> int:
     if ncu is None:
         print("kernel_times: ncu (Nsight Compute) not found", file=sys.stderr)
         return 2
+    if a.detail:
+        res = detail(ncu, a)
+        if a.out:
+            a.out.mkdir(parents=True, exist_ok=True)
+            (a.out / "kernel_detail.json").write_text(json.dumps(res, indent=2))
+        return 0
     res = {"phase": a.phase, "context": a.context, "chunk": a.chunk if a.phase == "prefill"
            else None, "steps": a.steps, "ncu": ncu, "arms": {}}
     for arm in a.arms.split(","):
@@ -245,24 +337,9 @@ def main(argv=None) -> int:
         # first with the profiler API range only; if that records nothing (the range did
         # not reach the context MLX uses), everything, cut at the marker kernels
         for from_start in ("off", "on"):
-            log.unlink(missing_ok=True)
-            cmd = [ncu, "--clock-control", "none", "--profile-from-start", from_start,
-                   "--metrics", "gpu__time_duration.sum", "--csv", "--page", "raw",
-                   "--print-units", "base", "--log-file", str(log),
-                   sys.executable, os.path.abspath(__file__), "--child-arm", arm,
-                   "--preset", a.preset, "--context", str(a.context), "--steps",
-                   str(a.steps), "--warmup", str(a.warmup), "--phase", a.phase,
-                   "--chunk", str(a.chunk)]
-            # kernels replayed from a CUDA graph were not read by ncu on the H200 (session 8:
-            # only a stray copy kernel per run), so the child launches them one by one
-            env = dict(os.environ, MLX_USE_CUDA_GRAPHS="0")
-            try:
-                r = subprocess.run(cmd, capture_output=True, text=True, timeout=a.timeout_s,
-                                   env=env)
-                rc, err = r.returncode, r.stderr[-2000:]
-            except subprocess.TimeoutExpired:
-                rc, err = "timeout", ""
-            text = log.read_text() if log.exists() else ""
+            rc, err, text = _run_ncu(
+                ncu, ["--profile-from-start", from_start, "--metrics",
+                      "gpu__time_duration.sum", "--page", "raw"], log, arm, a)
             ks = measured(parse_ncu_csv(text, with_grid=a.by_grid))
             if ks:
                 break
