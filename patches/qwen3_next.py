@@ -19,6 +19,7 @@ from mlx_lm.models.cache import KVCache
 from mlx_lily.backend import op_enabled
 from mlx_lily.ops import attention as attn_ops
 from mlx_lily.ops import qgemv as _qgemv_ops
+from mlx_lily.ops import norm_qgemv as norm_qgemv_ops
 from mlx_lily.ops.add_rms_norm import add_rms_norm
 from mlx_lily.ops.gated_delta import gated_delta, gated_delta_packed
 from mlx_lily.ops.moe_experts import drop_plans, moe_experts, moe_experts_routed
@@ -370,7 +371,8 @@ def _compile_key():
         return None
     return (be, backend.disabled_ops(), backend._selected_ops,
             backend.env_value("MLX_LILY_KERNELS", ""),
-            backend.env_value(attn_ops.DECODE_PF_ENV, ""))
+            backend.env_value(attn_ops.DECODE_PF_ENV, ""),
+            backend.env_value(norm_qgemv_ops.SPLIT_ENV, ""))
 
 
 def _layer_tail(layer, h, r):

@@ -497,6 +497,17 @@ def test_routed_dispatcher(monkeypatch):
     for yy, (_, inds, scores, shared) in ((y, want), (y2, want2)):
         t, mag = truth(x, inds, scores, shared, wts)
         check_close(yy, t, mag, mx.bfloat16)
+    # MLX_LILY_NORM_GEMV=split: add_rms_norm, then the plain routed path
+    del calls[:]
+    with monkeypatch.context() as m:
+        m.setenv(norm_qgemv.SPLIT_ENV, "split")
+        p3 = PendingNorm(hin, res, nw, 1e-6)
+        y3 = M.moe_experts_routed(p3, router, 4, True, blk.switch_mlp, blk.shared_expert)
+    # (add_rms_norm is not emulated here: its reference ran) the plain router GEMV and
+    # gate+up without the norm prologue, bit for bit the unfused row's result
+    assert calls == ["lily_qgemv", "lily_moe_gate_up", "lily_moe_down"]
+    assert p3.h is not None and mx.array_equal(p3.h, hin + res).item()
+    assert mx.array_equal(p3.resolve(), x).item() and mx.array_equal(y3, y).item()
     # not served: nothing launched
     del calls[:]
     monkeypatch.setenv(B.DISABLE_ENV, M.TOPK_OP)

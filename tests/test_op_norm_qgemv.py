@@ -190,6 +190,14 @@ def test_for_qproj_follows_switches(monkeypatch):
         with monkeypatch.context() as m:
             m.setenv(var, val)
             assert NQ.for_qproj(h0, res, nw, 1e-6, proj) is None, (var, val)
+    with monkeypatch.context() as m:
+        m.setenv(NQ.SPLIT_ENV, "split")  # add_rms_norm + qgemv instead (benchmarking)
+        assert NQ.for_qproj(h0, res, nw, 1e-6, proj) is None
+        m.setenv(NQ.SPLIT_ENV, "fused")
+        assert NQ.for_qproj(h0, res, nw, 1e-6, proj) is not None
+        m.setenv(NQ.SPLIT_ENV, "maybe")
+        with pytest.raises(ValueError, match="MLX_LILY_NORM_GEMV"):
+            NQ.for_qproj(h0, res, nw, 1e-6, proj)
     monkeypatch.setitem(Q.USE_FOR_QPROJ, "metal", False)
     assert NQ.for_qproj(h0, res, nw, 1e-6, proj) is None
 

@@ -460,12 +460,14 @@ def moe_experts_routed(x, router, k: int, norm_topk_prob: bool, switch_mlp, shar
     if entry is None:
         return None
     plain, pre = entry
+    from . import norm_qgemv
+
+    if pending and norm_qgemv.split_requested():  # add_rms_norm, then the plain path
+        x.resolve()
     if pending and x._x is None:
         if (x.res.shape != row.shape or x.res.dtype != row.dtype
                 or x.weight.shape != (row.shape[-1],) or x.weight.dtype != row.dtype):
             return None
-        from . import norm_qgemv
-
         r = norm_qgemv.for_qproj(x.h0, x.res, x.weight, x.eps, router)
         if r is None:  # the router kernel's own add+norm prologue serves instead
             return None

@@ -89,12 +89,30 @@ def has_kernel(backend: str) -> bool:
     return backend in ("metal", "cuda") and kernels.get(SPEC, backend) is not None
 
 
+#: ``MLX_LILY_NORM_GEMV=split``: one-row projections behind a pending add + RMSNorm run
+#: ``add_rms_norm`` and then ``qgemv`` (two launches) instead of this fused kernel; for
+#: benchmarking (ncu on the H200, session 8: the fused 2048 -> 12352 GEMV 30.6 us, the
+#: plain one 11.7 us, ``add_rms_norm`` 4.6 us).
+SPLIT_ENV = "MLX_LILY_NORM_GEMV"
+
+
+def split_requested() -> bool:
+    """True when ``MLX_LILY_NORM_GEMV=split``. Raises ValueError for other values than
+    ``fused`` / ``split``."""
+    from ..backend import env_value
+
+    v = env_value(SPLIT_ENV, "fused")
+    if v not in ("fused", "split"):
+        raise ValueError(f"{SPLIT_ENV} must be 'fused' or 'split', got {v!r}")
+    return v == "split"
+
+
 def for_qproj(h0, res, norm_w, eps, proj):
     """The kernel's ``(y [..., out], h)`` for a one-row input of the quantized ``QProj``
     ``proj`` when it serves on this backend, else None (the caller materialises the norm
-    and projects). The launch plan is cached on the projection per (backend, shape,
-    dtype)."""
-    if h0.size != h0.shape[-1] or not proj.quantized:
+    and projects; always under ``MLX_LILY_NORM_GEMV=split``). The launch plan is cached
+    on the projection per (backend, shape, dtype)."""
+    if h0.size != h0.shape[-1] or not proj.quantized or split_requested():
         return None
     backend = current_backend()
     # the GEMV half is qgemv's: its switches apply too
