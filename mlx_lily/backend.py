@@ -28,6 +28,7 @@ OP_NAMES = (
     "moe_router_norm",
     "moe_topk_in_experts",
     "qgemv_out",
+    "prefill_dequant",
 )
 
 DISABLE_ENV = "MLX_LILY_DISABLE"

@@ -16,6 +16,7 @@ import mlx.nn as nn
 
 from .ops import norm_qgemv as _norm_qgemv
 from .ops import qgemv as _qgemv
+from .ops import qmm_dequant as _qmm_dequant
 
 
 @dataclass
@@ -49,11 +50,15 @@ class QProj:
         ``split=False`` the whole ``[..., out_features]`` output as a one-item list.
 
         A one-row input of a quantized projection runs the ``qgemv`` kernel when it
-        serves on this backend (``mlx_lily.ops.qgemv.for_qproj``), else
-        ``mx.quantized_matmul``.
+        serves on this backend (``mlx_lily.ops.qgemv.for_qproj``), a many-row one the
+        dequantize + dense matmul path where it serves (``mlx_lily.ops.qmm_dequant``),
+        else ``mx.quantized_matmul``.
         """
         if self.quantized:
             y = _qgemv.for_qproj(x, self)
+            if y is None:
+                y = _qmm_dequant.try_dequant(x, self.weight, self.scales, self.biases,
+                                             self.group_size, self.bits, self.mode)
             if y is None:
                 y = mx.quantized_matmul(x, self.weight, scales=self.scales,
                                         biases=self.biases, transpose=True,

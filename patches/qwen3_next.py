@@ -20,6 +20,7 @@ from mlx_lily.backend import op_enabled
 from mlx_lily.ops import attention as attn_ops
 from mlx_lily.ops import qgemv as _qgemv_ops
 from mlx_lily.ops import norm_qgemv as norm_qgemv_ops
+from mlx_lily.ops import qmm_dequant
 from mlx_lily.ops.add_rms_norm import add_rms_norm
 from mlx_lily.ops.gated_delta import gated_delta, gated_delta_packed
 from mlx_lily.ops.moe_experts import drop_plans, moe_experts, moe_experts_routed
@@ -837,8 +838,12 @@ def one_row_linear(layer, x, attr="_lily_view", owner=None, op=OUT_PROJ_OP):
     ``op`` is on and its kernels allowed (None: no switch of its own); any other layer or
     input: ``layer(x)``. The one-part ``QProj`` view is cached on ``owner`` (default
     ``layer``) under ``attr`` per weight array (a weight swap is noticed; ``unpatch``
-    drops the views)."""
-    if type(layer) is not nn.QuantizedLinear or "bias" in layer or x.size != x.shape[-1]:
+    drops the views). A many-row input (prefill) takes ``qmm_dequant.linear`` where its
+    switch ``prefill_dequant`` serves, else ``layer(x)``."""
+    if x.size != x.shape[-1]:  # many rows (prefill): dequantize + matmul where it serves
+        y = qmm_dequant.linear(layer, x)
+        return layer(x) if y is None else y
+    if type(layer) is not nn.QuantizedLinear or "bias" in layer:
         return layer(x)
     if op is not None:
         from mlx_lily import backend, kernels

@@ -122,7 +122,9 @@ def child(a) -> int:
                     rt.cudaProfilerStart()
                     if begin is not None:
                         begin()
-                mx.eval(t.model(chunk, cache=cache))
+                # as mlx-lm's prefill: the cache state, not the logits of every position
+                t.model(chunk, cache=cache)
+                mx.eval([c.state for c in cache])
                 mx.synchronize()
                 if rnd:
                     if end is not None:

@@ -24,6 +24,7 @@ _MODULES = {
     "moe_router_norm": "mlx_lily.ops.moe_router_topk:has_pre_norm_kernel",
     "moe_topk_in_experts": "mlx_lily.ops.moe_experts:has_routed_kernel",
     "qgemv_out": "mlx_lily.ops.qgemv:has_out_proj_kernel",
+    "prefill_dequant": "mlx_lily.ops.qmm_dequant",
 }
 
 

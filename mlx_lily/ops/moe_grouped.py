@@ -36,6 +36,7 @@ from .. import kernels
 from ..backend import current_backend, op_enabled
 from ..kernels import KernelSpec
 from . import moe_route as _route
+from . import qmm_dequant
 
 NAME = "moe_grouped"
 
@@ -176,7 +177,7 @@ def grouped_stages(x: mx.array, inds: mx.array, scores: mx.array, switch_mlp,
         grid=(THREADS * T, D // 128, 1), threadgroup=(THREADS, 1, 1),
         template=[("T", dt), ("DM", D), ("DI", I), ("BM", tile_rows)])
     if shared_expert is not None:
-        s_out = shared_expert(xf)
+        s_out = qmm_dequant.mlp(shared_expert, xf)
         if s_out.dtype != dt or tuple(s_out.shape) != (N, D):
             s_out = s_out.astype(dt).reshape(N, D)
         s_gate = shared.reshape(N) if shared is not None else mx.zeros((1,), dt)

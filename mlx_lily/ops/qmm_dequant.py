@@ -1,0 +1,113 @@
+"""Many-row quantized projections (prefill) as a dequantize and a dense matmul.
+
+Contract (``qmm_dequant_reference``): ``x @ dequantize(w)^T`` for MLX's affine-quantized
+``w``, exactly what ``mx.quantized_matmul(..., transpose=True)`` computes. On CUDA, MLX
+runs that as its own quantized GEMM (``qmm_sm80`` / ``qmm_naive``); Nsight Compute on the
+H200 (session 8, ``benchmarks/results/2026-11-30-cuda-h200-session8/``) read those at
+73-139 TFLOP/s over a 2048-token prefill chunk (59.6 ms of 157.9, 38%), where the GPU's
+dense bf16 peak is ~790 TFLOP/s. This op instead dequantizes the weight once per call to
+the activation dtype (``mx.dequantize``: a memory-bound pass, 2 bytes written per weight)
+and hands the product to MLX's dense matmul (cuBLAS on CUDA). The dequantized weight is
+scratch of one projection (at most 50.6 MB for Qwen3.6's fused GDN input projection) that
+MLX frees or reuses after the call; nothing is kept.
+
+The switch ``prefill_dequant`` (kill switch ``MLX_LILY_DISABLE=prefill_dequant``) serves
+only on CUDA, for at least ``MIN_ROWS`` activation rows, affine mode with biases, and
+activations of the scales' dtype (bf16 or fp16), so the result dtype is stock's. Not in
+``kernels.VERIFIED`` yet (not measured on a GPU): it runs under ``MLX_LILY_KERNELS=all`` or
+a list naming it.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+from .. import kernels
+from ..backend import current_backend, op_enabled
+
+NAME = "prefill_dequant"
+
+#: Fewest activation rows (tokens) for which the dequantize pass pays, per backend.
+MIN_ROWS = {"cuda": 256}
+#: Largest weight (output x input elements) dequantized as scratch: 128 MiB in bf16. The
+#: LM head (248320 x 2048) stays on ``quantized_matmul``.
+MAX_WEIGHT_ELEMENTS = 1 << 26
+
+_DTYPES = (mx.bfloat16, mx.float16)
+
+
+def qmm_dequant_reference(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array,
+                          group_size: int, bits: int, mode: str = "affine") -> mx.array:
+    """``x [..., K]`` times the affine-quantized ``w [O, K*bits/32]`` transposed
+    (``scales``/``biases`` ``[O, K/group_size]``): MLX's ``quantized_matmul``.
+    Returns ``[..., O]`` in MLX's result dtype."""
+    return mx.quantized_matmul(x, w, scales=scales, biases=biases, transpose=True,
+                               group_size=group_size, bits=bits, mode=mode)
+
+
+def has_kernel(backend: str) -> bool:
+    """True when the dequantize + matmul path may serve on ``backend``."""
+    return backend in MIN_ROWS and kernels.kernels_allowed(NAME, backend)
+
+
+def supports(x: mx.array, w: mx.array, scales, biases, group_size, bits, mode,
+             backend: str) -> bool:
+    """True when the path computes this call on ``backend``: enough rows, a weight of at
+    most ``MAX_WEIGHT_ELEMENTS``, affine mode with biases, 4 or 8 bits, and ``x`` in the
+    scales' dtype (bf16 or fp16)."""
+    rows = x.size // x.shape[-1] if x.ndim and x.shape[-1] else 0
+    return (rows >= MIN_ROWS.get(backend, 1 << 62) and (mode or "affine") == "affine"
+            and w.ndim == 2 and w.shape[0] * x.shape[-1] <= MAX_WEIGHT_ELEMENTS
+            and biases is not None and scales is not None and bits in (4, 8)
+            and x.dtype in _DTYPES and scales.dtype == x.dtype and biases.dtype == x.dtype
+            and w.dtype == mx.uint32 and w.ndim == 2
+            and w.shape[1] * 32 == x.shape[-1] * bits)
+
+
+def try_dequant(x, w, scales, biases, group_size, bits, mode="affine") -> mx.array | None:
+    """``x @ dequantize(w)^T`` through ``mx.dequantize`` + ``mx.matmul`` when the switch
+    is on and ``supports`` holds on the current backend, else None (the caller runs
+    ``quantized_matmul``)."""
+    backend = current_backend()
+    if (backend not in MIN_ROWS or not op_enabled(NAME) or not has_kernel(backend)
+            or not supports(x, w, scales, biases, group_size, bits, mode, backend)):
+        return None
+    wd = mx.dequantize(w, scales=scales, biases=biases, group_size=group_size, bits=bits)
+    return mx.matmul(x, wd.T)
+
+
+def linear(layer, x: mx.array) -> mx.array | None:
+    """``try_dequant`` for a bias-free ``nn.QuantizedLinear`` ``layer``, else None."""
+    import mlx.nn as nn
+
+    if type(layer) is not nn.QuantizedLinear or "bias" in layer:
+        return None
+    return try_dequant(x, layer.weight, layer.scales, layer.get("biases"), layer.group_size,
+                       layer.bits, getattr(layer, "mode", "affine"))
+
+
+def qmm_dequant(x, w, scales, biases, group_size, bits, mode="affine") -> mx.array:
+    """Dispatcher: the dequantize + matmul path where it serves, else the reference."""
+    y = try_dequant(x, w, scales, biases, group_size, bits, mode)
+    return y if y is not None else qmm_dequant_reference(x, w, scales, biases, group_size,
+                                                         bits, mode)
+
+
+def mlp(module, x: mx.array) -> mx.array:
+    """``module(x)`` for mlx-lm's ``Qwen3NextMLP`` (the shared expert: ``down(swiglu(
+    gate(x), up(x)))``, mlx-lm's own ``swiglu``) with each projection through
+    ``try_dequant`` where it serves; any other module, or a call it does not serve:
+    ``module(x)``."""
+    from mlx_lm.models import qwen3_next
+    from mlx_lm.models.activations import swiglu
+
+    if type(module) is not qwen3_next.Qwen3NextMLP:
+        return module(x)
+    g = linear(module.gate_proj, x)
+    if g is None:
+        return module(x)
+    u = linear(module.up_proj, x)
+    u = module.up_proj(x) if u is None else u
+    a = swiglu(g, u)
+    d = linear(module.down_proj, a)
+    return module.down_proj(a) if d is None else d
