@@ -122,7 +122,8 @@ def child(a) -> int:
                     rt.cudaProfilerStart()
                     if begin is not None:
                         begin()
-                # as mlx-lm's prefill: the cache state, not the logits of every position
+                # a middle chunk of mlx-lm's prefill: the cache state, not the logits (its
+                # last chunk also runs the LM head over every position)
                 t.model(chunk, cache=cache)
                 mx.eval([c.state for c in cache])
                 mx.synchronize()
