@@ -393,6 +393,7 @@ PREFILL_CASES = [
     dict(B=1, S=12, seed=5, D=64, cfg=(8, 2, 2)),
     dict(B=1, S=5, seed=6, dtype=mx.float32, cfg=(2, 1, 1)),
     dict(B=2, S=6, Hv=2, Hk=1, seed=7, exotic=True),
+    dict(B=1, S=4, Hk=16, Hv=32, seed=8, cfg=G.SCAN_CONFIG["cuda"]),  # production heads
 ]
 
 
@@ -801,7 +802,8 @@ def _cuda_cases():
             G.NORM: (dict(y=(T, 4), z=(T, 4), norm_w=(T, 1), eps=(f, 1)), [T],
                      dict(T=T, Hv=32, Dv=128, RPB=G.NORM_RPB)),
         }
-        cfgs = [(8, 2, 4), (8, 1, 4), (4, 1, 4), (16, 2, 4), (32, 4, 1)] if T == BF else [(8, 2, 4)]
+        cfgs = ([(8, 2, 4), (8, 1, 4), (4, 1, 4), (16, 2, 4), (32, 4, 1)] if T == BF
+                else sorted({(8, 2, 4), G.SCAN_CONFIG["cuda"]}))
         for lpr, rpl, wpb in cfgs:
             sig[("scan", lpr, rpl, wpb)] = (
                 dict(qn=(f, 4), kn=(f, 4), vv=(T, 4), g=(f, 3), beta=(f, 3), state=(f, 4)),
