@@ -373,7 +373,7 @@ def _compile_key():
     return (be, backend.disabled_ops(), backend._selected_ops,
             backend.env_value("MLX_LILY_KERNELS", ""),
             backend.env_value(attn_ops.DECODE_PF_ENV, ""),
-            backend.env_value(norm_qgemv_ops.SPLIT_ENV, ""))
+            norm_qgemv_ops.split_requested())
 
 
 def _layer_tail(layer, h, r):

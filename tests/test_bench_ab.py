@@ -74,6 +74,10 @@ def test_validator_rejects_bad_results(ab_run):
     with pytest.raises(ValueError, match="rounds"):
         ab.validate_result(bad)
     bad = copy.deepcopy(res)
+    bad["settings"]["order"].pop()
+    with pytest.raises(ValueError, match="settings.order"):
+        ab.validate_result(bad)
+    bad = copy.deepcopy(res)
     bad["rows"][0]["status"] = "fast"
     with pytest.raises(ValueError, match="status"):
         ab.validate_result(bad)

@@ -63,6 +63,7 @@ DETAILS = '''==PROF== Disconnected from process 7
 "0","7","python3","h","custom_kernel_lily_norm_qgemv_bf16","1","7","(128, 1, 1)","(772, 1, 1)","0","9.0","Launch Statistics","Registers Per Thread","register/thread","96"
 "0","7","python3","h","custom_kernel_lily_norm_qgemv_bf16","1","7","(128, 1, 1)","(772, 1, 1)","0","9.0","Occupancy","Achieved Occupancy","%","41.5"
 "1","7","python3","h","custom_kernel_lily_norm_qgemv_bf16","1","7","(64, 1, 1)","(129, 1, 1)","0","9.0","Launch Statistics","Registers Per Thread","register/thread","72"
+"1","7","python3","h","custom_kernel_lily_norm_qgemv_bf16","1","7","(64, 1, 1)","(129, 1, 1)","0","9.0","Occupancy","","",""
 '''
 
 
@@ -73,4 +74,5 @@ def test_parse_details_per_launch():
     assert ls[0]["metrics"] == {
         "Launch Statistics / Registers Per Thread": "96 register/thread",
         "Occupancy / Achieved Occupancy": "41.5 %"}
+    assert ls[1]["metrics"] == {"Launch Statistics / Registers Per Thread": "72 register/thread"}
     assert kt.parse_ncu_details("no table\n") == []

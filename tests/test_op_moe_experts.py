@@ -223,6 +223,17 @@ def test_launch_shapes_per_backend():
     assert M.launch_shapes("cpu") == M.launch_shapes("metal")
 
 
+def test_decode_plan_rejects_bad_launch_shapes():
+    blk = make_block()
+    wts = M.decode_weights(blk.switch_mlp, blk.shared_expert)
+    kg, kd, _ = kernels_for(KERNEL_BACKENDS[0])
+    for gu, dn in (((4, 4), (4, 2, 0)), ((4, 4), (8, 2, 8)), ((0, 4), (4, 2)),
+                   ((4, 0), (4, 2)), ((64, 1), (4, 2))):
+        with pytest.raises(ValueError, match="launch shape"):
+            M.decode_plan(kg, kd, wts, (1, 1, 256), mx.bfloat16, 4, False, gate_up=gu,
+                          down=dn)
+
+
 @pytest.mark.parametrize("backend", KERNEL_BACKENDS)
 def test_decode_kernels_int32_inds_and_repeated_experts(backend):
     """int32 ids are accepted; the same expert twice in a row's picks counts twice."""
@@ -394,12 +405,14 @@ def _route_ref(x, router, k):
 
 
 @pytest.mark.parametrize("backend", KERNEL_BACKENDS)
+@pytest.mark.parametrize("shape_of", sorted(M.GATE_UP_SHAPE))
 @pytest.mark.parametrize("case", ROUTED_CASES,
                          ids=lambda c: "D{}-I{}-E{}-k{}-n{}-b{}-g{}-{}-pre{}".format(
                              *c[:7], str(c[7]).split(".")[-1], int(c[8])))
-def test_routed_decode_matches_router_and_truth(backend, case):
+def test_routed_decode_matches_router_and_truth(backend, shape_of, case):
     """TOPK (and PRE_NORM) gate+up: the routing it writes equals the router reference
-    (ties to the lowest id) on the same logits, and y equals the fp32 truth for it."""
+    (ties to the lowest id) on the same logits, and y equals the fp32 truth for it; at
+    every backend's launch shapes (``launch_shapes``) on every parity backend."""
     from mlx_lily.ops.add_rms_norm import add_rms_norm_reference
 
     d, i, e, k, rows, bits, gs, dtype, pre = case
@@ -416,8 +429,10 @@ def test_routed_decode_matches_router_and_truth(backend, case):
         (logits,) = router(x, split=False)
         mx.eval(x, logits)
     assert M.routed_supported(router, k, wts, x.shape, dtype)
+    gu, dn = M.launch_shapes(shape_of)
     run = M.decode_plan(kg, kd, wts, x.shape, dtype, k, False, topk=True,
-                        norm_topk_prob=True, pre_norm=pre, init_value=init)
+                        norm_topk_prob=True, pre_norm=pre, init_value=init,
+                        gate_up=gu, down=dn)
     args = (hin, res, nw, eps, logits) if pre else (x, logits)
     y, inds, scores, shared = run(*args)
     r_inds, r_scores, r_shared = _route_ref(x, router, k)

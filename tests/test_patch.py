@@ -144,6 +144,33 @@ def test_compiled_decode_follows_switches(tiny_models, monkeypatch):
     assert mx.array_equal(out1, refs[0]).item() and mx.array_equal(out2, refs[1]).item()
 
 
+def test_compiled_decode_key_follows_norm_gemv_split(tiny_models, monkeypatch):
+    """``MLX_LILY_NORM_GEMV=split`` set between steps gives a fresh compiled step (its
+    choice is traced into the graph); ``fused`` and unset share one key."""
+    from mlx_lily.ops import norm_qgemv
+
+    model = tiny_models["qwen3_5_moe"]
+    c_ref = model.make_cache()
+    model(mx.array([PROMPT]), cache=c_ref)
+    refs = [model(mx.array([[t]]), cache=c_ref) for t in (5, 6, 7)]
+    with mlx_lily.patched(model):
+        c = model.make_cache()
+        model(mx.array([PROMPT]), cache=c)
+        monkeypatch.setenv("MLX_LILY_COMPILE", "1")
+        monkeypatch.delenv(norm_qgemv.SPLIT_ENV, raising=False)
+        out1 = model(mx.array([[5]]), cache=c)
+        first = _inner(model)._lily_steps
+        monkeypatch.setenv(norm_qgemv.SPLIT_ENV, "fused")
+        out2 = model(mx.array([[6]]), cache=c)
+        assert _inner(model)._lily_steps is first
+        monkeypatch.setenv(norm_qgemv.SPLIT_ENV, "split")
+        out3 = model(mx.array([[7]]), cache=c)
+        second = _inner(model)._lily_steps
+    assert second is not first and second.key != first.key
+    for out, ref in zip((out1, out2, out3), refs):
+        assert mx.array_equal(out, ref).item()
+
+
 def test_compiled_decode_failure_falls_back(tiny_models, monkeypatch):
     """A layer whose compiled step fails to build runs uncompiled (one warning each)."""
     from mlx_lily.patches import qwen3_next as nxt

@@ -267,6 +267,8 @@ def parse_ncu_details(text: str) -> list:
             "id": r[col["ID"]], "name": r[col["Kernel Name"]],
             "grid": r[grid] if grid is not None else None,
             "block": r[block] if block is not None else None, "metrics": {}})
+        if not r[col["Metric Name"]]:
+            continue  # rule rows (newer ncu) carry no metric
         unit = r[col["Metric Unit"]]
         e["metrics"][f"{r[col['Section Name']]} / {r[col['Metric Name']]}"] = (
             r[col["Metric Value"]] + (f" {unit}" if unit else ""))
@@ -279,12 +281,16 @@ def detail(ncu: str, a) -> dict:
     res = {"phase": a.phase, "context": a.context, "detail": a.detail, "ncu": ncu, "arms": {}}
     for arm in a.arms.split(","):
         log = Path(os.environ.get("TMPDIR", "/tmp")) / f"kernel_detail_{arm}.csv"
-        opts = ["--profile-from-start", "off", "-k", f"regex:{a.detail}", "-c",
-                str(a.detail_count), "--page", "details"]
-        for sec in DETAIL_SECTIONS:
-            opts += ["--section", sec]
-        rc, err, text = _run_ncu(ncu, opts, log, arm, a)
-        launches = parse_ncu_details(text)
+        # the profiler API range first; everything (the first matches) if it read nothing
+        for from_start in ("off", "on"):
+            opts = ["--profile-from-start", from_start, "-k", f"regex:{a.detail}", "-c",
+                    str(a.detail_count), "--page", "details"]
+            for sec in DETAIL_SECTIONS:
+                opts += ["--section", sec]
+            rc, err, text = _run_ncu(ncu, opts, log, arm, a)
+            launches = parse_ncu_details(text)
+            if launches:
+                break
         if not launches:
             res["arms"][arm] = {"error": f"rc={rc}", "stderr": err, "log_head": text[:2000]}
             print(f"{arm}: no launch matched {a.detail!r} (rc={rc})\n{err}\n{text[:2000]}",

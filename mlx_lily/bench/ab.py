@@ -12,7 +12,8 @@ Method (see ``benchmarks/README`` in the result's markdown header too):
   stock (drift and background load cancel; rows whose rounds spread by more than 3% of
   their median are flagged). Each arm's figure is the median over its rounds, so with
   three or more rounds one round's one-time cost (a first prompt of a new length: MLX's
-  and Lily's kernels compiled, a compiled step traced) does not move it.
+  and Lily's kernels compiled, a compiled step traced) does not move it; the drift flag
+  still shows such a round (the spread counts every round).
 * Timing boundaries are those of mlx-lm's ``generate_step``: prefill tok/s = prompt
   tokens / time to the first yielded token; decode tok/s from the intervals between
   consecutive yielded tokens (``--decode-steps`` intervals; median and mean reported).
@@ -852,6 +853,12 @@ def validate_result(d: dict) -> bool:
             errors.append(f"$.schema: expected {SCHEMA_NAME} v{SCHEMA_VERSION}")
         if not d["gate"]["passed"] and d["rows"]:
             errors.append("$.rows: speed rows present although the gate failed")
+        st = d["settings"]
+        if not isinstance(st["rounds"], int) or st["rounds"] < 2:
+            errors.append(f"$.settings.rounds: expected an int >= 2, got {st['rounds']!r}")
+        elif len(st["order"]) != st["rounds"]:
+            errors.append(f"$.settings.order: {len(st['order'])} entries for "
+                          f"{st['rounds']} rounds")
         for i, row in enumerate(d["rows"]):
             w = f"$.rows[{i}]"
             _check(row, ROW_SCHEMA, w, errors)

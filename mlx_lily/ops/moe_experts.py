@@ -83,10 +83,13 @@ MAX_DECODE_ROWS = 8
 #: sweep on the H200 (session 8; production dims, 40 independent layers per eval, us per
 #: layer, gate+up / down without slot groups): (4,4)/(4,2) 62.6, (4,2)/(4,1) 75.4,
 #: (8,2)/(8,2) 77.5, (2,4)/(2,4) 77.4, (4,8)/(4,4) 48.7. CUDA down: ncu on the H200
-#: (session 8) read 45.7 us per call for (4,4) without slot groups: 256 warps for 4.7 MB,
-#: each lane walking all 9 slots; (4,2,3) gives 1536 warps of 3 slots (not yet measured).
+#: (session 8) read 45.7 us per call for (4,4) without slot groups (256 warps for 4.7 MB,
+#: each lane walking all 9 slots) and 26.7 us for (4,2,3) (1536 warps of 3 slots).
 GATE_UP_SHAPE = {"cuda": (4, 8), "metal": (4, 4)}
 DOWN_SHAPE = {"cuda": (4, 2, 3), "metal": (4, 2, 1)}
+#: Most threads per threadgroup a launch shape may ask for (CUDA's limit; Metal's shapes
+#: stay at 128 threads).
+MAX_THREADS = 1024
 #: Warps per gate+up threadgroup on every backend (its threadgroup memory depends on it).
 GATE_UP_NW = 4
 assert all(nw == GATE_UP_NW for nw, _ in GATE_UP_SHAPE.values())
@@ -233,6 +236,11 @@ def decode_plan(k_gate_up, k_down, wts: DecodeWeights, x_shape, x_dtype, k: int,
         gu0, dn0 = launch_shapes(current_backend())
         gate_up, down = gate_up or gu0, down or dn0
     nw, rpw = gate_up
+    dn = tuple(down) if len(down) == 3 else (*down, 1)
+    if (min(nw, rpw, *dn) < 1 or 32 * nw > MAX_THREADS
+            or 32 * dn[0] * dn[2] > MAX_THREADS):
+        raise ValueError(f"moe_experts: bad launch shape gate_up={tuple(gate_up)} "
+                         f"down={tuple(down)} (each >= 1, at most {MAX_THREADS} threads)")
     tg = 32 * nw
     rpb = nw * (32 // qgemv.lanes_per_row(d, wts.bits)) * rpw
     route_shapes = ([lead + (k,), lead + (k,), lead + (1,)] if topk
@@ -243,7 +251,7 @@ def decode_plan(k_gate_up, k_down, wts: DecodeWeights, x_shape, x_dtype, k: int,
                grid=(-(-i // rpb) * tg, k + 1, n), threadgroup=(tg, 1, 1),
                output_shapes=[(n, k + 1, i)] + route_shapes,
                output_dtypes=[dt, mx.uint32, dt, dt], **extra)
-    nw, rpw, sl = down if len(down) == 3 else (*down, 1)
+    nw, rpw, sl = dn
     tg = 32 * nw * sl
     rpb = nw * (32 // qgemv.lanes_per_row(i, wts.bits)) * rpw
     kw2 = dict(template=common + [("NW", nw), ("RPW", rpw), ("SL", sl),
