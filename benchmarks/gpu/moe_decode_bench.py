@@ -352,6 +352,113 @@ def kernel_variants(blk, router, reps, out):
     out["variants"] = rows
 
 
+def _gpu_us(fn, x0, per):
+    """Device-side microseconds of ``fn(x)`` per unit (``gpu_clock``; median of 5), or
+    None where the clock is unavailable (not CUDA)."""
+    from mlx_lily.bench import gpu_clock
+
+    if not gpu_clock.available():
+        return None
+    ts = [gpu_clock.time_chain(fn, x0, spin_ms=150.0)["gpu_s"] for _ in range(5)]
+    return 1e6 * statistics.median(ts) / per
+
+
+def routed_variants(blk, router, reps, out):
+    """The routed experts' path as the compiled decode step runs it (softmax + top-k and
+    the add + RMSNorm inside every gate+up threadgroup) at several gate+up launch shapes,
+    down at its backend default; ``LAYERS`` layers chained (each layer's output is the
+    next one's input), router logits fixed."""
+    from mlx_lily import kernels
+    from mlx_lily.ops import moe_experts as M
+    from mlx_lily.ops.add_rms_norm import add_rms_norm_reference
+
+    be = _backend()
+    if not M.has_routed_kernel(be):
+        return
+    kg, kd = kernels.get(M.GATE_UP_SPEC, be), kernels.get(M.DOWN_SPEC, be)
+    wts = M.decode_weights(blk.switch_mlp, blk.shared_expert)
+    x0 = mx.random.normal((1, 1, D)).astype(mx.bfloat16)
+    res = [mx.random.normal((1, 1, D)).astype(mx.bfloat16) for _ in range(LAYERS)]
+    nw = (1.0 + 0.1 * mx.random.normal((D,))).astype(mx.bfloat16)
+    logits = [router(add_rms_norm_reference(x0, r, nw, 1e-6)[1], split=False)[0]
+              for r in res]
+    mx.eval(x0, res, nw, logits)
+    _, dn = M.launch_shapes(be)
+    rows = []
+    print(f"\nrouted experts (top-k + add+norm in gate+up), gate+up shapes, down {dn}: "
+          f"{LAYERS} chained layers, per layer")
+    for gu in ((4, 8), (4, 4), (8, 4), (8, 8), (2, 8), (4, 16)):
+        run = M.decode_plan(kg, kd, wts, x0.shape, x0.dtype, K, False, topk=True,
+                            norm_topk_prob=True, pre_norm=True, gate_up=gu, down=dn)
+
+        def chain(x, run=run):
+            for r, lg in zip(res, logits):
+                x = run(x, r, nw, 1e-6, lg)[0]
+            return x
+
+        t = _bench(lambda: chain(x0), reps) / LAYERS
+        g = _gpu_us(chain, x0, LAYERS)
+        rows.append({"gate_up": gu, "down": dn, "us_per_layer": 1e6 * t, "gpu_us_per_layer": g})
+        print(f"  gate_up {gu}: {1e6 * t:7.1f} us wall, "
+              f"{float('nan') if g is None else g:7.1f} us GPU")
+    out["routed_variants"] = rows
+
+
+def norm_gemv_split(reps, out):
+    """``norm_qgemv`` (the add + RMSNorm inside the GEMV) vs ``add_rms_norm`` then
+    ``qgemv`` (``MLX_LILY_NORM_GEMV=split``) on the decode projections behind a norm,
+    20 chained calls (each call's residual sum feeds the next)."""
+    from mlx_lily import kernels
+    from mlx_lily.ops import norm_qgemv as NQ
+    from mlx_lily.ops import qgemv as Q
+    from mlx_lily.ops.add_rms_norm import add_rms_norm
+
+    be = _backend()
+    if not (NQ.has_kernel(be) and Q.has_kernel(be)):
+        return
+    kn, kq = kernels.get(NQ.SPEC, be), kernels.get(Q.SPEC, be)
+    chain_n = 20
+    rows = []
+    print(f"\nnorm-fused GEMV vs add_rms_norm + qgemv ({chain_n} chained calls, per call)")
+    for name, k, o, bits in QGEMV_SHAPES:
+        if o > 20000:
+            continue  # the LM head has no norm in front
+        w = _rand_u32((o, k * bits // 32))
+        sc = (mx.random.uniform(0.5, 1.5, (o, k // 64)) * (0.03 / (1 << (bits - 1)))).astype(mx.bfloat16)
+        bi = (-(1 << (bits - 1)) * sc).astype(mx.bfloat16)
+        res = [mx.random.normal((1, k)).astype(mx.bfloat16) for _ in range(chain_n)]
+        nw = (1.0 + 0.1 * mx.random.normal((k,))).astype(mx.bfloat16)
+        x0 = mx.random.normal((1, k)).astype(mx.bfloat16)
+        mx.eval(w, sc, bi, res, nw, x0)
+
+        def fused(h):
+            ys = []
+            for r in res:
+                y, h = NQ.launch(kn, h, r, nw, 1e-6, w, sc, bi, 64, bits)
+                ys.append(y)
+            return ys + [h]
+
+        def split(h):
+            ys = []
+            for r in res:
+                h, xn = add_rms_norm(h, r, nw, 1e-6)
+                ys.append(Q.launch(kq, xn, w, sc, bi, 64, bits))
+            return ys + [h]
+
+        row = {"shape": name, "K": k, "O": o, "bits": bits}
+        for label, fn in (("fused", fused), ("split", split)):
+            row[f"{label}_us"] = 1e6 * _bench(lambda fn=fn: fn(x0), reps) / chain_n
+            row[f"{label}_gpu_us"] = _gpu_us(fn, x0, chain_n)
+        a, b = fused(x0)[0].astype(mx.float32), split(x0)[0].astype(mx.float32)
+        row["max_rel_diff"] = (mx.abs(a - b).max() / mx.abs(a).max()).item()
+        rows.append(row)
+        gf, gs = row["fused_gpu_us"], row["split_gpu_us"]
+        print(f"  {name:28s} fused {row['fused_us']:6.1f} us wall / "
+              f"{float('nan') if gf is None else gf:6.1f} GPU, split {row['split_us']:6.1f} / "
+              f"{float('nan') if gs is None else gs:6.1f}, rel diff {row['max_rel_diff']:.3g}")
+    out["norm_gemv_split"] = rows
+
+
 def _emulate():
     """Small dims and the Metal emulator posing as the Metal backend (smoke test)."""
     global D, I, E, K, LAYERS, QGEMV_SHAPES
@@ -364,7 +471,7 @@ def _emulate():
     mx.fast.metal_kernel = metal_emu.metal_kernel
     kernels._metal_ok = lambda: True
     backend.current_backend = lambda: "metal"
-    for mod in ("qgemv", "moe_router_topk", "moe_experts"):
+    for mod in ("qgemv", "moe_router_topk", "moe_experts", "norm_qgemv", "add_rms_norm"):
         m = __import__(f"mlx_lily.ops.{mod}", fromlist=["x"])
         m.current_backend = lambda: "metal"
 
@@ -405,7 +512,9 @@ def main(argv=None):
     print(f"setup {time.time() - t0:.1f}s")
     for step in (lambda: moe_layer(blk, router, args.reps, out),
                  lambda: kernel_variants(blk, router, args.reps, out),
-                 lambda: qgemv_vs_qmv(args.reps, out)):
+                 lambda: qgemv_vs_qmv(args.reps, out),
+                 lambda: routed_variants(blk, router, args.reps, out),
+                 lambda: norm_gemv_split(args.reps, out)):
         try:
             step()
         except Exception as exc:  # keep what was measured
