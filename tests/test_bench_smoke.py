@@ -1,0 +1,21 @@
+"""GPU benchmark scripts that have a CPU smoke mode run end to end here (small dims, the
+Metal emulator posing as the GPU): their code paths do not rot between device leases."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_moe_decode_bench_emulated(tmp_path):
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu" / "moe_decode_bench.py"),
+                        "--emulate", "--out", str(tmp_path)],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    res = json.loads((tmp_path / "moe_decode_bench.json").read_text())
+    assert "errors" not in res, res.get("errors")
+    assert res["backend"] == "metal"
+    assert {"moe_layer", "variants", "qgemv", "routed_variants", "norm_gemv_split"} <= set(res)
+    assert all(row["max_rel_diff"] == 0 for row in res["norm_gemv_split"])  # same rounding
+    assert len(res["routed_variants"]) == 6
