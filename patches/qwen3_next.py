@@ -300,8 +300,6 @@ def make_decoder_call(cls_getter):
 decoder_call = make_decoder_call(lambda: qwen3_next.Qwen3NextDecoderLayer)
 
 
-
-
 class _StepCache:
     """An ``ArraysCache`` stand-in for one traced decode step: it collects the new conv
     and recurrent states instead of mutating the real cache (compiled functions must not
@@ -527,8 +525,6 @@ def kv_write_index(offset, row_shape):
     static write stock mlx-lm does; ``put_along_axis`` (``ScatterAxis``) launches over the
     row only and updates the donated buffer in place."""
     return mx.broadcast_to(offset.reshape(1, 1, 1, 1), row_shape)
-
-
 
 
 def _whole_step_fn(text_model, layers):

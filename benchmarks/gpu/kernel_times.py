@@ -173,17 +173,23 @@ def measured(kernels: list) -> list:
 GRID_SEP = " @grid "
 
 
+def _csv_table(text: str) -> list:
+    """The rows of ncu's ``--csv`` table (header first; lines before its ``"ID"`` header
+    ignored), or [] when there is none."""
+    lines = text.splitlines()
+    start = next((i for i, l in enumerate(lines) if l.startswith('"ID"')), None)
+    return [] if start is None else list(csv.reader(io.StringIO("\n".join(lines[start:]))))
+
+
 def parse_ncu_csv(text: str, with_grid: bool = False) -> list:
     """``[(kernel name, duration ns), ...]`` from ``ncu --csv --page raw`` output with the
     ``gpu__time_duration.sum`` metric (lines before the CSV header ignored); with
     ``with_grid`` each name carries its launch's grid (``GRID_SEP``) where the table has a
     "Grid Size" column, so one kernel's launches of different shapes stay apart (MLX's
     ``qmm_naive_kernel`` served two projections in session 8's prefill table)."""
-    lines = text.splitlines()
-    start = next((i for i, l in enumerate(lines) if l.startswith('"ID"')), None)
-    if start is None:
+    rows = _csv_table(text)
+    if not rows:
         return []
-    rows = list(csv.reader(io.StringIO("\n".join(lines[start:]))))
     head = rows[0]
     name_col = head.index("Kernel Name")
     dur_col = head.index("gpu__time_duration.sum")
@@ -247,11 +253,9 @@ DETAIL_SECTIONS = ("SpeedOfLight", "LaunchStats", "Occupancy", "WarpStateStats",
 def parse_ncu_details(text: str) -> list:
     """Launches from ``ncu --csv --page details`` output: ``[{"id", "name", "grid",
     "block", "metrics": {"Section / Metric": "value unit"}}]`` in launch order."""
-    lines = text.splitlines()
-    start = next((i for i, l in enumerate(lines) if l.startswith('"ID"')), None)
-    if start is None:
+    rows = _csv_table(text)
+    if not rows:
         return []
-    rows = list(csv.reader(io.StringIO("\n".join(lines[start:]))))
     head = rows[0]
     col = {k: head.index(k) for k in ("ID", "Kernel Name", "Section Name", "Metric Name",
                                       "Metric Unit", "Metric Value") if k in head}

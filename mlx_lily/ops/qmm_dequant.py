@@ -60,8 +60,7 @@ def supports(x: mx.array, w: mx.array, scales, biases, group_size, bits, mode,
             and w.ndim == 2 and w.shape[0] * x.shape[-1] <= MAX_WEIGHT_ELEMENTS
             and biases is not None and scales is not None and bits in (4, 8)
             and x.dtype in _DTYPES and scales.dtype == x.dtype and biases.dtype == x.dtype
-            and w.dtype == mx.uint32 and w.ndim == 2
-            and w.shape[1] * 32 == x.shape[-1] * bits)
+            and w.dtype == mx.uint32 and w.shape[1] * 32 == x.shape[-1] * bits)
 
 
 def try_dequant(x, w, scales, biases, group_size, bits, mode="affine") -> mx.array | None:
