@@ -18,4 +18,4 @@ def test_moe_decode_bench_emulated(tmp_path):
     assert res["backend"] == "metal"
     assert {"moe_layer", "variants", "qgemv", "routed_variants", "norm_gemv_split"} <= set(res)
     assert all(row["max_rel_diff"] == 0 for row in res["norm_gemv_split"])  # same rounding
-    assert len(res["routed_variants"]) == 6
+    assert len(res["routed_variants"]) == 14  # 7 gate+up shapes, 7 down shapes

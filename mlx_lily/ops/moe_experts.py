@@ -85,7 +85,7 @@ MAX_DECODE_ROWS = 8
 #: (8,2)/(8,2) 77.5, (2,4)/(2,4) 77.4, (4,8)/(4,4) 48.7. CUDA down: ncu on the H200
 #: (session 8) read 45.7 us per call for (4,4) without slot groups (256 warps for 4.7 MB,
 #: each lane walking all 9 slots) and 26.7 us for (4,2,3) (1536 warps of 3 slots).
-GATE_UP_SHAPE = {"cuda": (4, 8), "metal": (4, 4)}
+GATE_UP_SHAPE = {"cuda": (4, 4), "metal": (4, 4)}
 DOWN_SHAPE = {"cuda": (4, 2, 3), "metal": (4, 2, 1)}
 #: Most threads per threadgroup a launch shape may ask for (CUDA's limit; Metal's shapes
 #: stay at 128 threads).

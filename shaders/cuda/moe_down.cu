@@ -32,42 +32,41 @@
   const int row0 = blockIdx.x * RPB + (warp * SG + sub) * RPW;
   if (blockIdx.x * RPB >= D) return;
 
-  float acc[RPW];
+  // this warp's slots sgp, sgp + SL, ...: expert ids and scores first, then every weight
+  // load of every slot (LilyRowTile), then the math
+  constexpr int NS = (K + SL) / SL;
+  LilyRowTile<S, I, BITS, GS, RPW, LPR> tile[NS];
+  float cf[NS];
 #pragma unroll
-  for (int r = 0; r < RPW; ++r) acc[r] = 0.f;
-#pragma unroll
-  for (int slot = sgp; slot <= K; slot += SL) {
+  for (int i = 0; i < NS; ++i) {
+    const int slot = sgp + i * SL;
+    cf[i] = 0.f;
+    if (slot > K) continue;
     const uint4* w4;
     const S* sp;
     const S* bp;
-    float cf;
     if (slot < K) {
       const size_t e = min(inds[(size_t)n * K + slot], (unsigned)(E - 1));
-      cf = lily_f(scores[(size_t)n * K + slot]);
+      cf[i] = lily_f(scores[(size_t)n * K + slot]);
       w4 = reinterpret_cast<const uint4*>(down_w) + e * D * KW;
       sp = down_s + e * D * NG;
       bp = down_b + e * D * NG;
     } else {
-      cf = lily_f(shared[n]);
+      cf[i] = lily_f(shared[n]);
       w4 = reinterpret_cast<const uint4*>(sdown_w);
       sp = sdown_s;
       bp = sdown_b;
     }
-    const T* hr = h + ((size_t)n * (K + 1) + slot) * I;
+    tile[i].load(w4, sp, bp, row0, D - 1, sl);
+  }
+  float acc[RPW];
 #pragma unroll
-    for (int st = 0; st < STEPS; ++st) {
-      const int c = st * LPR + sl;
-      float hv[VPL];
-      const float hs = lily_load_x<VPL>(hr + c * VPL, hv);
-      const int g = (c * VPL) / GS;
+  for (int r = 0; r < RPW; ++r) acc[r] = 0.f;
 #pragma unroll
-      for (int r = 0; r < RPW; ++r) {
-        const int row = min(row0 + r, D - 1);
-        const size_t so = (size_t)row * NG + g;
-        const uint4 q = w4[(size_t)row * KW + c];
-        acc[r] += cf * (lily_f(sp[so]) * lily_qdot<BITS>(q, hv) + lily_f(bp[so]) * hs);
-      }
-    }
+  for (int i = 0; i < NS; ++i) {
+    const int slot = sgp + i * SL;
+    if (slot > K) continue;
+    tile[i].fma(h + ((size_t)n * (K + 1) + slot) * I, sl, cf[i], acc);
   }
   const int prow = (warp * SG + sub) * RPW;
 #pragma unroll

@@ -8,12 +8,13 @@
 // Slot j < K is routed expert inds[n,j], slot K the shared expert. Each group of LPR
 // lanes computes RPW rows of gate and up (16-byte weight loads, scale*dot(q,x) +
 // bias*sum(x) per group, fp32), rounds both to T and writes silu(gate)*up.
-// With TOPK the routing is done here instead of read from inds: warp 0 of every block
-// routes the row from the router's logits (E experts + the shared-expert gate, from a
+// With TOPK the routing is done here instead of read from inds: warp 0 of every
+// routed-slot block routes the row from the router's logits (E experts + the shared-expert gate, from a
 // multi-block GEMV) exactly as lily_moe_router_topk does (lily_route_topk); block
 // (0, 0) writes inds_o, scores_o and the sigmoid shared gate shared_o for the down
 // kernel. With PRE_NORM the row is rms_norm(hin + res) * nw, computed by every block
-// (rounded as add_rms_norm; x, and with TOPK inds, unread).
+// (rounded as add_rms_norm; x, and with TOPK inds, unread). Every weight load is issued
+// before the prologue (LilyRowTile).
 // @header qgemv_common.cuh
 // ---- body ----
   constexpr int VPL = 128 / BITS;
@@ -38,12 +39,9 @@
   __shared__ T xs_row[PRE_NORM ? D : 1];  // first: 16-byte aligned in practice
   __shared__ unsigned s_inds[TOPK ? K : 1];
   __shared__ float nred[NW];
-  if constexpr (PRE_NORM) {
-    const size_t ro = (size_t)n * D;
-    lily_add_rms_norm_row<T, D, NW>(hin + ro, res + ro, nw, eps[0], xs_row, nred,
-                                    (T*)nullptr, (T*)nullptr, threadIdx.x, lane, warp);
-  }
-  if constexpr (TOPK) {
+  // order: routing (routed slots only), every weight load, then the add+norm prologue
+  // under the loads' latency, then the math
+  if (TOPK && slot < K) {
     if (warp == 0) {
       const T* lg = logits + (size_t)n * (E + 1);
       unsigned my_i = 0u;
@@ -84,29 +82,23 @@
     usp = sup_s;
     ubp = sup_b;
   }
+  LilyRowTile<S, D, BITS, GS, RPW, LPR> tg;
+  LilyRowTile<S, D, BITS, GS, RPW, LPR> tu;
+  tg.load(gw4, gsp, gbp, row0, I - 1, sl);
+  tu.load(uw4, usp, ubp, row0, I - 1, sl);
+  if constexpr (PRE_NORM) {
+    const size_t ro = (size_t)n * D;
+    lily_add_rms_norm_row<T, D, NW>(hin + ro, res + ro, nw, eps[0], xs_row, nred,
+                                    (T*)nullptr, (T*)nullptr, threadIdx.x, lane, warp);
+  }
   const T* xr = PRE_NORM ? xs_row : x + (size_t)n * D;
 
   float ag[RPW];
   float au[RPW];
 #pragma unroll
   for (int r = 0; r < RPW; ++r) { ag[r] = 0.f; au[r] = 0.f; }
-#pragma unroll
-  for (int st = 0; st < STEPS; ++st) {
-    const int c = st * LPR + sl;
-    float xv[VPL];
-    const float xs = lily_load_x<VPL>(xr + c * VPL, xv);
-    const int g = (c * VPL) / GS;
-#pragma unroll
-    for (int r = 0; r < RPW; ++r) {
-      const int row = min(row0 + r, I - 1);
-      const size_t wo = (size_t)row * KW + c;
-      const size_t so = (size_t)row * NG + g;
-      const uint4 qg = gw4[wo];
-      const uint4 qu = uw4[wo];
-      ag[r] += lily_f(gsp[so]) * lily_qdot<BITS>(qg, xv) + lily_f(gbp[so]) * xs;
-      au[r] += lily_f(usp[so]) * lily_qdot<BITS>(qu, xv) + lily_f(ubp[so]) * xs;
-    }
-  }
+  tg.fma(xr, sl, 1.f, ag);
+  tu.fma(xr, sl, 1.f, au);
   T* hr = h + ((size_t)n * (K + 1) + slot) * I;
 #pragma unroll
   for (int r = 0; r < RPW; ++r) {

@@ -19,7 +19,6 @@
   constexpr int LPR = KW < 32 ? KW : 32;     // lanes per row
   constexpr int SG = 32 / LPR;               // rows in flight per warp
   constexpr int STEPS = KW / LPR;
-  constexpr int NG = D / GS;
   constexpr int R = E + (HAS_SHARED ? 1 : 0);
   static_assert(KW * VPL == D && STEPS * LPR == KW && SG * LPR == 32, "router: bad D");
   static_assert(GS % VPL == 0 && K <= 32 && K <= E, "router: bad GS/K");
@@ -44,23 +43,12 @@
   const uint4* w4 = reinterpret_cast<const uint4*>(w);
 
   for (int wb = warp * SG * RPW; wb < R; wb += NW * SG * RPW) {
+    LilyRowTile<S, D, BITS, GS, RPW, LPR> tile;
+    tile.load(w4, scales, biases, wb + sub * RPW, R - 1, sl);
     float acc[RPW];
 #pragma unroll
     for (int r = 0; r < RPW; ++r) acc[r] = 0.f;
-#pragma unroll
-    for (int st = 0; st < STEPS; ++st) {
-      const int c = st * LPR + sl;
-      float xv[VPL];
-      const float xs = lily_load_x<VPL>(xs_row + c * VPL, xv);
-      const int g = (c * VPL) / GS;
-#pragma unroll
-      for (int r = 0; r < RPW; ++r) {
-        const int row = min(wb + sub * RPW + r, R - 1);
-        const uint4 q = w4[(size_t)row * KW + c];
-        const size_t so = (size_t)row * NG + g;
-        acc[r] += lily_f(scales[so]) * lily_qdot<BITS>(q, xv) + lily_f(biases[so]) * xs;
-      }
-    }
+    tile.fma(xs_row, sl, 1.f, acc);
 #pragma unroll
     for (int r = 0; r < RPW; ++r) {
       const float s = lily_group_sum<LPR>(acc[r]);

@@ -8,7 +8,8 @@
 // The residual add and RMSNorm in front of a quantized GEMV, one launch:
 // h = T(hin + res) (written by the first block of each row), x = T(nw * T(h * rsqrt(mean(h^2)
 // + eps))) kept in shared memory (as lily_add_rms_norm rounds), then y = x @ dequant(w)^T
-// exactly as lily_qgemv (LPR lanes per weight row, RPW rows each, fp32 accumulation).
+// exactly as lily_qgemv (LPR lanes per weight row, RPW rows each, fp32 accumulation;
+// the weight loads are issued before the prologue).
 // @header qgemv_common.cuh
 // ---- body ----
   constexpr int VPL = 128 / BITS;
@@ -30,9 +31,21 @@
   const int n = blockIdx.y;
   const int row0 = blockIdx.x * RPB + (warp * SG + sub) * RPW;
   if (blockIdx.x * RPB >= O) return;
+  // the weights do not depend on the norm: their loads go out first and the prologue's
+  // latency hides under them
+  LilyRowTile<S, K, BITS, GS, RPW, LPR> tile;
+  tile.load(reinterpret_cast<const uint4*>(w), scales, biases, row0, O - 1, sl);
   const size_t ro = (size_t)n * K;
   lily_add_rms_norm_row<T, K, NW>(hin + ro, res + ro, nw, eps[0], xs, red,
                                   blockIdx.x == 0 ? h + ro : nullptr, nullptr, tid, lane,
                                   warp);
-  lily_qgemv_rows<T, S, K, O, BITS, GS, RPW, LPR>(xs, w, scales, biases, y + (size_t)n * O,
-                                                  row0, sl);
+  float acc[RPW];
+#pragma unroll
+  for (int r = 0; r < RPW; ++r) acc[r] = 0.f;
+  tile.fma(xs, sl, 1.f, acc);
+  T* yr = y + (size_t)n * O;
+#pragma unroll
+  for (int r = 0; r < RPW; ++r) {
+    const float v = lily_group_sum<LPR>(acc[r]);
+    if (sl == 0 && row0 + r < O) yr[row0 + r] = static_cast<T>(v);
+  }

@@ -74,36 +74,65 @@ __device__ __forceinline__ float lily_group_sum(float v) {
   for (int o = L / 2; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
   return v;
 }
-// The GEMV loop of lily_qgemv / lily_norm_qgemv for one lane group: output rows
+// One lane's share of RPW quantized weight rows (STEPS 16-byte words each, with the
+// scale and bias of each word's group), held in registers. load() issues every load
+// before any math: ptxas otherwise waits on each word before requesting the next
+// (SASS of the interleaved loop: one LDG.128 in flight per lane), and a decode GEMV is
+// bound by the bytes in flight.
+template <typename S, int K, int BITS, int GS, int RPW, int LPR>
+struct LilyRowTile {
+  static constexpr int VPL = 128 / BITS;
+  static constexpr int KW = K / VPL;
+  static constexpr int STEPS = KW / LPR;
+  static constexpr int NG = K / GS;
+  uint4 q[STEPS][RPW];
+  S sc[STEPS][RPW];
+  S bi[STEPS][RPW];
+  // rows row0 .. row0+RPW-1 (each clamped to last) of w4/scales/biases, lane sl of LPR
+  __device__ __forceinline__ void load(const uint4* w4, const S* scales, const S* biases,
+                                       int row0, int last, int sl) {
+#pragma unroll
+    for (int st = 0; st < STEPS; ++st) {
+      const int c = st * LPR + sl;
+      const int g = (c * VPL) / GS;
+#pragma unroll
+      for (int r = 0; r < RPW; ++r) {
+        const size_t row = (size_t)min(row0 + r, last);
+        q[st][r] = w4[row * KW + c];
+        sc[st][r] = scales[row * NG + g];
+        bi[st][r] = biases[row * NG + g];
+      }
+    }
+  }
+  // acc[r] += cf * (x . dequant(row r)) over this lane's words; x in global or shared
+  template <typename T>
+  __device__ __forceinline__ void fma(const T* xr, int sl, float cf, float* acc) const {
+#pragma unroll
+    for (int st = 0; st < STEPS; ++st) {
+      float xv[VPL];
+      const float xs = lily_load_x<VPL>(xr + (st * LPR + sl) * VPL, xv);
+#pragma unroll
+      for (int r = 0; r < RPW; ++r) {
+        acc[r] += cf * (lily_f(sc[st][r]) * lily_qdot<BITS>(q[st][r], xv) + lily_f(bi[st][r]) * xs);
+      }
+    }
+  }
+};
+
+// The GEMV of lily_qgemv / lily_norm_qgemv for one lane group: output rows
 // row0 .. row0+RPW-1 of y = x @ dequant(w)^T, LPR lanes per weight row (lane sl of the
-// group), 16-byte weight loads, scale*dot(q,x) + bias*sum(x) per quantization group in
-// fp32; x may live in global or shared memory.
+// group), 16-byte weight loads all issued first (LilyRowTile), scale*dot(q,x) +
+// bias*sum(x) per quantization group in fp32; x may live in global or shared memory.
 template <typename T, typename S, int K, int O, int BITS, int GS, int RPW, int LPR>
 __device__ __forceinline__ void lily_qgemv_rows(const T* xr, const uint32_t* w,
                                                 const S* scales, const S* biases, T* yr,
                                                 int row0, int sl) {
-  constexpr int VPL = 128 / BITS;
-  constexpr int KW = K / VPL;
-  constexpr int STEPS = KW / LPR;
-  constexpr int NG = K / GS;
-  const uint4* w4 = reinterpret_cast<const uint4*>(w);
+  LilyRowTile<S, K, BITS, GS, RPW, LPR> tile;
+  tile.load(reinterpret_cast<const uint4*>(w), scales, biases, row0, O - 1, sl);
   float acc[RPW];
 #pragma unroll
   for (int r = 0; r < RPW; ++r) acc[r] = 0.f;
-#pragma unroll
-  for (int st = 0; st < STEPS; ++st) {
-    const int c = st * LPR + sl;
-    float xv[VPL];
-    const float xs = lily_load_x<VPL>(xr + c * VPL, xv);
-    const int g = (c * VPL) / GS;
-#pragma unroll
-    for (int r = 0; r < RPW; ++r) {
-      const int row = min(row0 + r, O - 1);
-      const size_t so = (size_t)row * NG + g;
-      const uint4 q = w4[(size_t)row * KW + c];
-      acc[r] += lily_f(scales[so]) * lily_qdot<BITS>(q, xv) + lily_f(biases[so]) * xs;
-    }
-  }
+  tile.fma(xr, sl, 1.f, acc);
 #pragma unroll
   for (int r = 0; r < RPW; ++r) {
     const float v = lily_group_sum<LPR>(acc[r]);
@@ -119,6 +148,60 @@ __device__ __forceinline__ void lily_add_rms_norm_row(const T* hin, const T* res
                                                       float* red, T* h_out, T* xn_out,
                                                       int tid, int lane, int warp) {
   constexpr int TPB = 32 * NW;
+  if constexpr (sizeof(T) == 2 && D % (8 * TPB) == 0) {
+    // 16-byte words, all loads issued before any store (the element loop below waits on
+    // each load: its stores may alias hin/res); same rounding, fp32 sum in another order
+    constexpr int PW = D / (8 * TPB);
+    const unsigned long long al =
+        reinterpret_cast<unsigned long long>(hin) | reinterpret_cast<unsigned long long>(res) |
+        reinterpret_cast<unsigned long long>(nw) | reinterpret_cast<unsigned long long>(xs) |
+        reinterpret_cast<unsigned long long>(h_out) | reinterpret_cast<unsigned long long>(xn_out);
+    if ((al & 15ull) == 0ull) {
+      uint4 hv[PW], rv[PW], nv[PW];
+#pragma unroll
+      for (int i = 0; i < PW; ++i) {
+        hv[i] = reinterpret_cast<const uint4*>(hin)[tid + i * TPB];
+        rv[i] = reinterpret_cast<const uint4*>(res)[tid + i * TPB];
+        nv[i] = reinterpret_cast<const uint4*>(nw)[tid + i * TPB];
+      }
+      float ss = 0.f;
+#pragma unroll
+      for (int i = 0; i < PW; ++i) {
+        T* he = reinterpret_cast<T*>(&hv[i]);
+        const T* re = reinterpret_cast<const T*>(&rv[i]);
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+          const T hh = static_cast<T>(lily_f(he[j]) + lily_f(re[j]));
+          he[j] = hh;
+          ss += lily_f(hh) * lily_f(hh);
+        }
+      }
+      if (h_out) {
+#pragma unroll
+        for (int i = 0; i < PW; ++i) reinterpret_cast<uint4*>(h_out)[tid + i * TPB] = hv[i];
+      }
+      ss = lily_group_sum<32>(ss);
+      if (lane == 0) red[warp] = ss;
+      __syncthreads();
+      float tot = 0.f;
+#pragma unroll
+      for (int i = 0; i < NW; ++i) tot += red[i];
+      const float rinv = rsqrtf(tot / float(D) + eps);
+#pragma unroll
+      for (int i = 0; i < PW; ++i) {
+        T* he = reinterpret_cast<T*>(&hv[i]);
+        const T* ne = reinterpret_cast<const T*>(&nv[i]);
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+          he[j] = static_cast<T>(lily_f(ne[j]) * lily_round<T>(lily_f(he[j]) * rinv));
+        }
+        reinterpret_cast<uint4*>(xs)[tid + i * TPB] = hv[i];
+        if (xn_out) reinterpret_cast<uint4*>(xn_out)[tid + i * TPB] = hv[i];
+      }
+      __syncthreads();
+      return;
+    }
+  }
   float ss = 0.f;
   for (int k = tid; k < D; k += TPB) {
     const T hh = static_cast<T>(lily_f(hin[k]) + lily_f(res[k]));
