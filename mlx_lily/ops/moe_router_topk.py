@@ -97,6 +97,11 @@ MAX_ROWS = 64
 #: is chosen so the router rows take two passes (``router_rpw``), at most ``MAX_RPW``.
 NW = 16
 MAX_RPW = 10
+#: 16-byte weight words one lane holds at once (the CUDA body issues a pass's loads
+#: before its math: STEPS * RPW words plus their scales and biases in registers; at 512
+#: threads a thread may use at most 128 registers, and 8-bit D=2048 with RPW 4 took 158:
+#: "too many resources requested for launch" on the H200).
+MAX_WORDS_PER_LANE = 8
 MAX_EXPERTS = 1024
 
 _FLOATS = (mx.bfloat16, mx.float16, mx.float32)
@@ -134,9 +139,13 @@ def supports(x: mx.array, router, k: int) -> bool:
 
 def router_rpw(rows: int, d: int, bits: int, nw: int = NW) -> int:
     """Rows per lane group so that ``rows`` router rows take about two passes of the
-    threadgroup (loads in flight vs registers), clamped to ``[1, MAX_RPW]``."""
-    groups = nw * (32 // qgemv.lanes_per_row(d, bits))
-    return max(1, min(MAX_RPW, -(-rows // (2 * groups))))
+    threadgroup (loads in flight vs registers), clamped to ``[1, MAX_RPW]`` and to
+    ``MAX_WORDS_PER_LANE`` weight words per lane."""
+    lpr = qgemv.lanes_per_row(d, bits)
+    groups = nw * (32 // lpr)
+    steps = d * bits // 128 // lpr
+    cap = max(1, min(MAX_RPW, MAX_WORDS_PER_LANE // steps))
+    return max(1, min(cap, -(-rows // (2 * groups))))
 
 
 def plan(kernel, router, x_shape, x_dtype, k: int, norm_topk_prob: bool, *,
