@@ -131,15 +131,53 @@ def cuda_parts(stem: str) -> tuple[str, str]:
 
 _F32_SCALARS: dict = {}
 
+#: Elements of the small constant arrays kernels read (epsilons, scales, lengths): MLX's
+#: CUDA allocator (0.32, ``allocator.cpp``) serves arrays of at most 8 bytes from a pool
+#: of managed host memory advised as accessed-by the GPU (read across the bus, not
+#: migrated), and every threadgroup of a kernel reads them. On the H200 (session 9) the
+#: add+RMSNorm-fused GEMVs, which read a 4-byte eps, took ~22 us per call however small
+#: the matrix once they had >= 128 threadgroups, vs 8 us for the same GEMV without it.
+#: Four 4-byte elements (16 bytes) are allocated like any other array.
+SCALAR_ELEMS = 4
+
+
+def const_array(values, dtype) -> mx.array:
+    """``values`` (a list) as a new evaluated ``dtype`` array padded with copies of its
+    last element to at least ``SCALAR_ELEMS`` elements and 16 bytes (kernels read the
+    leading elements only), computed by one op on the default device so that its
+    buffer is device memory (an array made from host data lives in managed or pinned
+    host memory first). Safe inside ``mx.compile`` (a constant, not a graph node).
+    Raises ValueError for an empty list."""
+    if not values:
+        raise ValueError("const_array: no values")
+    values = list(values)
+    while len(values) < SCALAR_ELEMS or len(values) * dtype.size < 16:
+        values.append(values[-1])
+    host = mx.array(values, dtype=dtype)
+    zero = mx.zeros_like(host)
+    dev = mx.logical_or(host, zero) if dtype == mx.bool_ else host + zero
+    mx.eval(dev)
+    return dev
+
 
 def f32_scalar(value: float) -> mx.array:
-    """A cached fp32 ``[1]`` array holding ``value`` (kernels take epsilons and similar
-    constants as inputs: one array per value per process, not one per call)."""
+    """A cached fp32 array holding ``value`` at index 0 (``SCALAR_ELEMS`` copies: see
+    there). Kernels take epsilons and similar constants as inputs: one array per value
+    per process, not one per call."""
     value = float(value)
     a = _F32_SCALARS.get(value)
     if a is None:
-        a = _F32_SCALARS[value] = mx.array([value], dtype=mx.float32)
+        a = _F32_SCALARS[value] = const_array([value], mx.float32)
     return a
+
+
+def device_scalars(x: mx.array) -> mx.array:
+    """A one-element array ``x`` (any shape of size 1) copied to a new
+    ``[SCALAR_ELEMS]`` array computed on the device, so it does not live in MLX's small
+    host-memory pool (see ``SCALAR_ELEMS``). Take ``[:1]`` views of it (or of
+    arithmetic on it) for kernels that read element 0; an op on the ``[1]`` view would
+    land in the pool again. One primitive; works inside ``mx.compile``."""
+    return mx.contiguous(mx.broadcast_to(x.reshape(1), (SCALAR_ELEMS,)))
 
 
 class KernelSpec(NamedTuple):

@@ -17,6 +17,7 @@ from mlx_lm.models import qwen3_next
 from mlx_lm.models.cache import KVCache
 
 from mlx_lily.backend import op_enabled
+from mlx_lily.kernels import device_scalars
 from mlx_lily.ops import attention as attn_ops
 from mlx_lily.ops import qgemv as _qgemv_ops
 from mlx_lily.ops import norm_qgemv as norm_qgemv_ops
@@ -482,7 +483,8 @@ def _attn_step_fn(layer, pending):
     ``(h, d, keys, values, offset[, tlen, kv_idx]) -> (h', m, keys', values')`` with
     ``keys``/``values`` the KV cache's whole buffers, ``offset`` an int32 ``[1]`` (the
     token's position), ``tlen`` = ``offset + 1`` and ``kv_idx`` = ``kv_write_index``
-    (computed here when not given): fused add+norm+q|k|v GEMV, q/k norm + RoPE + v, the
+    (computed here when not given; without ``tlen`` both are made device-resident here,
+    ``kernels.device_scalars``): fused add+norm+q|k|v GEMV, q/k norm + RoPE + v, the
     cache write (``kv_write_index``), split-K attention over the first ``offset + 1`` keys (DYN_T),
     ``o_proj``, post-attention add+norm, MLP/MoE. Static shapes for a given cache
     capacity, so ``mx.compile`` replays it until the cache grows."""
@@ -491,6 +493,9 @@ def _attn_step_fn(layer, pending):
     Hq, Hkv = attn.num_attention_heads, attn.num_key_value_heads
 
     def step(h, d, keys, values, offset, tlen=None, kv_idx=None):
+        if tlen is None:  # one layer on its own: position and key count in device memory
+            off4 = device_scalars(offset)
+            offset, tlen = off4[:1], (off4 + 1)[:1]
         x = PendingNorm(h, d, norm.weight, norm.eps) if pending else d
         proj = _proj(attn, "qkv", (attn.q_proj, attn.k_proj, attn.v_proj))
         (y,) = _run(proj, x, split=False)
@@ -508,7 +513,7 @@ def _attn_step_fn(layer, pending):
         keys = mx.put_along_axis(keys, idx, k, axis=2)
         values = mx.put_along_axis(values, idx, v, axis=2)
         out = attn_ops.decode_attention(q, keys, values, attn.scale, y, gate_packed=True,
-                                        tlen=offset + 1 if tlen is None else tlen)
+                                        tlen=tlen)
         h, m = _layer_tail(layer, h, one_row_linear(attn.o_proj, out))
         return h, m, keys, values
 
@@ -542,8 +547,10 @@ def _whole_step_fn(text_model, layers):
     norm = text_model.norm
 
     def step(h, *arrays):
-        offset = arrays[-1]
-        tlen = offset + 1  # once for every attention layer, as the write indices
+        # the position and key count in device memory (kernels.device_scalars), once for
+        # every attention layer, as the write indices
+        off4 = device_scalars(arrays[-1])
+        offset, tlen = off4[:1], (off4 + 1)[:1]
         idx = {}
         d = mx.fast.rms_norm(h, first.weight, first.eps)
         outs = []

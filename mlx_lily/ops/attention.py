@@ -162,7 +162,7 @@ def _dummy_len():
     """Stand-in for the decode kernel's ``tlen`` input when DYN_T is off (never read)."""
     a = _CONST_CACHE.get("len")
     if a is None:
-        a = _CONST_CACHE["len"] = mx.array([0], dtype=mx.int32)
+        a = _CONST_CACHE["len"] = kernels.const_array([0], mx.int32)
     return a
 
 
@@ -179,7 +179,7 @@ def _params(scale: float):
     key = ("scale", float(scale))
     a = _CONST_CACHE.get(key)
     if a is None:
-        a = mx.array([float(scale) * _LOG2E], dtype=mx.float32)
+        a = kernels.const_array([float(scale) * _LOG2E], mx.float32)
         _CONST_CACHE[key] = a
     return a
 
@@ -188,7 +188,7 @@ def _rope_params(eps, base, scale):
     key = ("rope", float(eps), float(base), float(scale))
     a = _CONST_CACHE.get(key)
     if a is None:
-        a = mx.array([float(eps), math.log2(float(base)), float(scale)], dtype=mx.float32)
+        a = kernels.const_array([float(eps), math.log2(float(base)), float(scale)], mx.float32)
         _CONST_CACHE[key] = a
     return a
 
@@ -266,7 +266,7 @@ def qk_norm_rope(queries, keys, q_norm_weight, k_norm_weight, eps, *, rope_dims,
     if isinstance(offset, mx.array):
         off = offset.reshape(1).astype(mx.int32)
     else:
-        off = mx.array([int(offset)], dtype=mx.int32)
+        off = kernels.device_scalars(mx.array([int(offset)], dtype=mx.int32))[:1]
     rope = _rope_params(eps, base, scale)
     q_out, k_out, _ = kern(
         inputs=[queries, keys, q_norm_weight, k_norm_weight, rope, off],
@@ -343,7 +343,7 @@ def qkv_norm_rope_packed(y, q_norm_weight, k_norm_weight, eps, *, n_heads, n_kv_
         if kernel is None:
             return None
     off = (offset.reshape(1).astype(mx.int32) if isinstance(offset, mx.array)
-           else mx.array([int(offset)], dtype=mx.int32))
+           else kernels.device_scalars(mx.array([int(offset)], dtype=mx.int32))[:1])
     extra = {} if init_value is None else {"init_value": init_value}
     q, k, v = kernel(
         inputs=[y, y, q_norm_weight, k_norm_weight, _rope_params(eps, base, scale), off],

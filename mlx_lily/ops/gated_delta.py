@@ -195,8 +195,8 @@ def _dummy(name):
     """Stand-in for an absent mask / lengths input (never read: HAS_MASK / HAS_LEN false)."""
     a = _DUMMY.get(name)
     if a is None:
-        a = _DUMMY[name] = (mx.array([True]) if name == "mask"
-                            else mx.array([0], dtype=mx.int32))
+        a = _DUMMY[name] = (_k.const_array([True], mx.bool_) if name == "mask"
+                            else _k.const_array([0], mx.int32))
     return a
 
 

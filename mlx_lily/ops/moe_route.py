@@ -35,7 +35,8 @@ MAX_KERNEL_EXPERTS = 1024  # static threadgroup arrays of the scan kernel scale 
 #            template IT (inds dtype), NE (experts).
 #   scan:    grid (256, 1, 1), threadgroup (256, 1, 1); template NE, TR (tile rows).
 #   scatter: grid (256*C, 1, 1), threadgroup (256, 1, 1); template IT, NE.
-# ``n_pairs`` is a 1-element int32 array (P), read as ``n_pairs[0]``.
+# ``n_pairs`` is an int32 array holding P at index 0 (``kernels.device_scalars``), read
+# as ``n_pairs[0]``.
 RANK = KernelSpec("moeg_route_rank", "moeg_route_rank", ("inds", "n_pairs"),
                   ("chunk_counts", "rank"))
 SCAN = KernelSpec("moeg_route_scan", "moeg_route_scan", ("chunk_counts", "n_pairs"),
@@ -146,7 +147,7 @@ def moe_route_kernels(inds: mx.array, num_experts: int, tile_rows: int,
     E = num_experts
     C = -(-P // CHUNK)
     T = max_tiles(P, E, tile_rows)
-    n = mx.array([P], dtype=mx.int32)
+    n = kernels.device_scalars(mx.array([P], dtype=mx.int32))
     i32 = mx.int32
     chunk_counts, rank = get_kernel(RANK)(
         inputs=[flat, n], output_shapes=[(C, E), (P,)], output_dtypes=[i32, i32],
