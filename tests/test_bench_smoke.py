@@ -19,3 +19,16 @@ def test_moe_decode_bench_emulated(tmp_path):
     assert {"moe_layer", "variants", "qgemv", "routed_variants", "norm_gemv_split"} <= set(res)
     assert all(row["max_rel_diff"] == 0 for row in res["norm_gemv_split"])  # same rounding
     assert len(res["routed_variants"]) == 14  # 7 gate+up shapes, 7 down shapes
+
+
+def test_qmm_dequant_bench_small(tmp_path):
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu" / "qmm_dequant_bench.py"),
+                        "--small", "--reps", "1", "--calls", "1", "--out", str(tmp_path)],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    res = json.loads((tmp_path / "qmm_dequant_bench.json").read_text())
+    rows = res["rows_by_shape"]
+    assert [row["shape"] for row in rows] == ["small 4-bit", "small 8-bit"]
+    for row in rows:
+        assert all(row[f"{k}_us"] > 0 for k in ("qmm", "deq_mm", "deq", "mm"))
+        assert row["max_rel_err"] < 0.1  # bf16-rounded dequantized weights vs qmm

@@ -1,0 +1,128 @@
+"""Prefill projections: MLX's quantized matmul vs ``prefill_dequant`` (dequantize + dense
+matmul), device-side time per call on Qwen3.6-35B-A3B's prefill shapes.
+
+For each projection of a 2048-token prefill chunk (bf16 activations, MLX 4-bit affine
+weights with group 64, the router 8-bit): ``mx.quantized_matmul`` (stock's path: MLX's
+``qmm_sm80`` / ``qmm_naive`` on CUDA), ``mlx_lily.ops.qmm_dequant.try_dequant``'s two
+steps (``mx.dequantize`` into scratch, then ``mx.matmul``), and each step alone. Times
+are GPU seconds (``mlx_lily.bench.gpu_clock``: the chain queued behind a spinning kernel,
+so host dispatch is not counted) of ``--calls`` calls, median of ``--reps``, per call.
+Prints a table and writes ``qmm_dequant_bench.json`` to ``--out``.
+
+    python benchmarks/gpu/qmm_dequant_bench.py --out DIR          # on MLX's CUDA backend
+    python benchmarks/gpu/qmm_dequant_bench.py --small --out DIR  # CPU smoke run (wall time)
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import mlx.core as mx
+
+#: (name, K inputs, O outputs, bits) of the projections prefill runs per layer.
+SHAPES = [
+    ("gdn in_proj fused", 2048, 12352, 4),
+    ("attn q|k|v fused", 2048, 9216, 4),
+    ("gdn out_proj / attn o_proj", 4096, 2048, 4),
+    ("shared expert gate|up", 2048, 1024, 4),
+    ("shared expert down", 512, 2048, 4),
+    ("router + shared gate (8-bit)", 2048, 257, 8),
+]
+SMALL_SHAPES = [("small 4-bit", 256, 320, 4), ("small 8-bit", 256, 72, 8)]
+
+
+def _weights(o: int, k: int, bits: int):
+    w = mx.random.normal((o, k)).astype(mx.bfloat16) * 0.02
+    q, s, b = mx.quantize(w, group_size=64, bits=bits)
+    mx.eval(q, s, b)
+    return q, s, b
+
+
+def _time(fn, x, calls: int, reps: int) -> dict:
+    """Seconds per call: device-side where ``gpu_clock`` works, else wall time."""
+    from mlx_lily.bench import gpu_clock
+
+    def chain(x0):
+        return [fn(x0) for _ in range(calls)]
+
+    if gpu_clock.available():
+        runs = [gpu_clock.time_chain(chain, x, spin_ms=50.0) for _ in range(reps)]
+        return {"s": statistics.median(r["gpu_s"] for r in runs) / calls,
+                "host_covered": all(r["host_covered"] for r in runs), "clock": "gpu"}
+    ts = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        mx.eval(chain(x))
+        ts.append(time.perf_counter() - t0)
+    return {"s": statistics.median(ts) / calls, "host_covered": None, "clock": "wall"}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--rows", type=int, default=2048, help="activation rows (tokens)")
+    ap.add_argument("--calls", type=int, default=8, help="calls per timed chain")
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--small", action="store_true", help="small shapes (CPU smoke run)")
+    a = ap.parse_args(argv)
+    from mlx_lily.ops.qmm_dequant import qmm_dequant_reference
+
+    shapes = SMALL_SHAPES if a.small else SHAPES
+    rows_n = 64 if a.small else a.rows
+    out = {"device": str(mx.default_device()), "mlx": mx.__version__, "rows": rows_n,
+           "calls": a.calls, "reps": a.reps, "rows_by_shape": []}
+    print(f"prefill projections, {rows_n} rows, per call (us; GPU time where available)")
+    print(f"{'shape':30s} {'K':>5s} {'O':>6s} {'b':>2s} {'qmm':>9s} {'deq+mm':>9s} "
+          f"{'deq':>8s} {'mm':>8s} {'qmm TF/s':>8s} {'d+m TF/s':>8s} {'rel err':>8s}")
+    for name, k, o, bits in shapes:
+        q, s, b = _weights(o, k, bits)
+        x = (mx.random.normal((rows_n, k)) * 0.5).astype(mx.bfloat16)
+        wd = mx.dequantize(q, scales=s, biases=b, group_size=64, bits=bits)
+        mx.eval(x, wd)
+
+        def qmm(x0):
+            return qmm_dequant_reference(x0, q, s, b, 64, bits)
+
+        def deq_mm(x0):
+            w = mx.dequantize(q, scales=s, biases=b, group_size=64, bits=bits)
+            return mx.matmul(x0, w.T)
+
+        def deq(x0):
+            # the dequantize pass alone; x0 joins through the scales (a pass over O*K/64
+            # values) so the chain waits for the spin
+            s0 = s + (x0[0, 0] * 0).astype(s.dtype)
+            return mx.dequantize(q, scales=s0, biases=b, group_size=64, bits=bits)
+
+        def mm(x0):
+            return mx.matmul(x0, wd.T)
+
+        row = {"shape": name, "K": k, "O": o, "bits": bits}
+        for label, fn in (("qmm", qmm), ("deq_mm", deq_mm), ("deq", deq), ("mm", mm)):
+            r = _time(fn, x, a.calls, a.reps)
+            row[f"{label}_us"] = 1e6 * r["s"]
+            row[f"{label}_host_covered"] = r["host_covered"]
+            row["clock"] = r["clock"]
+        flop = 2.0 * rows_n * k * o
+        row["qmm_tflops"] = flop / (row["qmm_us"] * 1e-6) / 1e12
+        row["deq_mm_tflops"] = flop / (row["deq_mm_us"] * 1e-6) / 1e12
+        ref = qmm(x).astype(mx.float32)
+        got = deq_mm(x).astype(mx.float32)
+        row["max_rel_err"] = (mx.abs(ref - got).max() / mx.abs(ref).max()).item()
+        out["rows_by_shape"].append(row)
+        print(f"{name:30s} {k:5d} {o:6d} {bits:2d} {row['qmm_us']:9.1f} {row['deq_mm_us']:9.1f} "
+              f"{row['deq_us']:8.1f} {row['mm_us']:8.1f} {row['qmm_tflops']:8.1f} "
+              f"{row['deq_mm_tflops']:8.1f} {row['max_rel_err']:8.2g}")
+    os.makedirs(a.out, exist_ok=True)
+    path = os.path.join(a.out, "qmm_dequant_bench.json")
+    with open(path, "w") as f:
+        json.dump(out, f, indent=1)
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
