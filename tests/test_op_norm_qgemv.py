@@ -208,7 +208,12 @@ def test_launch_shape_spreads_small_outputs(monkeypatch):
     without an entry keep it."""
     from mlx_lily.ops import qgemv as Q
 
-    assert Q.launch_shape(2048, 257, 8, "cuda") == (Q.NW, Q.RPW)  # none set (measured)
+    # none set (measured); 8-bit K 2048 is 4 words per lane per row: RPW capped to 2
+    assert Q.launch_shape(2048, 257, 8, "cuda") == (Q.NW, 2)
+    assert Q.launch_shape(4096, 2048, 4, "cuda") == (Q.NW, 2)
+    assert Q.launch_shape(2048, 9216, 4, "cuda") == (Q.NW, Q.RPW)
+    assert Q.launch_shape(512, 2048, 4, "cuda") == (Q.NW, Q.RPW)  # 1 word: RPW stays
+    assert Q.launch_shape(8192, 2048, 4, "cuda") == (Q.NW, 1)
     monkeypatch.setattr(Q, "MIN_BLOCKS", {"cuda": 128})
     assert Q.launch_shape(2048, 257, 8, "cuda") == (2, 1)
     assert -(-257 // Q.rows_per_block(2048, 8, 2, 1)) >= Q.MIN_BLOCKS["cuda"]

@@ -32,8 +32,10 @@ def rel_err(y, t):
 @pytest.fixture
 def as_cuda(monkeypatch):
     """The current backend reads "cuda" in the op module (the arrays stay on the CPU) and
-    every kernel switch is allowed; a counter of ``mx.dequantize`` calls."""
+    every kernel switch is allowed, small test weights pass ``MIN_OUT``; a counter of
+    ``mx.dequantize`` calls."""
     monkeypatch.setattr(Q, "current_backend", lambda: "cuda")
+    monkeypatch.setattr(Q, "MIN_OUT", 1)
     monkeypatch.setenv("MLX_LILY_KERNELS", "all")
     calls = []
     real = mx.dequantize
@@ -79,7 +81,9 @@ def test_not_served_cases(as_cuda, monkeypatch):
     assert Q.try_dequant(x, w, s, b, 64, 4, mode="mxfp4") is None
     monkeypatch.setattr(Q, "MAX_WEIGHT_ELEMENTS", 64 * 256 - 1)
     assert Q.try_dequant(x, w, s, b, 64, 4) is None  # weight over the scratch cap
-    monkeypatch.undo()
+    monkeypatch.setattr(Q, "MAX_WEIGHT_ELEMENTS", 1 << 26)
+    monkeypatch.setattr(Q, "MIN_OUT", 65)
+    assert Q.try_dequant(x, w, s, b, 64, 4) is None  # too few outputs (the router)
     assert as_cuda == []
 
 
@@ -150,14 +154,14 @@ def test_call_sites(as_cuda):
 @pytest.mark.gpu
 def test_gpu_production_dims(monkeypatch):
     """On MLX's CUDA backend: Qwen3.6-35B-A3B's prefill projections (GDN in_proj, out_proj,
-    the shared expert's gate) over a 2048-token chunk, NaN-free and within half-precision
+    the shared expert's down) over a 2048-token chunk, NaN-free and within half-precision
     rounding of the fp32 truth, no further than MLX's quantized_matmul."""
     from mlx_lily.backend import current_backend
 
     if current_backend() != "cuda":
         pytest.skip("needs MLX's CUDA backend")
     monkeypatch.setenv("MLX_LILY_KERNELS", "all")
-    for o, k in ((12352, 2048), (2048, 4096), (512, 2048)):
+    for o, k in ((12352, 2048), (2048, 4096), (2048, 512)):
         layer = qlinear(o, k, seed=o)
         x = mx.random.normal((1, 2048, k)).astype(mx.bfloat16)
         y = Q.try_dequant(x, layer.weight, layer.scales, layer.biases, 64, 4)

@@ -160,12 +160,15 @@ if has profile; then
   done
 fi
 # ktimes: per-kernel GPU time of decode steps under Nsight Compute (kernel_times.py;
-# KT_ARGS passes options, e.g. "--context 32768 --arms lily")
+# KT_ARGS passes options, e.g. "--context 32768 --arms lily": split on blanks, quotes stay
+# literal, so a --detail regex goes in KT_DETAIL instead, e.g. KT_DETAIL='norm_qgemv|down')
 if has ktimes; then
   say "== per-kernel GPU time (ncu)"
   mkdir -p "$W/ktimes"
+  kt_detail=()
+  [ -n "${KT_DETAIL:-}" ] && kt_detail=(--detail "$KT_DETAIL")
   (cd /tmp && timeout "${T_KT:-420}" python3 "$REPO/benchmarks/gpu/kernel_times.py" ${KT_ARGS:-} \
-     --out "$W/ktimes") > "$W/ktimes/kernel_times.log" 2>&1
+     ${kt_detail[@]+"${kt_detail[@]}"} --out "$W/ktimes") > "$W/ktimes/kernel_times.log" 2>&1
   head -70 "$W/ktimes/kernel_times.log" | tee -a "$S"; snapshot
 fi
 # jitsave: MLX's kernel caches (its default /tmp/mlx/<version>/ptx and the folder patch()

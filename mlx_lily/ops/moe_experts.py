@@ -79,12 +79,15 @@ DOWN_SPEC = kernels.KernelSpec(
 MAX_DECODE_ROWS = 8
 #: Launch shapes per kernel and backend: gate+up (warps per threadgroup NW, rows per lane
 #: group RPW), down (NW, RPW, slot groups SL: SL*NW warps per threadgroup, each serving
-#: every SL-th of the K+1 expert slots). CUDA gate+up: ``moe_decode_bench.py``'s variant
-#: sweep on the H200 (session 8; production dims, 40 independent layers per eval, us per
-#: layer, gate+up / down without slot groups): (4,4)/(4,2) 62.6, (4,2)/(4,1) 75.4,
-#: (8,2)/(8,2) 77.5, (2,4)/(2,4) 77.4, (4,8)/(4,4) 48.7. CUDA down: ncu on the H200
-#: (session 8) read 45.7 us per call for (4,4) without slot groups (256 warps for 4.7 MB,
-#: each lane walking all 9 slots) and 26.7 us for (4,2,3) (1536 warps of 3 slots).
+#: every SL-th of the K+1 expert slots). The CUDA bodies hold every weight word of a
+#: lane's rows in registers before the math (session 9), so RPW sets registers: gate+up
+#: at RPW 8 needs 255 per thread, at 4 166. CUDA, H200, session 9 (``moe_decode_bench.py``,
+#: routed path, 40 chained layers, device-side us per layer for gate+up + down (4,2,3)):
+#: gate+up (4,4) 30.9 and 25.0 in two runs, (4,2) 30.5, (8,2) 26.3, (8,1) 29.8, (4,1) 32.5,
+#: (2,4) 29.9, (4,8) 36.1; down at gate+up (4,4): (4,2,1) 35.0, (4,1,3) 30.6, (4,4,3)
+#: 29.9, (2,2,9) 30.6, (8,1,3) 31.7, (2,1,9) 31.2. Differences under the ~6 us spread of
+#: the repeated default are not acted on; ncu read 13.8 us per gate+up call and 24.6 per
+#: down call at these defaults (4K decode step).
 GATE_UP_SHAPE = {"cuda": (4, 4), "metal": (4, 4)}
 DOWN_SHAPE = {"cuda": (4, 2, 3), "metal": (4, 2, 1)}
 #: Most threads per threadgroup a launch shape may ask for (CUDA's limit; Metal's shapes

@@ -34,6 +34,12 @@ RPW = 4
 #: RPW 4) and 23.3 us on 129 (NW 2, RPW 1, from MIN_BLOCKS 128): every threadgroup pays
 #: the norm prologue.
 MIN_BLOCKS: dict = {}
+#: Most 16-byte weight words a lane holds at once (the CUDA body loads all of a lane's
+#: words before its math): ``launch_shape`` lowers RPW to ``cap // steps`` per backend.
+#: H200, session 9 (``moe_decode_bench.py``, device-side us per call, dependent chains):
+#: out_proj 4096 -> 2048 (4 steps) NW 4 RPW 2 6.3 vs RPW 4 8.5; 8-bit router 2048 -> 257
+#: (4 steps) 6.2 vs 6.9; 2-step shapes (q|k|v, in_proj) best at RPW 4 (7.4, 8.4).
+MAX_WORDS_PER_LANE: dict = {"cuda": 8}
 #: Whether ``QProj.__call__`` routes one-row inputs to this kernel, per backend. The
 #: GPU bench (``benchmarks/gpu/moe_decode_bench.py``) prints kernel vs MLX qmv times;
 #: flip an entry to False where MLX's own qmv is faster.
@@ -76,13 +82,17 @@ def rows_per_block(k: int, bits: int, nw: int = NW, rpw: int = RPW) -> int:
 
 
 def launch_shape(k: int, o: int, bits: int, backend: str) -> tuple[int, int]:
-    """``(NW, RPW)`` for an ``o``-row GEMV over ``k`` inputs on ``backend``: ``(NW, RPW)``,
-    then RPW and after it NW halved while the grid has fewer than ``MIN_BLOCKS[backend]``
+    """``(NW, RPW)`` for an ``o``-row GEMV over ``k`` inputs on ``backend``: ``(NW, RPW)``
+    with RPW capped by ``MAX_WORDS_PER_LANE[backend]``, then RPW and after it NW halved while the grid has fewer than ``MIN_BLOCKS[backend]``
     threadgroups (small ``o``: the router). Raises ValueError when ``k``/``bits`` do not
     map onto lane groups (``lanes_per_row``)."""
-    if lanes_per_row(k, bits) is None:
+    lpr = lanes_per_row(k, bits)
+    if lpr is None:
         raise ValueError(f"qgemv: K={k} at {bits} bits does not map onto lane groups")
     nw, rpw = NW, RPW
+    cap = MAX_WORDS_PER_LANE.get(backend)
+    if cap:
+        rpw = max(1, min(rpw, cap // (k * bits // 128 // lpr)))
     want = MIN_BLOCKS.get(backend, 0)
     while -(-o // rows_per_block(k, bits, nw, rpw)) < want and rpw > 1:
         rpw //= 2

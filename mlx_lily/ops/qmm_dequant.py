@@ -11,11 +11,19 @@ and hands the product to MLX's dense matmul (cuBLAS on CUDA). The dequantized we
 scratch of one projection (at most 50.6 MB for Qwen3.6's fused GDN input projection) that
 MLX frees or reuses after the call; nothing is kept.
 
+Measured on the H200 (session 9, ``benchmarks/gpu/qmm_dequant_bench.py``, 2048 rows,
+device-side time per call, ``benchmarks/results/2026-11-30-cuda-h200-session9/``): against
+``quantized_matmul`` the path saved 547 us on the fused GDN input projection (2048 ->
+12352), 433 us on attention q|k|v (2048 -> 9216), 232 us on ``out_proj``/``o_proj``
+(4096 -> 2048), 48 us on the shared expert's fused gate|up (2048 -> 1024) and 23 us on its
+down (512 -> 2048), with bit-identical outputs at 4 bits; on the 8-bit router (2048 -> 257)
+it lost 354 us (the dense matmul with 257 outputs is slow), hence ``MIN_OUT``.
+
 The switch ``prefill_dequant`` (kill switch ``MLX_LILY_DISABLE=prefill_dequant``) serves
-only on CUDA, for at least ``MIN_ROWS`` activation rows, affine mode with biases, and
-activations of the scales' dtype (bf16 or fp16), so the result dtype is stock's. Not in
-``kernels.VERIFIED`` yet (not measured on a GPU): it runs under ``MLX_LILY_KERNELS=all`` or
-a list naming it.
+only on CUDA, for at least ``MIN_ROWS`` activation rows and ``MIN_OUT`` outputs, affine
+mode with biases, and activations of the scales' dtype (bf16 or fp16), so the result dtype
+is stock's. Not in ``kernels.VERIFIED`` yet (the A/B gate has not run with it on): it runs
+under ``MLX_LILY_KERNELS=all`` or a list naming it.
 """
 
 from __future__ import annotations
@@ -29,6 +37,8 @@ NAME = "prefill_dequant"
 
 #: Fewest activation rows (tokens) for which the dequantize pass pays, per backend.
 MIN_ROWS = {"cuda": 256}
+#: Fewest weight rows (outputs): the 8-bit router (257) was slower this way.
+MIN_OUT = 1024
 #: Largest weight (output x input elements) dequantized as scratch: 128 MiB in bf16. The
 #: LM head (248320 x 2048) stays on ``quantized_matmul``.
 MAX_WEIGHT_ELEMENTS = 1 << 26
@@ -53,11 +63,12 @@ def has_kernel(backend: str) -> bool:
 def supports(x: mx.array, w: mx.array, scales, biases, group_size, bits, mode,
              backend: str) -> bool:
     """True when the path computes this call on ``backend``: enough rows, a weight of at
-    most ``MAX_WEIGHT_ELEMENTS``, affine mode with biases, 4 or 8 bits, and ``x`` in the
+    least ``MIN_OUT`` rows and at most ``MAX_WEIGHT_ELEMENTS``, affine mode with biases, 4 or 8 bits, and ``x`` in the
     scales' dtype (bf16 or fp16)."""
     rows = x.size // x.shape[-1] if x.ndim and x.shape[-1] else 0
     return (rows >= MIN_ROWS.get(backend, 1 << 62) and (mode or "affine") == "affine"
-            and w.ndim == 2 and w.shape[0] * x.shape[-1] <= MAX_WEIGHT_ELEMENTS
+            and w.ndim == 2 and w.shape[0] >= MIN_OUT
+            and w.shape[0] * x.shape[-1] <= MAX_WEIGHT_ELEMENTS
             and biases is not None and scales is not None and bits in (4, 8)
             and x.dtype in _DTYPES and scales.dtype == x.dtype and biases.dtype == x.dtype
             and w.dtype == mx.uint32 and w.shape[1] * 32 == x.shape[-1] * bits)
