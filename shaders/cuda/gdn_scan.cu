@@ -7,7 +7,8 @@
 // @threadgroup (32*WPB, 1, 1)
 // @ensure_row_contiguous false
 // CUDA twin of shaders/metal/gdn_scan.metal (register-resident sequential scan, one
-// warp-shuffle reduction round per step, next step's raw inputs loaded one iteration
+// warp-shuffle reduction round per step; the raw inputs of the next PF steps are held in a
+// register ring, PF from the registers a step takes, where the Metal twin loads one step
 // ahead). q/k arrive as fp32 (bf16-rounded values; no conversions in the loop), read
 // with 16-byte loads (qn/kn are MLX allocations, lane chunks of Dk/LPR floats).
 
@@ -66,81 +67,92 @@ __device__ __forceinline__ void lily_ld4(const float* p, float (&o)[E]) {
   const float* bp = beta + int64_t(bi) * T_ * Hv + h;
   T* yp = y + (int64_t(bi) * T_ * Hv + h) * Dv + r0;
 
-  // raw inputs of the next step, loaded one iteration ahead; converted at its start
-  float kr[E], qr[E];
-  T vr[RPL];
-  float gr = 0.0f, br = 0.0f;
-  if (T_ > 0) {
-    lily_ld4<E>(kp, kr);
-    lily_ld4<E>(qp, qr);
+  // raw inputs of the next PF steps in a register ring (slot u holds step t0 + u): a step
+  // is a short dependent chain, one step of lead does not cover an L2/DRAM round trip
+  constexpr int SLOT = 2 * E + RPL + 2;  // registers per buffered step
+  constexpr int PF = SLOT * 8 <= 112 ? 8 : (112 / SLOT < 1 ? 1 : 112 / SLOT);
+  float kr[PF][E], qr[PF][E], gr[PF], br[PF];
+  T vr[PF][RPL];
 #pragma unroll
-    for (int i = 0; i < RPL; ++i) {
-      vr[i] = vp[i];
+  for (int u = 0; u < PF; ++u) {
+    if (u < T_) {
+      const int64_t o = int64_t(u);
+      lily_ld4<E>(kp + o * QK_STEP, kr[u]);
+      lily_ld4<E>(qp + o * QK_STEP, qr[u]);
+#pragma unroll
+      for (int i = 0; i < RPL; ++i) {
+        vr[u][i] = vp[o * V_STEP + i];
+      }
+      gr[u] = gp[o * Hv];
+      br[u] = bp[o * Hv];
     }
-    gr = gp[0];
-    br = bp[0];
   }
 
-  for (int t = 0; t < T_; ++t) {
-    float kc[E], qc[E], vc[RPL];
+  for (int t0 = 0; t0 < T_; t0 += PF) {
 #pragma unroll
-    for (int j = 0; j < E; ++j) {
-      kc[j] = kr[j];
-      qc[j] = qr[j];
-    }
+    for (int u = 0; u < PF; ++u) {
+      const int t = t0 + u;
+      if (t >= T_) break;  // T_ is the same for every lane
+      float kc[E], qc[E], vc[RPL];
 #pragma unroll
-    for (int i = 0; i < RPL; ++i) {
-      vc[i] = static_cast<float>(vr[i]);
-    }
-    const float gc = gr, bc = br;
-    if (t + 1 < T_) {
-      const int64_t o = int64_t(t + 1);
-      lily_ld4<E>(kp + o * QK_STEP, kr);
-      lily_ld4<E>(qp + o * QK_STEP, qr);
+      for (int j = 0; j < E; ++j) {
+        kc[j] = kr[u][j];
+        qc[j] = qr[u][j];
+      }
 #pragma unroll
       for (int i = 0; i < RPL; ++i) {
-        vr[i] = vp[o * V_STEP + i];
+        vc[i] = static_cast<float>(vr[u][i]);
       }
-      gr = gp[o * Hv];
-      br = bp[o * Hv];
-    }
+      const float gc = gr[u], bc = br[u];
+      if (t + PF < T_) {
+        const int64_t o = int64_t(t + PF);
+        lily_ld4<E>(kp + o * QK_STEP, kr[u]);
+        lily_ld4<E>(qp + o * QK_STEP, qr[u]);
+#pragma unroll
+        for (int i = 0; i < RPL; ++i) {
+          vr[u][i] = vp[o * V_STEP + i];
+        }
+        gr[u] = gp[o * Hv];
+        br[u] = bp[o * Hv];
+      }
 
-    float pkq = 0.0f;
-    float pk[RPL], py[RPL];
-#pragma unroll
-    for (int j = 0; j < E; ++j) {
-      pkq += kc[j] * qc[j];
-    }
-#pragma unroll
-    for (int i = 0; i < RPL; ++i) {
-      float ak = 0.0f, ay = 0.0f;
+      float pkq = 0.0f;
+      float pk[RPL], py[RPL];
 #pragma unroll
       for (int j = 0; j < E; ++j) {
-        ak += s[i][j] * kc[j];
-        ay += s[i][j] * qc[j];
+        pkq += kc[j] * qc[j];
       }
-      pk[i] = ak;
-      py[i] = ay;
-    }
-#pragma unroll
-    for (int m = 1; m < LPR; m <<= 1) {
-      pkq += __shfl_xor_sync(0xffffffffu, pkq, m);
 #pragma unroll
       for (int i = 0; i < RPL; ++i) {
-        pk[i] += __shfl_xor_sync(0xffffffffu, pk[i], m);
-        py[i] += __shfl_xor_sync(0xffffffffu, py[i], m);
-      }
-    }
+        float ak = 0.0f, ay = 0.0f;
 #pragma unroll
-    for (int i = 0; i < RPL; ++i) {
-      const float delta = (vc[i] - gc * pk[i]) * bc;
-      const float yy = gc * py[i] + delta * pkq;
-#pragma unroll
-      for (int j = 0; j < E; ++j) {
-        s[i][j] = fmaf(gc, s[i][j], delta * kc[j]);
+        for (int j = 0; j < E; ++j) {
+          ak += s[i][j] * kc[j];
+          ay += s[i][j] * qc[j];
+        }
+        pk[i] = ak;
+        py[i] = ay;
       }
-      if (li == i % LPR) {
-        yp[int64_t(t) * V_STEP + i] = static_cast<T>(yy);
+#pragma unroll
+      for (int m = 1; m < LPR; m <<= 1) {
+        pkq += __shfl_xor_sync(0xffffffffu, pkq, m);
+#pragma unroll
+        for (int i = 0; i < RPL; ++i) {
+          pk[i] += __shfl_xor_sync(0xffffffffu, pk[i], m);
+          py[i] += __shfl_xor_sync(0xffffffffu, py[i], m);
+        }
+      }
+#pragma unroll
+      for (int i = 0; i < RPL; ++i) {
+        const float delta = (vc[i] - gc * pk[i]) * bc;
+        const float yy = gc * py[i] + delta * pkq;
+#pragma unroll
+        for (int j = 0; j < E; ++j) {
+          s[i][j] = fmaf(gc, s[i][j], delta * kc[j]);
+        }
+        if (li == i % LPR) {
+          yp[int64_t(t) * V_STEP + i] = static_cast<T>(yy);
+        }
       }
     }
   }
