@@ -223,6 +223,41 @@ def test_launch_shapes_per_backend():
     assert M.launch_shapes("cpu") == M.launch_shapes("metal")
 
 
+def test_fit_launch_shapes_register_budget():
+    """CUDA: the production dims keep the tuned shapes; larger I or D lower RPW until the
+    register estimate fits the launch (nvcc 13 counts: down at I=4096, RPW 2 needed 240
+    registers where 384 threads allow 170); what cannot fit goes to the reference; Metal
+    keeps its shapes."""
+    gu, dn = M.launch_shapes("cuda")
+    assert M.fit_launch_shapes(2048, 512, 8, 4, "cuda") == (gu, dn)
+    assert M.fit_launch_shapes(2048, 4096, 8, 4, "cuda") == (gu, (dn[0], 1, dn[2]))
+    assert M.fit_launch_shapes(4096, 512, 8, 4, "cuda")[0] == (gu[0], gu[1] // 2)
+    assert M.fit_launch_shapes(2048, 2048, 10, 8, "cuda") is None
+    assert M.fit_launch_shapes(2048, 2048, 10, 8, "metal") == M.launch_shapes("metal")
+    assert M.fit_launch_shapes(2048, 100, 8, 4, "cuda") is None  # I maps onto no lanes
+    for d, i, k, bits in ((2048, 512, 8, 4), (2048, 4096, 8, 4), (4096, 512, 8, 4)):
+        (nw, rpw), (nwd, rpwd, sl) = M.fit_launch_shapes(d, i, k, bits, "cuda")
+        assert M._fits("gate_up", M._lane_words(d, bits, rpw, 2), 32 * nw)
+        assert M._fits("down", M._lane_words(i, bits, rpwd, -(-(k + 1) // sl)), 32 * nwd * sl)
+    # the model against session 9's counts: production gate+up 16 words 166 registers,
+    # down 6 words 94 at 384 threads, router-free shapes over the budget rejected
+    assert M._lane_words(2048, 4, 4, 2) == 16 and M._fits("gate_up", 16, 128)
+    assert M._lane_words(512, 4, 2, 3) == 6 and M._fits("down", 6, 384)
+    assert not M._fits("down", M._lane_words(4096, 4, 2, 3), 384)
+
+
+def test_supports_decode_needs_a_fitting_shape(monkeypatch):
+    blk = make_block()
+    wts = M.decode_weights(blk.switch_mlp, blk.shared_expert)
+    x = mx.zeros((1, 1, 256), dtype=mx.bfloat16)
+    inds = mx.zeros((1, 1, 4), dtype=mx.uint32)
+    scores = mx.zeros((1, 1, 4), dtype=mx.bfloat16)
+    shared = mx.zeros((1, 1, 1), dtype=mx.bfloat16)
+    assert M.supports_decode(x, inds, scores, shared, wts)
+    monkeypatch.setattr(M, "fit_launch_shapes", lambda *a, **k: None)
+    assert not M.supports_decode(x, inds, scores, shared, wts)
+
+
 def test_decode_plan_rejects_bad_launch_shapes():
     blk = make_block()
     wts = M.decode_weights(blk.switch_mlp, blk.shared_expert)

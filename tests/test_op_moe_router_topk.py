@@ -327,7 +327,7 @@ def test_cuda_twin_compiles():
         body, head,
         template=[("T", bf), ("S", bf), ("D", 2048), ("E", 256), ("K", 8), ("BITS", 8),
                   ("GS", 64), ("HAS_SHARED", True), ("NORM", True), ("NW", R.NW),
-                  ("RPW", R.router_rpw(257, 2048, 8)), ("PRE_NORM", True)])
+                  ("RPW", R.router_rpw(257, 2048, 8, backend="cuda")), ("PRE_NORM", True)])
 
 
 def test_metal_twin_lints_with_small_inputs():
@@ -425,3 +425,23 @@ def test_supports_bounds_the_staged_row_bytes():
         gate = nn.QuantizedLinear.from_linear(_linear(d, 16), 64, 8)
         proj = QProj.fuse([gate])
         assert R.supports(mx.zeros((1, d), dt), proj, 4) is ok, (d, dt)
+
+
+def test_router_rpw_caps_words_on_cuda_only():
+    assert R.router_rpw(257, 2048, 8, backend="cuda") == 2  # 4 words per row
+    assert R.router_rpw(257, 2048, 4, backend="cuda") == 4  # 2 words per row
+    assert R.router_rpw(257, 2048, 8, backend="metal") == 9  # two passes, no cap
+
+
+def test_supports_bounds_the_words_per_lane_on_cuda(monkeypatch):
+    """On CUDA a lane holds a row's weight words in registers at 512 threads: an 8-bit
+    row of 8192 (16 words per lane) would need 156 registers where 128 are allowed
+    (nvcc 13); 4096 (8 words) and a 4-bit 8192 (8 words) fit. Other backends: no bound."""
+    monkeypatch.setattr(R, "current_backend", lambda: "cuda")
+    for d, bits, ok in ((8192, 8, False), (4096, 8, True), (8192, 4, True)):
+        gate = nn.QuantizedLinear.from_linear(_linear(d, 16), 64, bits)
+        proj = QProj.fuse([gate])
+        assert R.supports(mx.zeros((1, d), mx.bfloat16), proj, 4) is ok, (d, bits)
+    monkeypatch.setattr(R, "current_backend", lambda: "metal")
+    gate = nn.QuantizedLinear.from_linear(_linear(8192, 16), 64, 8)
+    assert R.supports(mx.zeros((1, 8192), mx.bfloat16), QProj.fuse([gate]), 4)

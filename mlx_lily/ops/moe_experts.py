@@ -104,6 +104,53 @@ def launch_shapes(backend: str) -> tuple[tuple[int, int], tuple[int, int, int]]:
     b = backend if backend in GATE_UP_SHAPE else "metal"
     return GATE_UP_SHAPE[b], DOWN_SHAPE[b]
 
+
+#: CUDA register estimate of the decode kernels, whose bodies hold every 16-byte weight
+#: word of a lane's rows in registers (``LilyRowTile``): registers per thread = BASE +
+#: PER_WORD * words, fitted to nvcc 13 (sm_90a) counts of session 9: gate+up 96 / 166 /
+#: 255 at 8 / 16 / 32 words, down 63 / 94 / 128 at 3 / 6 / 12 words; a launch may use at
+#: most min(255, 65536 / threads). Shapes over it lower RPW (``fit_launch_shapes``) or
+#: take the reference path: "too many resources requested for launch" otherwise.
+REG_MODEL = {"gate_up": (30, 9), "down": (40, 9)}
+
+
+def _lane_words(k_in: int, bits: int, rpw: int, per_row: int = 1) -> int:
+    """16-byte weight words one lane holds: ``per_row`` rows' worth of its ``rpw`` rows
+    over ``k_in`` inputs."""
+    kw = k_in * bits // 128
+    return per_row * (kw // min(32, kw)) * rpw
+
+
+def _fits(kind: str, words: int, threads: int) -> bool:
+    base, per = REG_MODEL[kind]
+    return base + per * words <= min(255, 65536 // threads)
+
+
+def fit_launch_shapes(d: int, i: int, k: int, bits: int, backend: str,
+                      gate_up=None, down=None):
+    """``(gate_up, down)`` launch shapes for hidden ``d``, intermediate ``i``, top-``k``:
+    the backend's (or the given) shapes, on CUDA with RPW halved while ``REG_MODEL``
+    says a thread needs more registers than the launch allows. None when even RPW 1 does
+    not fit, or when ``d``/``i`` do not map onto lane groups (the caller takes the
+    reference path)."""
+    gu0, dn0 = launch_shapes(backend)
+    nw, rpw = gate_up or gu0
+    dn = tuple(down or dn0)
+    nwd, rpwd, sl = dn if len(dn) == 3 else (*dn, 1)
+    if qgemv.lanes_per_row(d, bits) is None or qgemv.lanes_per_row(i, bits) is None:
+        return None
+    if backend != "cuda":
+        return (nw, rpw), (nwd, rpwd, sl)
+    ns = -(-(k + 1) // sl)  # expert slots one down warp walks
+    while rpw > 1 and not _fits("gate_up", _lane_words(d, bits, rpw, 2), 32 * nw):
+        rpw //= 2
+    while rpwd > 1 and not _fits("down", _lane_words(i, bits, rpwd, ns), 32 * nwd * sl):
+        rpwd //= 2
+    if not (_fits("gate_up", _lane_words(d, bits, rpw, 2), 32 * nw)
+            and _fits("down", _lane_words(i, bits, rpwd, ns), 32 * nwd * sl)):
+        return None
+    return (nw, rpw), (nwd, rpwd, sl)
+
 _FLOATS = (mx.bfloat16, mx.float16, mx.float32)
 
 
@@ -206,7 +253,7 @@ def supports_decode(x: mx.array, inds: mx.array, scores: mx.array, shared,
         return False
     if residual is not None and residual.shape != x.shape:
         return False
-    return True
+    return fit_launch_shapes(d, wts.inter, k, wts.bits, current_backend()) is not None
 
 
 def decode_plan(k_gate_up, k_down, wts: DecodeWeights, x_shape, x_dtype, k: int,
@@ -236,8 +283,11 @@ def decode_plan(k_gate_up, k_down, wts: DecodeWeights, x_shape, x_dtype, k: int,
     extra = {} if init_value is None else {"init_value": init_value}
 
     if gate_up is None or down is None:
-        gu0, dn0 = launch_shapes(current_backend())
-        gate_up, down = gate_up or gu0, down or dn0
+        fit = fit_launch_shapes(d, i, k, wts.bits, current_backend(), gate_up, down)
+        if fit is None:
+            raise ValueError(f"moe_experts: no launch shape fits the registers at D={d} "
+                             f"I={i} k={k} ({wts.bits}-bit): the reference serves it")
+        gate_up, down = fit
     nw, rpw = gate_up
     dn = tuple(down) if len(down) == 3 else (*down, 1)
     if (min(nw, rpw, *dn) < 1 or 32 * nw > MAX_THREADS
@@ -414,7 +464,8 @@ def routed_supported(router, k: int, wts: DecodeWeights | None, x_shape, x_dtype
     for s_ in x_shape[:-1]:
         rows *= s_
     return (d == wts.hidden and 1 <= rows <= MAX_DECODE_ROWS
-            and d * x_dtype.size + 4 * (k + 4 + GATE_UP_NW) <= MAX_THREADGROUP_BYTES)
+            and d * x_dtype.size + 4 * (k + 4 + GATE_UP_NW) <= MAX_THREADGROUP_BYTES
+            and fit_launch_shapes(d, wts.inter, k, wts.bits, current_backend()) is not None)
 
 
 #: Threadgroup memory the gate+up kernel may take (Apple's per-threadgroup limit), and the

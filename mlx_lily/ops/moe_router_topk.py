@@ -111,7 +111,8 @@ def supports(x: mx.array, router, k: int) -> bool:
     """True when the router kernel computes this call: ``router`` is a quantized
     ``QProj`` (affine, 4/8-bit, group 32/64/128) with parts ``(E,)`` or ``(E, 1)``
     (logits, shared-expert gate), ``k <= min(32, E)``, float activations, at most
-    ``MAX_ROWS`` rows, and an input width the lane mapping covers."""
+    ``MAX_ROWS`` rows, and an input width the lane mapping covers (on CUDA with at most
+    ``MAX_WORDS_PER_LANE`` weight words per lane for one row: D <= 4096 at 8 bits)."""
     if not isinstance(router, QProj) or not router.quantized:
         return False
     if (router.mode or "affine") != "affine" or router.bits not in (4, 8):
@@ -131,20 +132,26 @@ def supports(x: mx.array, router, k: int) -> bool:
         return False
     if router.weight.shape[1] * 32 != d * router.bits or d % router.group_size:
         return False
-    if qgemv.lanes_per_row(d, router.bits) is None:
+    lpr = qgemv.lanes_per_row(d, router.bits)
+    if lpr is None:
         return False
+    if current_backend() == "cuda" and d * router.bits // 128 // lpr > MAX_WORDS_PER_LANE:
+        return False  # even one row per lane holds more words than registers allow
     rows = x.size // d
     return 1 <= rows <= MAX_ROWS
 
 
-def router_rpw(rows: int, d: int, bits: int, nw: int = NW) -> int:
+def router_rpw(rows: int, d: int, bits: int, nw: int = NW, backend: str | None = None) -> int:
     """Rows per lane group so that ``rows`` router rows take about two passes of the
-    threadgroup (loads in flight vs registers), clamped to ``[1, MAX_RPW]`` and to
-    ``MAX_WORDS_PER_LANE`` weight words per lane."""
+    threadgroup (loads in flight vs registers), clamped to ``[1, MAX_RPW]`` and on CUDA
+    (``backend``, default the current one) to ``MAX_WORDS_PER_LANE`` weight words per
+    lane (the Metal body keeps no such tile)."""
     lpr = qgemv.lanes_per_row(d, bits)
     groups = nw * (32 // lpr)
     steps = d * bits // 128 // lpr
-    cap = max(1, min(MAX_RPW, MAX_WORDS_PER_LANE // steps))
+    cap = MAX_RPW
+    if (backend or current_backend()) == "cuda":
+        cap = max(1, min(MAX_RPW, MAX_WORDS_PER_LANE // steps))
     return max(1, min(cap, -(-rows // (2 * groups))))
 
 
