@@ -151,6 +151,10 @@ def fit_launch_shapes(d: int, i: int, k: int, bits: int, backend: str,
         return None
     return (nw, rpw), (nwd, rpwd, sl)
 
+#: Elements allocated per row for the routed gate+up kernel's shared-gate output (it
+#: writes n values at the front; 16 bytes per row at bf16).
+SHARED_PAD = 8
+
 _FLOATS = (mx.bfloat16, mx.float16, mx.float32)
 
 
@@ -296,7 +300,9 @@ def decode_plan(k_gate_up, k_down, wts: DecodeWeights, x_shape, x_dtype, k: int,
                          f"down={tuple(down)} (each >= 1, at most {MAX_THREADS} threads)")
     tg = 32 * nw
     rpb = nw * (32 // qgemv.lanes_per_row(d, wts.bits)) * rpw
-    route_shapes = ([lead + (k,), lead + (k,), lead + (1,)] if topk
+    # the shared gate: n values at the front of an (n * SHARED_PAD,) buffer, so that it is
+    # not one of MLX's <= 8-byte arrays the GPU reads from host memory (kernels.SCALAR_ELEMS)
+    route_shapes = ([lead + (k,), lead + (k,), (n * SHARED_PAD,)] if topk
                     else [(1,), (1,), (1,)])
     kw1 = dict(template=common + [("NW", nw), ("RPW", rpw), ("TOPK", bool(topk)),
                                   ("NORM", bool(norm_topk_prob)),
@@ -328,7 +334,7 @@ def decode_plan(k_gate_up, k_down, wts: DecodeWeights, x_shape, x_dtype, k: int,
                 tail = [logits, x, x, x, no_eps]
             h, inds, scores, shared = k_gate_up(inputs=[x, no_inds, *w1, *tail], **kw1)
             y = k_down(inputs=[h, inds, scores, shared, *w2, scores], **kw2)[0]
-            return y, inds, scores, shared
+            return y, inds, scores, shared[:n].reshape(lead + (1,))
 
         return run_routed
 

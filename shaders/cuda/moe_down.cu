@@ -1,5 +1,5 @@
 // @kernel lily_moe_down
-// @inputs h[N,K+1,I]:T inds[N,K]:uint32 scores[N,K]:T shared[N,1]:T down_w[E,D,I*BITS/32]:uint32 down_s[E,D,I/GS]:S down_b[E,D,I/GS]:S sdown_w[D,I*BITS/32]:uint32 sdown_s[D,I/GS]:S sdown_b[D,I/GS]:S res[N,D]:T
+// @inputs h[N,K+1,I]:T inds[N,K]:uint32 scores[N,K]:T shared[N]:T (value n at index n of a buffer of >= N) down_w[E,D,I*BITS/32]:uint32 down_s[E,D,I/GS]:S down_b[E,D,I/GS]:S sdown_w[D,I*BITS/32]:uint32 sdown_s[D,I/GS]:S sdown_b[D,I/GS]:S res[N,D]:T
 // @outputs y[N,D]:T
 // @template T=bfloat16 S=bfloat16 D=2048 I=512 K=8 E=256 BITS=4 GS=64 NW=4 RPW=2 SL=3 RES=false
 // @template T=float32 S=float16 D=128 I=64 K=3 E=5 BITS=8 GS=64 NW=4 RPW=2 SL=1 RES=true

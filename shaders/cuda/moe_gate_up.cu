@@ -1,6 +1,6 @@
 // @kernel lily_moe_gate_up
 // @inputs x[N,D]:T inds[N,K]:uint32 gate_w[E,I,D*BITS/32]:uint32 gate_s[E,I,D/GS]:S gate_b[E,I,D/GS]:S up_w[E,I,D*BITS/32]:uint32 up_s[E,I,D/GS]:S up_b[E,I,D/GS]:S sgate_w[I,D*BITS/32]:uint32 sgate_s[I,D/GS]:S sgate_b[I,D/GS]:S sup_w[I,D*BITS/32]:uint32 sup_s[I,D/GS]:S sup_b[I,D/GS]:S logits[N,E+1]:T hin[N,D]:T res[N,D]:T nw[D]:T eps[1]:float32
-// @outputs h[N,K+1,I]:T inds_o[N,K]:uint32 scores_o[N,K]:T shared_o[N,1]:T   (the last three: [1], unwritten, unless TOPK)
+// @outputs h[N,K+1,I]:T inds_o[N,K]:uint32 scores_o[N,K]:T shared_o[N*8]:T   (the last three: [1], unwritten, unless TOPK; shared_o: value n at index n, the rest padding)
 // @template T=bfloat16 S=bfloat16 D=2048 I=512 K=8 E=256 BITS=4 GS=64 NW=4 RPW=4 TOPK=true NORM=true PRE_NORM=true
 // @template T=float32 S=float16 D=128 I=64 K=3 E=5 BITS=4 GS=32 NW=4 RPW=4 TOPK=false NORM=false PRE_NORM=false
 // @grid (ceil(I/RPB)*32*NW, K+1, N)   RPB = NW*(32/LPR)*RPW, LPR = min(32, D*BITS/128)
