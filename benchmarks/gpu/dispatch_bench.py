@@ -1,0 +1,104 @@
+"""Host cost per custom-kernel launch on MLX's CUDA backend, with and without large input
+arrays: does MLX's graph-commit rule make a decode step's many expert-weight inputs
+expensive?
+
+MLX 0.32's CUDA command encoder (``backend/cuda/device.cpp``, read, not copied) adds each
+input's whole ``data_size`` to the bytes of the graph being built and commits the graph
+(update + launch) once they exceed ``MLX_MAX_MB_PER_BUFFER`` (1000 MB on sm_90), besides
+every ``MLX_MAX_OPS_PER_BUFFER`` (100) nodes. Lily's expert kernels take all experts'
+weights (~434 MiB per MoE layer), so a decode step would commit every ~2.3 layers. This
+script times chains of a trivial kernel (copy 1024 floats) that also takes ``--inputs``
+arrays of 8 bytes .. ``--big-mb`` MiB (never read), one process, alternating variants:
+host seconds to dispatch the chain (``mx.async_eval``) and wall seconds to finish it, per
+launch, medians. Prints a table; writes ``dispatch_bench.json`` to ``--out``.
+
+    python benchmarks/gpu/dispatch_bench.py --out DIR   # on MLX's CUDA backend
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import mlx.core as mx
+
+_SRC = """
+  const int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i < N) y[i] = x[i] + 1.0f;
+"""
+
+
+def _kernel(n_extra: int):
+    names = ["x"] + [f"w{i}" for i in range(n_extra)]
+    return mx.fast.cuda_kernel(name=f"lily_dispatch_probe{n_extra}", input_names=names,
+                               output_names=["y"], source=_SRC)
+
+
+def _chain(kern, x, extras, length: int):
+    for _ in range(length):
+        (x,) = kern(inputs=[x, *extras], template=[("N", x.size)], grid=(x.size, 1, 1),
+                    threadgroup=(256, 1, 1), output_shapes=[x.shape],
+                    output_dtypes=[x.dtype])
+    return x
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--length", type=int, default=300, help="launches per chain")
+    ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--inputs", type=int, default=4, help="extra input arrays per launch")
+    ap.add_argument("--big-mb", type=int, default=128, help="MiB of each large input")
+    a = ap.parse_args(argv)
+    from mlx_lily.backend import current_backend
+
+    if current_backend() != "cuda":
+        print("dispatch_bench: needs MLX's CUDA backend; nothing measured")
+        return 0
+    kern = _kernel(a.inputs)
+    x0 = mx.zeros((1024,), mx.float32)
+    small = [mx.zeros((4,), mx.float32) + i for i in range(a.inputs)]
+    big = [mx.zeros((a.big_mb << 18,), mx.float32) + i for i in range(a.inputs)]
+    mx.eval(x0, small, big)
+    variants = {"small inputs (16 B)": small, f"large inputs ({a.big_mb} MiB)": big}
+    res = {name: {"dispatch_s": [], "wall_s": []} for name in variants}
+    for rep in range(a.reps + 1):  # the first round warms up (compiles)
+        for name, extras in variants.items():
+            mx.synchronize()
+            t0 = time.perf_counter()
+            y = _chain(kern, x0, extras, a.length)
+            mx.async_eval(y)
+            t1 = time.perf_counter()
+            mx.eval(y)
+            mx.synchronize()
+            t2 = time.perf_counter()
+            if rep:
+                res[name]["dispatch_s"].append(t1 - t0)
+                res[name]["wall_s"].append(t2 - t0)
+            assert abs(y[0].item() - a.length) < 1e-3
+    out = {"device": str(mx.default_device()), "mlx": mx.__version__, "length": a.length,
+           "reps": a.reps, "inputs": a.inputs, "big_mb": a.big_mb,
+           "env": {k: os.environ.get(k) for k in ("MLX_MAX_MB_PER_BUFFER",
+                                                  "MLX_MAX_OPS_PER_BUFFER",
+                                                  "MLX_USE_CUDA_GRAPHS")},
+           "variants": {}}
+    print(f"{a.length} launches per chain, {a.inputs} extra inputs each, medians of {a.reps}")
+    for name, r in res.items():
+        d = statistics.median(r["dispatch_s"]) / a.length * 1e6
+        w = statistics.median(r["wall_s"]) / a.length * 1e6
+        out["variants"][name] = {"dispatch_us_per_launch": d, "wall_us_per_launch": w,
+                                 **r}
+        print(f"  {name:26s} dispatch {d:7.2f} us/launch, wall {w:7.2f} us/launch")
+    os.makedirs(a.out, exist_ok=True)
+    path = os.path.join(a.out, "dispatch_bench.json")
+    with open(path, "w") as f:
+        json.dump(out, f, indent=1)
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
