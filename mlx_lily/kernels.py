@@ -139,6 +139,10 @@ _F32_SCALARS: dict = {}
 #: the matrix once they had >= 128 threadgroups, vs 8 us for the same GEMV without it.
 #: Four 4-byte elements (16 bytes) are allocated like any other array.
 SCALAR_ELEMS = 4
+#: Elements allocated per row for a kernel output of one value per row that other
+#: kernels read in every threadgroup (the shared-expert gate): the kernel writes value n
+#: at index n of an (n * ROW_PAD,) buffer, so n values are never an array of <= 8 bytes.
+ROW_PAD = 8
 
 
 def const_array(values, dtype) -> mx.array:

@@ -117,8 +117,7 @@ REG_MODEL = {"gate_up": (30, 9), "down": (40, 9)}
 def _lane_words(k_in: int, bits: int, rpw: int, per_row: int = 1) -> int:
     """16-byte weight words one lane holds: ``per_row`` rows' worth of its ``rpw`` rows
     over ``k_in`` inputs."""
-    kw = k_in * bits // 128
-    return per_row * (kw // min(32, kw)) * rpw
+    return per_row * qgemv.words_per_lane(k_in, bits) * rpw
 
 
 def _fits(kind: str, words: int, threads: int) -> bool:
@@ -150,10 +149,6 @@ def fit_launch_shapes(d: int, i: int, k: int, bits: int, backend: str,
             and _fits("down", _lane_words(i, bits, rpwd, ns), 32 * nwd * sl)):
         return None
     return (nw, rpw), (nwd, rpwd, sl)
-
-#: Elements allocated per row for the routed gate+up kernel's shared-gate output (it
-#: writes n values at the front; 16 bytes per row at bf16).
-SHARED_PAD = 8
 
 _FLOATS = (mx.bfloat16, mx.float16, mx.float32)
 
@@ -300,9 +295,8 @@ def decode_plan(k_gate_up, k_down, wts: DecodeWeights, x_shape, x_dtype, k: int,
                          f"down={tuple(down)} (each >= 1, at most {MAX_THREADS} threads)")
     tg = 32 * nw
     rpb = nw * (32 // qgemv.lanes_per_row(d, wts.bits)) * rpw
-    # the shared gate: n values at the front of an (n * SHARED_PAD,) buffer, so that it is
-    # not one of MLX's <= 8-byte arrays the GPU reads from host memory (kernels.SCALAR_ELEMS)
-    route_shapes = ([lead + (k,), lead + (k,), (n * SHARED_PAD,)] if topk
+    # the shared gate: n values at the front of an (n * ROW_PAD,) buffer (kernels.ROW_PAD)
+    route_shapes = ([lead + (k,), lead + (k,), (n * kernels.ROW_PAD,)] if topk
                     else [(1,), (1,), (1,)])
     kw1 = dict(template=common + [("NW", nw), ("RPW", rpw), ("TOPK", bool(topk)),
                                   ("NORM", bool(norm_topk_prob)),

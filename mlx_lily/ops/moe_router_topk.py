@@ -132,10 +132,10 @@ def supports(x: mx.array, router, k: int) -> bool:
         return False
     if router.weight.shape[1] * 32 != d * router.bits or d % router.group_size:
         return False
-    lpr = qgemv.lanes_per_row(d, router.bits)
-    if lpr is None:
+    steps = qgemv.words_per_lane(d, router.bits)
+    if steps is None:
         return False
-    if current_backend() == "cuda" and d * router.bits // 128 // lpr > MAX_WORDS_PER_LANE:
+    if current_backend() == "cuda" and steps > MAX_WORDS_PER_LANE:
         return False  # even one row per lane holds more words than registers allow
     rows = x.size // d
     return 1 <= rows <= MAX_ROWS
@@ -146,12 +146,10 @@ def router_rpw(rows: int, d: int, bits: int, nw: int = NW, backend: str | None =
     threadgroup (loads in flight vs registers), clamped to ``[1, MAX_RPW]`` and on CUDA
     (``backend``, default the current one) to ``MAX_WORDS_PER_LANE`` weight words per
     lane (the Metal body keeps no such tile)."""
-    lpr = qgemv.lanes_per_row(d, bits)
-    groups = nw * (32 // lpr)
-    steps = d * bits // 128 // lpr
+    groups = nw * (32 // qgemv.lanes_per_row(d, bits))
     cap = MAX_RPW
     if (backend or current_backend()) == "cuda":
-        cap = max(1, min(MAX_RPW, MAX_WORDS_PER_LANE // steps))
+        cap = max(1, min(MAX_RPW, MAX_WORDS_PER_LANE // qgemv.words_per_lane(d, bits)))
     return max(1, min(cap, -(-rows // (2 * groups))))
 
 
@@ -178,7 +176,7 @@ def plan(kernel, router, x_shape, x_dtype, k: int, norm_topk_prob: bool, *,
                   ("HAS_SHARED", has_shared), ("NORM", bool(norm_topk_prob)),
                   ("NW", nw), ("RPW", rpw), ("PRE_NORM", bool(pre_norm))],
         grid=(tg, n, 1), threadgroup=(tg, 1, 1),
-        output_shapes=[lead + (k,), lead + (k,), lead + (1,)]
+        output_shapes=[lead + (k,), lead + (k,), (n * kernels.ROW_PAD,)]
         + ([lead + (d,), lead + (d,)] if pre_norm else [(1,), (1,)]),
         output_dtypes=[mx.uint32, x_dtype, x_dtype, x_dtype, x_dtype])
     if init_value is not None:
@@ -190,13 +188,14 @@ def plan(kernel, router, x_shape, x_dtype, k: int, norm_topk_prob: bool, *,
         def run_pre(hin, res, nw_, eps):
             inds, scores, shared, h, xn = kernel(
                 inputs=[hin, w, sc, bi, hin, res, nw_, kernels.f32_scalar(eps)], **kw)
-            return inds, scores, (shared if has_shared else None), h, xn
+            shared = shared[:n].reshape(lead + (1,)) if has_shared else None
+            return inds, scores, shared, h, xn
 
         return run_pre
 
     def run(x):
         inds, scores, shared, _, _ = kernel(inputs=[x, w, sc, bi, x, x, x, no_eps], **kw)
-        return inds, scores, (shared if has_shared else None)
+        return inds, scores, (shared[:n].reshape(lead + (1,)) if has_shared else None)
 
     return run
 

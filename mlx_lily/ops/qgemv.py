@@ -81,18 +81,26 @@ def rows_per_block(k: int, bits: int, nw: int = NW, rpw: int = RPW) -> int:
     return nw * (32 // lanes_per_row(k, bits)) * rpw
 
 
+def words_per_lane(k: int, bits: int) -> int | None:
+    """16-byte weight words one lane reads per weight row of ``k`` inputs at ``bits``
+    (the kernels' STEPS: the row's words over ``lanes_per_row`` lanes), or None when the
+    row does not map onto lane groups."""
+    lpr = lanes_per_row(k, bits)
+    return None if lpr is None else k * bits // 128 // lpr
+
+
 def launch_shape(k: int, o: int, bits: int, backend: str) -> tuple[int, int]:
     """``(NW, RPW)`` for an ``o``-row GEMV over ``k`` inputs on ``backend``: ``(NW, RPW)``
     with RPW capped by ``MAX_WORDS_PER_LANE[backend]``, then RPW and after it NW halved while the grid has fewer than ``MIN_BLOCKS[backend]``
     threadgroups (small ``o``: the router). Raises ValueError when ``k``/``bits`` do not
     map onto lane groups (``lanes_per_row``)."""
-    lpr = lanes_per_row(k, bits)
-    if lpr is None:
+    steps = words_per_lane(k, bits)
+    if steps is None:
         raise ValueError(f"qgemv: K={k} at {bits} bits does not map onto lane groups")
     nw, rpw = NW, RPW
     cap = MAX_WORDS_PER_LANE.get(backend)
     if cap:
-        rpw = max(1, min(rpw, cap // (k * bits // 128 // lpr)))
+        rpw = max(1, min(rpw, cap // steps))
     want = MIN_BLOCKS.get(backend, 0)
     while -(-o // rows_per_block(k, bits, nw, rpw)) < want and rpw > 1:
         rpw //= 2

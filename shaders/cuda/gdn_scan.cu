@@ -31,6 +31,24 @@ __device__ __forceinline__ void lily_ld4(const float* p, float (&o)[E]) {
   }
 }
 
+// The raw inputs of step o into one slot of the scan's register ring: q/k (E floats per
+// lane), v (RPL values), the gate and beta.
+template <int E, int RPL, typename T>
+__device__ __forceinline__ void lily_scan_load(const float* kp, const float* qp, const T* vp,
+                                               const float* gp, const float* bp, int64_t o,
+                                               int64_t qk_step, int64_t v_step, int hv,
+                                               float (&kr)[E], float (&qr)[E], T (&vr)[RPL],
+                                               float* gr, float* br) {
+  lily_ld4<E>(kp + o * qk_step, kr);
+  lily_ld4<E>(qp + o * qk_step, qr);
+#pragma unroll
+  for (int i = 0; i < RPL; ++i) {
+    vr[i] = vp[o * v_step + i];
+  }
+  *gr = gp[o * hv];
+  *br = bp[o * hv];
+}
+
 // ---- body ----
   constexpr int E = Dk / LPR;
   constexpr int GPW = 32 / LPR;
@@ -76,15 +94,8 @@ __device__ __forceinline__ void lily_ld4(const float* p, float (&o)[E]) {
 #pragma unroll
   for (int u = 0; u < PF; ++u) {
     if (u < T_) {
-      const int64_t o = int64_t(u);
-      lily_ld4<E>(kp + o * QK_STEP, kr[u]);
-      lily_ld4<E>(qp + o * QK_STEP, qr[u]);
-#pragma unroll
-      for (int i = 0; i < RPL; ++i) {
-        vr[u][i] = vp[o * V_STEP + i];
-      }
-      gr[u] = gp[o * Hv];
-      br[u] = bp[o * Hv];
+      lily_scan_load<E, RPL>(kp, qp, vp, gp, bp, int64_t(u), QK_STEP, V_STEP, Hv, kr[u], qr[u],
+                             vr[u], gr + u, br + u);
     }
   }
 
@@ -105,15 +116,8 @@ __device__ __forceinline__ void lily_ld4(const float* p, float (&o)[E]) {
       }
       const float gc = gr[u], bc = br[u];
       if (t + PF < T_) {
-        const int64_t o = int64_t(t + PF);
-        lily_ld4<E>(kp + o * QK_STEP, kr[u]);
-        lily_ld4<E>(qp + o * QK_STEP, qr[u]);
-#pragma unroll
-        for (int i = 0; i < RPL; ++i) {
-          vr[u][i] = vp[o * V_STEP + i];
-        }
-        gr[u] = gp[o * Hv];
-        br[u] = bp[o * Hv];
+        lily_scan_load<E, RPL>(kp, qp, vp, gp, bp, int64_t(t + PF), QK_STEP, V_STEP, Hv,
+                               kr[u], qr[u], vr[u], gr + u, br + u);
       }
 
       float pkq = 0.0f;

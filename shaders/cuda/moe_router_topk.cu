@@ -1,6 +1,6 @@
 // @kernel lily_moe_router_topk
 // @inputs x[N,D]:T w[R,D*BITS/32]:uint32 scales[R,D/GS]:S biases[R,D/GS]:S hin[N,D]:T res[N,D]:T nw[D]:T eps[1]:float32   (R = E + HAS_SHARED; x unread when PRE_NORM, hin/res/nw/eps unread otherwise)
-// @outputs inds[N,K]:uint32 scores[N,K]:T shared[N,1]:T h[N,D]:T xn[N,D]:T   (h, xn: [1], unwritten, unless PRE_NORM)
+// @outputs inds[N,K]:uint32 scores[N,K]:T shared[N*8]:T (value n at index n) h[N,D]:T xn[N,D]:T   (h, xn: [1], unwritten, unless PRE_NORM)
 // @template T=bfloat16 S=bfloat16 D=2048 E=256 K=8 BITS=8 GS=64 HAS_SHARED=true NORM=true NW=16 RPW=4 PRE_NORM=true
 // @template T=float16 S=bfloat16 D=256 E=40 K=4 BITS=4 GS=64 HAS_SHARED=false NORM=false NW=16 RPW=1 PRE_NORM=false
 // @grid (32*NW, N, 1)

@@ -139,6 +139,19 @@ __device__ __forceinline__ void lily_qgemv_rows(const T* xr, const uint32_t* w,
     if (sl == 0 && row0 + r < O) yr[row0 + r] = static_cast<T>(v);
   }
 }
+// rsqrt(mean of squares + eps) of a D-wide row from each thread's partial sum of
+// squares ss: warp sums, then the NW warp sums through red (a barrier inside).
+template <int D, int NW>
+__device__ __forceinline__ float lily_block_rinv(float ss, float* red, float eps, int lane,
+                                                 int warp) {
+  ss = lily_group_sum<32>(ss);
+  if (lane == 0) red[warp] = ss;
+  __syncthreads();
+  float tot = 0.f;
+#pragma unroll
+  for (int i = 0; i < NW; ++i) tot += red[i];
+  return rsqrtf(tot / float(D) + eps);
+}
 // The residual add + RMSNorm of one row into shared memory, rounded as lily_add_rms_norm:
 // h = T(hin + res), xs = T(nw * T(h * rsqrt(mean(h^2) + eps))); h_out / xn_out (either
 // may be null) receive h and xs. Every thread of the block calls it; ends with a barrier.
@@ -180,13 +193,7 @@ __device__ __forceinline__ void lily_add_rms_norm_row(const T* hin, const T* res
 #pragma unroll
         for (int i = 0; i < PW; ++i) reinterpret_cast<uint4*>(h_out)[tid + i * TPB] = hv[i];
       }
-      ss = lily_group_sum<32>(ss);
-      if (lane == 0) red[warp] = ss;
-      __syncthreads();
-      float tot = 0.f;
-#pragma unroll
-      for (int i = 0; i < NW; ++i) tot += red[i];
-      const float rinv = rsqrtf(tot / float(D) + eps);
+      const float rinv = lily_block_rinv<D, NW>(ss, red, eps, lane, warp);
 #pragma unroll
       for (int i = 0; i < PW; ++i) {
         T* he = reinterpret_cast<T*>(&hv[i]);
@@ -209,13 +216,7 @@ __device__ __forceinline__ void lily_add_rms_norm_row(const T* hin, const T* res
     xs[k] = hh;
     ss += lily_f(hh) * lily_f(hh);
   }
-  ss = lily_group_sum<32>(ss);
-  if (lane == 0) red[warp] = ss;
-  __syncthreads();
-  float tot = 0.f;
-#pragma unroll
-  for (int i = 0; i < NW; ++i) tot += red[i];
-  const float rinv = rsqrtf(tot / float(D) + eps);
+  const float rinv = lily_block_rinv<D, NW>(ss, red, eps, lane, warp);
   for (int k = tid; k < D; k += TPB) {
     const T v = static_cast<T>(lily_f(nw[k]) * lily_round<T>(lily_f(xs[k]) * rinv));
     xs[k] = v;
