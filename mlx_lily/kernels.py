@@ -184,6 +184,75 @@ def device_scalars(x: mx.array) -> mx.array:
     return mx.contiguous(mx.broadcast_to(x.reshape(1), (SCALAR_ELEMS,)))
 
 
+#: "0" turns off ``weight_views`` (kernels then take the whole weight arrays).
+WEIGHT_VIEWS_ENV = "MLX_LILY_WEIGHT_VIEWS"
+
+
+def weight_views_enabled(backend: str) -> bool:
+    """Whether ``weight_views`` makes views on ``backend`` (CUDA, unless
+    ``MLX_LILY_WEIGHT_VIEWS=0``); part of launch-plan cache keys."""
+    from .backend import env_value
+
+    return backend == "cuda" and env_value(WEIGHT_VIEWS_ENV, "1") != "0"
+
+
+def _same_buffer_kernel(n: int):
+    """A CUDA kernel writing ``same[i] = 1`` when inputs ``v<i>`` and ``w<i>`` start at
+    one device address, else 0 (one thread per pair, n <= 32)."""
+    key = ("same_buffer", n)
+    k = _CACHE.get(key)
+    if k is None:
+        names = [f"v{i}" for i in range(n)] + [f"w{i}" for i in range(n)]
+        src = "  const int i = threadIdx.x;\n" + "".join(
+            f"  if (i == {i}) same[i] = (const void*)v{i} == (const void*)w{i} ? 1u : 0u;\n"
+            for i in range(n))
+        k = _CACHE[key] = mx.fast.cuda_kernel(
+            name=f"lily_same_buffer{n}", input_names=names, output_names=["same"],
+            source=src, ensure_row_contiguous=False)
+    return k
+
+
+def weight_views(arrays, backend: str, kernel=None):
+    """For each row-contiguous weight array ``w`` a one-element view of its buffer, so
+    that MLX does not count ``w``'s size against its per-graph limit (CUDA) while the
+    kernel, given the view, receives the same device address and reads the whole ``w``.
+
+    Why: MLX 0.32's CUDA command encoder adds each kernel input's ``data_size`` to a
+    count and commits the CUDA graph being built once it exceeds
+    ``MLX_MAX_MB_PER_BUFFER`` Mi elements (1000 on sm_90), and ``eval`` blocks while more
+    than 10 such commits are in flight (``backend/cuda/device.cpp``, ``transforms.cpp``);
+    the decode expert kernels take all experts' weights (~117 M elements per MoE layer).
+    The view shares ``w``'s buffer, so MLX still orders the kernel after whatever wrote
+    ``w`` and keeps the buffer alive.
+
+    Args:
+        arrays: weight arrays (any dtype), all evaluated or evaluable.
+        backend: ``current_backend()``; anything but ``"cuda"`` returns ``arrays``.
+        kernel: the kernel object the arrays go to; an emulated one (``emulated``
+            attribute true) gets ``arrays``.
+    Returns:
+        A list: the views (evaluated) when a one-time device check confirms each view
+        starts at its array's address, else the arrays unchanged (also when
+        ``MLX_LILY_WEIGHT_VIEWS=0``).
+    Raises:
+        ValueError: more than 32 arrays.
+    """
+    arrays = list(arrays)
+    if not arrays or not weight_views_enabled(backend) or getattr(kernel, "emulated", False):
+        return arrays
+    n = len(arrays)
+    if n > 32:
+        raise ValueError(f"weight_views: at most 32 arrays per call, got {n}")
+    views = [w.reshape(-1)[:1] for w in arrays]
+    (same,) = _same_buffer_kernel(n)(
+        inputs=views + arrays, grid=(32, 1, 1), threadgroup=(32, 1, 1),
+        output_shapes=[(max(n, SCALAR_ELEMS),)], output_dtypes=[mx.uint32])
+    mx.eval(views, same)
+    if not all(int(v) == 1 for v in same.tolist()[:n]):
+        return arrays
+    return views
+
+
 class KernelSpec(NamedTuple):
     """One kernel's launch contract, shared by its Metal and CUDA twins.
 

@@ -13,6 +13,8 @@ def test_refuses_off_cuda():
     with pytest.raises(RuntimeError, match="CUDA"):
         gpu_clock.spin(mx.zeros((4,)), 1.0)
     with pytest.raises(RuntimeError, match="CUDA"):
+        gpu_clock.spin_us(mx.zeros((4,)), mx.zeros((4,), mx.uint32))
+    with pytest.raises(RuntimeError, match="CUDA"):
         gpu_clock.time_chain(lambda x: x + 1, mx.zeros((4,)))
 
 
@@ -23,7 +25,9 @@ def test_spin_orders_and_waits():
     t_a = gpu_clock.stamp(x)
     y, t_b = gpu_clock.spin(t_a, 20.0)  # waits for the stamp, then spins 20 ms
     z, _ = gpu_clock.spin(x, 0.0)
-    mx.eval(y, t_b, z)
+    w, t_w = gpu_clock.spin_us(z, mx.zeros((4,), mx.uint32))  # after z, no wait
+    mx.eval(y, t_b, z, w, t_w)
+    assert mx.array_equal(w, x).item() and gpu_clock.ns(t_w) > 0
     assert gpu_clock.ns(t_b) - gpu_clock.ns(t_a) >= 20_000_000
     assert y.tolist() == t_a.tolist()
     assert mx.array_equal(z, x).item()

@@ -3,12 +3,16 @@ arrays: does MLX's graph-commit rule make a decode step's many expert-weight inp
 expensive?
 
 MLX 0.32's CUDA command encoder (``backend/cuda/device.cpp``, read, not copied) adds each
-input's whole ``data_size`` to the bytes of the graph being built and commits the graph
-(update + launch) once they exceed ``MLX_MAX_MB_PER_BUFFER`` (1000 MB on sm_90), besides
-every ``MLX_MAX_OPS_PER_BUFFER`` (100) nodes. Lily's expert kernels take all experts'
-weights (~434 MiB per MoE layer), so a decode step would commit every ~2.3 layers. This
-script times chains of a trivial kernel (copy 1024 floats) that also takes ``--inputs``
-arrays of 8 bytes .. ``--big-mb`` MiB (never read), one process, alternating variants:
+input's whole ``data_size`` (in elements, not bytes: ``array.h``) to a count for the graph
+being built and commits the graph (update + launch) once it exceeds
+``MLX_MAX_MB_PER_BUFFER`` Mi (1000 on sm_90), besides every ``MLX_MAX_OPS_PER_BUFFER``
+(100) nodes; ``eval`` blocks while more than 10 such commits are in flight
+(``MAX_ACTIVE_TASKS``, ``transforms.cpp``). Lily's expert kernels take all experts' weights
+(~117 M elements per MoE layer), so a decode step adds a commit every ~9 layers. This
+script times chains of a trivial kernel (copy 1024 floats) that also takes no extra inputs,
+``--inputs`` or ``--many-inputs`` 16-byte arrays, or ``--inputs`` arrays of ``--big-mb``
+MiB (never read), one process, alternating variants (how the host cost grows with a
+launch's input count, and with its inputs' size):
 host seconds to dispatch the chain (``mx.async_eval``) and wall seconds to finish it, per
 launch, medians. Prints a table; writes ``dispatch_bench.json`` to ``--out``.
 
@@ -51,6 +55,8 @@ def main(argv=None) -> int:
     ap.add_argument("--length", type=int, default=300, help="launches per chain")
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--inputs", type=int, default=4, help="extra input arrays per launch")
+    ap.add_argument("--many-inputs", type=int, default=16,
+                    help="extra small inputs per launch in the many-inputs variant")
     ap.add_argument("--big-mb", type=int, default=128, help="MiB of each large input")
     a = ap.parse_args(argv)
     from mlx_lily.backend import current_backend
@@ -58,15 +64,19 @@ def main(argv=None) -> int:
     if current_backend() != "cuda":
         print("dispatch_bench: needs MLX's CUDA backend; nothing measured")
         return 0
-    kern = _kernel(a.inputs)
     x0 = mx.zeros((1024,), mx.float32)
-    small = [mx.zeros((4,), mx.float32) + i for i in range(a.inputs)]
+    small = [mx.zeros((4,), mx.float32) + i for i in range(max(a.inputs, a.many_inputs))]
     big = [mx.zeros((a.big_mb << 18,), mx.float32) + i for i in range(a.inputs)]
     mx.eval(x0, small, big)
-    variants = {"small inputs (16 B)": small, f"large inputs ({a.big_mb} MiB)": big}
+    # name -> (kernel, extra inputs): input count and input size varied one at a time
+    variants = {"no extra inputs": (_kernel(0), []),
+                f"{a.inputs} small inputs (16 B)": (_kernel(a.inputs), small[:a.inputs]),
+                f"{a.many_inputs} small inputs (16 B)": (_kernel(a.many_inputs),
+                                                          small[:a.many_inputs]),
+                f"{a.inputs} large inputs ({a.big_mb} MiB)": (_kernel(a.inputs), big)}
     res = {name: {"dispatch_s": [], "wall_s": []} for name in variants}
     for rep in range(a.reps + 1):  # the first round warms up (compiles)
-        for name, extras in variants.items():
+        for name, (kern, extras) in variants.items():
             mx.synchronize()
             t0 = time.perf_counter()
             y = _chain(kern, x0, extras, a.length)
@@ -80,18 +90,19 @@ def main(argv=None) -> int:
                 res[name]["wall_s"].append(t2 - t0)
             assert abs(y[0].item() - a.length) < 1e-3
     out = {"device": str(mx.default_device()), "mlx": mx.__version__, "length": a.length,
-           "reps": a.reps, "inputs": a.inputs, "big_mb": a.big_mb,
+           "reps": a.reps, "inputs": a.inputs, "many_inputs": a.many_inputs,
+           "big_mb": a.big_mb,
            "env": {k: os.environ.get(k) for k in ("MLX_MAX_MB_PER_BUFFER",
                                                   "MLX_MAX_OPS_PER_BUFFER",
                                                   "MLX_USE_CUDA_GRAPHS")},
            "variants": {}}
-    print(f"{a.length} launches per chain, {a.inputs} extra inputs each, medians of {a.reps}")
+    print(f"{a.length} launches per chain, medians of {a.reps}")
     for name, r in res.items():
         d = statistics.median(r["dispatch_s"]) / a.length * 1e6
         w = statistics.median(r["wall_s"]) / a.length * 1e6
         out["variants"][name] = {"dispatch_us_per_launch": d, "wall_us_per_launch": w,
                                  **r}
-        print(f"  {name:26s} dispatch {d:7.2f} us/launch, wall {w:7.2f} us/launch")
+        print(f"  {name:30s} dispatch {d:7.2f} us/launch, wall {w:7.2f} us/launch")
     os.makedirs(a.out, exist_ok=True)
     path = os.path.join(a.out, "dispatch_bench.json")
     with open(path, "w") as f:

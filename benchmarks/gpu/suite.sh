@@ -4,7 +4,8 @@
 #   STAGES=install,tests,bench,ab AB_ARGS="--lengths 256,4096" bash benchmarks/gpu/suite.sh
 # Stages: jitload, install, tests (all op files in parallel, T_TESTS seconds cap each, default 300;
 # TEST_OPS=a,b selects files; NVRTC compiles of every template make a cold file take 1-3 min),
-# bench (BENCHES=a,b selects scripts), startup, prims, ab, numerics, ktimes (per-kernel GPU
+# bench (BENCHES=a,b selects scripts), startup, prims, ab, numerics, timeline (decode_timeline.py:
+# TL_ARGS, TL_ENVS), ktimes (per-kernel GPU
 # time under ncu: kernel_times.py, KT_ARGS), profile (decode_profile.py;
 # PROFILE_ARGS passes options, e.g. "--no-stock-arm --arm-env NAME:VAR=VAL --rounds 2 --cprofile";
 # PROFILE_ENVS adds runs under other MLX settings, one process each). With tests, prims and
@@ -157,6 +158,24 @@ if has profile; then
     (cd /tmp && env $e timeout "${T_PROFILE:-150}" python3 "$REPO/benchmarks/decode_profile.py" --synthetic ${PROFILE_PRESET:-qwen3.6-35b-a3b} \
        --context ${PROFILE_CONTEXT:-4096} --no-eager-arm --out "$W/profile-$n") > "$W/profile-$n/decode_profile.log" 2>&1
     tail -5 "$W/profile-$n/decode_profile.log" | tee -a "$S"; snapshot
+  done
+fi
+# timeline: host phases vs the GPU's start/end of each pipelined decode step
+# (decode_timeline.py; TL_ARGS passes options). TL_ENVS="A=1;B=2 C=3": one process per
+# setting after the default one (MLX reads its graph settings once), into $W/timeline-<n>/
+if has timeline; then
+  n=0
+  IFS=';' read -ra tl_envs <<< ";${TL_ENVS:-}"
+  for e in "${tl_envs[@]}"; do
+    [ -n "$e" ] || [ $n -eq 0 ] || continue
+    d="$W/timeline-$n"; mkdir -p "$d"; echo "${e:-default}" > "$d/env.txt"
+    say "== decode timeline (${e:-default MLX settings})"
+    (cd /tmp && env $e timeout "${T_TL:-150}" python3 "$REPO/benchmarks/gpu/decode_timeline.py" \
+       --synthetic ${TL_PRESET:-qwen3.6-35b-a3b} ${TL_ARGS:-} --out "$d") > "$d/decode_timeline.log" 2>&1
+    grep -A8 "^decode timeline at" "$d/decode_timeline.log" | tee -a "$S"
+    tail -3 "$d/decode_timeline.log" | grep -i "error\|Traceback" | tee -a "$S"
+    snapshot
+    n=$((n + 1))
   done
 fi
 # ktimes: per-kernel GPU time of decode steps under Nsight Compute (kernel_times.py;

@@ -88,9 +88,16 @@ def spin(x: mx.array, spin_ms: float) -> tuple[mx.array, mx.array]:
     """
     if not available():
         raise RuntimeError("mlx_lily.bench.gpu_clock needs MLX's CUDA backend")
-    us = mx.array([int(spin_ms * 1000)], dtype=mx.uint32)
-    n = x.size
-    y, t = _kernel("spin")(inputs=[x, us], template=[("N", n)],
+    return spin_us(x, mx.array([int(spin_ms * 1000)], dtype=mx.uint32))
+
+
+def spin_us(x: mx.array, us: mx.array) -> tuple[mx.array, mx.array]:
+    """``spin`` with the wait given as a uint32 array whose first element is microseconds
+    (reuse one evaluated array of >= 16 bytes, e.g. zeros, to stamp a chain's start
+    without a host-memory read or a new array per call)."""
+    if not available():
+        raise RuntimeError("mlx_lily.bench.gpu_clock needs MLX's CUDA backend")
+    y, t = _kernel("spin")(inputs=[x, us], template=[("N", x.size)],
                           output_shapes=[x.shape, (2,)], output_dtypes=[x.dtype, mx.uint32],
                           grid=(256, 1, 1), threadgroup=(256, 1, 1))
     return y, t
