@@ -224,5 +224,23 @@ def describe() -> str:
     """One line for stderr: backend, compiled decode steps, and active ops."""
     info = backend_info()
     parts = ", ".join(f"{k}={v}" for k, v in info["ops"].items())
-    return (f"[mlx-lily] backend={info['backend']} compile={compile_mode(info['backend'])} "
-            f"ops: {parts}")
+    graphs = ""
+    if info["backend"] == "cuda":
+        graphs = f" cuda_graphs={cuda_launch_mode()}"
+    return (f"[mlx-lily] backend={info['backend']} compile={compile_mode(info['backend'])}"
+            f"{graphs} ops: {parts}")
+
+
+def cuda_launch_mode() -> str:
+    """MLX's CUDA launch mode as this process asked for it: ``"off (set by mlx-lily)"``,
+    ``"off"`` or ``"on"`` (from ``MLX_USE_CUDA_GRAPHS``; MLX reads it once, at its first
+    GPU evaluation, so a value set later has no effect)."""
+    import mlx_lily
+
+    try:
+        off = int(os.environ.get(mlx_lily.MLX_CUDA_GRAPHS_ENV, "1")) == 0  # MLX parses an int
+    except ValueError:
+        off = False
+    if not off:
+        return "on"
+    return "off (set by mlx-lily)" if mlx_lily.CUDA_GRAPHS_SET_BY_LILY else "off"

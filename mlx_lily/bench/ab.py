@@ -574,10 +574,13 @@ def git_info() -> dict:
 
 
 def environment(ops=None) -> dict:
-    """Backend, device, versions, git and ``mlx_lily.backend_info()`` (taken while patched)."""
+    """Backend, device, versions, git, ``mlx_lily.backend_info()`` (taken while patched)
+    and MLX's launch settings (``MLX_USE_CUDA_GRAPHS`` and the graph limits: they apply to
+    both arms of a run, read once per process)."""
     import mlx.core as mx
     import mlx_lm
     import mlx_lily
+    from mlx_lily.backend import cuda_launch_mode
 
     with mlx_lily.patched(ops=ops):
         info = mlx_lily.backend_info()
@@ -595,6 +598,9 @@ def environment(ops=None) -> dict:
                      "cpu_count": os.cpu_count()},
         "git": git_info(),
         "lily_backend_info": info,
+        "mlx_env": {k: os.environ.get(k) for k in ("MLX_USE_CUDA_GRAPHS", "MLX_MAX_OPS_PER_BUFFER",
+                                                   "MLX_MAX_MB_PER_BUFFER")},
+        "cuda_launch_mode": cuda_launch_mode(),
     }
 
 
@@ -937,6 +943,8 @@ def render_markdown(result: dict) -> str:
         f"- Checkpoint: {ident} (config {ck['config_sha256'][:12]}, tensors {ck['tensors_sha256'][:12]}, "
         f"{ck['n_tensors']} tensors)",
         f"- Lily ops: " + ", ".join(f"{k}={v}" for k, v in result["lily_backend_info"].get("ops", {}).items()),
+        *([f"- MLX CUDA graphs (both arms, one process): {result['cuda_launch_mode']}"]
+          if result.get("backend") == "cuda" and result.get("cuda_launch_mode") else []),
         f"- Method: {s['rounds']} rounds per row (odd rounds stock->lily, even rounds lily->stock; "
         f"each arm's figure the median over its rounds); prefill tok/s = prompt / "
         f"time to first token (generate_step, prefill_step_size {s['prefill_step_size']}); decode tok/s = "
