@@ -226,21 +226,17 @@ def describe() -> str:
     parts = ", ".join(f"{k}={v}" for k, v in info["ops"].items())
     graphs = ""
     if info["backend"] == "cuda":
-        graphs = f" cuda_graphs={cuda_launch_mode()}"
+        graphs = f" cuda_launch={cuda_launch_mode()}"
     return (f"[mlx-lily] backend={info['backend']} compile={compile_mode(info['backend'])}"
             f"{graphs} ops: {parts}")
 
 
 def cuda_launch_mode() -> str:
-    """MLX's CUDA launch mode as this process asked for it: ``"off (set by mlx-lily)"``,
-    ``"off"`` or ``"on"`` (from ``MLX_USE_CUDA_GRAPHS``; MLX reads it once, at its first
-    GPU evaluation, so a value set later has no effect)."""
-    import mlx_lily
-
+    """MLX's CUDA launch mode as this process's environment asks for it: ``"graphs"``
+    (MLX's default) or ``"direct"`` (``MLX_USE_CUDA_GRAPHS=0``). MLX reads the variable
+    once, at its first GPU evaluation, so a value set later has no effect."""
     try:
-        off = int(os.environ.get(mlx_lily.MLX_CUDA_GRAPHS_ENV, "1")) == 0  # MLX parses an int
+        off = int(os.environ.get("MLX_USE_CUDA_GRAPHS", "1")) == 0  # MLX parses an int
     except ValueError:
         off = False
-    if not off:
-        return "on"
-    return "off (set by mlx-lily)" if mlx_lily.CUDA_GRAPHS_SET_BY_LILY else "off"
+    return "direct" if off else "graphs"

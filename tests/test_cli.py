@@ -215,25 +215,17 @@ def test_server_lily_matches_stock(venv, tiny_ckpt, tmp_path):
     assert ref["plain"] == ref["stream"]
 
 
-@pytest.mark.parametrize("env, want_value, want_set", [
-    ({}, "0", True),                                   # unset: direct launches
-    ({"MLX_USE_CUDA_GRAPHS": "1"}, "1", False),        # the user's choice stands
-    ({"MLX_USE_CUDA_GRAPHS": "0"}, "0", False),
-    ({"MLX_LILY_CUDA_GRAPHS": "keep"}, None, False),   # opt out: MLX's default
+@pytest.mark.parametrize("env, want", [
+    ({}, "graphs"), ({"MLX_USE_CUDA_GRAPHS": "1"}, "graphs"),
+    ({"MLX_USE_CUDA_GRAPHS": "0"}, "direct"), ({"MLX_USE_CUDA_GRAPHS": "x"}, "graphs"),
 ])
-def test_import_sets_cuda_launch_mode(env, want_value, want_set):
-    """Importing mlx_lily asks MLX for direct CUDA launches unless told otherwise, before
-    any MLX import (MLX reads the variable once); describe() reports the mode."""
-    base = {k: v for k, v in os.environ.items()
-            if k not in ("MLX_USE_CUDA_GRAPHS", "MLX_LILY_CUDA_GRAPHS")}
-    code = ("import os, sys, mlx_lily; assert 'mlx.core' not in sys.modules; "
-            "from mlx_lily.backend import cuda_launch_mode; "
-            "print(os.environ.get('MLX_USE_CUDA_GRAPHS'), mlx_lily.CUDA_GRAPHS_SET_BY_LILY, "
-            "cuda_launch_mode(), sep='|')")
+def test_cuda_launch_mode_reported_not_changed(env, want):
+    """describe() and the A/B report MLX's CUDA launch mode; importing mlx_lily leaves the
+    variable as the user set it (session 10: no measured gain from changing it)."""
+    base = {k: v for k, v in os.environ.items() if k != "MLX_USE_CUDA_GRAPHS"}
+    code = ("import os, mlx_lily; from mlx_lily.backend import cuda_launch_mode; "
+            "print(os.environ.get('MLX_USE_CUDA_GRAPHS'), cuda_launch_mode(), sep='|')")
     r = subprocess.run([sys.executable, "-c", code], env={**base, **env}, capture_output=True,
                        text=True, timeout=120)
     assert r.returncode == 0, r.stderr
-    value, was_set, mode = r.stdout.strip().split("|")
-    assert value == str(want_value) and was_set == str(want_set)
-    assert mode == ("on" if want_value in (None, "1") else
-                    "off (set by mlx-lily)" if want_set else "off")
+    assert r.stdout.strip().split("|") == [str(env.get("MLX_USE_CUDA_GRAPHS")), want]

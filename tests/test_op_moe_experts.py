@@ -9,14 +9,13 @@ import mlx.nn as nn
 import pytest
 
 from mlx_lily import kernels
-from mlx_lily.backend import current_backend
 from mlx_lily.ops import moe_experts as M
 from mlx_lily.testing.dispatch import count_kernel_launches, emulated_metal_dispatch
 from mlx_lily.testing.backends import parity_backends
 from mlx_lily.testing.cuda_check import nvcc_path
 
 from mlx_lily.testing.cuda_emu import (
-    HAS_EMU, KERNEL_BACKENDS, aligned_emu_buffers, cuda_on_emu, kernel_for)
+    HAS_EMU, KERNEL_BACKENDS, aligned_emu_buffers, kernel_for)
 
 
 @pytest.fixture(autouse=True)
@@ -581,58 +580,3 @@ def test_routed_supported_requires_logits_in_x_dtype():
     wts = M.decode_weights(blk.switch_mlp, blk.shared_expert)
     assert M.routed_supported(router, 4, wts, (1, 1, 256), mx.bfloat16)
     assert not M.routed_supported(router, 4, wts, (1, 1, 256), mx.float16)
-
-
-# ------------------------------------------------------------------ weight views (CUDA)
-def test_weight_views_off_cuda_and_for_emulated_kernels(monkeypatch):
-    """Views are a CUDA-only, opt-in measure (MLX_LILY_WEIGHT_VIEWS=1): another backend,
-    an emulated kernel (its buffers end at each array's extent) or the switch unset get
-    the arrays themselves."""
-    ws = [mx.zeros((4, 8), mx.uint32), mx.ones((4, 2), mx.bfloat16)]
-    monkeypatch.delenv(kernels.WEIGHT_VIEWS_ENV, raising=False)
-    assert not kernels.weight_views_enabled("cuda")
-    assert all(a is b for a, b in zip(kernels.weight_views(ws, "cuda"), ws))
-    monkeypatch.setenv(kernels.WEIGHT_VIEWS_ENV, "1")
-    assert kernels.weight_views_enabled("cuda") and not kernels.weight_views_enabled("metal")
-    for backend in ("metal", "cpu"):
-        assert all(a is b for a, b in zip(kernels.weight_views(ws, backend), ws))
-    emu = cuda_on_emu(M.GATE_UP_SPEC)
-    assert all(a is b for a, b in zip(kernels.weight_views(ws, "cuda", emu), ws))
-    with pytest.raises(ValueError, match="at most 32"):
-        kernels.weight_views([ws[0]] * 33, "cuda")
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(current_backend() != "cuda", reason="needs MLX's CUDA backend")
-def test_weight_views_share_buffers_on_cuda(monkeypatch):
-    """On CUDA each view is one element at its array's address (checked on the device);
-    an array whose flat reshape is a copy (a transposed view) keeps the whole array."""
-    monkeypatch.setenv(kernels.WEIGHT_VIEWS_ENV, "1")
-    w = mx.arange(4 * 64, dtype=mx.uint32).reshape(4, 64)
-    s = mx.ones((4, 2), mx.bfloat16)
-    mx.eval(w, s)
-    v = kernels.weight_views([w, s], "cuda")
-    assert [x.size for x in v] == [1, 1]
-    t = w.T
-    mx.eval(t)
-    v2 = kernels.weight_views([w, t], "cuda")
-    assert v2[0] is w and v2[1] is t  # one copy: every array goes whole
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(current_backend() != "cuda", reason="needs MLX's CUDA backend")
-def test_decode_kernels_same_with_weight_views(monkeypatch):
-    """The decode kernels give bit-identical results given views or whole arrays."""
-    d, i, e, k, rows, bits, gs, dtype, use_res = CASES[2]
-    blk = make_block(d=d, e=e, k=k, i=i, seed=7, bits=bits, gs=gs, dtype=dtype)
-    x = mx.random.normal((rows, 1, d)).astype(dtype)
-    inds, scores, shared = route(blk, x)
-    wts = M.decode_weights(blk.switch_mlp, blk.shared_expert)
-    kg, kd, init = kernels_for("cuda")
-    ys = []
-    for flag in ("0", "1"):
-        monkeypatch.setenv(kernels.WEIGHT_VIEWS_ENV, flag)
-        ys.append(M.launch_decode(kg, kd, x, inds, scores, shared, wts, init_value=init))
-    t, mag = truth(x, inds, scores, shared, wts, None)
-    check_close(ys[1], t, mag, dtype)
-    assert mx.array_equal(ys[0], ys[1]).item()

@@ -943,7 +943,7 @@ def render_markdown(result: dict) -> str:
         f"- Checkpoint: {ident} (config {ck['config_sha256'][:12]}, tensors {ck['tensors_sha256'][:12]}, "
         f"{ck['n_tensors']} tensors)",
         f"- Lily ops: " + ", ".join(f"{k}={v}" for k, v in result["lily_backend_info"].get("ops", {}).items()),
-        *([f"- MLX CUDA graphs (both arms, one process): {result['cuda_launch_mode']}"]
+        *([f"- MLX CUDA launch mode (both arms, one process): {result['cuda_launch_mode']}"]
           if result.get("backend") == "cuda" and result.get("cuda_launch_mode") else []),
         f"- Method: {s['rounds']} rounds per row (odd rounds stock->lily, even rounds lily->stock; "
         f"each arm's figure the median over its rounds); prefill tok/s = prompt / "

@@ -311,9 +311,8 @@ def decode_plan(k_gate_up, k_down, wts: DecodeWeights, x_shape, x_dtype, k: int,
                                   ("RES", bool(with_residual))],
                grid=(-(-d // rpb) * tg, n, 1), threadgroup=(tg, 1, 1),
                output_shapes=[lead + (d,)], output_dtypes=[dt], **extra)
-    backend = current_backend()
-    w1 = kernels.weight_views([*wts.gate, *wts.up, *wts.sgate, *wts.sup], backend, k_gate_up)
-    w2 = kernels.weight_views([*wts.down, *wts.sdown], backend, k_down)
+    w1 = [*wts.gate, *wts.up, *wts.sgate, *wts.sup]
+    w2 = [*wts.down, *wts.sdown]
     no_eps = kernels.f32_scalar(0.0)
 
     if topk:
@@ -398,8 +397,7 @@ def _decode_run(switch_mlp, shared_expert, x, inds, scores, shared, residual, ba
     Cached on the SwitchGLU per (backend, weights, shapes, dtypes); re-derived when the
     expert or shared-expert arrays are replaced."""
     plans = _plans(switch_mlp, "_lily_decode_plans")
-    key = (backend, kernels.weight_views_enabled(backend), id(shared_expert),
-           id(switch_mlp.gate_proj.get("weight")),
+    key = (backend, id(shared_expert), id(switch_mlp.gate_proj.get("weight")),
            id(switch_mlp.up_proj.get("weight")), id(switch_mlp.down_proj.get("weight")),
            x.shape, x.dtype, inds.shape, scores.shape, shared.shape if shared is not None
            else None, None if residual is None else residual.shape)
@@ -505,8 +503,7 @@ def moe_experts_routed(x, router, k: int, norm_topk_prob: bool, switch_mlp, shar
     pending = isinstance(x, PendingNorm)
     row = x.h0 if pending else x
     plans = _plans(switch_mlp, "_lily_routed_plans")
-    key = (backend, kernels.weight_views_enabled(backend), id(router), id(shared_expert),
-           id(switch_mlp.gate_proj.get("weight")),
+    key = (backend, id(router), id(shared_expert), id(switch_mlp.gate_proj.get("weight")),
            id(switch_mlp.up_proj.get("weight")), id(switch_mlp.down_proj.get("weight")),
            row.shape, row.dtype, k, bool(norm_topk_prob))
     entry = plans.get(key, False)

@@ -153,10 +153,6 @@ def annotate(msg: str, source: str, header: str) -> str:
 class EmulatedMetalKernel:
     """Callable returned by :func:`metal_kernel`; mirrors MLX's kernel object."""
 
-    #: read by ``mlx_lily.kernels.weight_views``: buffers here are numpy views of the
-    #: arrays' own extent, so a kernel cannot read past a view into its parent's buffer
-    emulated = True
-
     def __init__(
         self,
         name: str,
