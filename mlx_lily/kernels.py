@@ -255,7 +255,7 @@ VERIFIED: dict = {
     "cuda": frozenset({"add_rms_norm", "moe_router_topk", "moe_route", "moe_experts",
                        "moe_grouped", "attention", "qgemv", "gated_delta", "norm_qgemv",
                        "gdn_packed", "attn_packed", "moe_router_norm",
-                       "moe_topk_in_experts"}),
+                       "moe_topk_in_experts", "qgemv_out", "prefill_dequant"}),
     "metal": frozenset(),
 }
 

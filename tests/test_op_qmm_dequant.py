@@ -95,7 +95,9 @@ def test_switches(as_cuda, monkeypatch):
     monkeypatch.setenv("MLX_LILY_DISABLE", Q.NAME)
     assert Q.try_dequant(*args) is None
     monkeypatch.delenv("MLX_LILY_DISABLE")
-    monkeypatch.setenv("MLX_LILY_KERNELS", "verified")  # not verified on a GPU yet
+    monkeypatch.setenv("MLX_LILY_KERNELS", "verified")  # on by default since session 10
+    assert Q.try_dequant(*args) is not None
+    monkeypatch.setenv("MLX_LILY_KERNELS", "qgemv")  # a list without it
     assert Q.try_dequant(*args) is None
     monkeypatch.setenv("MLX_LILY_KERNELS", "all")
     monkeypatch.setattr(Q, "current_backend", lambda: "metal")
