@@ -344,3 +344,12 @@ def test_three_rounds_median_end_to_end(tmp_path, monkeypatch):
     bad["rows"][0]["arms"]["lily"]["rounds"].pop()
     with pytest.raises(ValueError, match="rounds"):
         ab.validate_result(bad)
+
+
+def test_decode_timeline_off_cuda_is_none():
+    """--decode-timeline needs the GPU timer: elsewhere the round carries None."""
+    from mlx_lily.bench import ab, gpu_clock
+
+    if gpu_clock.available():
+        pytest.skip("CUDA backend present")
+    assert ab._decode_timeline(None, [], 0) is None

@@ -29,21 +29,13 @@ import argparse
 import contextlib
 import json
 import os
-import statistics
 import sys
-import time
 from pathlib import Path
 
-import mlx.core as mx
-
 from mlx_lily.bench import gpu_clock
-from mlx_lily.bench.ab import (arm_context, build_context, copy_cache, environment, ids_array,
-                               load_target, log, synthetic_ids, vocab_bounds)
-from mlx_lily.bench.primitives import _state_arrays
-
-_KEYS = ("interval", "build", "dispatch", "wait", "gpu_busy", "gpu_idle_before",
-         "start_after_dispatch_begin", "end_after_dispatch_end")
-
+from mlx_lily.bench.ab import (arm_context, build_context, copy_cache, environment, load_target,
+                               log, synthetic_ids, vocab_bounds)
+from mlx_lily.bench.timeline import KEYS, run_loop
 
 @contextlib.contextmanager
 def _env(var_val):
@@ -61,74 +53,6 @@ def _env(var_val):
             os.environ.pop(var, None)
         else:
             os.environ[var] = prev
-
-
-def calibrate(tries: int = 15) -> tuple[int, int]:
-    """``(offset_ns, half_width_ns)``: GPU timer minus host ``time_ns`` at one instant,
-    from the narrowest of ``tries`` host brackets around a lone stamp kernel."""
-    x = mx.zeros((4,), mx.float32)
-    mx.eval(gpu_clock.stamp(x))
-    best = None
-    for _ in range(tries):
-        mx.synchronize()
-        t = gpu_clock.stamp(x)
-        h0 = time.time_ns()
-        mx.eval(t)
-        h1 = time.time_ns()
-        g = gpu_clock.ns(t)
-        if best is None or h1 - h0 < best[1] - best[0]:
-            best = (h0, h1, g)
-    h0, h1, g = best
-    return g - (h0 + h1) // 2, (h1 - h0) // 2
-
-
-def run_loop(model, cache, first: int, steps: int, warmup: int) -> dict:
-    """The generate_step loop with host and GPU stamps; per-step records and medians (ms)."""
-    from mlx_lm.generate import generation_stream
-
-    zero = mx.array([0, 0, 0, 0], dtype=mx.uint32)  # spin 0 us (16 bytes: device memory)
-    mx.eval(zero)
-
-    def step(tok):
-        with mx.stream(generation_stream):
-            t_in, g0 = gpu_clock.spin_us(tok, zero)
-            logits = model(t_in[None], cache=cache)[:, -1, :]
-            logprobs = logits - mx.logsumexp(logits, keepdims=True)
-            y = mx.argmax(logprobs, axis=-1)
-            g1 = gpu_clock.stamp(y, logprobs, *_state_arrays(cache))
-        return y, logprobs, g0, g1
-
-    cur = step(ids_array([first]))
-    mx.async_eval(*cur)
-    recs = []
-    for _ in range(steps + warmup):
-        h0 = time.time_ns()
-        nxt = step(cur[0])
-        h1 = time.time_ns()
-        mx.async_eval(*nxt)
-        h2 = time.time_ns()
-        cur[0].item()
-        h3 = time.time_ns()
-        recs.append({"h": (h0, h1, h2, h3), "arrays": nxt})
-        cur = nxt
-    cur[0].item()
-    mx.synchronize()
-    off, err = calibrate()
-    rows = []
-    for i in range(1, len(recs)):
-        h0, h1, h2, h3 = recs[i]["h"]
-        g0 = gpu_clock.ns(recs[i]["arrays"][2]) - off
-        g1 = gpu_clock.ns(recs[i]["arrays"][3]) - off
-        pg1 = gpu_clock.ns(recs[i - 1]["arrays"][3]) - off
-        rows.append({"interval": h3 - recs[i - 1]["h"][3], "build": h1 - h0,
-                     "dispatch": h2 - h1, "wait": h3 - h2, "gpu_busy": g1 - g0,
-                     "gpu_idle_before": g0 - pg1, "start_after_dispatch_begin": g0 - h1,
-                     "end_after_dispatch_end": g1 - h2})
-    rows = rows[warmup:]
-    med = {k: statistics.median(r[k] for r in rows) / 1e6 for k in _KEYS}
-    return {"median_ms": med, "steps_ms": [{k: r[k] / 1e6 for k in _KEYS} for r in rows],
-            "clock_offset_ns": off, "clock_align_err_ns": err,
-            "tok_s": 1e3 / med["interval"]}
 
 
 def main(argv=None) -> int:
@@ -176,10 +100,10 @@ def main(argv=None) -> int:
                 + f" (clock alignment +-{r['clock_align_err_ns'] / 1e3:.0f} us)")
     print(f"\ndecode timeline at context {a.context}, MLX env {env} (ms, medians of "
           f"{a.steps} steps; one row per round)")
-    print(f"{'arm':7s}" + "".join(f"{k[:14]:>15s}" for k in _KEYS))
+    print(f"{'arm':7s}" + "".join(f"{k[:14]:>15s}" for k in KEYS))
     for arm, rs in res["arms"].items():
         for r in rs:
-            print(f"{arm:7s}" + "".join(f"{r['median_ms'][k]:15.3f}" for k in _KEYS))
+            print(f"{arm:7s}" + "".join(f"{r['median_ms'][k]:15.3f}" for k in KEYS))
     if a.out:
         a.out.mkdir(parents=True, exist_ok=True)
         (a.out / "decode_timeline.json").write_text(json.dumps(res, indent=1, default=str))

@@ -301,6 +301,10 @@ def detail(ncu: str, a) -> dict:
                   flush=True)
             continue
         res["arms"][arm] = launches
+        if not any(e["metrics"] for e in launches):  # keep what ncu wrote, to fix the parser
+            res.setdefault("raw_csv_head", {})[arm] = text[:6000]
+            print(f"{arm}: launches matched but no metric rows were parsed; raw CSV head kept "
+                  "in kernel_detail.json", flush=True)
         for e in launches:
             print(f"\n{arm}: {e['name'][:100]} grid {e['grid']} block {e['block']}")
             for k, v in e["metrics"].items():

@@ -180,7 +180,8 @@ if has timeline; then
 fi
 # ktimes: per-kernel GPU time of decode steps under Nsight Compute (kernel_times.py;
 # KT_ARGS passes options, e.g. "--context 32768 --arms lily": split on blanks, quotes stay
-# literal, so a --detail regex goes in KT_DETAIL instead, e.g. KT_DETAIL='norm_qgemv|down')
+# literal, so a --detail regex goes in KT_DETAIL instead, e.g. KT_DETAIL='norm_qgemv|down';
+# with KT_DETAIL the run gives the sections of those launches INSTEAD of the time table)
 if has ktimes; then
   say "== per-kernel GPU time (ncu)"
   mkdir -p "$W/ktimes"

@@ -43,6 +43,7 @@ JSON schema ``mlx-lily-ab`` version 1 (every key always present; ``None`` where 
                              config_sha256 (canonical JSON of config.json / the preset config),
                              tensors_sha256 (sorted name|shape|dtype of every parameter), n_tensors}
     lily_backend_info       mlx_lily.backend_info() while patched: {backend, ops: {op: mode}, ...}
+    mlx_env, cuda_launch_mode   MLX's launch settings for the process (both arms)
     settings                {lengths, sweeps, rounds (--rounds, default 2), order (per round:
                              [stock, lily] in odd rounds, [lily, stock] in even ones),
                              decode_steps, prefill_step_size, budget_s, warmup, seed, drift_flag, ops}
@@ -59,7 +60,9 @@ JSON schema ``mlx-lily-ab`` version 1 (every key always present; ``None`` where 
                              flags [e.g. "drift>3%:stock"]}
     rows[].arms[a].rounds[] {round (0-based), position (0 = ran first in its round), seconds, tok_s,
                              peak_memory_bytes; decode adds tok_s_median, tok_s_mean,
-                             interval_s_median/min/max, n_intervals}
+                             interval_s_median/min/max, n_intervals, and with
+                             --decode-timeline on CUDA timeline_ms (mlx_lily.bench.timeline
+                             medians: interval, build, dispatch, wait, gpu_busy, ...)}
     summary                 {prefill|decode: {rows_run, rows_not_run, mean_ratio, geomean_ratio,
                              flagged_rows}}
     outputs                 {json, markdown, png (None when not drawn)}
@@ -384,6 +387,19 @@ def measure_decode(model, cache: list, first_token: int, steps: int) -> dict:
         "peak_memory_bytes": int(peak),
         "tokens": tokens,
     }
+
+
+def _decode_timeline(model, ctx: list, first_token: int) -> dict | None:
+    """Median host phases and GPU busy time per decode step (ms) from a copy of ``ctx``
+    (``mlx_lily.bench.timeline.run_loop``, 24 steps after 3), or None off CUDA. Puts the
+    A/B's own decode figures next to the host's work in the same process."""
+    from mlx_lily.bench import gpu_clock
+    from mlx_lily.bench.timeline import run_loop
+
+    if not gpu_clock.available():
+        return None
+    r = run_loop(model, copy_cache(ctx), first_token, 24, 3)
+    return dict(r["median_ms"], clock_align_err_ms=r["clock_align_err_ns"] / 1e6)
 
 
 def warmup(model, ids, steps: int = 4, prefill_step_size: int = 2048) -> None:
@@ -739,12 +755,17 @@ def run_sweeps(target: Target, opts) -> list[dict]:
                             c = copy_cache(ctx)
                             with arm_context(arm, model, opts.ops):
                                 m = measure_decode(model, c, int(ids[L]), opts.decode_steps)
+                                if getattr(opts, "decode_timeline", False):
+                                    m["timeline_ms"] = _decode_timeline(model, ctx, int(ids[L]))
                             del c
                             m.update({"round": r, "position": order.index(arm)})
                             row["arms"][arm]["rounds"].append(m)
                             last[(sweep, arm)] = (L, m["seconds"])
                             log(f"decode  L={fmt_len(L)} round {r + 1} {arm:5s}: {m['tok_s_median']:10.2f} tok/s "
                                 f"median, {m['tok_s_mean']:.2f} mean (peak {m['peak_memory_bytes'] / 2**20:.0f} MiB)")
+                            if m.get("timeline_ms"):
+                                log("  timeline (ms): " + ", ".join(
+                                    f"{k} {v:.3f}" for k, v in m["timeline_ms"].items()))
                     del ctx
                     # both arms decoded from identical caches: greedy tokens should agree
                     st = [r["tokens"] for r in row["arms"]["stock"]["rounds"]]
@@ -1091,6 +1112,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sweeps", default="prefill,decode",
                    help="comma-separated subset of prefill,decode")
     p.add_argument("--decode-steps", type=int, default=64, help="timed decode intervals per row")
+    p.add_argument("--decode-timeline", action="store_true",
+                   help="CUDA: after each decode measurement, the same arm again through "
+                        "mlx_lily.bench.timeline (24 steps): host build / dispatch / wait and "
+                        "the GPU's busy time per step, kept as 'timeline_ms' in the round")
     p.add_argument("--prefill-step-size", type=int, default=2048)
     p.add_argument("--rounds", type=int, default=2,
                    help="rounds per row and arm (>= 2; arms alternate who runs first); "

@@ -1,0 +1,109 @@
+"""Host phases against the GPU's own start and end of each pipelined decode step (MLX's
+CUDA backend): the measurement behind ``benchmarks/gpu/decode_timeline.py`` and the A/B's
+``--decode-timeline``.
+
+The loop is ``mlx_lm.generate.generate_step``'s: build step n+1, ``mx.async_eval`` it, then
+``.item()`` on step n's token. The host records ``time.time_ns()`` after each phase (build,
+dispatch, wait); the GPU records its nanosecond timer (PTX ``%globaltimer``, through
+``mlx_lily.bench.gpu_clock``) when step n+1 starts (a one-block pass-through kernel on the
+token, ahead of the model) and when it ends (a stamp kernel taking the token, the
+log-probs and every cache state array). ``calibrate`` puts both clocks on one axis: a lone
+stamp kernel evaluated between two host reads (the narrowest bracket of its tries; its
+half-width is the alignment error).
+"""
+from __future__ import annotations
+
+import statistics
+import time
+
+import mlx.core as mx
+
+from mlx_lily.bench import gpu_clock
+from mlx_lily.bench.primitives import _state_arrays
+
+#: Per-step figures, ns in ``run_loop``'s records, ms in its medians: ``interval`` (between
+#: consecutive tokens), host ``build`` / ``dispatch`` (inside ``async_eval``) / ``wait``
+#: (inside ``.item()``), ``gpu_busy`` (the step's start to end on the GPU),
+#: ``gpu_idle_before`` (GPU end of the previous step to this one's start),
+#: ``start_after_dispatch_begin`` (GPU start minus the host's start of the dispatch) and
+#: ``end_after_dispatch_end``.
+KEYS = ("interval", "build", "dispatch", "wait", "gpu_busy", "gpu_idle_before",
+         "start_after_dispatch_begin", "end_after_dispatch_end")
+
+
+def calibrate(tries: int = 15) -> tuple[int, int]:
+    """``(offset_ns, half_width_ns)``: GPU timer minus host ``time_ns`` at one instant,
+    from the narrowest of ``tries`` host brackets around a lone stamp kernel."""
+    x = mx.zeros((4,), mx.float32)
+    mx.eval(gpu_clock.stamp(x))
+    best = None
+    for _ in range(tries):
+        mx.synchronize()
+        t = gpu_clock.stamp(x)
+        h0 = time.time_ns()
+        mx.eval(t)
+        h1 = time.time_ns()
+        g = gpu_clock.ns(t)
+        if best is None or h1 - h0 < best[1] - best[0]:
+            best = (h0, h1, g)
+    h0, h1, g = best
+    return g - (h0 + h1) // 2, (h1 - h0) // 2
+
+
+def run_loop(model, cache, first: int, steps: int, warmup: int) -> dict:
+    """The generate_step loop from ``cache`` (mlx-lm cache list, updated in place) and token
+    ``first`` with host and GPU stamps: ``steps`` timed steps after ``warmup``.
+
+    Returns:
+        ``{"median_ms": {key: ms}, "steps_ms": [...], "clock_offset_ns",
+        "clock_align_err_ns", "tok_s"}`` (keys: ``KEYS``).
+    Raises:
+        RuntimeError: not on MLX's CUDA backend (``gpu_clock``).
+    """
+    from mlx_lm.generate import generation_stream
+
+    zero = mx.array([0, 0, 0, 0], dtype=mx.uint32)  # spin 0 us (16 bytes: device memory)
+    mx.eval(zero)
+
+    def step(tok):
+        with mx.stream(generation_stream):
+            t_in, g0 = gpu_clock.spin_us(tok, zero)
+            logits = model(t_in[None], cache=cache)[:, -1, :]
+            logprobs = logits - mx.logsumexp(logits, keepdims=True)
+            y = mx.argmax(logprobs, axis=-1)
+            g1 = gpu_clock.stamp(y, logprobs, *_state_arrays(cache))
+        return y, logprobs, g0, g1
+
+    cur = step(mx.array([first], dtype=mx.int32))
+    mx.async_eval(*cur)
+    recs = []
+    for _ in range(steps + warmup + 1):  # intervals need the step before
+        h0 = time.time_ns()
+        nxt = step(cur[0])
+        h1 = time.time_ns()
+        mx.async_eval(*nxt)
+        h2 = time.time_ns()
+        cur[0].item()
+        h3 = time.time_ns()
+        recs.append({"h": (h0, h1, h2, h3), "arrays": nxt})
+        cur = nxt
+    cur[0].item()
+    mx.synchronize()
+    off, err = calibrate()
+    rows = []
+    for i in range(1, len(recs)):
+        h0, h1, h2, h3 = recs[i]["h"]
+        g0 = gpu_clock.ns(recs[i]["arrays"][2]) - off
+        g1 = gpu_clock.ns(recs[i]["arrays"][3]) - off
+        pg1 = gpu_clock.ns(recs[i - 1]["arrays"][3]) - off
+        rows.append({"interval": h3 - recs[i - 1]["h"][3], "build": h1 - h0,
+                     "dispatch": h2 - h1, "wait": h3 - h2, "gpu_busy": g1 - g0,
+                     "gpu_idle_before": g0 - pg1, "start_after_dispatch_begin": g0 - h1,
+                     "end_after_dispatch_end": g1 - h2})
+    rows = rows[warmup:]
+    med = {k: statistics.median(r[k] for r in rows) / 1e6 for k in KEYS}
+    return {"median_ms": med, "steps_ms": [{k: r[k] / 1e6 for k in KEYS} for r in rows],
+            "clock_offset_ns": off, "clock_align_err_ns": err,
+            "tok_s": 1e3 / med["interval"]}
+
+
