@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import re
 import threading
 
 import mlx.core as mx
@@ -231,12 +232,17 @@ def describe() -> str:
             f"{graphs} ops: {parts}")
 
 
+def _atoi(text: str) -> int:
+    """C's ``atoi``: the leading optionally signed decimal integer after blanks, else 0."""
+    m = re.match(r"\s*([+-]?\d+)", text)
+    return int(m.group(1)) if m else 0
+
+
 def cuda_launch_mode() -> str:
     """MLX's CUDA launch mode as this process's environment asks for it: ``"graphs"``
-    (MLX's default) or ``"direct"`` (``MLX_USE_CUDA_GRAPHS=0``). MLX reads the variable
-    once, at its first GPU evaluation, so a value set later has no effect."""
-    try:
-        off = int(os.environ.get("MLX_USE_CUDA_GRAPHS", "1")) == 0  # MLX parses an int
-    except ValueError:
-        off = False
-    return "direct" if off else "graphs"
+    (MLX's default, ``MLX_USE_CUDA_GRAPHS`` unset or a non-zero integer) or ``"direct"``
+    (set to anything ``atoi`` reads as 0, as MLX does: ``0``, ``""``, ``false``). MLX
+    reads the variable once, at its first GPU evaluation, so a value set later has no
+    effect (source: MLX 0.32 ``backend/cuda/device.cpp``, ``utils.cpp`` ``get_var``)."""
+    v = os.environ.get("MLX_USE_CUDA_GRAPHS")
+    return "graphs" if v is None or _atoi(v) != 0 else "direct"

@@ -250,7 +250,9 @@ _STEM_OPS = (
 # ab/). Metal: no kernel has run on Apple hardware (the emulator proves semantics only).
 # moe_topk_in_experts (routing inside the gate+up kernel): GPU tests (moe_experts 14 passed,
 # decode_step 1 passed: session 7 call 2) and two gates with it on passed (session 7 calls
-# 3 and 9, benchmarks/results/2026-11-30-cuda-h200-session7/).
+# 3 and 9, benchmarks/results/2026-11-30-cuda-h200-session7/). qgemv_out and
+# prefill_dequant: GPU tests (qgemv, qmm_dequant: sessions 8-10) and the ten-length A/B
+# gate with both on (session 10 lease 2, benchmarks/results/2026-11-30-cuda-h200-session10/).
 VERIFIED: dict = {
     "cuda": frozenset({"add_rms_norm", "moe_router_topk", "moe_route", "moe_experts",
                        "moe_grouped", "attention", "qgemv", "gated_delta", "norm_qgemv",

@@ -217,7 +217,9 @@ def test_server_lily_matches_stock(venv, tiny_ckpt, tmp_path):
 
 @pytest.mark.parametrize("env, want", [
     ({}, "graphs"), ({"MLX_USE_CUDA_GRAPHS": "1"}, "graphs"),
-    ({"MLX_USE_CUDA_GRAPHS": "0"}, "direct"), ({"MLX_USE_CUDA_GRAPHS": "x"}, "graphs"),
+    ({"MLX_USE_CUDA_GRAPHS": "2x"}, "graphs"), ({"MLX_USE_CUDA_GRAPHS": "0"}, "direct"),
+    ({"MLX_USE_CUDA_GRAPHS": "x"}, "direct"), ({"MLX_USE_CUDA_GRAPHS": ""}, "direct"),
+    ({"MLX_USE_CUDA_GRAPHS": "false"}, "direct"),  # MLX parses with atoi: 0
 ])
 def test_cuda_launch_mode_reported_not_changed(env, want):
     """describe() and the A/B report MLX's CUDA launch mode; importing mlx_lily leaves the

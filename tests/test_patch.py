@@ -638,3 +638,16 @@ def test_weight_signature_sees_replaced_submodules():
     sig = WeightSig(m)
     m.proj.weight = mx.zeros((4, 4))
     assert not sig.valid()
+
+
+def test_cuda_default_kernel_set(monkeypatch):
+    """What runs on CUDA by default: every op that passed its GPU tests and the A/B gate
+    (``kernels.VERIFIED``), including session 10's qgemv_out and prefill_dequant; Metal
+    runs none by default (no Apple-hardware run yet)."""
+    from mlx_lily import kernels
+
+    monkeypatch.delenv("MLX_LILY_KERNELS", raising=False)
+    for op in ("qgemv_out", "prefill_dequant", "gated_delta", "moe_topk_in_experts"):
+        assert kernels.kernels_allowed(op, "cuda")
+        assert not kernels.kernels_allowed(op, "metal")
+    assert set(kernels.VERIFIED["cuda"]) <= set(backend.OP_NAMES)

@@ -29,15 +29,40 @@ def test_run_loop_records(host_clock):
     r = timeline.run_loop(t.model, copy_cache(ctx), 7, steps=5, warmup=2)
     assert set(r["median_ms"]) == set(timeline.KEYS)
     assert len(r["steps_ms"]) == 5 and r["tok_s"] > 0
+    tol = 0.5  # ms: the calibration's bracket around a host-clock "GPU" read
     for s in r["steps_ms"]:
         assert min(s["build"], s["dispatch"], s["wait"]) >= 0
         # one token's interval holds its build, dispatch and wait (plus loop overhead)
         assert s["interval"] >= s["build"] + s["dispatch"] + s["wait"] - 1e-3
+        # the stand-in stamps are read while the step is built: its start and end lie
+        # inside the build, before the dispatch, after the previous step's end
+        assert -tol <= s["gpu_busy"] <= s["build"] + tol
+        assert -s["build"] - tol <= s["start_after_dispatch_begin"] <= tol
+        assert s["end_after_dispatch_end"] <= tol
+        assert s["gpu_idle_before"] >= -tol
     assert abs(r["clock_offset_ns"]) < 5e8  # one clock here: offset ~0
 
+    from mlx_lily.bench.ab import _decode_timeline
 
-def test_run_loop_refuses_without_timer():
+    m = _decode_timeline(t.model, ctx, 7)  # what the A/B's --decode-timeline records
+    assert set(m) == set(timeline.KEYS) | {"clock_align_err_ms"}
+
+
+def test_calibrate_refuses_without_timer():
     if gpu_clock.available():
         pytest.skip("CUDA backend present")
     with pytest.raises(RuntimeError, match="CUDA"):
         timeline.calibrate()
+
+
+@pytest.mark.parametrize("spec", ["x:NOEQUALS", ":A=1", "lily:A=1"])
+def test_cli_rejects_bad_arm_env(spec):
+    """A malformed or clashing --arm-env stops before any model is loaded."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu" / "decode_timeline.py"
+    r = subprocess.run([sys.executable, str(script), "--synthetic", "tiny", "--arm-env", spec],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "--arm-env" in r.stderr

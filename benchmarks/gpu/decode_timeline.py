@@ -1,22 +1,11 @@
 """Where a pipelined decode step's time goes, step by step: host phases against the GPU's
-own start and end of each step (MLX's CUDA backend).
+own start and end of each step (MLX's CUDA backend), through
+``mlx_lily.bench.timeline.run_loop`` (method and figures: see that module and ``KEYS``).
 
-The loop is ``mlx_lm.generate.generate_step``'s: build step n+1, ``mx.async_eval`` it, then
-``.item()`` on step n's token. Around it the host records ``time.time_ns()`` after each
-phase (build, dispatch, wait), and the GPU records its nanosecond timer (PTX
-``%globaltimer``) when step n+1 starts (a one-block pass-through kernel on the token, ahead
-of the model) and when it ends (a stamp kernel that takes the token, the log-probs and every
-cache state array). Both clocks are put on one axis by a calibration: a lone stamp kernel
-evaluated between two host reads (the offset with the narrowest bracket of ``--calib``
-tries; its half-width is reported as the alignment error).
-
-Per step (medians over ``--steps`` after ``--warmup``): ``interval`` (between consecutive
-tokens, what generate_step's user sees), host ``build`` / ``dispatch`` (inside
-``async_eval``) / ``wait`` (inside ``.item()``), ``gpu_busy`` (step start to end on the GPU),
-``gpu_idle_before`` (GPU end of step n to start of step n+1), ``start_after_dispatch_begin``
-(GPU start of step n+1 minus the host's start of its dispatch: how long the GPU waits for
-the first committed graph) and ``end_after_dispatch_end``. Arms: stock and Lily, one model,
-alternating (``--rounds``); ``--arm-env NAME:VAR=VALUE`` adds Lily under another setting. Prints a table; writes ``decode_timeline.json`` to ``--out``.
+Arms: stock and Lily, one model, one Lily-built context deep-copied per arm, alternating
+(``--rounds``); ``--arm-env NAME:VAR=VALUE`` adds Lily under another setting. Per arm and
+round: the medians over ``--steps`` steps after ``--warmup``. Prints a table; writes
+``decode_timeline.json`` to ``--out``.
 
     python benchmarks/gpu/decode_timeline.py --synthetic qwen3.6-35b-a3b --context 4096 --out DIR
 
@@ -70,6 +59,12 @@ def main(argv=None) -> int:
     p.add_argument("--ops", default=None)
     p.add_argument("--out", type=Path, default=None)
     a = p.parse_args(argv)
+    arms = {x: None for x in a.arms.split(",") if x}
+    for spec in a.arm_env:
+        name, _, kv = spec.partition(":")
+        if not name or "=" not in kv or name in arms:
+            p.error(f"--arm-env {spec!r}: want NAME:VAR=VALUE with a new arm name")
+        arms[name] = tuple(kv.split("=", 1))
     if not gpu_clock.available():
         print("decode_timeline: needs MLX's CUDA backend; nothing measured")
         return 0
@@ -82,11 +77,7 @@ def main(argv=None) -> int:
     env = {k: os.environ.get(k) for k in ("MLX_MAX_OPS_PER_BUFFER", "MLX_MAX_MB_PER_BUFFER",
                                           "MLX_USE_CUDA_GRAPHS")}
     res = {"environment": environment(ops), "mlx_env": env, "context": a.context,
-           "steps": a.steps, "arms": {}}
-    arms = {x: None for x in a.arms.split(",") if x}
-    for spec in a.arm_env:
-        name, _, kv = spec.partition(":")
-        arms[name] = tuple(kv.split("=", 1))
+           "steps": a.steps, "warmup": a.warmup, "rounds": a.rounds, "arms": {}}
     for rnd in range(a.rounds):
         for arm, var_val in arms.items():
             with _env(var_val), arm_context("lily" if var_val else arm, t.model, ops):
@@ -100,10 +91,11 @@ def main(argv=None) -> int:
                 + f" (clock alignment +-{r['clock_align_err_ns'] / 1e3:.0f} us)")
     print(f"\ndecode timeline at context {a.context}, MLX env {env} (ms, medians of "
           f"{a.steps} steps; one row per round)")
-    print(f"{'arm':7s}" + "".join(f"{k[:14]:>15s}" for k in KEYS))
+    w = max(7, *(len(x) + 1 for x in res["arms"]))
+    print(f"{'arm':{w}s}" + "".join(f"{k[:14]:>15s}" for k in KEYS))
     for arm, rs in res["arms"].items():
         for r in rs:
-            print(f"{arm:7s}" + "".join(f"{r['median_ms'][k]:15.3f}" for k in KEYS))
+            print(f"{arm:{w}s}" + "".join(f"{r['median_ms'][k]:15.3f}" for k in KEYS))
     if a.out:
         a.out.mkdir(parents=True, exist_ok=True)
         (a.out / "decode_timeline.json").write_text(json.dumps(res, indent=1, default=str))

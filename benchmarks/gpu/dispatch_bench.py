@@ -8,7 +8,8 @@ being built and commits the graph (update + launch) once it exceeds
 ``MLX_MAX_MB_PER_BUFFER`` Mi (1000 on sm_90), besides every ``MLX_MAX_OPS_PER_BUFFER``
 (100) nodes; ``eval`` blocks while more than 10 such commits are in flight
 (``MAX_ACTIVE_TASKS``, ``transforms.cpp``). Lily's expert kernels take all experts' weights
-(~117 M elements per MoE layer), so a decode step adds a commit every ~9 layers. This
+(~117 M elements per MoE layer), so a decode step adds a commit every ~9 layers (with CUDA
+graphs on, MLX's default: with ``MLX_USE_CUDA_GRAPHS=0`` input sizes are not counted). This
 script times chains of a trivial kernel (copy 1024 floats) that also takes no extra inputs,
 ``--inputs`` or ``--many-inputs`` 16-byte arrays, or ``--inputs`` arrays of ``--big-mb``
 MiB (never read), one process, alternating variants (how the host cost grows with a
@@ -59,6 +60,8 @@ def main(argv=None) -> int:
                     help="extra small inputs per launch in the many-inputs variant")
     ap.add_argument("--big-mb", type=int, default=128, help="MiB of each large input")
     a = ap.parse_args(argv)
+    if a.inputs == a.many_inputs:
+        ap.error("--inputs and --many-inputs must differ (one variant each)")
     from mlx_lily.backend import current_backend
 
     if current_backend() != "cuda":

@@ -161,8 +161,9 @@ if has profile; then
   done
 fi
 # timeline: host phases vs the GPU's start/end of each pipelined decode step
-# (decode_timeline.py; TL_ARGS passes options). TL_ENVS="A=1;B=2 C=3": one process per
-# setting after the default one (MLX reads its graph settings once), into $W/timeline-<n>/
+# (decode_timeline.py; TL_ARGS passes options, TL_PRESET the model, T_TL caps each process,
+# default 150 s). TL_ENVS="A=1;B=2 C=3": one process per setting after the default one
+# (MLX reads its graph settings once), into $W/timeline-<n>/
 if has timeline; then
   n=0
   IFS=';' read -ra tl_envs <<< ";${TL_ENVS:-}"
@@ -172,7 +173,7 @@ if has timeline; then
     say "== decode timeline (${e:-default MLX settings})"
     (cd /tmp && env $e timeout "${T_TL:-150}" python3 "$REPO/benchmarks/gpu/decode_timeline.py" \
        --synthetic ${TL_PRESET:-qwen3.6-35b-a3b} ${TL_ARGS:-} --out "$d") > "$d/decode_timeline.log" 2>&1
-    grep -A8 "^decode timeline at" "$d/decode_timeline.log" | tee -a "$S"
+    awk '/^decode timeline at/{f=1} f&&/^\[mlx_lily/{exit} f' "$d/decode_timeline.log" | tee -a "$S"
     tail -3 "$d/decode_timeline.log" | grep -i "error\|Traceback" | tee -a "$S"
     snapshot
     n=$((n + 1))

@@ -46,7 +46,8 @@ JSON schema ``mlx-lily-ab`` version 1 (every key always present; ``None`` where 
     mlx_env, cuda_launch_mode   MLX's launch settings for the process (both arms)
     settings                {lengths, sweeps, rounds (--rounds, default 2), order (per round:
                              [stock, lily] in odd rounds, [lily, stock] in even ones),
-                             decode_steps, prefill_step_size, budget_s, warmup, seed, drift_flag, ops}
+                             decode_steps, decode_timeline, prefill_step_size, budget_s, warmup,
+                             seed, drift_flag, ops}
     gate                    {passed, checks {logits_rel_max_diff, top1_agreement, greedy_prefix},
                              injected_wrong, logits_positions, max_abs_logit_diff, mean_abs_logit_diff,
                              logit_scale, rel_max_logit_diff, top1_agreement, greedy_tokens,
@@ -755,8 +756,10 @@ def run_sweeps(target: Target, opts) -> list[dict]:
                             c = copy_cache(ctx)
                             with arm_context(arm, model, opts.ops):
                                 m = measure_decode(model, c, int(ids[L]), opts.decode_steps)
-                                if getattr(opts, "decode_timeline", False):
-                                    m["timeline_ms"] = _decode_timeline(model, ctx, int(ids[L]))
+                                tl = (_decode_timeline(model, ctx, int(ids[L]))
+                                      if getattr(opts, "decode_timeline", False) else None)
+                                if tl is not None:
+                                    m["timeline_ms"] = tl
                             del c
                             m.update({"round": r, "position": order.index(arm)})
                             row["arms"][arm]["rounds"].append(m)
@@ -829,6 +832,7 @@ RESULT_SCHEMA: dict = {
     "checkpoint": {"kind": str, "path": _OPT_STR, "preset": _OPT_STR, "seed": (int, type(None)),
                    "model_type": _OPT_STR, "config_sha256": str, "tensors_sha256": str, "n_tensors": int},
     "lily_backend_info": {"backend": str, "ops": dict},
+    "mlx_env": dict, "cuda_launch_mode": str,
     "settings": {"lengths": list, "sweeps": list, "rounds": int, "order": list, "decode_steps": int,
                  "prefill_step_size": int, "budget_s": _OPT_NUM, "warmup": int, "seed": int,
                  "drift_flag": _NUM, "ops": (list, type(None))},
@@ -1187,6 +1191,7 @@ def run(opts) -> tuple[dict, int]:
         "settings": {
             "lengths": list(opts.lengths), "sweeps": sweeps, "rounds": int(opts.rounds),
             "order": [list(o) for o in round_orders(opts.rounds)], "decode_steps": opts.decode_steps,
+            "decode_timeline": bool(getattr(opts, "decode_timeline", False)),
             "prefill_step_size": opts.prefill_step_size, "budget_s": opts.budget_s,
             "lily_only_over_budget": bool(getattr(opts, "lily_only_over_budget", False)),
             "warmup": opts.warmup, "seed": opts.seed, "drift_flag": DRIFT_FLAG, "ops": opts.ops,
