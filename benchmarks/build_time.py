@@ -11,7 +11,9 @@ Prints and writes DIR/build_time.json: median milliseconds per step (after ``--w
 steps) with the compiled decode steps on (the default: the whole decoder stack as one
 compiled function), one compiled function per layer (``MLX_LILY_COMPILE_WHOLE=0``), per
 layer with the attention layers' mixers eager (``MLX_LILY_COMPILE_ATTN=0``: only their MLP
-halves compiled), and off.
+halves compiled), and off. ``--growth-steps N``: N compiled steps from an empty cache,
+every one timed, with mlx-lm's KV growth step (256) and Lily's default
+(``MLX_LILY_KV_STEP``): the steps that grow the cache and retrace show in the mean.
 """
 
 from __future__ import annotations
@@ -25,7 +27,8 @@ import time
 from pathlib import Path
 
 
-def measure(layers: int, steps: int, warmup: int, compile_mode: str) -> float:
+def measure(layers: int, steps: int, warmup: int, compile_mode: str,
+            detail: bool = False):
     import mlx.core as mx
     from mlx_lm.models.cache import make_prompt_cache
 
@@ -59,7 +62,12 @@ def measure(layers: int, steps: int, warmup: int, compile_mode: str) -> float:
                     ts.append(time.perf_counter() - t0)
         finally:
             mlx_lily.unpatch()
-    return statistics.median(ts) * 1e3
+    med = statistics.median(ts) * 1e3
+    if not detail:
+        return med
+    slow = [t * 1e3 for t in ts if t * 1e3 > 5 * med]
+    return {"median_ms": med, "mean_ms": statistics.fmean(ts) * 1e3, "slow_steps": len(slow),
+            "slow_ms_total": sum(slow)}
 
 
 def main(argv=None) -> int:
@@ -67,6 +75,9 @@ def main(argv=None) -> int:
     p.add_argument("--layers", type=int, default=40)
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--warmup", type=int, default=10)
+    p.add_argument("--growth-steps", type=int, default=0,
+                   help="also: mean vs median over this many compiled steps from an empty "
+                        "cache with MLX_LILY_KV_STEP=256 (mlx-lm's growth) and the default")
     p.add_argument("--out", type=Path, default=None)
     a = p.parse_args(argv)
     res = {"layers": a.layers, "steps": a.steps, "warmup": a.warmup, "build_ms_median": {}}
@@ -86,6 +97,23 @@ def main(argv=None) -> int:
         res["build_ms_median"][name] = float(out.strip().splitlines()[-1])
         print(f"{name:19s} {res['build_ms_median'][name]:.3f} ms per decode step "
               f"({a.layers} layers, median of {a.steps})")
+    if a.growth_steps:
+        # mean vs median over a long decode: KV-cache growth steps (run layer by layer) and
+        # the retrace after each, with mlx-lm's growth step (256) and Lily's default
+        res["growth"] = {}
+        for kv in ("256", ""):
+            env = {k: v for k, v in os.environ.items() if k != "MLX_LILY_KV_STEP"}
+            if kv:
+                env["MLX_LILY_KV_STEP"] = kv
+            out = subprocess.run(
+                [sys.executable, __file__, "--_growth", str(a.layers), str(a.growth_steps)],
+                capture_output=True, text=True, check=True, env=env).stdout
+            r = json.loads(out.strip().splitlines()[-1])
+            name = f"kv_step_{kv or 'default'}"
+            res["growth"][name] = r
+            print(f"{name:17s} {a.growth_steps} steps: median {r['median_ms']:.3f} ms, mean "
+                  f"{r['mean_ms']:.3f} ms, {r['slow_steps']} steps > 5x median "
+                  f"({r['slow_ms_total']:.1f} ms)")
     if a.out:
         a.out.mkdir(parents=True, exist_ok=True)
         (a.out / "build_time.json").write_text(json.dumps(res, indent=1))
@@ -93,6 +121,9 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == "--_growth":  # compiled, every step timed
+        print(json.dumps(measure(int(sys.argv[2]), int(sys.argv[3]), 2, "1", detail=True)))
+        sys.exit(0)
     if len(sys.argv) > 1 and sys.argv[1] == "--_one":  # one setting per process
         print(measure(int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]), sys.argv[2]))
         sys.exit(0)

@@ -333,11 +333,13 @@ class _CompiledSteps:
         self.key = key
         self.fns: dict = {}  # (layer index, pending[, "attn"]) -> compiled fn or False
         self.whole = None  # whole-stack step: (KV shapes, compiled fn), False (failed), None
+        self.recent: dict = {}  # KV shapes -> whole-stack fn, the last RECENT_WHOLE_STEPS
         self.static: dict = {}  # per-forward facts of the whole step, by dtype/switch
 
     def clear(self) -> None:
         self.fns.clear()
         self.whole = None
+        self.recent.clear()
         self.static.clear()
 
     def __deepcopy__(self, memo):
@@ -569,6 +571,59 @@ def _whole_step_fn(text_model, layers):
     return step
 
 
+#: Compiled whole-stack decode steps kept per model, one per KV-cache capacity.
+RECENT_WHOLE_STEPS = 4
+
+KV_STEP_ENV = "MLX_LILY_KV_STEP"
+#: KV-cache capacity growth (tokens) for plain ``KVCache`` objects a patched forward sees.
+#: mlx-lm grows by 256; each growth changes the compiled decode step's shapes, so the step
+#: that grows runs layer by layer and the next one traces the whole stack again (on this
+#: repository's CPU box, 40 layers with stubbed kernels: ~12 ms and ~10 ms against 0.33 ms
+#: for a traced step, i.e. ~0.09 ms per token at 256). 2048 (the prefill chunk) cuts those
+#: events 8x for at most 2047 unused cache rows per attention layer (4 MiB per layer for
+#: Qwen3.6-35B-A3B's 2 KV heads x 256 dims, bf16 K and V).
+DEFAULT_KV_STEP = 2048
+_KV_STEP_WARNED: set = set()
+
+
+def _kv_step() -> int:
+    """``MLX_LILY_KV_STEP`` (an integer >= 1; a bad value warns once and keeps mlx-lm's
+    growth), else ``DEFAULT_KV_STEP``."""
+    from mlx_lily.backend import env_value
+
+    raw = env_value(KV_STEP_ENV, "")
+    if not raw:
+        return DEFAULT_KV_STEP
+    try:
+        v = int(raw)
+        if v >= 1:
+            return v
+    except ValueError:
+        pass
+    if raw not in _KV_STEP_WARNED:
+        import warnings
+
+        _KV_STEP_WARNED.add(raw)
+        warnings.warn(f"mlx-lily: {KV_STEP_ENV}={raw!r} is not an integer >= 1; KV caches "
+                      "keep mlx-lm's growth step", stacklevel=3)
+    return 0
+
+
+def _widen_kv_steps(cache) -> None:
+    """Raise the growth step of every plain ``KVCache`` in ``cache`` to ``_kv_step()``
+    (never lower it). Only the capacity changes: ``offset``, the rows up to it and the
+    attention results are those of mlx-lm's growth (which trims to the offset before
+    growing when the offset is not a multiple of the step). mlx-lm 0.32's
+    ``KVCache.state`` is the whole buffer, so a cache saved with ``save_prompt_cache``
+    carries up to step - 1 unused rows per attention layer, as it does at 256."""
+    step = _kv_step()
+    if step <= 0:
+        return
+    for c in cache:
+        if type(c) is KVCache and c.step < step:
+            c.step = step
+
+
 def _run_whole_step(text_model, cs, layers, cache, h):
     """The decode step through ``_whole_step_fn`` (compiled on first use, kept in
     ``cs.whole``, ``cs`` the model's ``_CompiledSteps``) when every layer can run compiled now (``_gdn_step_ok``,
@@ -597,10 +652,13 @@ def _run_whole_step(text_model, cs, layers, cache, h):
             return None
         else:
             offset = c.offset
-    # one compiled function per cache capacity: a new one when the caches grew, so MLX
-    # frees the old traces with the old function instead of scanning them at every call
+    # one compiled function per cache capacity (MLX would scan every trace a function holds
+    # at each call), the last RECENT_WHOLE_STEPS kept: caches of other capacities (requests
+    # of other lengths) reuse theirs instead of tracing the stack again
     shapes = tuple(c.keys.shape for l, c in zip(layers, cache) if not l.is_linear)
     fn = cs.whole[1] if cs.whole is not None and cs.whole[0] == shapes else None
+    if fn is None:
+        fn = cs.recent.get(shapes)
     if fn is None:
         fn = mx.compile(_whole_step_fn(text_model, layers))
     args = [h]
@@ -618,6 +676,10 @@ def _run_whole_step(text_model, cs, layers, cache, h):
         return None
     if cs.whole is None or cs.whole[1] is not fn:
         cs.whole = (shapes, fn)
+        cs.recent.pop(shapes, None)
+        cs.recent[shapes] = fn  # most recent last
+        while len(cs.recent) > RECENT_WHOLE_STEPS:
+            cs.recent.pop(next(iter(cs.recent)))
     it = iter(out[1:])
     for layer, c in zip(layers, cache):
         if layer.is_linear:
@@ -740,6 +802,7 @@ def make_text_model_call(module, cls_name, layer_cls_name, with_embeddings):
                 y = _run_whole_step(self, cs, layers, cache, h)
                 if y is not None:
                     return y
+            _widen_kv_steps(cache)  # where caches grow: prefill, or a step without room
             for i, (layer, c) in enumerate(zip(layers, cache)):
                 if m is not None:
                     h, x = _layer_input(h, m, layer.input_layernorm, defer)

@@ -463,6 +463,46 @@ def test_compiled_attention_decode_steps_plumbing(monkeypatch, whole):
     assert True in dyn and False in dyn  # compiled steps, and the growing step's eager one
 
 
+def test_whole_steps_kept_per_capacity(monkeypatch):
+    """Two caches of different capacities decoded in turn (two requests of different
+    lengths): each capacity's compiled whole-stack step is traced once and reused
+    (``RECENT_WHOLE_STEPS`` kept), not traced again at every switch; the oldest goes
+    beyond that."""
+    import mlx_lily
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from mlx_lily.patches import qwen3_next as P
+
+    model = _stubbed_cuda_model(monkeypatch, MLX_LILY_KV_STEP="256")
+    inner = model.language_model.model
+    compiles = []
+    real = P.mx.compile
+
+    def counting(fn, *a, **k):
+        if "_whole_step_fn" in getattr(fn, "__qualname__", ""):
+            compiles.append(fn)
+        return real(fn, *a, **k)
+
+    with backend.tracing_backend("cuda"):
+        with mlx_lily.patched(model):
+            monkeypatch.setattr(P.mx, "compile", counting)
+            caches = []
+            for n in (3, 260, 520, 780, 1040, 1300):  # capacities 256, 512, .., 1536
+                c = make_prompt_cache(model)
+                model(mx.array([[5] * n]), cache=c)  # prefill: fills and sizes the cache
+                caches.append(c)
+            for c in caches[:2] * 2:  # capacities 256, 512, 256, 512
+                model(mx.array([[5]]), cache=c)
+            cs = inner._lily_steps
+            assert len(compiles) == 2 and len(cs.recent) == 2
+            for c in caches:  # six capacities: the first two are dropped at the 5th, 6th
+                model(mx.array([[5]]), cache=c)
+            assert len(cs.recent) == P.RECENT_WHOLE_STEPS
+            n_after = len(compiles)
+            model(mx.array([[5]]), cache=caches[0])  # evicted: traced again
+            assert len(compiles) == n_after + 1
+
+
 def test_strip_source_keeps_code_and_literals():
     """``kernels.strip_source`` (what ``mx.fast.cuda_kernel`` gets: MLX hashes it at every
     launch): comments, indentation and blank lines go; string and character literals,

@@ -651,3 +651,45 @@ def test_cuda_default_kernel_set(monkeypatch):
         assert kernels.kernels_allowed(op, "cuda")
         assert not kernels.kernels_allowed(op, "metal")
     assert set(kernels.VERIFIED["cuda"]) <= set(backend.OP_NAMES)
+
+
+def _kv_caches(cache):
+    return [c for c in cache if type(c) is cache_mod.KVCache]
+
+
+def test_kv_caches_grow_in_bigger_steps_same_answers(tiny_models, monkeypatch):
+    """A patched forward raises plain KVCaches' growth step to MLX_LILY_KV_STEP (default
+    2048; never lowers it): fewer retraces of the compiled decode step; states and greedy
+    tokens as stock's, also across a growth; 256 (mlx-lm's) or a bad value leave it."""
+    from mlx_lily.patches import qwen3_next as P
+
+    model = tiny_models["qwen3_5_moe"]
+    monkeypatch.delenv(P.KV_STEP_ENV, raising=False)
+    prompt = [(i * 29 + 5) % 500 + 1 for i in range(40)]
+    c_lily = model.make_cache()
+    with mlx_lily.patched(model):
+        model(mx.array([prompt]), cache=c_lily)
+    kv = _kv_caches(c_lily)
+    assert kv and all(c.step == 2048 and c.keys.shape[2] == 2048 for c in kv)
+    c_stock = model.make_cache()
+    model(mx.array([prompt]), cache=c_stock)
+    for a, b in zip(_kv_caches(c_stock), kv):
+        assert a.keys.shape[2] == 256 and a.offset == b.offset == len(prompt)
+        n = a.offset  # KVCache.state is the whole buffer (capacity), rows past offset unused
+        assert mx.array_equal(a.state[0][..., :n, :], b.state[0][..., :n, :]).item()
+        assert mx.array_equal(a.state[1][..., :n, :], b.state[1][..., :n, :]).item()
+    # across a growth: a 505-token prompt with step 512 grows after 7 tokens
+    long_prompt = [(i * 31 + 7) % 500 + 1 for i in range(505)]
+    ref = greedy(model, long_prompt, 12)
+    monkeypatch.setenv(P.KV_STEP_ENV, "512")
+    with mlx_lily.patched(model):
+        got = greedy(model, long_prompt, 12)
+    assert got == ref
+    for raw in ("256", "zero"):
+        monkeypatch.setenv(P.KV_STEP_ENV, raw)
+        c = model.make_cache()
+        with mlx_lily.patched(model), warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter("always")
+            model(mx.array([prompt]), cache=c)
+        assert all(x.step == 256 for x in _kv_caches(c))
+        assert (raw == "zero") == any(P.KV_STEP_ENV in str(x.message) for x in w)
