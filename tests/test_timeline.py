@@ -66,3 +66,27 @@ def test_cli_rejects_bad_arm_env(spec):
     r = subprocess.run([sys.executable, str(script), "--synthetic", "tiny", "--arm-env", spec],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "--arm-env" in r.stderr
+
+
+def test_prefill_run_chunks(host_clock):
+    """generate_step's prefill split: all tokens but the last in chunks, then the last
+    step; host phases non-negative, the stand-in GPU span inside the build; the A/B's
+    --prefill-timeline records it."""
+    from mlx_lily.bench.ab import _prefill_timeline, load_target
+
+    t = load_target(synthetic="tiny")
+    ids = list(range(5, 45))  # 40 tokens: chunks of 16, 16, 7, then the last token
+    r = timeline.prefill_run(t.model, ids, 16)
+    assert [c["tokens"] for c in r["chunks"]] == [16, 16, 7, 1]
+    assert r["total_ms"] > 0 and r["tok_s"] > 0
+    tol = 0.5
+    for c in r["chunks"]:
+        assert set(c) == set(timeline.PREFILL_KEYS)
+        assert min(c["build"], c["dispatch"], c["wait"]) >= 0
+        assert -tol <= c["gpu_busy"] <= c["build"] + tol
+        assert c["start_after_dispatch_begin"] <= tol
+        assert c["host_after_gpu_end"] >= -tol
+    assert sum(c["build"] + c["dispatch"] + c["wait"] for c in r["chunks"]) <= r["total_ms"]
+    with pytest.raises(ValueError, match="empty"):
+        timeline.prefill_run(t.model, [], 16)
+    assert [c["tokens"] for c in _prefill_timeline(t.model, ids[:5], 16)["chunks"]] == [4, 1]

@@ -46,8 +46,8 @@ JSON schema ``mlx-lily-ab`` version 1 (every key always present; ``None`` where 
     mlx_env, cuda_launch_mode   MLX's launch settings for the process (both arms)
     settings                {lengths, sweeps, rounds (--rounds, default 2), order (per round:
                              [stock, lily] in odd rounds, [lily, stock] in even ones),
-                             decode_steps, decode_timeline, prefill_step_size, budget_s, warmup,
-                             seed, drift_flag, ops}
+                             decode_steps, decode_timeline, prefill_timeline, prefill_step_size,
+                             budget_s, warmup, seed, drift_flag, ops}
     gate                    {passed, checks {logits_rel_max_diff, top1_agreement, greedy_prefix},
                              injected_wrong, logits_positions, max_abs_logit_diff, mean_abs_logit_diff,
                              logit_scale, rel_max_logit_diff, top1_agreement, greedy_tokens,
@@ -63,7 +63,9 @@ JSON schema ``mlx-lily-ab`` version 1 (every key always present; ``None`` where 
                              peak_memory_bytes; decode adds tok_s_median, tok_s_mean,
                              interval_s_median/min/max, n_intervals, and with
                              --decode-timeline on CUDA timeline_ms (mlx_lily.bench.timeline
-                             medians: interval, build, dispatch, wait, gpu_busy, ...)}
+                             medians: interval, build, dispatch, wait, gpu_busy, ...); Lily's
+                             prefill rounds with --prefill-timeline on CUDA: timeline
+                             (timeline.prefill_run: per-chunk host phases, GPU busy)}
     summary                 {prefill|decode: {rows_run, rows_not_run, mean_ratio, geomean_ratio,
                              flagged_rows}}
     outputs                 {json, markdown, png (None when not drawn)}
@@ -388,6 +390,19 @@ def measure_decode(model, cache: list, first_token: int, steps: int) -> dict:
         "peak_memory_bytes": int(peak),
         "tokens": tokens,
     }
+
+
+def _prefill_timeline(model, ids, prefill_step_size: int) -> dict | None:
+    """``mlx_lily.bench.timeline.prefill_run`` of ``ids`` (per-chunk host phases and GPU
+    busy time, ms), or None off CUDA."""
+    from mlx_lily.bench import gpu_clock
+    from mlx_lily.bench.timeline import prefill_run
+
+    if not gpu_clock.available():
+        return None
+    r = prefill_run(model, list(ids), prefill_step_size)
+    _sync()
+    return r
 
 
 def _decode_timeline(model, ctx: list, first_token: int) -> dict | None:
@@ -735,6 +750,11 @@ def run_sweeps(target: Target, opts) -> list[dict]:
                         for arm in (a for a in order if a in run_arms):
                             with arm_context(arm, model, opts.ops):
                                 m = measure_prefill(model, ids[:L], opts.prefill_step_size)
+                                if arm == "lily" and getattr(opts, "prefill_timeline", False):
+                                    tl = _prefill_timeline(model, ids[:L],
+                                                           opts.prefill_step_size)
+                                    if tl is not None:
+                                        m["timeline"] = tl
                             m.update({"round": r, "position": order.index(arm)})
                             row["arms"][arm]["rounds"].append(m)
                             last[(sweep, arm)] = (L, m["seconds"])
@@ -742,6 +762,13 @@ def run_sweeps(target: Target, opts) -> list[dict]:
                                 prefill_lily_s[L] = m["seconds"]
                             log(f"prefill L={fmt_len(L)} round {r + 1} {arm:5s}: {m['tok_s']:10.1f} tok/s "
                                 f"({m['seconds']:.3f}s, peak {m['peak_memory_bytes'] / 2**20:.0f} MiB)")
+                            if m.get("timeline"):
+                                ch = m["timeline"]["chunks"]
+                                log("  timeline (ms): " + "; ".join(
+                                    f"{c['tokens']} tok build {c['build']:.1f} dispatch "
+                                    f"{c['dispatch']:.1f} wait {c['wait']:.1f} GPU "
+                                    f"{c['gpu_busy']:.1f}" for c in ch[:3] + ch[-1:])
+                                    + ("" if len(ch) <= 4 else f" ({len(ch)} chunks)"))
                 else:
                     t0 = time.perf_counter()
                     with arm_context("lily", model, opts.ops):
@@ -1116,6 +1143,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sweeps", default="prefill,decode",
                    help="comma-separated subset of prefill,decode")
     p.add_argument("--decode-steps", type=int, default=64, help="timed decode intervals per row")
+    p.add_argument("--prefill-timeline", action="store_true",
+                   help="CUDA: after each Lily prefill measurement, the same prompt again "
+                        "through mlx_lily.bench.timeline.prefill_run (per chunk: host build / "
+                        "dispatch / wait and the GPU's busy time), kept as 'timeline' in the "
+                        "round (Lily only: stock's prefill is 30-50x longer)")
     p.add_argument("--decode-timeline", action="store_true",
                    help="CUDA: after each decode measurement, the same arm again through "
                         "mlx_lily.bench.timeline (24 steps): host build / dispatch / wait and "
@@ -1192,6 +1224,7 @@ def run(opts) -> tuple[dict, int]:
             "lengths": list(opts.lengths), "sweeps": sweeps, "rounds": int(opts.rounds),
             "order": [list(o) for o in round_orders(opts.rounds)], "decode_steps": opts.decode_steps,
             "decode_timeline": bool(getattr(opts, "decode_timeline", False)),
+            "prefill_timeline": bool(getattr(opts, "prefill_timeline", False)),
             "prefill_step_size": opts.prefill_step_size, "budget_s": opts.budget_s,
             "lily_only_over_budget": bool(getattr(opts, "lily_only_over_budget", False)),
             "warmup": opts.warmup, "seed": opts.seed, "drift_flag": DRIFT_FLAG, "ops": opts.ops,

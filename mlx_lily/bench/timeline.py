@@ -110,3 +110,84 @@ def run_loop(model, cache, first: int, steps: int, warmup: int) -> dict:
             "tok_s": 1e3 / med["interval"]}
 
 
+
+
+#: Per-chunk figures of ``prefill_run`` (ms): host ``build`` (the model call),
+#: ``dispatch`` (inside ``mx.async_eval``), ``wait`` (until the chunk's results are
+#: ready), GPU ``gpu_busy`` (the chunk's start to end on the GPU), ``start_after_dispatch_begin``
+#: and ``host_after_gpu_end`` (the host's return minus the GPU's end: sync latency).
+PREFILL_KEYS = ("tokens", "build", "dispatch", "wait", "gpu_busy",
+                "start_after_dispatch_begin", "host_after_gpu_end")
+
+
+def prefill_run(model, ids, prefill_step_size: int = 2048) -> dict:
+    """A prompt through ``mlx_lm.generate.generate_step``'s prefill, chunk by chunk (all
+    tokens but the last in chunks of ``prefill_step_size``, evaluating the cache states
+    and clearing MLX's buffer cache after each; then the last token's step with its
+    log-probs and greedy token), each chunk timed on the host and on the GPU.
+
+    Args:
+        model: an mlx-lm model (patched or not).
+        ids: the prompt's token ids (at least 1).
+        prefill_step_size: tokens per chunk, as ``generate_step``'s argument.
+    Returns:
+        ``{"chunks": [{key: value}], "total_ms", "tok_s", "clock_align_err_ns"}`` (keys:
+        ``PREFILL_KEYS``; the last chunk is the final one-token-or-more step).
+    Raises:
+        RuntimeError: not on MLX's CUDA backend (``gpu_clock``).
+        ValueError: an empty prompt.
+    """
+    from mlx.utils import tree_flatten
+    from mlx_lm.generate import generation_stream
+    from mlx_lm.models.cache import make_prompt_cache
+
+    if len(ids) < 1:
+        raise ValueError("prefill_run: empty prompt")
+    zero = mx.array([0, 0, 0, 0], dtype=mx.uint32)
+    mx.eval(zero)
+    cache = make_prompt_cache(model)
+    prompt = mx.array(list(ids), dtype=mx.int32)
+    raw = []
+    mx.synchronize()
+    t_start = time.time_ns()
+    with mx.stream(generation_stream):
+        while prompt.size > 1:
+            n = min(prefill_step_size, prompt.size - 1)
+            h0 = time.time_ns()
+            chunk, g0 = gpu_clock.spin_us(prompt[:n], zero)
+            model(chunk[None], cache=cache)
+            states = [v for _, v in tree_flatten([c.state for c in cache])
+                      if isinstance(v, mx.array)]
+            g1 = gpu_clock.stamp(*states)
+            h1 = time.time_ns()
+            mx.async_eval(states, g0, g1)
+            h2 = time.time_ns()
+            mx.eval(g1)
+            h3 = time.time_ns()
+            raw.append((n, h0, h1, h2, h3, g0, g1))
+            mx.clear_cache()
+            prompt = prompt[n:]
+        h0 = time.time_ns()
+        last, g0 = gpu_clock.spin_us(prompt, zero)
+        logits = model(last[None], cache=cache)[:, -1, :]
+        logprobs = logits - mx.logsumexp(logits, keepdims=True)
+        y = mx.argmax(logprobs, axis=-1)
+        g1 = gpu_clock.stamp(y, logprobs)
+        h1 = time.time_ns()
+        mx.async_eval(y, logprobs, g0, g1)
+        h2 = time.time_ns()
+        y.item()
+        h3 = time.time_ns()
+        raw.append((int(prompt.size), h0, h1, h2, h3, g0, g1))
+    total = h3 - t_start
+    mx.synchronize()
+    off, err = calibrate()
+    chunks = []
+    for n, h0, h1, h2, h3, g0, g1 in raw:
+        s, e = gpu_clock.ns(g0) - off, gpu_clock.ns(g1) - off
+        chunks.append({"tokens": n, "build": (h1 - h0) / 1e6, "dispatch": (h2 - h1) / 1e6,
+                       "wait": (h3 - h2) / 1e6, "gpu_busy": (e - s) / 1e6,
+                       "start_after_dispatch_begin": (s - h1) / 1e6,
+                       "host_after_gpu_end": (h3 - e) / 1e6})
+    return {"chunks": chunks, "total_ms": total / 1e6, "tok_s": len(ids) / (total / 1e9),
+            "clock_align_err_ns": err}
