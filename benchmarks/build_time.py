@@ -71,7 +71,7 @@ def measure(layers: int, steps: int, warmup: int, compile_mode: str,
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].replace("\n", " "))
     p.add_argument("--layers", type=int, default=40)
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--warmup", type=int, default=10)
@@ -112,7 +112,7 @@ def main(argv=None) -> int:
             name = f"kv_step_{kv or 'default'}"
             res["growth"][name] = r
             print(f"{name:17s} {a.growth_steps} steps: median {r['median_ms']:.3f} ms, mean "
-                  f"{r['mean_ms']:.3f} ms, {r['slow_steps']} steps > 5x median "
+                  f"{r['mean_ms']:.3f} ms, steps > 5x median: {r['slow_steps']} "
                   f"({r['slow_ms_total']:.1f} ms)")
     if a.out:
         a.out.mkdir(parents=True, exist_ok=True)

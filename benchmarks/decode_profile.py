@@ -255,11 +255,13 @@ def dispatch_cost(n: int = 2000) -> dict:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].replace("\n", " "))
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("model", nargs="?")
     src.add_argument("--synthetic", metavar="PRESET")
     p.add_argument("--context", type=int, default=4096)
+    p.add_argument("--cpu", action="store_true",
+                   help="run on MLX's CPU backend too (a full-size model takes many minutes)")
     p.add_argument("--steps", type=int, default=24)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--ops", default=None)
@@ -285,6 +287,10 @@ def main(argv=None) -> int:
                         "block and the LM head, stock and Lily (gpu_breakdown)")
     p.add_argument("--out", type=Path, default=None)
     a = p.parse_args(argv)
+    from mlx_lily.bench import gpu_or_explain
+
+    if not a.cpu and not gpu_or_explain("decode_profile (--cpu runs it anyway)"):
+        return 0
     ops = a.ops.split(",") if a.ops else None
     t = load_target(a.model, synthetic=a.synthetic)
     hi, ex = vocab_bounds(t.config, t.tokenizer)

@@ -23,7 +23,7 @@ KEYS = ("ppl_rel_diff", "top1_agreement", "kl_stock_lily_mean", "max_abs_logit_d
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].replace("\n", " "))
     p.add_argument("model", help="MLX checkpoint directory (the trained fixture)")
     p.add_argument("--ops", default="", help="comma list: also run each of these ops alone")
     p.add_argument("--out", type=Path, default=None)

@@ -57,7 +57,7 @@ def run(preset, arm, cache_dir, layers=0, **env_extra):
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].replace("\n", " "))
     p.add_argument("--preset", default="small")
     p.add_argument("--layers", type=int, default=0, help="override the layer count (0: keep)")
     p.add_argument("--no-jit-arm", action="store_true", help="skip the lily_cold_jit arm")

@@ -25,7 +25,10 @@ def _run(model, tokenizer, prompt_ids, max_tokens):
 
 def main(argv=None) -> int:
     """Run the demo; returns 0 when both engines produced the same text."""
-    p = argparse.ArgumentParser(prog="mlx_lily.demo", description=__doc__.splitlines()[0] + " (random weights: the text is nonsense; what matters is that both outputs match)")
+    p = argparse.ArgumentParser(
+        prog="mlx_lily.demo",
+        description=__doc__.split("\n\n")[0].replace("\n", " ")
+        + " (random weights: the text is nonsense; what matters is that both outputs match)")
     p.add_argument("--model", help="model directory (default: the cached tiny synthetic one)")
     p.add_argument("--prompt", default=PROMPT)
     p.add_argument("--max-tokens", type=int, default=48)

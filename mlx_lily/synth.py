@@ -394,7 +394,8 @@ def ensure_tiny_checkpoint(cache_dir: str | os.PathLike | None = None) -> Path:
 
 def main(argv: list[str] | None = None) -> int:
     """CLI: ``python -m mlx_lily.synth --preset P --out DIR [--seed N] [--max-shard-gb G] [--plan]``."""
-    ap = argparse.ArgumentParser(prog="python -m mlx_lily.synth", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m mlx_lily.synth",
+                                 description=__doc__.split("\n\n")[0].replace("\n", " "))
     ap.add_argument("--preset", choices=sorted(PRESETS), default="tiny")
     ap.add_argument("--out", help="output directory (must not exist or be empty)")
     ap.add_argument("--seed", type=int, default=0)

@@ -90,3 +90,26 @@ def test_prefill_run_chunks(host_clock):
     with pytest.raises(ValueError, match="empty"):
         timeline.prefill_run(t.model, [], 16)
     assert [c["tokens"] for c in _prefill_timeline(t.model, ids[:5], 16)["chunks"]] == [4, 1]
+
+
+@pytest.mark.parametrize("script", ["gpu/long_context_bench.py", "gpu/precompile_bench.py",
+                                    "decode_profile.py", "gpu/decode_timeline.py",
+                                    "gpu/dispatch_bench.py"])
+def test_gpu_scripts_explain_and_exit_off_gpu(script, tmp_path):
+    """Without a GPU backend the GPU benchmarks print why they measure nothing and exit 0
+    at once (a new user ran decode_profile.py for 300 s on a CPU before this)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from mlx_lily.backend import current_backend
+
+    if current_backend() != "cpu":
+        pytest.skip("a GPU backend is present")
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / script
+    args = {"decode_profile.py": ["--synthetic", "tiny"],
+            "gpu/decode_timeline.py": ["--synthetic", "tiny"],
+            "gpu/dispatch_bench.py": ["--out", str(tmp_path)]}.get(script, [])
+    r = subprocess.run([sys.executable, str(path), *args], capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == 0 and "nothing measured" in r.stdout, (r.stdout, r.stderr)

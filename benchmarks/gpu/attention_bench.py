@@ -326,7 +326,7 @@ def summary(rows):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].replace("\n", " "))
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     p.add_argument("--contexts", default="4096,32768,131072")
     p.add_argument("--prefill", default="2048:2048,2048:8192,8192:8192",

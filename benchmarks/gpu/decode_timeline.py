@@ -45,7 +45,7 @@ def _env(var_val):
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].replace("\n", " "))
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("model", nargs="?")
     src.add_argument("--synthetic", metavar="PRESET")

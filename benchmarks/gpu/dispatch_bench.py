@@ -51,7 +51,7 @@ def _chain(kern, x, extras, length: int):
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].replace("\n", " "))
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--length", type=int, default=300, help="launches per chain")
     ap.add_argument("--reps", type=int, default=7)

@@ -313,7 +313,7 @@ def detail(ncu: str, a) -> dict:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].replace("\n", " "))
     p.add_argument("--preset", default="qwen3.6-35b-a3b")
     p.add_argument("--context", type=int, default=4096)
     p.add_argument("--steps", type=int, default=2)

@@ -21,7 +21,7 @@ from pathlib import Path
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].replace("\n", " "))
     p.add_argument("--preset", default="qwen3.6-35b-a3b")
     p.add_argument("--lengths", default="16384,32768,65536,131072")
     p.add_argument("--prefill-step-size", type=int, default=2048)
@@ -31,6 +31,10 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     import os
 
+    from mlx_lily.bench import gpu_or_explain
+
+    if not gpu_or_explain("long_context_bench"):
+        return 0
     os.environ.setdefault("MLX_LILY_KERNELS", "all")
     import mlx.core as mx
 

@@ -502,7 +502,7 @@ def _backend():
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].replace("\n", " "))
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--reps", type=int, default=15)
     ap.add_argument("--emulate", action="store_true",

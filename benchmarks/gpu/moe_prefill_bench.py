@@ -108,7 +108,7 @@ def timeit(fn, warmup: int, reps: int) -> dict:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].replace("\n", " "))
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--sizes", type=int, nargs="+", default=[512, 2048, 8192])
     ap.add_argument("--reps", type=int, default=15)

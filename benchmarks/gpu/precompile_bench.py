@@ -20,11 +20,15 @@ from pathlib import Path
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].replace("\n", " "))
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--workers", type=int, default=os.cpu_count() or 1)
     p.add_argument("--out", type=Path, default=None)
     a = p.parse_args(argv)
+    from mlx_lily.bench import gpu_or_explain
+
+    if not gpu_or_explain("precompile_bench", cuda_only=True):
+        return 0
     os.environ.setdefault("MLX_LILY_KERNELS", "all")
     import mlx.core as mx
 

@@ -62,7 +62,7 @@ def _time(fn, x, calls: int, reps: int) -> dict:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].replace("\n", " "))
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--rows", type=int, default=2048, help="activation rows (tokens)")
     ap.add_argument("--calls", type=int, default=8, help="calls per timed chain")
