@@ -65,7 +65,14 @@ def main():
                    help="seed the fresh cache with MLX's own kernels from this cache folder "
                         "(files not named custom_kernel_*), so stock starts warm")
     p.add_argument("--out", default=None)
+    p.add_argument("--cpu", action="store_true",
+                   help="run on MLX's CPU backend too (there Lily compiles and warms up "
+                        "nothing, so the comparison means little)")
     a = p.parse_args()
+    from mlx_lily.bench import gpu_or_explain
+
+    if not a.cpu and not gpu_or_explain("startup (--cpu runs it anyway)"):
+        return 0
     res = {"preset": a.preset, "layers": a.layers, "rows": {}, "time": time.time()}
     rows = res["rows"]
 

@@ -94,7 +94,7 @@ def test_prefill_run_chunks(host_clock):
 
 @pytest.mark.parametrize("script", ["gpu/long_context_bench.py", "gpu/precompile_bench.py",
                                     "decode_profile.py", "gpu/decode_timeline.py",
-                                    "gpu/dispatch_bench.py"])
+                                    "gpu/dispatch_bench.py", "startup.py"])
 def test_gpu_scripts_explain_and_exit_off_gpu(script, tmp_path):
     """Without a GPU backend the GPU benchmarks print why they measure nothing and exit 0
     at once (a new user ran decode_profile.py for 300 s on a CPU before this)."""
