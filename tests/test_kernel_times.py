@@ -76,3 +76,24 @@ def test_parse_details_per_launch():
         "Occupancy / Achieved Occupancy": "41.5 %"}
     assert ls[1]["metrics"] == {"Launch Statistics / Registers Per Thread": "72 register/thread"}
     assert kt.parse_ncu_details("no table\n") == []
+
+
+RAW = '''==PROF== Connected to process 7 (/usr/bin/python3)
+"ID","Process ID","Process Name","Host Name","Kernel Name","Context","Stream","Block Size","Grid Size","Device","CC","launch__registers_per_thread","smsp__average_warp_latency_issue_stalled_long_scoreboard.ratio","sm__throughput.avg.pct_of_peak_sustained_elapsed"
+"","","","","","","","","","","","register/thread","","%"
+"0","7","python3","h","custom_kernel_lily_moe_down(const __nv_bfloat16 *, unsigned int *)","1","7","(384, 1, 1)","(128, 1, 1)","0","9.0","128","12.5","31.2"
+"1","7","python3","h","custom_kernel_lily_moe_down(const __nv_bfloat16 *, unsigned int *)","1","7","(384, 1, 1)","(128, 1, 1)","0","9.0","128","11.9","30.8"
+'''
+
+
+def test_parse_raw_page_per_launch():
+    """``--detail`` reads ncu's raw page: every metric column per launch, with units."""
+    ls = kt.parse_ncu_raw(RAW)
+    assert [l["id"] for l in ls] == ["0", "1"]
+    assert ls[0]["name"].startswith("custom_kernel_lily_moe_down(") and ls[0]["grid"] == "(128, 1, 1)"
+    assert ls[0]["block"] == "(384, 1, 1)"
+    m = ls[1]["metrics"]
+    assert m == {"launch__registers_per_thread": "128 register/thread",
+                 "smsp__average_warp_latency_issue_stalled_long_scoreboard.ratio": "11.9",
+                 "sm__throughput.avg.pct_of_peak_sustained_elapsed": "30.8 %"}
+    assert kt.parse_ncu_raw("no table here") == []

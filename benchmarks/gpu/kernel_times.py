@@ -279,6 +279,34 @@ def parse_ncu_details(text: str) -> list:
     return list(out.values())
 
 
+def parse_ncu_raw(text: str) -> list:
+    """Launches from ``ncu --csv --page raw`` output: ``[{"id", "name", "grid", "block",
+    "metrics": {"metric name": "value unit"}}]`` in launch order, every column that is not
+    one of the launch's identifying columns taken as a metric (the units row, whose ID is
+    empty, gives the units)."""
+    rows = _csv_table(text)
+    if len(rows) < 2:
+        return []
+    head = rows[0]
+    ident = {"ID", "Process ID", "Process Name", "Host Name", "Kernel Name", "Context",
+             "Stream", "Block Size", "Grid Size", "Device", "CC"}
+    units = rows[1] if rows[1] and rows[1][0] == "" else [""] * len(head)
+    col = {k: head.index(k) for k in ("ID", "Kernel Name", "Grid Size", "Block Size") if k in head}
+    if "ID" not in col or "Kernel Name" not in col:
+        return []
+    out = []
+    for r in rows[1:]:
+        if len(r) < len(head) or r[col["ID"]] == "":
+            continue
+        out.append({
+            "id": r[col["ID"]], "name": r[col["Kernel Name"]],
+            "grid": r[col["Grid Size"]] if "Grid Size" in col else None,
+            "block": r[col["Block Size"]] if "Block Size" in col else None,
+            "metrics": {h: r[i] + (f" {units[i]}" if i < len(units) and units[i] else "")
+                        for i, h in enumerate(head) if h not in ident}})
+    return out
+
+
 def detail(ncu: str, a) -> dict:
     """``--detail``: the Nsight Compute sections ``DETAIL_SECTIONS`` for the first
     ``--detail-count`` launches whose name matches ``a.detail`` (a regex), per arm."""
@@ -287,12 +315,14 @@ def detail(ncu: str, a) -> dict:
         log = Path(os.environ.get("TMPDIR", "/tmp")) / f"kernel_detail_{arm}.csv"
         # the profiler API range first; everything (the first matches) if it read nothing
         for from_start in ("off", "on"):
+            # the raw page: one row per launch, one column per metric of the sections
+            # (session 10's details page parsed to launches without metric rows)
             opts = ["--profile-from-start", from_start, "-k", f"regex:{a.detail}", "-c",
-                    str(a.detail_count), "--page", "details"]
+                    str(a.detail_count), "--page", "raw"]
             for sec in DETAIL_SECTIONS:
                 opts += ["--section", sec]
             rc, err, text = _run_ncu(ncu, opts, log, arm, a)
-            launches = parse_ncu_details(text)
+            launches = parse_ncu_raw(text) or parse_ncu_details(text)
             if launches:
                 break
         if not launches:
