@@ -24,9 +24,7 @@ device's copy bandwidth. Writes DIR/decode_profile.json and prints a table.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
-import os
 import statistics
 import sys
 import time
@@ -35,29 +33,11 @@ from pathlib import Path
 import mlx.core as mx
 
 from mlx_lily.backend import COMPILE_ENV
-from mlx_lily.bench import gpu_clock
+from mlx_lily.bench import env_override, gpu_clock, parse_arm_envs
 from mlx_lily.bench.ab import (ARMS, arm_context, build_context, copy_cache, environment, ids_array,
                                load_target, log, measure_decode, synthetic_ids, vocab_bounds)
 from mlx_lily.bench.primitives import _state_arrays, count_graph
 from mlx_lily.bench.traffic import copy_bandwidth_gbps, decode_step_bytes
-
-
-@contextlib.contextmanager
-def _env(var, val):
-    """Environment variable ``var`` set to ``val`` inside the block (nothing if var is
-    None), restored after."""
-    if var is None:
-        yield
-        return
-    prev = os.environ.get(var)
-    os.environ[var] = val
-    try:
-        yield
-    finally:
-        if prev is None:
-            os.environ.pop(var, None)
-        else:
-            os.environ[var] = prev
 
 
 def _step(model, cache, tok):
@@ -289,6 +269,11 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     from mlx_lily.bench import gpu_or_explain
 
+    try:
+        arm_env_specs = parse_arm_envs(a.arm_env, taken=(*ARMS, "lily-eager"))
+    except ValueError as e:
+        p.error(str(e))
+
     if not a.cpu and not gpu_or_explain("decode_profile (--cpu runs it anyway)"):
         return 0
     ops = a.ops.split(",") if a.ops else None
@@ -308,11 +293,7 @@ def main(argv=None) -> int:
             with arm_context(arm, t.model, ops):
                 res.setdefault("gpu_breakdown", {})[arm] = gpu_breakdown(t.model, ctx)
             log(f"GPU time per part ({arm}): {res['gpu_breakdown'][arm]}")
-    arm_envs = {"lily-eager": (COMPILE_ENV, "0")}
-    for spec in a.arm_env:
-        name, _, kv = spec.partition(":")
-        var, _, val = kv.partition("=")
-        arm_envs[name] = (var, val)
+    arm_envs = {"lily-eager": (COMPILE_ENV, "0"), **arm_env_specs}
     arms = [x for x in ARMS if not (a.no_stock_arm and x == "stock")]
     arms += ([] if a.no_eager_arm else ["lily-eager"])
     arms += [name for name in arm_envs if name != "lily-eager"]
@@ -320,7 +301,7 @@ def main(argv=None) -> int:
     for rnd in range(max(1, a.rounds)):
         for arm in arms:
             var, val = arm_envs.get(arm, (None, None))
-            with _env(var, val):
+            with env_override(var, val):
                 with arm_context("lily" if var else arm, t.model, ops):
                     r = profile_arm(t.model, ctx, int(ids[a.context]), a.steps, a.warmup,
                                     gpu_only=a.gpu_only)

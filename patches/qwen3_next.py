@@ -577,10 +577,10 @@ RECENT_WHOLE_STEPS = 4
 KV_STEP_ENV = "MLX_LILY_KV_STEP"
 #: KV-cache capacity growth (tokens) for plain ``KVCache`` objects a patched forward sees.
 #: mlx-lm grows by 256; each growth changes the compiled decode step's shapes, so the step
-#: that grows runs layer by layer and the next one traces the whole stack again (on this
-#: repository's CPU box, 40 layers with stubbed kernels: ~12 ms and ~10 ms against 0.33 ms
-#: for a traced step, i.e. ~0.09 ms per token at 256). 2048 (the prefill chunk) cuts those
-#: events 8x for at most 2047 unused cache rows per attention layer (4 MiB per layer for
+#: that grows runs layer by layer and the next one traces the whole stack again
+#: (``benchmarks/build_time.py --layers 40 --growth-steps 1100`` on this repository's CPU
+#: box, stubbed kernels, commit f6a157a: at 256, 8 steps of 1100 over 5x the median, 37.4 ms
+#: in all, against a 0.32 ms median). 2048 (the prefill chunk) cuts those events 8x for at most 2047 unused cache rows per attention layer (4 MiB per layer for
 #: Qwen3.6-35B-A3B's 2 KV heads x 256 dims, bf16 K and V).
 DEFAULT_KV_STEP = 2048
 _KV_STEP_WARNED: set = set()
@@ -656,9 +656,7 @@ def _run_whole_step(text_model, cs, layers, cache, h):
     # at each call), the last RECENT_WHOLE_STEPS kept: caches of other capacities (requests
     # of other lengths) reuse theirs instead of tracing the stack again
     shapes = tuple(c.keys.shape for l, c in zip(layers, cache) if not l.is_linear)
-    fn = cs.whole[1] if cs.whole is not None and cs.whole[0] == shapes else None
-    if fn is None:
-        fn = cs.recent.get(shapes)
+    fn = cs.recent.get(shapes)  # holds cs.whole's function too
     if fn is None:
         fn = mx.compile(_whole_step_fn(text_model, layers))
     args = [h]

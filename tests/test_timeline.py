@@ -113,3 +113,21 @@ def test_gpu_scripts_explain_and_exit_off_gpu(script, tmp_path):
     r = subprocess.run([sys.executable, str(path), *args], capture_output=True, text=True,
                        timeout=60)
     assert r.returncode == 0 and "nothing measured" in r.stdout, (r.stdout, r.stderr)
+
+
+def test_arm_env_helpers(monkeypatch):
+    """The benchmarks' --arm-env parsing and per-arm environment switch (shared by
+    decode_profile.py and decode_timeline.py)."""
+    import os
+
+    from mlx_lily.bench import env_override, parse_arm_envs
+
+    assert parse_arm_envs(["a:X=1", "b:Y="], taken=("lily",)) == {"a": ("X", "1"), "b": ("Y", "")}
+    for bad in (["a:X"], [":X=1"], ["aX=1"], ["a:=1"], ["lily:X=1"], ["a:X=1", "a:Y=2"]):
+        with pytest.raises(ValueError, match="--arm-env"):
+            parse_arm_envs(bad, taken=("lily",))
+    monkeypatch.delenv("LILY_T_VAR", raising=False)
+    monkeypatch.setenv("LILY_T_OLD", "0")
+    with env_override("LILY_T_VAR", "1"), env_override("LILY_T_OLD", "2"), env_override(None):
+        assert os.environ["LILY_T_VAR"] == "1" and os.environ["LILY_T_OLD"] == "2"
+    assert "LILY_T_VAR" not in os.environ and os.environ["LILY_T_OLD"] == "0"

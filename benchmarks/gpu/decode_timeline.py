@@ -15,34 +15,15 @@ MLX's graph settings (``MLX_MAX_OPS_PER_BUFFER``, ``MLX_MAX_MB_PER_BUFFER``,
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import sys
 from pathlib import Path
 
-from mlx_lily.bench import gpu_clock
+from mlx_lily.bench import env_override, gpu_clock, parse_arm_envs
 from mlx_lily.bench.ab import (arm_context, build_context, copy_cache, environment, load_target,
                                log, synthetic_ids, vocab_bounds)
 from mlx_lily.bench.timeline import KEYS, run_loop
-
-@contextlib.contextmanager
-def _env(var_val):
-    """``os.environ[var] = val`` inside the block (nothing for None), restored after."""
-    if var_val is None:
-        yield
-        return
-    var, val = var_val
-    prev = os.environ.get(var)
-    os.environ[var] = val
-    try:
-        yield
-    finally:
-        if prev is None:
-            os.environ.pop(var, None)
-        else:
-            os.environ[var] = prev
-
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].replace("\n", " "))
@@ -60,11 +41,10 @@ def main(argv=None) -> int:
     p.add_argument("--out", type=Path, default=None)
     a = p.parse_args(argv)
     arms = {x: None for x in a.arms.split(",") if x}
-    for spec in a.arm_env:
-        name, _, kv = spec.partition(":")
-        if not name or "=" not in kv or name in arms:
-            p.error(f"--arm-env {spec!r}: want NAME:VAR=VALUE with a new arm name")
-        arms[name] = tuple(kv.split("=", 1))
+    try:
+        arms.update(parse_arm_envs(a.arm_env, taken=arms))
+    except ValueError as e:
+        p.error(str(e))
     if not gpu_clock.available():
         print("decode_timeline: needs MLX's CUDA backend; nothing measured")
         return 0
@@ -80,7 +60,8 @@ def main(argv=None) -> int:
            "steps": a.steps, "warmup": a.warmup, "rounds": a.rounds, "arms": {}}
     for rnd in range(a.rounds):
         for arm, var_val in arms.items():
-            with _env(var_val), arm_context("lily" if var_val else arm, t.model, ops):
+            with env_override(*(var_val or (None,))), \
+                    arm_context("lily" if var_val else arm, t.model, ops):
                 r = run_loop(t.model, copy_cache(ctx), int(ids[a.context]), a.steps,
                              a.warmup)
             if var_val:

@@ -11,7 +11,46 @@ Modules (each imports MLX only when used):
   prefill chunk (CUDA).
 """
 
-__all__ = ["ab", "numerics", "primitives", "timeline", "gpu_or_explain"]
+import contextlib
+import os
+
+__all__ = ["ab", "numerics", "primitives", "timeline", "gpu_or_explain", "env_override",
+           "parse_arm_envs"]
+
+
+@contextlib.contextmanager
+def env_override(var: str | None, val: str | None = None):
+    """``os.environ[var] = val`` inside the block (nothing when ``var`` is None), the
+    previous value (or its absence) restored after: one benchmark arm under a switch."""
+    if var is None:
+        yield
+        return
+    prev = os.environ.get(var)
+    os.environ[var] = val
+    try:
+        yield
+    finally:
+        if prev is None:
+            os.environ.pop(var, None)
+        else:
+            os.environ[var] = prev
+
+
+def parse_arm_envs(specs, taken=()) -> dict:
+    """``--arm-env NAME:VAR=VALUE`` options as ``{NAME: (VAR, VALUE)}`` in order.
+
+    Raises:
+        ValueError: a spec without a name, a ``:`` or a ``=``, or a name already in
+            ``taken`` or given twice.
+    """
+    out: dict = {}
+    for spec in specs:
+        name, sep, kv = spec.partition(":")
+        var, eq, val = kv.partition("=")
+        if not name or not sep or not eq or not var or name in taken or name in out:
+            raise ValueError(f"--arm-env {spec!r}: want NAME:VAR=VALUE with a new arm name")
+        out[name] = (var, val)
+    return out
 
 
 def gpu_or_explain(script: str, cuda_only: bool = False) -> bool:
