@@ -30,6 +30,7 @@ OP_NAMES = (
     "moe_topk_in_experts",
     "qgemv_out",
     "prefill_dequant",
+    "gdn_proj",
 )
 
 DISABLE_ENV = "MLX_LILY_DISABLE"

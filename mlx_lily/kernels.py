@@ -44,16 +44,16 @@ def shader_path(backend: str, filename: str) -> Path:
 def shader_source(backend: str, filename: str) -> str:
     """Text of a kernel source file, with its ``// @`` lines kept (they are comments).
 
-    A ``// @header <file>`` line (a helper file beside it, shared by several kernels)
-    puts that file's text in front, so it lands in the kernel's ``header`` part; the Metal
-    lint and emulator read the same directive.
+    Each ``// @header <file>`` line (a helper file beside it, shared by several kernels)
+    puts that file's text in front, in the order of the lines, so it lands in the
+    kernel's ``header`` part; the Metal lint and emulator read the same directives.
     """
     text = shader_path(backend, filename).read_text()
-    m = re.search(r"^\s*//\s*@header\s+(\S+)", text, flags=re.M)
-    if m:
-        helpers = shader_path(backend, m.group(1)).read_text()
-        text = helpers + ("" if helpers.endswith("\n") else "\n") + text
-    return text
+    helpers = ""
+    for name in re.findall(r"^\s*//\s*@header\s+(\S+)", text, flags=re.M):
+        h = shader_path(backend, name).read_text()
+        helpers += h + ("" if h.endswith("\n") else "\n")
+    return helpers + text
 
 
 def split_header(text: str, marker: str = "// ---- body ----") -> tuple[str, str]:

@@ -15,13 +15,18 @@ MODEL_TYPES = ("qwen3_5", "qwen3_5_moe")
 
 
 def gdn_call(self, inputs, mask=None, cache=None):
-    """``qwen3_5.GatedDeltaNet.__call__`` with one fused input projection."""
+    """``qwen3_5.GatedDeltaNet.__call__`` with one fused input projection; a one-token step
+    with a pending input norm runs it inside the decode kernel where ``gdn_proj`` serves."""
     if not nxt.gdn_supported(self):
         return nxt._original(qwen3_5.GatedDeltaNet)(self, nxt.resolve(inputs), mask, cache)
     B, S, _ = inputs.shape
     proj = nxt._proj(self, "in_proj",
                      (self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a))
     if S == 1 and isinstance(proj, nxt.QProj) and nxt.op_enabled("gdn_packed"):
+        if isinstance(inputs, nxt.PendingNorm):
+            r = nxt.gdn_core_proj(self, proj, inputs, mask, cache)
+            if r is not None:
+                return r
         (y,) = nxt._run(proj, inputs, split=False)
         return nxt.gdn_core(self, y, None, None, None, mask, cache, packed=True)
     qkv, z, b, a = nxt._run(proj, inputs)

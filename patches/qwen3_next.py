@@ -23,6 +23,7 @@ from mlx_lily.ops import qgemv as _qgemv_ops
 from mlx_lily.ops import norm_qgemv as norm_qgemv_ops
 from mlx_lily.ops import qmm_dequant
 from mlx_lily.ops.add_rms_norm import add_rms_norm
+from mlx_lily.ops import gated_delta as gdn_ops
 from mlx_lily.ops.gated_delta import gated_delta, gated_delta_packed
 from mlx_lily.ops.moe_experts import drop_plans, moe_experts, moe_experts_routed
 from mlx_lily.ops.moe_router_topk import PRE_NORM_OP, moe_router_topk, moe_router_topk_pending
@@ -243,6 +244,43 @@ def gdn_supported(self) -> bool:
             and self.conv1d.groups == self.conv_dim and "bias" not in self.conv1d)
 
 
+def _gdn_dims(self, mask, cache):
+    lengths = cache.lengths if cache is not None else None
+    return dict(num_k_heads=self.num_k_heads, head_k_dim=self.head_k_dim,
+                num_v_heads=self.num_v_heads, head_v_dim=self.head_v_dim, eps=self.norm.eps,
+                mask=mask, lengths=lengths)
+
+
+def _gdn_finish(self, out, new_conv, new_state, cache, S):
+    if cache is not None:
+        cache[0] = new_conv
+        cache[1] = new_state
+        cache.advance(S)
+    return one_row_linear(self.out_proj, out)
+
+
+def gdn_core_proj(self, proj, pending, mask, cache):
+    """A one-token GDN step whose input projection runs inside the decode kernel
+    (``gated_delta_proj``, one launch for add + RMSNorm + q|k|v|z|b|a GEMV + recurrence)
+    when ``gdn_proj`` is on and the kernel takes this call; sets ``pending.h`` and
+    returns the layer's ``out_proj`` output. None otherwise (the caller projects)."""
+    from mlx_lily.backend import current_backend
+
+    if (not proj.quantized or (proj.mode or "affine") != "affine"
+            or not gdn_ops.proj_enabled(current_backend())):
+        return None
+    conv_state = cache[0] if cache is not None else None
+    state = cache[1] if cache is not None else None
+    dims = _gdn_dims(self, mask, cache)
+    p = gdn_ops.DecodeProj(pending.h0, pending.res, pending.weight, pending.eps, proj.weight,
+                           proj.scales, proj.biases, proj.group_size, proj.bits)
+    args = (self.conv1d.weight, conv_state, self.A_log, self.dt_bias, state, self.norm.weight)
+    if gdn_ops.proj_unsupported(p, *args, **dims) is not None:
+        return None
+    out, new_conv, new_state, pending.h = gdn_ops.gated_delta_proj(p, *args, **dims)
+    return _gdn_finish(self, out, new_conv, new_state, cache, 1)
+
+
 def gdn_core(self, qkv, z, b, a, mask, cache, packed=False):
     """Shared tail of both GDN variants: conv, recurrence, gated norm, cache update,
     ``out_proj``. ``qkv [B,S,C]``, ``z [B,S,Hv,Dv]``, ``b``/``a [B,S,Hv]``; or, with
@@ -250,10 +288,7 @@ def gdn_core(self, qkv, z, b, a, mask, cache, packed=False):
     B, S, _ = qkv.shape
     conv_state = cache[0] if cache is not None else None
     state = cache[1] if cache is not None else None
-    lengths = cache.lengths if cache is not None else None
-    dims = dict(num_k_heads=self.num_k_heads, head_k_dim=self.head_k_dim,
-                num_v_heads=self.num_v_heads, head_v_dim=self.head_v_dim, eps=self.norm.eps,
-                mask=mask, lengths=lengths)
+    dims = _gdn_dims(self, mask, cache)
     if packed:
         out, new_conv, new_state = gated_delta_packed(
             qkv, self.conv1d.weight, conv_state, self.A_log, self.dt_bias, state,
@@ -262,11 +297,7 @@ def gdn_core(self, qkv, z, b, a, mask, cache, packed=False):
         out, new_conv, new_state = gated_delta(
             qkv, z, b, a, self.conv1d.weight, conv_state, self.A_log, self.dt_bias, state,
             self.norm.weight, **dims)
-    if cache is not None:
-        cache[0] = new_conv
-        cache[1] = new_state
-        cache.advance(S)
-    return one_row_linear(self.out_proj, out)
+    return _gdn_finish(self, out, new_conv, new_state, cache, S)
 
 
 def next_gdn_call(self, inputs, mask=None, cache=None):

@@ -139,7 +139,7 @@ def _drop_launch_plans(model):
 def test_decode_folds_layer_norms_into_projections(stock_run):
     """With ``norm_qgemv`` on, each decode step runs every layer's input add+RMSNorm but
     the first inside its input projection (``lily_norm_qgemv``, as the MoE routers'
-    post-attention norms): n_layers - 1 fewer
+    post-attention norms; GDN layers: inside ``lily_gdn_decode``, ``gdn_proj``): n_layers - 1 fewer
     ``lily_add_rms_norm`` launches than with it off, and the same logits within rounding.
     With every op on, the final norm is the step's only ``lily_add_rms_norm``."""
     from mlx_lily.ops import add_rms_norm as arn
@@ -164,8 +164,10 @@ def test_decode_folds_layer_norms_into_projections(stock_run):
         counts[on] = (calls.count(nq.SPEC.name), calls.count(arn.SPEC.name))
         logits[on] = np.array(out[0].astype(mx.float32))
     # layer inputs but the first, and each MoE block's router GEMV (its post-attention
-    # norm folded in, moe_topk_in_experts)
-    assert counts[True][0] == n_layers - 1 + n_moe, counts
+    # norm folded in, moe_topk_in_experts); a GDN layer's input norm and projection run
+    # inside its decode kernel instead (gdn_proj)
+    n_gdn = sum(l.is_linear for l in model.layers[1:])
+    assert counts[True][0] == n_layers - 1 + n_moe - n_gdn, counts
     # no other add+norm launch but the final norm (without norm_qgemv the post-attention
     # norms ride in the one-threadgroup router kernel: moe_router_norm)
     assert counts[True][1] == 1, counts

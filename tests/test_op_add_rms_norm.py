@@ -15,8 +15,8 @@ import mlx.nn as nn
 from mlx_lily import kernels as K
 from mlx_lily.ops import add_rms_norm as A
 from mlx_lily.testing.backends import metal_kernel_factory
-from test_op_gated_delta import (KERNEL_BACKENDS, _case_id, _param, cached_nvcc_check,
-                                 cuda_emu_kernel)
+from mlx_lily.testing.cuda_emu import cuda_on_emu
+from test_op_gated_delta import KERNEL_BACKENDS, _case_id, _param, cached_nvcc_check
 
 BF = mx.bfloat16
 
@@ -57,7 +57,7 @@ def _kernel(backend):
     if backend == "cuda":
         return K.build(A.SPEC, "cuda")
     if backend == "cuda-emu":
-        return cuda_emu_kernel(A.SPEC, metal_kernel_factory("metal-emu"))
+        return cuda_on_emu(A.SPEC)
     return K.build(A.SPEC, "metal", factory=metal_kernel_factory(backend))
 
 

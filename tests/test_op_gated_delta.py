@@ -34,33 +34,9 @@ if "metal-emu" in KERNEL_BACKENDS:
     KERNEL_BACKENDS.insert(KERNEL_BACKENDS.index("metal-emu") + 1, "cuda-emu")
 
 # "cuda-emu": the CUDA twin's body run on the Metal emulator, with CUDA names mapped
-# onto the emulator's (threadIdx/blockIdx, __shared__, __syncthreads, __shfl_xor_sync,
-# CUDA math). It checks the CUDA bodies' indexing, synchronisation and arithmetic on the
-# CPU; NVRTC acceptance is checked separately by nvcc.
-_CUDA_EMU_HEADER = """
-#define __device__
-#define __forceinline__ inline
-#define __shfl_xor_sync(mask, v, m) simd_shuffle_xor((v), (ushort)(m))
-#define expf(x) metal::exp(x)
-#define logf(x) metal::log(x)
-#define fabsf(x) metal::abs(x)
-#define fmaxf(a, b) metal::max((a), (b))
-#define rsqrtf(x) metal::precise::rsqrt(x)
-#define fmaf(a, b, c) metal::fma((a), (b), (c))
-"""
-_CUDA_EMU_BODY = ("const uint3 threadIdx = thread_position_in_threadgroup;\n"
-                  "const uint3 blockIdx = threadgroup_position_in_grid;\n")
-
-
-def cuda_emu_kernel(spec, factory):
-    """Build ``spec``'s CUDA body as an emulated Metal kernel (see "cuda-emu" above)."""
-    head, body = K.cuda_parts(spec.stem)
-    assert "blockDim" not in body and "gridDim" not in body
-    body = _CUDA_EMU_BODY + body.replace("__shared__", "threadgroup").replace(
-        "__syncthreads()", "threadgroup_barrier(mem_flags::mem_threadgroup)")
-    return factory(spec.name + "_cuda", list(spec.inputs), list(spec.outputs), body,
-                   header=_CUDA_EMU_HEADER + head,
-                   ensure_row_contiguous=spec.ensure_row_contiguous)
+# onto the emulator's (``mlx_lily.testing.cuda_emu.cuda_on_emu``). It checks the CUDA
+# bodies' indexing, synchronisation and arithmetic on the CPU; NVRTC acceptance is
+# checked separately by nvcc.
 
 
 def _case_id(c):
@@ -203,7 +179,9 @@ def _kernel(spec, backend):
     if backend == "cuda":
         return K.build(spec, "cuda")
     if backend == "cuda-emu":
-        return cuda_emu_kernel(spec, metal_kernel_factory("metal-emu"))
+        from mlx_lily.testing.cuda_emu import cuda_on_emu
+
+        return cuda_on_emu(spec)
     return K.build(spec, "metal", factory=metal_kernel_factory(backend))
 
 
@@ -578,6 +556,194 @@ def test_packed_dispatcher_on_cpu_and_width_check():
         G.gated_delta_packed(y[..., :-1], **rest, **dims)
 
 
+# ------------------------------------------------------------------ projection inside (PROJ)
+def make_proj(inp, dims, K=256, bits=4, gs=64, seed=0, strided=False):
+    """A ``DecodeProj`` for the step of ``make_inputs``: random residual, delta, norm
+    weight and a quantized q|k|v|z|b|a weight (``K`` wide); ``strided``: h0 and res are
+    views stepping 2 along K (the kernel's element-load prologue)."""
+    rng = np.random.default_rng(100 + seed)
+    T = inp["conv_weight"].dtype
+    B = inp["state"].shape[0] if inp["state"] is not None else inp["qkv"].shape[0]
+    Hk, D, Hv = dims["num_k_heads"], dims["head_k_dim"], dims["num_v_heads"]
+    P = 2 * Hk * D + 2 * Hv * D + 2 * Hv
+
+    def arr(shape, scale=1.0, offset=0.0):
+        return mx.array((offset + scale * rng.standard_normal(shape)).astype(np.float32)).astype(T)
+
+    wf = mx.array((rng.standard_normal((P, K)) * K ** -0.5).astype(np.float32)).astype(T)
+    w, scales, biases = mx.quantize(wf, group_size=gs, bits=bits)
+    if strided:
+        h0, res = arr((B, 1, 2 * K))[..., ::2], arr((B, 1, 2 * K))[..., 1::2]
+    else:
+        h0, res = arr((B, 1, K)), arr((B, 1, K))
+    return G.DecodeProj(h0, res, arr((K,), 0.1, offset=1.0), 1e-6, w, scales, biases, gs, bits)
+
+
+def _rest(inp):
+    return {k: v for k, v in inp.items() if k not in ("qkv", "z", "b", "a")}
+
+
+def run_proj(backend, p, inp, dims, mask=None, lengths=None):
+    """The PROJ launch and the two launches it replaces (``lily_norm_qgemv``, then the
+    packed decode kernel), both on ``backend``."""
+    from mlx_lily.ops import norm_qgemv as NQ
+
+    stream = mx.gpu if backend in ("metal", "cuda") else mx.cpu
+    init = float("nan") if backend in ("metal", "cuda") else None
+    kw = dict(**dims, init_value=init, mask=mask, lengths=lengths,
+              get_kernel=lambda spec: _kernel(spec, backend))
+    with mx.stream(stream):
+        got = G.gated_delta_fused(None, None, None, None, **_rest(inp), proj=p, **kw)
+        y, h = NQ.launch(_kernel(NQ.SPEC, backend), p.h0, p.res, p.norm_w, p.eps, p.w,
+                         p.scales, p.biases, p.group_size, p.bits, init_value=init)
+        two = G.gated_delta_fused(y, None, None, None, **_rest(inp), packed=True, **kw)
+        mx.eval(got, two, h)
+    return got, (*two, h)
+
+
+def _check_proj(got, want):
+    """``got`` (PROJ) against ``want`` (the two launches it replaces, same backend): the
+    residual sum exact; conv state, state and output equal but for the rare one-ulp flips
+    of the normalised row (the two kernels sum its squares in other orders; on the
+    emulator every case here came out bit-identical) and what follows from them. A wrong
+    projection row or head fails every bound by orders of magnitude."""
+    out, conv, state, h = got
+    w_out, w_conv, w_state, w_h = want
+    np.testing.assert_array_equal(f32(h), f32(w_h))
+    for g, w, tol in ((conv, w_conv, 2.0 ** -6), (out, w_out, 2e-2)):
+        g, w = f32(g), f32(w)
+        assert not np.isnan(g).any()
+        assert np.abs(g - w).max() <= tol * np.abs(w).max(), np.abs(g - w).max()
+        assert (g == w).mean() >= 0.98, (g == w).mean()
+    s, ws = f32(state), f32(w_state)
+    assert not np.isnan(s).any()
+    assert np.abs(s - ws).max() <= 1e-2 * np.abs(ws).max()
+    assert np.linalg.norm(s - ws) <= 5e-3 * np.linalg.norm(ws)
+
+
+def _check_proj_vs_reference(got, ref):
+    """PROJ against ``gated_delta_proj_reference``: the residual sum exact, the rest
+    within 12% (L2): the reference's CPU ``quantized_matmul`` in bf16 sat 1-8% (L2) from
+    the kernels' fp32 GEMV on these inputs (the kernels match the float64 oracle in
+    ``test_op_norm_qgemv``); a wrong row, head or gate is off by ~100%."""
+    np.testing.assert_array_equal(f32(got[3]), f32(ref[3]))
+    for g, w in zip(got[:3], ref[:3]):
+        g, w = f32(g), f32(w)
+        assert not np.isnan(g).any()
+        assert np.linalg.norm(g - w) <= 0.12 * np.linalg.norm(w), np.linalg.norm(g - w) / np.linalg.norm(w)
+
+
+PROJ_CASES = [
+    dict(B=1, K=256),                                   # 8 lanes per weight row
+    dict(B=1, K=2048, Hk=1, Hv=2, seed=1),              # the model's width: 32 lanes
+    dict(B=2, K=512, Hk=1, Hv=3, seed=2, batched=True),  # mask + lengths, G = 3
+    dict(B=1, K=128, bits=8, gs=32, dtype=mx.float16, KS=3, seed=3),
+    dict(B=1, K=256, strided=True, seed=4, conv_state=False, state=False),
+]
+
+
+@pytest.mark.parametrize("backend", [_param(b) for b in KERNEL_BACKENDS])
+@pytest.mark.parametrize("case", PROJ_CASES, ids=lambda c: _case_id(c))
+def test_decode_kernel_proj(backend, case):
+    """PROJ (the input add + RMSNorm + q|k|v|z|b|a GEMV inside the decode kernel) against
+    the two launches it replaces on the same backend, and against the reference."""
+    case = dict(case)
+    K_, bits, gs = case.pop("K"), case.pop("bits", 4), case.pop("gs", 64)
+    strided, batched = case.pop("strided", False), case.pop("batched", False)
+    inp, dims = make_inputs(S=1, fused_views=False, **case)
+    p = make_proj(inp, dims, K=K_, bits=bits, gs=gs, seed=case.get("seed", 0),
+                  strided=strided)
+    B = p.h0.shape[0]
+    mask = mx.array([True, False] * (B // 2) + [True] * (B % 2)) [:, None] if batched else None
+    lengths = mx.array([1, 0] * (B // 2) + [1] * (B % 2), mx.int32) if batched else None
+    assert G.proj_unsupported(p, **_rest(inp), **dims, mask=mask, lengths=lengths) is None
+    got, two = run_proj(backend, p, inp, dims, mask=mask, lengths=lengths)
+    _check_proj(got, two)
+    if p.h0.dtype == BF and not batched:
+        _check_proj_vs_reference(got, cpu_reference_proj(p, inp, dims))
+
+
+def cpu_reference_proj(p, inp, dims):
+    """``gated_delta_proj_reference`` evaluated on the CPU stream (see ``cpu_reference``)."""
+    def host(v):
+        a = np.array(v.astype(mx.float32) if v.dtype == mx.bfloat16 else v)
+        return mx.array(a, dtype=v.dtype)
+
+    mx.synchronize()
+    hp = G.DecodeProj(*(host(v) if isinstance(v, mx.array) else v for v in p))
+    rest = {k: host(v) if isinstance(v, mx.array) else v for k, v in _rest(inp).items()}
+    with mx.stream(mx.cpu):
+        out = G.gated_delta_proj_reference(hp, **rest, **dims)
+        mx.eval(out)
+    return out
+
+
+def test_proj_dispatcher_on_cpu_and_reasons(monkeypatch):
+    """On the CPU ``gated_delta_proj`` is the reference exactly; ``proj_unsupported``
+    names what the PROJ launch does not take; ``proj_enabled`` follows the switches of
+    the op and of the two launches it replaces."""
+    inp, dims = make_inputs(2, 1, fused_views=False, seed=30)
+    p = make_proj(inp, dims, K=256, seed=30)
+    with mx.stream(mx.cpu):
+        got = G.gated_delta_proj(p, **_rest(inp), **dims)
+        want = G.gated_delta_proj_reference(p, **_rest(inp), **dims)
+    for x, y in zip(got, want):
+        assert x.shape == y.shape and mx.array_equal(x, y).item()
+    assert G.proj_unsupported(p, **_rest(inp), **dims) is None
+    assert G.proj_unsupported(p._replace(w=p.w[:-1], scales=p.scales[:-1],
+                                         biases=p.biases[:-1]), **_rest(inp), **dims) == "projection rows"
+    two = p._replace(h0=mx.concatenate([p.h0, p.h0], 1), res=mx.concatenate([p.res, p.res], 1))
+    assert G.proj_unsupported(two, **_rest(inp), **dims) == "steps"
+    assert G.proj_unsupported(p._replace(bits=3), **_rest(inp), **dims) == "projection"
+    assert G.proj_unsupported(p._replace(h0=p.h0.astype(mx.float16), res=p.res.astype(mx.float16)),
+                              **_rest(inp), **dims) == "projection dtype"
+    assert G.proj_unsupported(p, **dict(_rest(inp), state=inp["state"].astype(BF)),
+                              **dims) == "state"
+    assert not G.proj_enabled("cpu")
+    monkeypatch.setenv("MLX_LILY_KERNELS", "all")
+    assert G.proj_enabled("metal")
+    monkeypatch.setenv("MLX_LILY_DISABLE", G.PROJ_OP)
+    assert not G.proj_enabled("metal")
+    monkeypatch.setenv("MLX_LILY_DISABLE", "gdn_packed")
+    assert not G.proj_enabled("metal")
+    monkeypatch.delenv("MLX_LILY_DISABLE")
+    monkeypatch.setenv("MLX_LILY_NORM_GEMV", "split")
+    assert not G.proj_enabled("metal")
+    monkeypatch.delenv("MLX_LILY_NORM_GEMV")
+    monkeypatch.setenv("MLX_LILY_KERNELS", "verified")
+    assert G.proj_enabled("cuda") == (G.PROJ_OP in K.VERIFIED["cuda"])
+
+
+def test_proj_dispatcher_routes(monkeypatch):
+    """On a kernel backend with the switches on, a call ``proj_unsupported`` accepts is one
+    PROJ launch; another falls back to the two launches' dispatchers."""
+    calls = []
+    monkeypatch.setenv("MLX_LILY_KERNELS", "all")
+    monkeypatch.setattr(G, "current_backend", lambda: "metal")
+    monkeypatch.setattr(G._k, "get", lambda spec, backend: object())
+    monkeypatch.setattr(G, "gated_delta_fused",
+                        lambda *a, **k: calls.append("proj" if k.get("proj") else "other") or (1, 2, 3, 4))
+    inp, dims = make_inputs(1, 1, fused_views=False, seed=31)
+    p = make_proj(inp, dims, K=256, seed=31)
+    assert G.gated_delta_proj(p, **_rest(inp), **dims) == (1, 2, 3, 4)
+    monkeypatch.setattr(G, "gated_delta_packed", lambda *a, **k: calls.append("packed") or (5, 6, 7))
+    with mx.stream(mx.cpu):
+        r = G.gated_delta_proj(p, **_rest(inp), **dims, mask=mx.ones((1, 1)))  # not bool
+    assert r[:3] == (5, 6, 7) and calls == ["proj", "packed"]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", [b for b in KERNEL_BACKENDS if b in ("metal", "cuda")])
+def test_production_dims_proj_gpu(backend):
+    """PROJ at Qwen3.6-35B-A3B dims (Hk=16, Hv=32, Dk=Dv=128, hidden 2048, 4-bit group
+    64) against the two launches and the reference."""
+    inp, dims = make_inputs(1, 1, Hk=16, Hv=32, fused_views=False, seed=40)
+    p = make_proj(inp, dims, K=2048, seed=40)
+    got, two = run_proj(backend, p, inp, dims)
+    _check_proj(got, two)
+    _check_proj_vs_reference(got, cpu_reference_proj(p, inp, dims))
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("backend", [b for b in KERNEL_BACKENDS if b in ("metal", "cuda")])
 @pytest.mark.parametrize("S,scan", [(1, "kernel"), (64, "kernel"), (200, "chunked")])
@@ -792,9 +958,21 @@ def _cuda_cases():
             G.DECODE: (dict(qkv=(T, 3), z=(T, 4), b=(T, 3), a=(T, 3), conv_w=(T, 3),
                             conv_state=(T, 3), A_log=(f, 1), dt_bias=(T, 1), state=(f, 4),
                             norm_w=(T, 1), eps=(f, 1), mask=(mx.bool_, 2),
-                            lengths=(mx.int32, 1)),
-                       [T, T, f], dict(T=T, Hk=16, Hv=32, Dk=128, Dv=128, KS=4, NW=16,
-                                       HAS_MASK=T == BF, HAS_LEN=T == BF, PACKED=T != BF)),
+                            lengths=(mx.int32, 1), hin=(T, 3), res=(T, 3), in_nw=(T, 1),
+                            in_eps=(f, 1), w=(mx.uint32, 2), scales=(T, 2), biases=(T, 2)),
+                       [T, T, f, T], dict(T=T, Hk=16, Hv=32, Dk=128, Dv=128, KS=4, NW=16,
+                                          HAS_MASK=T == BF, HAS_LEN=T == BF, PACKED=T != BF,
+                                          PROJ=False, S=T, K=32, BITS=4, GS=32, RPW=1)),
+            ("decode_proj", T): (
+                dict(qkv=(T, 1), z=(T, 1), b=(T, 1), a=(T, 1), conv_w=(T, 3),
+                     conv_state=(T, 3), A_log=(f, 1), dt_bias=(T, 1), state=(f, 4),
+                     norm_w=(T, 1), eps=(f, 1), mask=(mx.bool_, 2), lengths=(mx.int32, 1),
+                     hin=(T, 3), res=(T, 3), in_nw=(T, 1), in_eps=(f, 1), w=(mx.uint32, 2),
+                     scales=(T, 2), biases=(T, 2)),
+                [T, T, f, T], dict(T=T, Hk=16, Hv=32, Dk=128, Dv=128, KS=4, NW=16,
+                                   HAS_MASK=T != BF, HAS_LEN=T != BF, PACKED=True, PROJ=True,
+                                   S=T, K=2048 if T == BF else 256, BITS=4 if T == BF else 8,
+                                   GS=64 if T == BF else 32, RPW=G.PROJ_RPW)),
             G.PREP: (dict(qkv=(T, 3), conv_w=(T, 3), conv_state=(T, 3), a=(T, 3), b=(T, 3),
                           A_log=(f, 1), dt_bias=(T, 1), mask=(mx.bool_, 2),
                           lengths=(mx.int32, 1)),
@@ -810,7 +988,8 @@ def _cuda_cases():
                 dict(qn=(f, 4), kn=(f, 4), vv=(T, 4), g=(f, 3), beta=(f, 3), state=(f, 4)),
                 [T, f], dict(T=T, Hk=16, Hv=32, Dk=128, Dv=128, LPR=lpr, RPL=rpl, WPB=wpb))
         for key, (ins, outs, tmpl) in sig.items():
-            spec = G.SCAN if key[0] == "scan" else key
+            spec = (G.SCAN if key[0] == "scan" else G.DECODE if key[0] == "decode_proj"
+                    else key)
             cases.append((spec, [(n, *ins[n]) for n in spec.inputs],
                           list(zip(spec.outputs, outs)), list(tmpl.items())))
     return cases

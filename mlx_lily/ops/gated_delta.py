@@ -42,6 +42,7 @@ Qwen3-Next / Qwen3.5 linear-attention layers.
 
 from __future__ import annotations
 
+from typing import NamedTuple
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -135,8 +136,8 @@ def gated_delta_reference(qkv, z, b, a, conv_weight, conv_state, A_log, dt_bias,
 DECODE = _k.KernelSpec(
     "lily_gdn_decode", "gdn_decode",
     ("qkv", "z", "b", "a", "conv_w", "conv_state", "A_log", "dt_bias", "state", "norm_w",
-     "eps", "mask", "lengths"),
-    ("out", "conv_out", "state_out"), ensure_row_contiguous=False)
+     "eps", "mask", "lengths", "hin", "res", "in_nw", "in_eps", "w", "scales", "biases"),
+    ("out", "conv_out", "state_out", "h_out"), ensure_row_contiguous=False)
 PREP = _k.KernelSpec(
     "lily_gdn_prep", "gdn_prep",
     ("qkv", "conv_w", "conv_state", "a", "b", "A_log", "dt_bias", "mask", "lengths"),
@@ -191,13 +192,36 @@ def decode_warps(Dv: int) -> int:
 _DUMMY: dict = {}
 
 
-def _dummy(name):
-    """Stand-in for an absent mask / lengths input (never read: HAS_MASK / HAS_LEN false)."""
-    a = _DUMMY.get(name)
+def _dummy(name, dtype=None):
+    """Stand-in for an absent input (never read: HAS_MASK / HAS_LEN / PROJ false): mask,
+    lengths, or a one-element array of ``dtype``."""
+    a = _DUMMY.get((name, dtype))
     if a is None:
-        a = _DUMMY[name] = (_k.const_array([True], mx.bool_) if name == "mask"
-                            else _k.const_array([0], mx.int32))
+        if name == "mask":
+            a = _k.const_array([True], mx.bool_)
+        elif name == "lengths":
+            a = _k.const_array([0], mx.int32)
+        else:
+            a = _k.const_array([0], dtype)
+        _DUMMY[(name, dtype)] = a
     return a
+
+
+class DecodeProj(NamedTuple):
+    """The input projection that ``lily_gdn_decode`` computes itself under ``PROJ``:
+    the row ``x = rms_norm(h0 + res) * norm_w`` (``eps``) and the fused q|k|v|z|b|a
+    affine-quantized weight (``[P, K*bits/32]`` uint32, scales/biases ``[P, K/group_size]``,
+    P = 2*Hk*Dk + 2*Hv*Dv + 2*Hv rows in that order)."""
+
+    h0: mx.array
+    res: mx.array
+    norm_w: mx.array
+    eps: float
+    w: mx.array
+    scales: mx.array
+    biases: mx.array
+    group_size: int
+    bits: int
 
 
 _PARAMS_OK: dict = {}
@@ -288,7 +312,7 @@ def kernel_unsupported(qkv, z, b, a, conv_weight, conv_state, A_log, dt_bias, st
 def gated_delta_fused(qkv, z, b, a, conv_weight, conv_state, A_log, dt_bias, state,
                       norm_weight, *, num_k_heads, head_k_dim, num_v_heads, head_v_dim,
                       eps, get_kernel, scan_cfg=(8, 1, 4), decode_nw=None, mask=None,
-                      lengths=None, init_value=None, packed=False, scan="kernel"):
+                      lengths=None, init_value=None, packed=False, scan="kernel", proj=None):
     """The fused kernels for a call ``kernel_unsupported`` accepted.
 
     S == 1: one ``lily_gdn_decode`` launch. S > 1: ``lily_gdn_prep`` (conv, SiLU, l2norm,
@@ -306,13 +330,22 @@ def gated_delta_fused(qkv, z, b, a, conv_weight, conv_state, A_log, dt_bias, sta
     ``gated_delta_packed``). ``scan="chunked"`` (S > 1): the recurrence runs as
     ``scan_chunked`` (MLX matmuls, compiled) between the prep and norm kernels instead of
     ``lily_gdn_scan`` (masked steps reach it as decay 1, beta 0, as the prep kernel writes).
+    ``proj`` (a ``DecodeProj``; S == 1, qkv/z/b/a None): the kernel computes the packed
+    row itself (``PROJ``) and a fourth result, the residual sum ``h0 + res``, is returned
+    (see ``gated_delta_proj``).
     """
-    B, S, C = qkv.shape
     Hk, Dk, Hv, Dv = num_k_heads, head_k_dim, num_v_heads, head_v_dim
-    if packed:
-        C = 2 * Hk * Dk + Hv * Dv
+    if proj is not None:
+        B, S, _ = proj.h0.shape
+        T = proj.h0.dtype
+        packed = True
+        qkv = z = b = a = _dummy("x", T)
+    else:
+        B, S, _ = qkv.shape
+        T = qkv.dtype
+    C = 2 * Hk * Dk + Hv * Dv
+    if packed and proj is None:
         z = b = a = qkv
-    T = qkv.dtype
     K = conv_weight.shape[1]
     if conv_state is None:
         conv_state = mx.zeros((B, K - 1, C), dtype=T)
@@ -327,14 +360,30 @@ def gated_delta_fused(qkv, z, b, a, conv_weight, conv_state, A_log, dt_bias, sta
         lengths = _dummy("lengths")
     if S == 1:
         nw = decode_nw or decode_warps(Dv)
-        out, new_conv, new_state = get_kernel(DECODE)(
+        if proj is not None:
+            kdim = proj.h0.shape[-1]
+            pin = [proj.h0, proj.res, proj.norm_w, _k.f32_scalar(proj.eps), proj.w,
+                   proj.scales, proj.biases]
+            ptmpl = [("PROJ", True), ("S", proj.scales.dtype), ("K", kdim),
+                     ("BITS", proj.bits), ("GS", proj.group_size), ("RPW", PROJ_RPW)]
+            h_shape = (B, 1, kdim)
+        else:
+            pin = [_dummy("x", T), _dummy("x", T), _dummy("x", T), _dummy("eps", mx.float32),
+                   _dummy("w", mx.uint32), _dummy("x", T), _dummy("x", T)]
+            ptmpl = [("PROJ", False), ("S", T), ("K", 32), ("BITS", 4), ("GS", 32),
+                     ("RPW", 1)]
+            h_shape = (1,)
+        out, new_conv, new_state, h = get_kernel(DECODE)(
             inputs=[qkv, z, b, a, conv_weight, conv_state, A_log, dt_bias, state,
-                    norm_weight, eps_a, mask, lengths],
+                    norm_weight, eps_a, mask, lengths] + pin,
             template=[("T", T), ("Hk", Hk), ("Hv", Hv), ("Dk", Dk),
-                      ("Dv", Dv), ("KS", K), ("NW", nw)] + flags + [("PACKED", bool(packed))],
+                      ("Dv", Dv), ("KS", K), ("NW", nw)] + flags
+            + [("PACKED", bool(packed))] + ptmpl,
             grid=(32 * nw, B * Hv, 1), threadgroup=(32 * nw, 1, 1),
-            output_shapes=[(B, 1, Hv * Dv), (B, K - 1, C), (B, Hv, Dv, Dk)],
-            output_dtypes=[T, T, mx.float32], **extra)
+            output_shapes=[(B, 1, Hv * Dv), (B, K - 1, C), (B, Hv, Dv, Dk), h_shape],
+            output_dtypes=[T, T, mx.float32, T], **extra)
+        if proj is not None:
+            return out, new_conv, new_state, h
         return out, new_conv, new_state
     D = Dk
     n_tiles = -(-S // PREP_TT)
@@ -619,3 +668,121 @@ def gated_delta_packed(y, conv_weight, conv_state, A_log, dt_bias, state, norm_w
                 **dims)
     return gated_delta(*split_packed(y, **dims), conv_weight, conv_state, A_log, dt_bias,
                        state, norm_weight, **dims)
+
+
+# ---------------------------------------------------------------- projection inside
+PROJ_OP = "gdn_proj"  # the decode kernel computes its own input projection (switch)
+#: Weight rows per lane group and pass of ``lily_gdn_decode``'s PROJ GEMV.
+PROJ_RPW = 4
+
+
+def gated_delta_proj_reference(p: DecodeProj, conv_weight, conv_state, A_log, dt_bias, state,
+                               norm_weight, **dims):
+    """A GDN decoder layer's decode step from its pending input to the gated-norm output.
+
+    Contract: ``y, h = norm_qgemv_reference(p.h0, p.res, p.norm_w, p.eps, p.w, p.scales,
+    p.biases, p.group_size, p.bits)`` (residual add, RMSNorm, the fused q|k|v|z|b|a
+    projection, rounded to the activation dtype), then ``gated_delta_reference`` on
+    ``split_packed(y)``.
+
+    Args:
+        p: ``DecodeProj``: ``h0``, ``res`` ``[B, 1, K]`` one float dtype, ``norm_w [K]``,
+            the projection weight ``[P, K*bits/32]`` uint32 with scales/biases
+            ``[P, K/group_size]``, ``P = 2*Hk*Dk + 2*Hv*Dv + 2*Hv``.
+        conv_weight .. norm_weight, dims: as ``gated_delta_reference`` (``mask``,
+            ``lengths`` included).
+    Returns:
+        ``(out [B,1,Hv*Dv], new_conv_state, new_state fp32, h [B,1,K])``.
+    Raises:
+        ValueError: the projection's width is not ``P`` (``split_packed``).
+    Source: Yang et al. 2024 (gated delta rule); the input projection folded into the
+    recurrence kernel as Lily's decode path folds projections into their consumers.
+    """
+    from .norm_qgemv import norm_qgemv_reference
+
+    y, h = norm_qgemv_reference(p.h0, p.res, p.norm_w, p.eps, p.w, p.scales, p.biases,
+                                p.group_size, p.bits)
+    out, conv, st = gated_delta_reference(*split_packed(y, **dims), conv_weight, conv_state,
+                                          A_log, dt_bias, state, norm_weight, **dims)
+    return out, conv, st, h
+
+
+#: Threadgroup bytes ``lily_gdn_decode`` may take under PROJ (Apple's limit: 32 KiB).
+PROJ_MAX_SHARED = 32768
+
+
+def proj_unsupported(p: DecodeProj, conv_weight, conv_state, A_log, dt_bias, state,
+                     norm_weight, *, num_k_heads, head_k_dim, num_v_heads, head_v_dim,
+                     mask=None, lengths=None, **_):
+    """Why ``lily_gdn_decode`` cannot compute this call with its projection inside
+    (``PROJ``), or None: one step (S == 1); what ``norm_qgemv.supports`` accepts for the
+    projection (4/8-bit affine, K up to its limit) with exactly ``P`` rows and a result
+    of the activation dtype; what ``kernel_unsupported`` accepts for the rest; the
+    threadgroup arrays within ``PROJ_MAX_SHARED``."""
+    from . import norm_qgemv as _nq
+
+    Hk, Dk, Hv, Dv = num_k_heads, head_k_dim, num_v_heads, head_v_dim
+    hs = p.h0.shape
+    if len(hs) != 3 or hs[1] != 1:
+        return "steps"
+    B, S, K = hs
+    T = p.h0.dtype
+    C = 2 * Hk * Dk + Hv * Dv
+    if p.w.ndim != 2 or p.w.shape[0] != C + Hv * Dv + 2 * Hv:
+        return "projection rows"
+    if not _k.stock_result_dtype(T, p.scales.dtype):
+        return "projection dtype"
+    if not _nq.supports(p.h0, p.res, p.norm_w, p.w, p.scales, p.biases, p.group_size,
+                        p.bits):
+        return "projection"
+    nw = decode_warps(Dv)
+    shared = K * T.size + 4 * (2 * Dk + 2 * Dv + 2) + 4 * (2 * Dk + Dv) + 4 * nw
+    if shared > PROJ_MAX_SHARED:
+        return "threadgroup memory"
+    return kernel_unsupported(
+        _Shape((B, S, C), T), _Shape((B, S, Hv, Dv), T), _Shape((B, S, Hv), T),
+        _Shape((B, S, Hv), T), conv_weight, conv_state, A_log, dt_bias, state, norm_weight,
+        num_k_heads=Hk, head_k_dim=Dk, num_v_heads=Hv, head_v_dim=Dv, mask=mask,
+        lengths=lengths)
+
+
+def proj_enabled(backend: str) -> bool:
+    """Whether the fused projection form may run on ``backend`` now: its switch
+    (``gdn_proj``) and those of the two launches it replaces (``norm_qgemv`` with
+    ``qgemv``, ``gdn_packed``) allow it, and ``MLX_LILY_NORM_GEMV`` is not ``split``."""
+    from ..backend import op_enabled
+    from . import norm_qgemv as _nq
+    from . import qgemv as _qg
+
+    if backend not in ("metal", "cuda"):
+        return False
+    return (op_enabled(PROJ_OP) and op_enabled(PACKED_OP) and op_enabled(_nq.NAME)
+            and op_enabled(_qg.NAME) and _qg.USE_FOR_QPROJ.get(backend, False)
+            and _k.kernels_allowed(PROJ_OP, backend) and _k.kernels_allowed(PACKED_OP, backend)
+            and _k.kernels_allowed(_nq.NAME, backend) and not _nq.split_requested())
+
+
+def has_proj_kernel(backend: str) -> bool:
+    """True when ``gated_delta_proj`` runs its one-launch kernel on ``backend``."""
+    return has_kernel(backend) and proj_enabled(backend)
+
+
+def gated_delta_proj(p: DecodeProj, conv_weight, conv_state, A_log, dt_bias, state,
+                     norm_weight, **dims):
+    """Dispatcher: one ``lily_gdn_decode`` launch with the projection inside (``PROJ``)
+    when ``proj_enabled`` and ``proj_unsupported`` is None, else the two launches it
+    replaces (``norm_qgemv`` then ``gated_delta_packed``, each its own dispatcher). Same
+    arguments and results as ``gated_delta_proj_reference``."""
+    backend = current_backend()
+    if (proj_enabled(backend) and proj_unsupported(
+            p, conv_weight, conv_state, A_log, dt_bias, state, norm_weight, **dims) is None
+            and _k.get(DECODE, backend) is not None):
+        return gated_delta_fused(
+            None, None, None, None, conv_weight, conv_state, A_log, dt_bias, state,
+            norm_weight, get_kernel=lambda spec: _k.get(spec, backend), proj=p, **dims)
+    from .norm_qgemv import norm_qgemv
+
+    y, h = norm_qgemv(p.h0, p.res, p.norm_w, p.eps, p.w, p.scales, p.biases, p.group_size,
+                      p.bits)
+    return (*gated_delta_packed(y, conv_weight, conv_state, A_log, dt_bias, state,
+                                norm_weight, **dims), h)

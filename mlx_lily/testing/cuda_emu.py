@@ -62,6 +62,9 @@ inline float __int_as_float(int u) { return as_type<float>(u); }
 template <typename V> inline V __shfl_xor_sync(uint, V v, int o) { return simd_shuffle_xor(v, ushort(o)); }
 inline float fmaf(float a, float b, float c) { return metal::fma(a, b, c); }
 inline float expf(float a) { return metal::exp(a); }
+inline float logf(float a) { return metal::log(a); }
+inline float fabsf(float a) { return metal::abs(a); }
+#define __align__(n) alignas(n)
 inline float fmaxf(float a, float b) { return metal::max(a, b); }
 inline float rsqrtf(float a) { return metal::precise::rsqrt(a); }
 #define __syncthreads() threadgroup_barrier(mem_flags::mem_threadgroup)
@@ -85,7 +88,8 @@ def cuda_on_emu(spec):
             "const uint3 __bid3 = threadgroup_position_in_grid;\n" + body)
     return metal_emu.metal_kernel(name=spec.name + "_cu", input_names=list(spec.inputs),
                                   output_names=list(spec.outputs), source=body,
-                                  header=CUDA_ON_EMU_HEADER + head)
+                                  header=CUDA_ON_EMU_HEADER + head,
+                                  ensure_row_contiguous=spec.ensure_row_contiguous)
 
 
 def kernel_for(spec, backend):

@@ -60,7 +60,7 @@ comment block of directives describes the kernel::
   ``true``/``false``, or dtype names. Repeat the line to lint (and test)
   several instantiations.
 * ``@header``: an extra helper header file (relative to the body file),
-  prepended to the in-file helpers.
+  prepended to the in-file helpers; several lines prepend several files in order.
 * ``@atomic_outputs``: the kernel is built with ``atomic_outputs=True``.
 * ``@ensure_row_contiguous false``: the kernel is built with that flag.
 
@@ -193,8 +193,7 @@ class MetalBodySpec:
     atomic_outputs: bool = False
     ensure_row_contiguous: bool = True
     body_first_line: int = 1  # line of the file holding body line 1
-    header_file: Path | None = None  # an @header file, prepended to the in-file header
-    header_file_lines: int = 0
+    header_files: tuple = ()  # (path, line count) of each @header file, prepended in order
 
     def locate(self, where: str, line: int) -> tuple[str | None, int | None]:
         """(file, line) of a ``source``/``header`` line of this kernel."""
@@ -203,9 +202,11 @@ class MetalBodySpec:
         if where == "source":
             return str(self.path), self.body_first_line + line - 1
         if where == "header":
-            if self.header_file is not None and line <= self.header_file_lines:
-                return str(self.header_file), line
-            return str(self.path), line - self.header_file_lines
+            for hpath, hlines in self.header_files:
+                if line <= hlines:
+                    return str(hpath), line
+                line -= hlines
+            return str(self.path), line
         return None, None
 
     @property
@@ -345,7 +346,7 @@ def parse_body_file(path: str | Path) -> MetalBodySpec:
     ints = {k: int(v) for k, v in (templates[0] if templates else []) if isinstance(v, (int, bool))}
     inputs: list[tuple[str, str | None, str]] = []
     outputs: list[tuple[str, str | None]] = []
-    header_name: str | None = None
+    header_names: list[str] = []
     atomic = False
     contiguous = True
     for key, rest in directives:
@@ -356,7 +357,7 @@ def parse_body_file(path: str | Path) -> MetalBodySpec:
         elif key == "outputs":
             outputs += _parse_buffers(rest, type_params, ints, outputs=True)
         elif key == "header":
-            header_name = rest.split()[0]
+            header_names.append(rest.split()[0])
         elif key == "atomic_outputs":
             atomic = rest.strip().lower() not in ("false", "0", "no")
         elif key == "ensure_row_contiguous":
@@ -364,19 +365,19 @@ def parse_body_file(path: str | Path) -> MetalBodySpec:
     default_dt = "T" if "T" in type_params else None
     inputs = [(n, d if d is not None else default_dt, k) for n, d, k in inputs]
     outputs = [(n, d if d is not None else default_dt) for n, d in outputs]
-    hpath, hlines = None, 0
-    if header_name:
+    files, helpers = [], ""
+    for header_name in header_names:
         hpath = path.with_name(header_name)
         if not hpath.exists():
             raise FileNotFoundError(f"{path}: @header {header_name} not found")
         htext = hpath.read_text()
         if not htext.endswith("\n"):
             htext += "\n"
-        hlines = htext.count("\n")
-        header = htext + header
+        files.append((hpath, htext.count("\n")))
+        helpers += htext
     return MetalBodySpec(
-        path, name, body, header, inputs, outputs, templates or [[]], atomic, contiguous,
-        body_first_line, hpath, hlines,
+        path, name, body, helpers + header, inputs, outputs, templates or [[]], atomic,
+        contiguous, body_first_line, tuple(files),
     )
 
 

@@ -1,17 +1,68 @@
 // @kernel lily_gdn_decode
-// @inputs qkv[B,1,C] z[B,1,Hv,Dv] b[B,1,Hv] a[B,1,Hv] conv_w[C,KS,1] conv_state[B,KS-1,C] A_log[Hv] dt_bias[Hv] state[B,Hv,Dv,Dk]:float32 norm_w[Dv] eps[1]:float32 mask[B,1]:bool lengths[B]:int32 (all read through *_strides; mask/lengths read only when HAS_MASK/HAS_LEN)
-// @outputs out[B,1,Hv*Dv]:T conv_out[B,KS-1,C]:T state_out[B,Hv,Dv,Dk]:float32
-// @template T=bfloat16 Hk=16 Hv=32 Dk=128 Dv=128 KS=4 NW=16 HAS_MASK=false HAS_LEN=false PACKED=true
-// @template T=float16 Hk=2 Hv=6 Dk=64 Dv=64 KS=3 NW=8 HAS_MASK=true HAS_LEN=true PACKED=false
+// @inputs qkv[B,1,C] z[B,1,Hv,Dv] b[B,1,Hv] a[B,1,Hv] conv_w[C,KS,1] conv_state[B,KS-1,C] A_log[Hv] dt_bias[Hv] state[B,Hv,Dv,Dk]:float32 norm_w[Dv] eps[1]:float32 mask[B,1]:bool lengths[B]:int32 hin[B,1,K] res[B,1,K] in_nw[K] in_eps[1]:float32 w[P,K*BITS/32]:uint32 scales[P,K/GS]:S biases[P,K/GS]:S (all but w/scales/biases read through *_strides; mask/lengths read only when HAS_MASK/HAS_LEN; hin..biases only when PROJ)
+// @outputs out[B,1,Hv*Dv]:T conv_out[B,KS-1,C]:T state_out[B,Hv,Dv,Dk]:float32 h_out[B,1,K]:T
+// @template T=bfloat16 Hk=16 Hv=32 Dk=128 Dv=128 KS=4 NW=16 HAS_MASK=false HAS_LEN=false PACKED=true PROJ=false S=bfloat16 K=32 BITS=4 GS=32 RPW=1
+// @template T=float16 Hk=2 Hv=6 Dk=64 Dv=64 KS=3 NW=8 HAS_MASK=true HAS_LEN=true PACKED=false PROJ=false S=float16 K=32 BITS=4 GS=32 RPW=1
+// @template T=bfloat16 Hk=16 Hv=32 Dk=128 Dv=128 KS=4 NW=16 HAS_MASK=false HAS_LEN=false PACKED=true PROJ=true S=bfloat16 K=2048 BITS=4 GS=64 RPW=4
+// @template T=float16 Hk=2 Hv=6 Dk=64 Dv=64 KS=3 NW=8 HAS_MASK=true HAS_LEN=true PACKED=true PROJ=true S=float16 K=128 BITS=8 GS=32 RPW=2
 // @grid (32*NW, B*Hv, 1)
 // @threadgroup (32*NW, 1, 1)
 // @ensure_row_contiguous false
 // PACKED: qkv is the whole fused input projection row [B,1,C+Hv*Dv+2*Hv] = q|k|v|z|b|a
 // and z, b, a are read from its columns (the z/b/a inputs are then not read).
+// PROJ (with PACKED): that row is not an input: each block computes the P = 2*Dk+2*Dv+2
+// projection rows its v-head reads (q, k of its q/k head; v, z, b, a of its own) from
+// x = T(in_nw * T(hh * rsqrt(mean(hh^2) + in_eps))), hh = T(hin + res), as
+// lily_norm_qgemv does (w: the fused q|k|v|z|b|a weight, rows in that order), each value
+// rounded to T as that kernel's output is; block (bi, 0) writes hh to h_out. qkv/z/b/a are
+// then not read. The state is loaded after the GEMV (registers).
 // CUDA twin of shaders/metal/gdn_decode.metal: one block per (batch, v-head), NW warps
 // owning Dv/NW state rows each (lane owns columns lane + 32*j).
 
 // @header gdn_common.cuh
+// @header qgemv_common.cuh
+
+// Row of the fused q|k|v|z|b|a weight holding projection row p of v-head h (q/k head hk):
+// p in [0, Dk) q, [Dk, 2Dk) k, then Dv of v, Dv of z, then b, a.
+template <int Hk, int Hv, int Dk, int Dv>
+__device__ __forceinline__ int lily_gdn_proj_row(int p, int h, int hk) {
+  constexpr int C = 2 * Hk * Dk + Hv * Dv;
+  if (p < Dk) return hk * Dk + p;
+  if (p < 2 * Dk) return Hk * Dk + hk * Dk + (p - Dk);
+  if (p < 2 * Dk + Dv) return 2 * Hk * Dk + h * Dv + (p - 2 * Dk);
+  if (p < 2 * Dk + 2 * Dv) return C + h * Dv + (p - 2 * Dk - Dv);
+  return C + Hv * Dv + (p - 2 * Dk - 2 * Dv) * Hv + h;
+}
+
+// lily_add_rms_norm_row for row bi of hin/res read through their strides (the 16-byte
+// path when the K axis is unit-stride, element loads otherwise): xs = the normalised
+// row, h_out (may be null) = T(hin + res). Every thread calls it; ends with a barrier.
+template <typename T, int K, int NW, class ST>
+__device__ __forceinline__ void lily_gdn_pending_norm(const T* hin, const T* res,
+                                                      const T* nw, float eps, const ST& hs,
+                                                      const ST& rs, const ST& ns, int bi,
+                                                      T* h_out, T* xs, float* red, int tid,
+                                                      int lane, int warp) {
+  const T* hr = hin + int64_t(bi) * hs[0];
+  const T* rr = res + int64_t(bi) * rs[0];
+  if (hs[2] == 1 && rs[2] == 1 && ns[0] == 1) {
+    lily_add_rms_norm_row<T, K, NW>(hr, rr, nw, eps, xs, red, h_out, nullptr, tid, lane,
+                                    warp);
+    return;
+  }
+  float ss = 0.f;
+  for (int k = tid; k < K; k += 32 * NW) {
+    const T hh = static_cast<T>(lily_f(hr[k * hs[2]]) + lily_f(rr[k * rs[2]]));
+    if (h_out) h_out[k] = hh;
+    xs[k] = hh;
+    ss += lily_f(hh) * lily_f(hh);
+  }
+  const float rinv = lily_block_rinv<K, NW>(ss, red, eps, lane, warp);
+  for (int k = tid; k < K; k += 32 * NW) {
+    xs[k] = static_cast<T>(lily_f(nw[k * ns[0]]) * lily_round<T>(lily_f(xs[k]) * rinv));
+  }
+  __syncthreads();
+}
 // ---- body ----
   constexpr int NC = Dk / 32;
   constexpr int RW = Dv / NW;
@@ -32,6 +83,41 @@
   __shared__ float ks[Dk];
   __shared__ float vs[Dv];
   __shared__ float red[NW];
+  // PROJ: the normalised input row and this head's projection rows (q|k|v|z|b|a)
+  constexpr int NP = 2 * Dk + 2 * Dv + 2;
+  __shared__ uint4 xs4[PROJ ? (K * sizeof(T) + 15) / 16 : 1];  // 16-byte aligned row
+  T* xs = reinterpret_cast<T*>(xs4);
+  __shared__ float ps[PROJ ? NP : 1];
+
+  if constexpr (PROJ) {
+    constexpr int VPL = 128 / BITS;
+    constexpr int KW = K / VPL;
+    constexpr int LPR = KW < 32 ? KW : 32;
+    constexpr int SG = 32 / LPR;
+    constexpr int RPP = NW * SG * RPW;
+    static_assert(KW * VPL == K && SG * LPR == 32 && (KW / LPR) * LPR == KW,
+                  "gdn_decode: bad K");
+    static_assert(GS % VPL == 0 && K % GS == 0, "gdn_decode: bad GS");
+    const int sl = lane % LPR;
+    const int slot = (warp * SG + lane / LPR) * RPW;
+    lily_gdn_pending_norm<T, K, NW>(hin, res, in_nw, in_eps[0], hin_strides, res_strides,
+                                    in_nw_strides, bi, h == 0 ? h_out + int64_t(bi) * K : nullptr,
+                                    xs, red, tid, lane, warp);
+    for (int p0 = 0; p0 < NP; p0 += RPP) {
+      int rows[RPW];
+#pragma unroll
+      for (int r = 0; r < RPW; ++r) {
+        rows[r] = lily_gdn_proj_row<Hk, Hv, Dk, Dv>(min(p0 + slot + r, NP - 1), h, hk);
+      }
+      float acc[RPW];
+      lily_qgemv_gather<S, K, BITS, GS, RPW, LPR>(xs, w, scales, biases, rows, sl, acc);
+#pragma unroll
+      for (int r = 0; r < RPW; ++r) {
+        if (sl == 0 && p0 + slot + r < NP) ps[p0 + slot + r] = lily_rnd<T>(acc[r]);
+      }
+    }
+    __syncthreads();
+  }
 
   float s[RW][NC];
   const int64_t sbase = int64_t(bi) * state_strides[0] + int64_t(h) * state_strides[1];
@@ -64,7 +150,14 @@
     }
     const int64_t cs0 = int64_t(bi) * conv_state_strides[0] + c * conv_state_strides[2];
     const int64_t w0 = int64_t(c) * conv_w_strides[0];
-    const T xraw = live ? qkv[int64_t(bi) * qkv_strides[0] + c * qkv_strides[2]] : static_cast<T>(0.0f);
+    T xraw = static_cast<T>(0.0f);
+    if (live) {
+      if constexpr (PROJ) {
+        xraw = static_cast<T>(ps[e]);
+      } else {
+        xraw = qkv[int64_t(bi) * qkv_strides[0] + c * qkv_strides[2]];
+      }
+    }
     const float xin = static_cast<float>(xraw);
     float acc = 0.0f;
 #pragma unroll
@@ -116,12 +209,18 @@
   }
 
   const int64_t pk0 = int64_t(bi) * qkv_strides[0];
-  const float b_in = PACKED
-      ? static_cast<float>(qkv[pk0 + int64_t(C + Hv * Dv + h) * qkv_strides[2]])
-      : static_cast<float>(b[int64_t(bi) * b_strides[0] + int64_t(h) * b_strides[2]]);
-  const float a_in = PACKED
-      ? static_cast<float>(qkv[pk0 + int64_t(C + Hv * Dv + Hv + h) * qkv_strides[2]])
-      : static_cast<float>(a[int64_t(bi) * a_strides[0] + int64_t(h) * a_strides[2]]);
+  float b_in, a_in;
+  if constexpr (PROJ) {
+    b_in = ps[NP - 2];
+    a_in = ps[NP - 1];
+  } else {
+    b_in = PACKED
+        ? static_cast<float>(qkv[pk0 + int64_t(C + Hv * Dv + h) * qkv_strides[2]])
+        : static_cast<float>(b[int64_t(bi) * b_strides[0] + int64_t(h) * b_strides[2]]);
+    a_in = PACKED
+        ? static_cast<float>(qkv[pk0 + int64_t(C + Hv * Dv + Hv + h) * qkv_strides[2]])
+        : static_cast<float>(a[int64_t(bi) * a_strides[0] + int64_t(h) * a_strides[2]]);
+  }
   const float beta = live ? lily_sigmoid(b_in) : 0.0f;
   const float sp = lily_softplus(a_in +
                                  static_cast<float>(dt_bias[h * dt_bias_strides[0]]));
@@ -189,10 +288,15 @@
       const int r = warp * RW + i;
       const float nw = lily_rnd<T>(lily_rnd<T>(yv[i] * rstd) *
                                    static_cast<float>(norm_w[r * norm_w_strides[0]]));
-      const float zf = PACKED
-          ? static_cast<float>(qkv[pk0 + int64_t(C + h * Dv + r) * qkv_strides[2]])
-          : static_cast<float>(
-                z[int64_t(bi) * z_strides[0] + int64_t(h) * z_strides[2] + r * z_strides[3]]);
+      float zf;
+      if constexpr (PROJ) {
+        zf = ps[2 * Dk + Dv + r];
+      } else {
+        zf = PACKED
+            ? static_cast<float>(qkv[pk0 + int64_t(C + h * Dv + r) * qkv_strides[2]])
+            : static_cast<float>(
+                  z[int64_t(bi) * z_strides[0] + int64_t(h) * z_strides[2] + r * z_strides[3]]);
+      }
       out[int64_t(n) * Dv + r] = static_cast<T>(zf * lily_sigmoid(zf) * nw);
     }
   }

@@ -88,21 +88,23 @@ struct LilyRowTile {
   uint4 q[STEPS][RPW];
   S sc[STEPS][RPW];
   S bi[STEPS][RPW];
-  // rows row0 .. row0+RPW-1 (each clamped to last) of w4/scales/biases, lane sl of LPR
-  __device__ __forceinline__ void load(const uint4* w4, const S* scales, const S* biases,
-                                       int row0, int last, int sl) {
+  // weight row `row` into slot r, lane sl of LPR
+  __device__ __forceinline__ void load_row(const uint4* w4, const S* scales, const S* biases,
+                                           int r, size_t row, int sl) {
 #pragma unroll
     for (int st = 0; st < STEPS; ++st) {
       const int c = st * LPR + sl;
       const int g = (c * VPL) / GS;
-#pragma unroll
-      for (int r = 0; r < RPW; ++r) {
-        const size_t row = (size_t)min(row0 + r, last);
-        q[st][r] = w4[row * KW + c];
-        sc[st][r] = scales[row * NG + g];
-        bi[st][r] = biases[row * NG + g];
-      }
+      q[st][r] = w4[row * KW + c];
+      sc[st][r] = scales[row * NG + g];
+      bi[st][r] = biases[row * NG + g];
     }
+  }
+  // rows row0 .. row0+RPW-1 (each clamped to last) of w4/scales/biases, lane sl of LPR
+  __device__ __forceinline__ void load(const uint4* w4, const S* scales, const S* biases,
+                                       int row0, int last, int sl) {
+#pragma unroll
+    for (int r = 0; r < RPW; ++r) load_row(w4, scales, biases, r, (size_t)min(row0 + r, last), sl);
   }
   // acc[r] += cf * (x . dequant(row r)) over this lane's words; x in global or shared
   template <typename T>
@@ -138,6 +140,23 @@ __device__ __forceinline__ void lily_qgemv_rows(const T* xr, const uint32_t* w,
     const float v = lily_group_sum<LPR>(acc[r]);
     if (sl == 0 && row0 + r < O) yr[row0 + r] = static_cast<T>(v);
   }
+}
+// acc[r] = x . dequant(weight row rows[r]) for RPW rows anywhere in w (LPR lanes per
+// row, lane sl of the group; every lane of the group gets the sum): lily_qgemv_rows for
+// gathered rows.
+template <typename S, int K, int BITS, int GS, int RPW, int LPR, typename T>
+__device__ __forceinline__ void lily_qgemv_gather(const T* xr, const uint32_t* w,
+                                                  const S* scales, const S* biases,
+                                                  const int* rows, int sl, float* acc) {
+  LilyRowTile<S, K, BITS, GS, RPW, LPR> tile;
+#pragma unroll
+  for (int r = 0; r < RPW; ++r) {
+    tile.load_row(reinterpret_cast<const uint4*>(w), scales, biases, r, (size_t)rows[r], sl);
+    acc[r] = 0.f;
+  }
+  tile.fma(xr, sl, 1.f, acc);
+#pragma unroll
+  for (int r = 0; r < RPW; ++r) acc[r] = lily_group_sum<LPR>(acc[r]);
 }
 // rsqrt(mean of squares + eps) of a D-wide row from each thread's partial sum of
 // squares ss: warp sums, then the NW warp sums through red (a barrier inside).

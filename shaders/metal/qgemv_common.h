@@ -44,20 +44,19 @@ inline float lily_group_sum(float v) {
   }
   return v;
 }
-// The GEMV loop of lily_qgemv / lily_norm_qgemv for one lane group: output rows
-// row0 .. row0+RPW-1 of y = x @ dequant(w)^T, LPR lanes per weight row (lane sl of the
-// group), 16-byte weight loads, scale*dot(q,x) + bias*sum(x) per quantization group in
-// fp32; x may live in device or threadgroup memory (XP).
-template <typename T, typename S, int K, int O, int BITS, int GS, int RPW, int LPR,
-          typename XP>
-inline void lily_qgemv_rows(XP xr, const device uint32_t* w, const device S* scales,
-                            const device S* biases, device T* yr, int row0, int sl) {
+// acc[r] = x . dequant(weight row rows[r]) for RPW rows anywhere in w, LPR lanes per
+// row (lane sl of the group; every lane of the group gets the sum), 16-byte weight
+// loads, scale*dot(q,x) + bias*sum(x) per quantization group in fp32; x may live in
+// device or threadgroup memory (XP).
+template <typename S, int K, int BITS, int GS, int RPW, int LPR, typename XP>
+inline void lily_qgemv_gather(XP xr, const device uint32_t* w, const device S* scales,
+                              const device S* biases, thread const int* rows, int sl,
+                              thread float* acc) {
   constexpr int VPL = 128 / BITS;
   constexpr int KW = K / VPL;
   constexpr int STEPS = KW / LPR;
   constexpr int NG = K / GS;
   const device uint4* w4 = reinterpret_cast<const device uint4*>(w);
-  float acc[RPW];
   for (int r = 0; r < RPW; ++r) {
     acc[r] = 0.0f;
   }
@@ -67,17 +66,32 @@ inline void lily_qgemv_rows(XP xr, const device uint32_t* w, const device S* sca
     const float xs = lily_load_x<VPL>(xr + c * VPL, xv);
     const int g = (c * VPL) / GS;
     for (int r = 0; r < RPW; ++r) {
-      const int row = min(row0 + r, O - 1);
-      const ulong so = ulong(row) * NG + g;
-      const uint4 q = w4[ulong(row) * KW + c];
+      const ulong so = ulong(rows[r]) * NG + g;
+      const uint4 q = w4[ulong(rows[r]) * KW + c];
       acc[r] += static_cast<float>(scales[so]) * lily_qdot<BITS>(q, xv) +
                 static_cast<float>(biases[so]) * xs;
     }
   }
   for (int r = 0; r < RPW; ++r) {
-    const float v = lily_group_sum<LPR>(acc[r]);
+    acc[r] = lily_group_sum<LPR>(acc[r]);
+  }
+}
+// The GEMV loop of lily_qgemv / lily_norm_qgemv for one lane group: output rows
+// row0 .. row0+RPW-1 of y = x @ dequant(w)^T (lily_qgemv_gather on consecutive rows,
+// clamped to the last).
+template <typename T, typename S, int K, int O, int BITS, int GS, int RPW, int LPR,
+          typename XP>
+inline void lily_qgemv_rows(XP xr, const device uint32_t* w, const device S* scales,
+                            const device S* biases, device T* yr, int row0, int sl) {
+  int rows[RPW];
+  for (int r = 0; r < RPW; ++r) {
+    rows[r] = min(row0 + r, O - 1);
+  }
+  float acc[RPW];
+  lily_qgemv_gather<S, K, BITS, GS, RPW, LPR>(xr, w, scales, biases, rows, sl, acc);
+  for (int r = 0; r < RPW; ++r) {
     if (sl == 0 && row0 + r < O) {
-      yr[row0 + r] = static_cast<T>(v);
+      yr[row0 + r] = static_cast<T>(acc[r]);
     }
   }
 }
