@@ -265,15 +265,24 @@ def gdn_core_proj(self, proj, pending, mask, cache):
     when ``gdn_proj`` is on and the kernel takes this call; sets ``pending.h`` and
     returns the layer's ``out_proj`` output. None otherwise (the caller projects)."""
     from mlx_lily.backend import current_backend
+    from mlx_lily.kernels import plan_cache
 
+    backend = current_backend()
     if (not proj.quantized or (proj.mode or "affine") != "affine"
-            or not gdn_ops.proj_enabled(current_backend())):
+            or not gdn_ops.proj_enabled(backend)):
         return None
     conv_state = cache[0] if cache is not None else None
     state = cache[1] if cache is not None else None
     dims = _gdn_dims(self, mask, cache)
+    counters = None
+    if gdn_ops.proj_split(backend) > 1:  # this layer's own arrival counters
+        n = pending.h0.shape[0] * self.num_v_heads
+        plans = plan_cache(proj, "_lily_gdn_proj_counters")
+        counters = plans.get(n)
+        if counters is None:
+            counters = plans[n] = gdn_ops.proj_counters(n)
     p = gdn_ops.DecodeProj(pending.h0, pending.res, pending.weight, pending.eps, proj.weight,
-                           proj.scales, proj.biases, proj.group_size, proj.bits)
+                           proj.scales, proj.biases, proj.group_size, proj.bits, counters)
     args = (self.conv1d.weight, conv_state, self.A_log, self.dt_bias, state, self.norm.weight)
     if gdn_ops.proj_unsupported(p, *args, **dims) is not None:
         return None
@@ -405,7 +414,7 @@ def _compile_key():
     return (be, backend.disabled_ops(), backend._selected_ops,
             backend.env_value("MLX_LILY_KERNELS", ""),
             backend.env_value(attn_ops.DECODE_PF_ENV, ""),
-            norm_qgemv_ops.split_requested())
+            norm_qgemv_ops.split_requested(), gdn_ops.proj_split(be))
 
 
 def _layer_tail(layer, h, r):

@@ -583,22 +583,52 @@ def _rest(inp):
     return {k: v for k, v in inp.items() if k not in ("qkv", "z", "b", "a")}
 
 
-def run_proj(backend, p, inp, dims, mask=None, lengths=None):
-    """The PROJ launch and the two launches it replaces (``lily_norm_qgemv``, then the
-    packed decode kernel), both on ``backend``."""
+def _head_rows(Hk, Hv, Dk, Dv):
+    """``[Hv, 2*Dk+2*Dv+2]`` indices of the projection row each v-head reads (the
+    kernel's ``lily_gdn_proj_row``, written out independently)."""
+    G_ = Hv // Hk
+    C = 2 * Hk * Dk + Hv * Dv
+    out = []
+    for h in range(Hv):
+        hk = h // G_
+        out.append(list(range(hk * Dk, hk * Dk + Dk))
+                   + list(range(Hk * Dk + hk * Dk, Hk * Dk + hk * Dk + Dk))
+                   + list(range(2 * Hk * Dk + h * Dv, 2 * Hk * Dk + h * Dv + Dv))
+                   + list(range(C + h * Dv, C + h * Dv + Dv))
+                   + [C + Hv * Dv + h, C + Hv * Dv + Hv + h])
+    return np.array(out)
+
+
+def run_proj(backend, p, inp, dims, mask=None, lengths=None, split=1):
+    """The PROJ launch (``split`` blocks per head) and the two launches it replaces
+    (``lily_norm_qgemv``, then the packed decode kernel), both on ``backend``; checks the
+    rows PROJ wrote against ``lily_norm_qgemv``'s output and, with ``split > 1``, that the
+    arrival counters hold zeros again."""
     from mlx_lily.ops import norm_qgemv as NQ
 
     stream = mx.gpu if backend in ("metal", "cuda") else mx.cpu
     init = float("nan") if backend in ("metal", "cuda") else None
     kw = dict(**dims, init_value=init, mask=mask, lengths=lengths,
               get_kernel=lambda spec: _kernel(spec, backend))
+    B, Hv = p.h0.shape[0], dims["num_v_heads"]
+    if split > 1:
+        p = p._replace(counters=G.proj_counters(B * Hv + 3))
     with mx.stream(stream):
-        got = G.gated_delta_fused(None, None, None, None, **_rest(inp), proj=p, **kw)
+        *got, rows = G.gated_delta_fused(None, None, None, None, **_rest(inp), proj=p,
+                                         proj_split=split, return_proj=True, **kw)
         y, h = NQ.launch(_kernel(NQ.SPEC, backend), p.h0, p.res, p.norm_w, p.eps, p.w,
                          p.scales, p.biases, p.group_size, p.bits, init_value=init)
         two = G.gated_delta_fused(y, None, None, None, **_rest(inp), packed=True, **kw)
-        mx.eval(got, two, h)
-    return got, (*two, h)
+        mx.eval(got, two, h, rows)
+    want_rows = f32(y)[:, 0][:, _head_rows(dims["num_k_heads"], Hv, dims["head_k_dim"],
+                                           dims["head_v_dim"])]
+    r = f32(rows)
+    assert not np.isnan(r).any()
+    assert np.abs(r - want_rows).max() <= 2 ** -6 * np.abs(want_rows).max()
+    assert (r == want_rows).mean() >= 0.98
+    if split > 1:
+        assert not np.array(p.counters).any(), "arrival counters not reset"
+    return tuple(got), (*two, h)
 
 
 def _check_proj(got, want):
@@ -635,6 +665,8 @@ def _check_proj_vs_reference(got, ref):
 
 PROJ_CASES = [
     dict(B=1, K=256),                                   # 8 lanes per weight row
+    dict(B=2, K=256, Hk=1, Hv=3, split=4, seed=5),       # 4 blocks per head (CUDA only)
+    dict(B=1, K=2048, split=3, seed=6),                  # 3 blocks, uneven passes
     dict(B=1, K=2048, Hk=1, Hv=2, seed=1),              # the model's width: 32 lanes
     dict(B=2, K=512, Hk=1, Hv=3, seed=2, batched=True),  # mask + lengths, G = 3
     dict(B=1, K=128, bits=8, gs=32, dtype=mx.float16, KS=3, seed=3),
@@ -650,6 +682,9 @@ def test_decode_kernel_proj(backend, case):
     case = dict(case)
     K_, bits, gs = case.pop("K"), case.pop("bits", 4), case.pop("gs", 64)
     strided, batched = case.pop("strided", False), case.pop("batched", False)
+    split = case.pop("split", 1)
+    if split > 1 and backend not in ("cuda", "cuda-emu"):
+        pytest.skip("SPLIT > 1 is the CUDA twin's")
     inp, dims = make_inputs(S=1, fused_views=False, **case)
     p = make_proj(inp, dims, K=K_, bits=bits, gs=gs, seed=case.get("seed", 0),
                   strided=strided)
@@ -657,7 +692,7 @@ def test_decode_kernel_proj(backend, case):
     mask = mx.array([True, False] * (B // 2) + [True] * (B % 2)) [:, None] if batched else None
     lengths = mx.array([1, 0] * (B // 2) + [1] * (B % 2), mx.int32) if batched else None
     assert G.proj_unsupported(p, **_rest(inp), **dims, mask=mask, lengths=lengths) is None
-    got, two = run_proj(backend, p, inp, dims, mask=mask, lengths=lengths)
+    got, two = run_proj(backend, p, inp, dims, mask=mask, lengths=lengths, split=split)
     _check_proj(got, two)
     if p.h0.dtype == BF and not batched:
         _check_proj_vs_reference(got, cpu_reference_proj(p, inp, dims))
@@ -714,22 +749,40 @@ def test_proj_dispatcher_on_cpu_and_reasons(monkeypatch):
     assert G.proj_enabled("cuda") == (G.PROJ_OP in K.VERIFIED["cuda"])
 
 
+def test_proj_split_setting(monkeypatch):
+    monkeypatch.delenv(G.PROJ_SPLIT_ENV, raising=False)
+    assert G.proj_split("cuda") == G.PROJ_SPLIT["cuda"]
+    monkeypatch.setenv(G.PROJ_SPLIT_ENV, "2")
+    assert G.proj_split("cuda") == 2 and G.proj_split("metal") == 1
+    for bad in ("0", "x", "17"):
+        monkeypatch.setenv(G.PROJ_SPLIT_ENV, bad)
+        with pytest.raises(ValueError, match=G.PROJ_SPLIT_ENV):
+            G.proj_split("cuda")
+
+
 def test_proj_dispatcher_routes(monkeypatch):
     """On a kernel backend with the switches on, a call ``proj_unsupported`` accepts is one
     PROJ launch; another falls back to the two launches' dispatchers."""
     calls = []
     monkeypatch.setenv("MLX_LILY_KERNELS", "all")
-    monkeypatch.setattr(G, "current_backend", lambda: "metal")
+    monkeypatch.delenv(G.PROJ_SPLIT_ENV, raising=False)
+    monkeypatch.setattr(G, "current_backend", lambda: "cuda")
     monkeypatch.setattr(G._k, "get", lambda spec, backend: object())
     monkeypatch.setattr(G, "gated_delta_fused",
-                        lambda *a, **k: calls.append("proj" if k.get("proj") else "other") or (1, 2, 3, 4))
+                        lambda *a, **k: calls.append(k["proj_split"] if k.get("proj") else "other")
+                        or (1, 2, 3, 4))
     inp, dims = make_inputs(1, 1, fused_views=False, seed=31)
     p = make_proj(inp, dims, K=256, seed=31)
-    assert G.gated_delta_proj(p, **_rest(inp), **dims) == (1, 2, 3, 4)
+    assert G.gated_delta_proj(p, **_rest(inp), **dims) == (1, 2, 3, 4)  # no counters: 1
+    Hv = dims["num_v_heads"]
+    G.gated_delta_proj(p._replace(counters=G.proj_counters(Hv - 1)), **_rest(inp), **dims)
+    G.gated_delta_proj(p._replace(counters=G.proj_counters(Hv)), **_rest(inp), **dims)
+    assert calls == [1, 1, G.PROJ_SPLIT["cuda"]]
+    calls.clear()
     monkeypatch.setattr(G, "gated_delta_packed", lambda *a, **k: calls.append("packed") or (5, 6, 7))
     with mx.stream(mx.cpu):
         r = G.gated_delta_proj(p, **_rest(inp), **dims, mask=mx.ones((1, 1)))  # not bool
-    assert r[:3] == (5, 6, 7) and calls == ["proj", "packed"]
+    assert r[:3] == (5, 6, 7) and calls == ["packed"]
 
 
 @pytest.mark.gpu
@@ -739,9 +792,11 @@ def test_production_dims_proj_gpu(backend):
     64) against the two launches and the reference."""
     inp, dims = make_inputs(1, 1, Hk=16, Hv=32, fused_views=False, seed=40)
     p = make_proj(inp, dims, K=2048, seed=40)
-    got, two = run_proj(backend, p, inp, dims)
-    _check_proj(got, two)
-    _check_proj_vs_reference(got, cpu_reference_proj(p, inp, dims))
+    ref = cpu_reference_proj(p, inp, dims)
+    for split in sorted({1, G.PROJ_SPLIT.get(backend, 1)}):
+        got, two = run_proj(backend, p, inp, dims, split=split)
+        _check_proj(got, two)
+        _check_proj_vs_reference(got, ref)
 
 
 @pytest.mark.gpu
@@ -959,20 +1014,23 @@ def _cuda_cases():
                             conv_state=(T, 3), A_log=(f, 1), dt_bias=(T, 1), state=(f, 4),
                             norm_w=(T, 1), eps=(f, 1), mask=(mx.bool_, 2),
                             lengths=(mx.int32, 1), hin=(T, 3), res=(T, 3), in_nw=(T, 1),
-                            in_eps=(f, 1), w=(mx.uint32, 2), scales=(T, 2), biases=(T, 2)),
-                       [T, T, f, T], dict(T=T, Hk=16, Hv=32, Dk=128, Dv=128, KS=4, NW=16,
-                                          HAS_MASK=T == BF, HAS_LEN=T == BF, PACKED=T != BF,
-                                          PROJ=False, S=T, K=32, BITS=4, GS=32, RPW=1)),
+                            in_eps=(f, 1), w=(mx.uint32, 2), scales=(T, 2), biases=(T, 2),
+                            counters=(mx.int32, 1)),
+                       [T, T, f, T, f], dict(T=T, Hk=16, Hv=32, Dk=128, Dv=128, KS=4, NW=16,
+                                             HAS_MASK=T == BF, HAS_LEN=T == BF, PACKED=T != BF,
+                                             PROJ=False, S=T, K=32, BITS=4, GS=32, RPW=1,
+                                             SPLIT=1)),
             ("decode_proj", T): (
                 dict(qkv=(T, 1), z=(T, 1), b=(T, 1), a=(T, 1), conv_w=(T, 3),
                      conv_state=(T, 3), A_log=(f, 1), dt_bias=(T, 1), state=(f, 4),
                      norm_w=(T, 1), eps=(f, 1), mask=(mx.bool_, 2), lengths=(mx.int32, 1),
                      hin=(T, 3), res=(T, 3), in_nw=(T, 1), in_eps=(f, 1), w=(mx.uint32, 2),
-                     scales=(T, 2), biases=(T, 2)),
-                [T, T, f, T], dict(T=T, Hk=16, Hv=32, Dk=128, Dv=128, KS=4, NW=16,
-                                   HAS_MASK=T != BF, HAS_LEN=T != BF, PACKED=True, PROJ=True,
-                                   S=T, K=2048 if T == BF else 256, BITS=4 if T == BF else 8,
-                                   GS=64 if T == BF else 32, RPW=G.PROJ_RPW)),
+                     scales=(T, 2), biases=(T, 2), counters=(mx.int32, 1)),
+                [T, T, f, T, f], dict(T=T, Hk=16, Hv=32, Dk=128, Dv=128, KS=4, NW=16,
+                                      HAS_MASK=T != BF, HAS_LEN=T != BF, PACKED=True, PROJ=True,
+                                      S=T, K=2048 if T == BF else 256, BITS=4 if T == BF else 8,
+                                      GS=64 if T == BF else 32, RPW=G.PROJ_RPW,
+                                      SPLIT=G.PROJ_SPLIT["cuda"] if T == BF else 1)),
             G.PREP: (dict(qkv=(T, 3), conv_w=(T, 3), conv_state=(T, 3), a=(T, 3), b=(T, 3),
                           A_log=(f, 1), dt_bias=(T, 1), mask=(mx.bool_, 2),
                           lengths=(mx.int32, 1)),

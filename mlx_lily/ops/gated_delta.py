@@ -136,8 +136,9 @@ def gated_delta_reference(qkv, z, b, a, conv_weight, conv_state, A_log, dt_bias,
 DECODE = _k.KernelSpec(
     "lily_gdn_decode", "gdn_decode",
     ("qkv", "z", "b", "a", "conv_w", "conv_state", "A_log", "dt_bias", "state", "norm_w",
-     "eps", "mask", "lengths", "hin", "res", "in_nw", "in_eps", "w", "scales", "biases"),
-    ("out", "conv_out", "state_out", "h_out"), ensure_row_contiguous=False)
+     "eps", "mask", "lengths", "hin", "res", "in_nw", "in_eps", "w", "scales", "biases",
+     "counters"),
+    ("out", "conv_out", "state_out", "h_out", "proj"), ensure_row_contiguous=False)
 PREP = _k.KernelSpec(
     "lily_gdn_prep", "gdn_prep",
     ("qkv", "conv_w", "conv_state", "a", "b", "A_log", "dt_bias", "mask", "lengths"),
@@ -211,7 +212,9 @@ class DecodeProj(NamedTuple):
     """The input projection that ``lily_gdn_decode`` computes itself under ``PROJ``:
     the row ``x = rms_norm(h0 + res) * norm_w`` (``eps``) and the fused q|k|v|z|b|a
     affine-quantized weight (``[P, K*bits/32]`` uint32, scales/biases ``[P, K/group_size]``,
-    P = 2*Hk*Dk + 2*Hv*Dv + 2*Hv rows in that order)."""
+    P = 2*Hk*Dk + 2*Hv*Dv + 2*Hv rows in that order). ``counters``: an int32 array of
+    zeros with at least B*Hv elements (``proj_counters``) lets the CUDA kernel spread each
+    head's rows over ``PROJ_SPLIT`` blocks; the kernel leaves it all zeros."""
 
     h0: mx.array
     res: mx.array
@@ -222,6 +225,16 @@ class DecodeProj(NamedTuple):
     biases: mx.array
     group_size: int
     bits: int
+    counters: mx.array | None = None
+
+
+def proj_counters(n: int) -> mx.array:
+    """A fresh int32 array of ``n`` zeros for ``DecodeProj.counters``, materialised now
+    (no graph node: safe to create inside ``mx.compile`` tracing). Give each layer its
+    own: launches sharing one must not run concurrently."""
+    import numpy as np
+
+    return mx.array(np.zeros(max(int(n), 1), np.int32))
 
 
 _PARAMS_OK: dict = {}
@@ -312,7 +325,8 @@ def kernel_unsupported(qkv, z, b, a, conv_weight, conv_state, A_log, dt_bias, st
 def gated_delta_fused(qkv, z, b, a, conv_weight, conv_state, A_log, dt_bias, state,
                       norm_weight, *, num_k_heads, head_k_dim, num_v_heads, head_v_dim,
                       eps, get_kernel, scan_cfg=(8, 1, 4), decode_nw=None, mask=None,
-                      lengths=None, init_value=None, packed=False, scan="kernel", proj=None):
+                      lengths=None, init_value=None, packed=False, scan="kernel", proj=None,
+                      proj_split=1, return_proj=False):
     """The fused kernels for a call ``kernel_unsupported`` accepted.
 
     S == 1: one ``lily_gdn_decode`` launch. S > 1: ``lily_gdn_prep`` (conv, SiLU, l2norm,
@@ -332,7 +346,9 @@ def gated_delta_fused(qkv, z, b, a, conv_weight, conv_state, A_log, dt_bias, sta
     ``lily_gdn_scan`` (masked steps reach it as decay 1, beta 0, as the prep kernel writes).
     ``proj`` (a ``DecodeProj``; S == 1, qkv/z/b/a None): the kernel computes the packed
     row itself (``PROJ``) and a fourth result, the residual sum ``h0 + res``, is returned
-    (see ``gated_delta_proj``).
+    (see ``gated_delta_proj``); ``proj_split`` blocks per head share the projection rows
+    (> 1 needs ``proj.counters``; CUDA only); ``return_proj`` adds a fifth result, the
+    rows each head read ``[B, Hv, 2*Dk+2*Dv+2]`` fp32 (tests).
     """
     Hk, Dk, Hv, Dv = num_k_heads, head_k_dim, num_v_heads, head_v_dim
     if proj is not None:
@@ -360,30 +376,37 @@ def gated_delta_fused(qkv, z, b, a, conv_weight, conv_state, A_log, dt_bias, sta
         lengths = _dummy("lengths")
     if S == 1:
         nw = decode_nw or decode_warps(Dv)
+        split = 1
         if proj is not None:
             kdim = proj.h0.shape[-1]
+            split = int(proj_split)
+            if split > 1 and (proj.counters is None or proj.counters.size < B * Hv):
+                raise ValueError(f"gated_delta_fused: proj_split={split} needs counters "
+                                 f"of at least B*Hv = {B * Hv} zeros")
             pin = [proj.h0, proj.res, proj.norm_w, _k.f32_scalar(proj.eps), proj.w,
-                   proj.scales, proj.biases]
+                   proj.scales, proj.biases,
+                   proj.counters if split > 1 else _dummy("n", mx.int32)]
             ptmpl = [("PROJ", True), ("S", proj.scales.dtype), ("K", kdim),
                      ("BITS", proj.bits), ("GS", proj.group_size), ("RPW", PROJ_RPW)]
-            h_shape = (B, 1, kdim)
+            h_shape, p_shape = (B, 1, kdim), (B, Hv, 2 * Dk + 2 * Dv + 2)
         else:
             pin = [_dummy("x", T), _dummy("x", T), _dummy("x", T), _dummy("eps", mx.float32),
-                   _dummy("w", mx.uint32), _dummy("x", T), _dummy("x", T)]
+                   _dummy("w", mx.uint32), _dummy("x", T), _dummy("x", T),
+                   _dummy("n", mx.int32)]
             ptmpl = [("PROJ", False), ("S", T), ("K", 32), ("BITS", 4), ("GS", 32),
                      ("RPW", 1)]
-            h_shape = (1,)
-        out, new_conv, new_state, h = get_kernel(DECODE)(
+            h_shape = p_shape = (1,)
+        out, new_conv, new_state, h, rows = get_kernel(DECODE)(
             inputs=[qkv, z, b, a, conv_weight, conv_state, A_log, dt_bias, state,
                     norm_weight, eps_a, mask, lengths] + pin,
             template=[("T", T), ("Hk", Hk), ("Hv", Hv), ("Dk", Dk),
                       ("Dv", Dv), ("KS", K), ("NW", nw)] + flags
-            + [("PACKED", bool(packed))] + ptmpl,
-            grid=(32 * nw, B * Hv, 1), threadgroup=(32 * nw, 1, 1),
-            output_shapes=[(B, 1, Hv * Dv), (B, K - 1, C), (B, Hv, Dv, Dk), h_shape],
-            output_dtypes=[T, T, mx.float32, T], **extra)
+            + [("PACKED", bool(packed))] + ptmpl + [("SPLIT", split)],
+            grid=(32 * nw * split, B * Hv, 1), threadgroup=(32 * nw, 1, 1),
+            output_shapes=[(B, 1, Hv * Dv), (B, K - 1, C), (B, Hv, Dv, Dk), h_shape, p_shape],
+            output_dtypes=[T, T, mx.float32, T, mx.float32], **extra)
         if proj is not None:
-            return out, new_conv, new_state, h
+            return (out, new_conv, new_state, h) + ((rows,) if return_proj else ())
         return out, new_conv, new_state
     D = Dk
     n_tiles = -(-S // PREP_TT)
@@ -674,6 +697,29 @@ def gated_delta_packed(y, conv_weight, conv_state, A_log, dt_bias, state, norm_w
 PROJ_OP = "gdn_proj"  # the decode kernel computes its own input projection (switch)
 #: Weight rows per lane group and pass of ``lily_gdn_decode``'s PROJ GEMV.
 PROJ_RPW = 4
+#: Blocks per (batch, v-head) sharing the PROJ GEMV, per backend (CUDA: 32 heads on one
+#: block each kept 32 of the H200's 132 SMs busy, 49 us per layer under ncu, session 11;
+#: Metal's twin takes 1 only).
+PROJ_SPLIT = {"cuda": 4, "metal": 1}
+PROJ_SPLIT_ENV = "MLX_LILY_GDN_PROJ_SPLIT"  # CUDA: blocks per head, overriding PROJ_SPLIT
+
+
+def proj_split(backend: str) -> int:
+    """Blocks per (batch, v-head) of the PROJ launch on ``backend``: ``PROJ_SPLIT``, or on
+    CUDA ``MLX_LILY_GDN_PROJ_SPLIT`` (an integer 1..16). Raises ValueError for another
+    value."""
+    from ..backend import env_value
+
+    raw = env_value(PROJ_SPLIT_ENV, "") if backend == "cuda" else ""
+    if not raw:
+        return PROJ_SPLIT.get(backend, 1)
+    try:
+        v = int(raw)
+    except ValueError:
+        v = 0
+    if not 1 <= v <= 16:
+        raise ValueError(f"{PROJ_SPLIT_ENV} must be an integer 1..16, got {raw!r}")
+    return v
 
 
 def gated_delta_proj_reference(p: DecodeProj, conv_weight, conv_state, A_log, dt_bias, state,
@@ -777,9 +823,14 @@ def gated_delta_proj(p: DecodeProj, conv_weight, conv_state, A_log, dt_bias, sta
     if (proj_enabled(backend) and proj_unsupported(
             p, conv_weight, conv_state, A_log, dt_bias, state, norm_weight, **dims) is None
             and _k.get(DECODE, backend) is not None):
+        B, Hv = p.h0.shape[0], dims["num_v_heads"]
+        split = proj_split(backend)
+        if p.counters is None or p.counters.size < B * Hv:
+            split = 1
         return gated_delta_fused(
             None, None, None, None, conv_weight, conv_state, A_log, dt_bias, state,
-            norm_weight, get_kernel=lambda spec: _k.get(spec, backend), proj=p, **dims)
+            norm_weight, get_kernel=lambda spec: _k.get(spec, backend), proj=p,
+            proj_split=split, **dims)
     from .norm_qgemv import norm_qgemv
 
     y, h = norm_qgemv(p.h0, p.res, p.norm_w, p.eps, p.w, p.scales, p.biases, p.group_size,

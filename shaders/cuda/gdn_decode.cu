@@ -1,26 +1,31 @@
 // @kernel lily_gdn_decode
-// @inputs qkv[B,1,C] z[B,1,Hv,Dv] b[B,1,Hv] a[B,1,Hv] conv_w[C,KS,1] conv_state[B,KS-1,C] A_log[Hv] dt_bias[Hv] state[B,Hv,Dv,Dk]:float32 norm_w[Dv] eps[1]:float32 mask[B,1]:bool lengths[B]:int32 hin[B,1,K] res[B,1,K] in_nw[K] in_eps[1]:float32 w[P,K*BITS/32]:uint32 scales[P,K/GS]:S biases[P,K/GS]:S (all but w/scales/biases read through *_strides; mask/lengths read only when HAS_MASK/HAS_LEN; hin..biases only when PROJ)
-// @outputs out[B,1,Hv*Dv]:T conv_out[B,KS-1,C]:T state_out[B,Hv,Dv,Dk]:float32 h_out[B,1,K]:T
-// @template T=bfloat16 Hk=16 Hv=32 Dk=128 Dv=128 KS=4 NW=16 HAS_MASK=false HAS_LEN=false PACKED=true PROJ=false S=bfloat16 K=32 BITS=4 GS=32 RPW=1
-// @template T=float16 Hk=2 Hv=6 Dk=64 Dv=64 KS=3 NW=8 HAS_MASK=true HAS_LEN=true PACKED=false PROJ=false S=float16 K=32 BITS=4 GS=32 RPW=1
-// @template T=bfloat16 Hk=16 Hv=32 Dk=128 Dv=128 KS=4 NW=16 HAS_MASK=false HAS_LEN=false PACKED=true PROJ=true S=bfloat16 K=2048 BITS=4 GS=64 RPW=4
-// @template T=float16 Hk=2 Hv=6 Dk=64 Dv=64 KS=3 NW=8 HAS_MASK=true HAS_LEN=true PACKED=true PROJ=true S=float16 K=128 BITS=8 GS=32 RPW=2
-// @grid (32*NW, B*Hv, 1)
+// @inputs qkv[B,1,C] z[B,1,Hv,Dv] b[B,1,Hv] a[B,1,Hv] conv_w[C,KS,1] conv_state[B,KS-1,C] A_log[Hv] dt_bias[Hv] state[B,Hv,Dv,Dk]:float32 norm_w[Dv] eps[1]:float32 mask[B,1]:bool lengths[B]:int32 hin[B,1,K] res[B,1,K] in_nw[K] in_eps[1]:float32 w[P,K*BITS/32]:uint32 scales[P,K/GS]:S biases[P,K/GS]:S counters[N]:int32 (all but w/scales/biases/counters read through *_strides; mask/lengths read only when HAS_MASK/HAS_LEN; hin..counters only when PROJ, counters only when SPLIT > 1)
+// @outputs out[B,1,Hv*Dv]:T conv_out[B,KS-1,C]:T state_out[B,Hv,Dv,Dk]:float32 h_out[B,1,K]:T proj[B,Hv,2*Dk+2*Dv+2]:float32
+// @template T=bfloat16 Hk=16 Hv=32 Dk=128 Dv=128 KS=4 NW=16 HAS_MASK=false HAS_LEN=false PACKED=true PROJ=false S=bfloat16 K=32 BITS=4 GS=32 RPW=1 SPLIT=1
+// @template T=float16 Hk=2 Hv=6 Dk=64 Dv=64 KS=3 NW=8 HAS_MASK=true HAS_LEN=true PACKED=false PROJ=false S=float16 K=32 BITS=4 GS=32 RPW=1 SPLIT=1
+// @template T=bfloat16 Hk=16 Hv=32 Dk=128 Dv=128 KS=4 NW=16 HAS_MASK=false HAS_LEN=false PACKED=true PROJ=true S=bfloat16 K=2048 BITS=4 GS=64 RPW=4 SPLIT=4
+// @template T=float16 Hk=2 Hv=6 Dk=64 Dv=64 KS=3 NW=8 HAS_MASK=true HAS_LEN=true PACKED=true PROJ=true S=float16 K=128 BITS=8 GS=32 RPW=2 SPLIT=1
+// @grid (32*NW*SPLIT, B*Hv, 1)
 // @threadgroup (32*NW, 1, 1)
 // @ensure_row_contiguous false
 // PACKED: qkv is the whole fused input projection row [B,1,C+Hv*Dv+2*Hv] = q|k|v|z|b|a
 // and z, b, a are read from its columns (the z/b/a inputs are then not read).
-// PROJ (with PACKED): that row is not an input: each block computes the P = 2*Dk+2*Dv+2
-// projection rows its v-head reads (q, k of its q/k head; v, z, b, a of its own) from
+// PROJ (with PACKED): that row is not an input: the P = 2*Dk+2*Dv+2 projection rows a
+// v-head reads (q, k of its q/k head; v, z, b, a of its own) are computed from
 // x = T(in_nw * T(hh * rsqrt(mean(hh^2) + in_eps))), hh = T(hin + res), as
 // lily_norm_qgemv does (w: the fused q|k|v|z|b|a weight, rows in that order), each value
-// rounded to T as that kernel's output is; block (bi, 0) writes hh to h_out. qkv/z/b/a are
-// then not read. The state is loaded after the GEMV (registers).
-// CUDA twin of shaders/metal/gdn_decode.metal: one block per (batch, v-head), NW warps
-// owning Dv/NW state rows each (lane owns columns lane + 32*j).
+// rounded to T as that kernel's output is, and written to proj; block (bi, 0, part 0)
+// writes hh to h_out. qkv/z/b/a are then not read. SPLIT blocks per (batch, v-head) share
+// the rows (passes of NW*RPW rows, dealt round-robin); the last of them to finish (an
+// atomic count in counters[n], reset to 0 by that block: the buffer must hold zeros at
+// launch and holds zeros after) reads them back and runs the step; the others exit.
+// CUDA twin of shaders/metal/gdn_decode.metal (whose contract allows SPLIT = 1 only): one
+// block per (batch, v-head) for the step, NW warps owning Dv/NW state rows each (lane owns
+// columns lane + 32*j).
 
 // @header gdn_common.cuh
 // @header qgemv_common.cuh
+// @header qgemv_norm.cuh
 
 // Row of the fused q|k|v|z|b|a weight holding projection row p of v-head h (q/k head hk):
 // p in [0, Dk) q, [Dk, 2Dk) k, then Dv of v, Dv of z, then b, a.
@@ -88,6 +93,7 @@ __device__ __forceinline__ void lily_gdn_pending_norm(const T* hin, const T* res
   __shared__ uint4 xs4[PROJ ? (K * sizeof(T) + 15) / 16 : 1];  // 16-byte aligned row
   T* xs = reinterpret_cast<T*>(xs4);
   __shared__ float ps[PROJ ? NP : 1];
+  __shared__ int last_part[1];
 
   if constexpr (PROJ) {
     constexpr int VPL = 128 / BITS;
@@ -100,10 +106,13 @@ __device__ __forceinline__ void lily_gdn_pending_norm(const T* hin, const T* res
     static_assert(GS % VPL == 0 && K % GS == 0, "gdn_decode: bad GS");
     const int sl = lane % LPR;
     const int slot = (warp * SG + lane / LPR) * RPW;
+    const int part = blockIdx.x;
+    float* pr = proj + int64_t(n) * NP;
     lily_gdn_pending_norm<T, K, NW>(hin, res, in_nw, in_eps[0], hin_strides, res_strides,
-                                    in_nw_strides, bi, h == 0 ? h_out + int64_t(bi) * K : nullptr,
+                                    in_nw_strides, bi,
+                                    h == 0 && part == 0 ? h_out + int64_t(bi) * K : nullptr,
                                     xs, red, tid, lane, warp);
-    for (int p0 = 0; p0 < NP; p0 += RPP) {
+    for (int p0 = part * RPP; p0 < NP; p0 += SPLIT * RPP) {
       int rows[RPW];
 #pragma unroll
       for (int r = 0; r < RPW; ++r) {
@@ -113,8 +122,26 @@ __device__ __forceinline__ void lily_gdn_pending_norm(const T* hin, const T* res
       lily_qgemv_gather<S, K, BITS, GS, RPW, LPR>(xs, w, scales, biases, rows, sl, acc);
 #pragma unroll
       for (int r = 0; r < RPW; ++r) {
-        if (sl == 0 && p0 + slot + r < NP) ps[p0 + slot + r] = lily_rnd<T>(acc[r]);
+        if (sl == 0 && p0 + slot + r < NP) {
+          const float v = lily_rnd<T>(acc[r]);
+          pr[p0 + slot + r] = v;
+          if constexpr (SPLIT == 1) ps[p0 + slot + r] = v;
+        }
       }
+    }
+    if constexpr (SPLIT > 1) {
+      __threadfence();
+      __syncthreads();
+      if (tid == 0) {
+        int* ctr = const_cast<int*>(counters) + n;
+        const int done = atomicAdd(ctr, 1);
+        last_part[0] = done == SPLIT - 1;
+        if (done == SPLIT - 1) *ctr = 0;
+      }
+      __syncthreads();
+      if (!last_part[0]) return;
+      __threadfence();
+      for (int p = tid; p < NP; p += NT) ps[p] = __ldcg(pr + p);
     }
     __syncthreads();
   }

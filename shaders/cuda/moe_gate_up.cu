@@ -16,6 +16,8 @@
 // (rounded as add_rms_norm; x, and with TOPK inds, unread). Every weight load is issued
 // before the prologue (LilyRowTile).
 // @header qgemv_common.cuh
+// @header qgemv_norm.cuh
+// @header qgemv_route.cuh
 // ---- body ----
   constexpr int VPL = 128 / BITS;
   constexpr int KW = D / VPL;

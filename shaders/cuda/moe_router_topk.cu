@@ -13,6 +13,8 @@
 // rounded to T, top-K by value with ties to the lowest expert id (picks in decreasing
 // order), renormalisation (sum rounded to T), sigmoid of the shared-gate logit.
 // @header qgemv_common.cuh
+// @header qgemv_norm.cuh
+// @header qgemv_route.cuh
 // ---- body ----
   constexpr int VPL = 128 / BITS;            // quantized values per 16-byte word
   constexpr int KW = D / VPL;                // 16-byte words per weight row

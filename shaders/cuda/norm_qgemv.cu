@@ -11,6 +11,7 @@
 // exactly as lily_qgemv (LPR lanes per weight row, RPW rows each, fp32 accumulation;
 // the weight loads are issued before the prologue).
 // @header qgemv_common.cuh
+// @header qgemv_norm.cuh
 // ---- body ----
   constexpr int VPL = 128 / BITS;
   constexpr int KW = K / VPL;

@@ -1,11 +1,11 @@
 // @kernel lily_gdn_decode
-// @inputs qkv[B,1,C] z[B,1,Hv,Dv] b[B,1,Hv] a[B,1,Hv] conv_w[C,KS,1] conv_state[B,KS-1,C] A_log[Hv] dt_bias[Hv] state[B,Hv,Dv,Dk]:float32 norm_w[Dv] eps[1]:float32 mask[B,1]:bool lengths[B]:int32 hin[B,1,K] res[B,1,K] in_nw[K] in_eps[1]:float32 w[P,K*BITS/32]:uint32 scales[P,K/GS]:S biases[P,K/GS]:S (all but w/scales/biases read through *_strides; mask/lengths read only when HAS_MASK/HAS_LEN; hin..biases only when PROJ)
-// @outputs out[B,1,Hv*Dv]:T conv_out[B,KS-1,C]:T state_out[B,Hv,Dv,Dk]:float32 h_out[B,1,K]:T
-// @template T=bfloat16 Hk=16 Hv=32 Dk=128 Dv=128 KS=4 NW=16 HAS_MASK=false HAS_LEN=false PACKED=true PROJ=false S=bfloat16 K=32 BITS=4 GS=32 RPW=1
-// @template T=float16 Hk=2 Hv=6 Dk=64 Dv=64 KS=3 NW=8 HAS_MASK=true HAS_LEN=true PACKED=false PROJ=false S=float16 K=32 BITS=4 GS=32 RPW=1
-// @template T=bfloat16 Hk=16 Hv=32 Dk=128 Dv=128 KS=4 NW=16 HAS_MASK=false HAS_LEN=false PACKED=true PROJ=true S=bfloat16 K=2048 BITS=4 GS=64 RPW=4
-// @template T=float16 Hk=2 Hv=6 Dk=64 Dv=64 KS=3 NW=8 HAS_MASK=true HAS_LEN=true PACKED=true PROJ=true S=float16 K=128 BITS=8 GS=32 RPW=2
-// @grid (32*NW, B*Hv, 1)
+// @inputs qkv[B,1,C] z[B,1,Hv,Dv] b[B,1,Hv] a[B,1,Hv] conv_w[C,KS,1] conv_state[B,KS-1,C] A_log[Hv] dt_bias[Hv] state[B,Hv,Dv,Dk]:float32 norm_w[Dv] eps[1]:float32 mask[B,1]:bool lengths[B]:int32 hin[B,1,K] res[B,1,K] in_nw[K] in_eps[1]:float32 w[P,K*BITS/32]:uint32 scales[P,K/GS]:S biases[P,K/GS]:S counters[N]:int32 (all but w/scales/biases/counters read through *_strides; mask/lengths read only when HAS_MASK/HAS_LEN; hin..counters only when PROJ, counters only when SPLIT > 1)
+// @outputs out[B,1,Hv*Dv]:T conv_out[B,KS-1,C]:T state_out[B,Hv,Dv,Dk]:float32 h_out[B,1,K]:T proj[B,Hv,2*Dk+2*Dv+2]:float32
+// @template T=bfloat16 Hk=16 Hv=32 Dk=128 Dv=128 KS=4 NW=16 HAS_MASK=false HAS_LEN=false PACKED=true PROJ=false S=bfloat16 K=32 BITS=4 GS=32 RPW=1 SPLIT=1
+// @template T=float16 Hk=2 Hv=6 Dk=64 Dv=64 KS=3 NW=8 HAS_MASK=true HAS_LEN=true PACKED=false PROJ=false S=float16 K=32 BITS=4 GS=32 RPW=1 SPLIT=1
+// @template T=bfloat16 Hk=16 Hv=32 Dk=128 Dv=128 KS=4 NW=16 HAS_MASK=false HAS_LEN=false PACKED=true PROJ=true S=bfloat16 K=2048 BITS=4 GS=64 RPW=4 SPLIT=1
+// @template T=float16 Hk=2 Hv=6 Dk=64 Dv=64 KS=3 NW=8 HAS_MASK=true HAS_LEN=true PACKED=true PROJ=true S=float16 K=128 BITS=8 GS=32 RPW=2 SPLIT=1
+// @grid (32*NW*SPLIT, B*Hv, 1)
 // @threadgroup (32*NW, 1, 1)
 // @ensure_row_contiguous false
 // PACKED: qkv is the whole fused input projection row [B,1,C+Hv*Dv+2*Hv] = q|k|v|z|b|a
@@ -15,7 +15,10 @@
 // its own) from x = T(in_nw * T(hh * rsqrt(mean(hh^2) + in_eps))), hh = T(hin + res), as
 // lily_norm_qgemv does (w: the fused q|k|v|z|b|a weight, rows in that order), each value
 // rounded to T as that kernel's output is; threadgroup (bi, 0) writes hh to h_out.
-// qkv/z/b/a are then not read. The state is loaded after the GEMV.
+// qkv/z/b/a are then not read; the projection rows are also written to proj. The state
+// is loaded after the GEMV. SPLIT (threadgroups per (batch, v-head) sharing the rows;
+// counters: their arrival counts) must be 1 here: the CUDA twin's SPLIT > 1 needs a
+// device-scope fence between threadgroups.
 // One threadgroup per (batch, v-head): conv step + SiLU + l2norm of the head's q/k/v
 // channels into threadgroup memory, gates, then NW simdgroups own Dv/NW state rows each
 // (lane owns columns lane + 32*j), delta-rule update in registers, gated RMSNorm.
@@ -27,6 +30,7 @@
 
 // @header gdn_common.h
 // @header qgemv_common.h
+// @header qgemv_norm.h
 
 // Row of the fused q|k|v|z|b|a weight holding projection row p of v-head h (q/k head hk):
 // p in [0, Dk) q, [Dk, 2Dk) k, then Dv of v, Dv of z, then b, a.
@@ -124,6 +128,7 @@ inline void lily_gdn_pending_norm(const device T* hin, const device T* res,
     static_assert(KW * VPL == K && SG * LPR == 32 && (KW / LPR) * LPR == KW,
                   "gdn_decode: bad K");
     static_assert(GS % VPL == 0 && K % GS == 0, "gdn_decode: bad GS");
+    static_assert(SPLIT == 1, "gdn_decode (Metal): one threadgroup per (batch, v-head)");
     const int sl = int(lane) % LPR;
     const int slot = (int(warp) * SG + int(lane) / LPR) * RPW;
     lily_gdn_pending_norm<T, K, NW>(hin, res, in_nw, in_eps[0], hin_strides, res_strides,
@@ -140,7 +145,9 @@ inline void lily_gdn_pending_norm(const device T* hin, const device T* res,
       lily_qgemv_gather<S, K, BITS, GS, RPW, LPR>(xs, w, scales, biases, rows, sl, acc);
       for (int r = 0; r < RPW; ++r) {
         if (sl == 0 && p0 + slot + r < NP) {
-          ps[p0 + slot + r] = lily_rnd<T>(acc[r]);
+          const float v = lily_rnd<T>(acc[r]);
+          ps[p0 + slot + r] = v;
+          proj[int64_t(n) * NP + p0 + slot + r] = v;
         }
       }
     }

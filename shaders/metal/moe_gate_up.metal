@@ -15,6 +15,8 @@
 // kernel. With PRE_NORM the row is rms_norm(hin + res) * nw, computed by every block
 // (rounded as add_rms_norm; x, and with TOPK inds, unread).
 // @header qgemv_common.h
+// @header qgemv_norm.h
+// @header qgemv_route.h
 
 // gate and up of rows row0 .. row0+RPW-1 of one expert for the row xr (device or
 // threadgroup memory): fp32 accumulators, one per row.

@@ -13,6 +13,8 @@
 // probabilities rounded to T, top-K by value with ties to the lowest expert id (picks in
 // decreasing order), renormalisation (sum rounded to T), sigmoid of the shared-gate logit.
 // @header qgemv_common.h
+// @header qgemv_norm.h
+// @header qgemv_route.h
 // ---- body ----
   constexpr int VPL = 128 / BITS;
   constexpr int KW = D / VPL;

@@ -10,6 +10,7 @@
 // rsqrt(mean(h^2) + eps))) kept in threadgroup memory (as lily_add_rms_norm rounds), then
 // y = x @ dequant(w)^T exactly as lily_qgemv.
 // @header qgemv_common.h
+// @header qgemv_norm.h
 // ---- body ----
   constexpr int VPL = 128 / BITS;
   constexpr int KW = K / VPL;

@@ -1,0 +1,60 @@
+// ---- lily qgemv helpers, routing part (after qgemv_common): moe_router_topk and
+// moe_gate_up pull it in with a `// @header` line ----
+// Routing of one row by one warp (all 32 lanes call it): fp32 softmax over the E
+// logits lg[0..E) (already rounded to T), probabilities rounded to T, K rounds of a
+// lane-parallel argmax with ties to the lowest expert id (picks in decreasing order),
+// and with NORM the picks divided by their sum rounded to T. Lane j < K gets pick j in
+// (idx, score); other lanes get (0, 0).
+template <typename T, int E, int K, bool NORM, typename LP>
+__device__ __forceinline__ void lily_route_topk(LP lg, int lane, unsigned& idx,
+                                                float& score) {
+  constexpr int EPL = (E + 31) / 32;
+  float p[EPL];
+  float m = __int_as_float(0xff800000);
+#pragma unroll
+  for (int i = 0; i < EPL; ++i) {
+    const int e = lane + 32 * i;
+    p[i] = e < E ? lily_f(lg[e]) : __int_as_float(0xff800000);
+    m = fmaxf(m, p[i]);
+  }
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+  float den = 0.f;
+#pragma unroll
+  for (int i = 0; i < EPL; ++i) {
+    const int e = lane + 32 * i;
+    p[i] = e < E ? expf(p[i] - m) : 0.f;
+    den += p[i];
+  }
+  den = lily_group_sum<32>(den);
+  const float inv = 1.f / den;
+#pragma unroll
+  for (int i = 0; i < EPL; ++i) {
+    const int e = lane + 32 * i;
+    p[i] = e < E ? lily_round<T>(p[i] * inv) : -1.f;
+  }
+  unsigned my_i = 0u;
+  float my_v = 0.f;
+  for (int j = 0; j < K; ++j) {
+    float bv = -2.f;
+    int bi = 0x7fffffff;
+#pragma unroll
+    for (int i = 0; i < EPL; ++i) {
+      if (p[i] > bv) { bv = p[i]; bi = lane + 32 * i; }
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+      const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
+      const int oi = __shfl_xor_sync(0xffffffffu, bi, o);
+      if (ov > bv || (ov == bv && oi < bi)) { bv = ov; bi = oi; }
+    }
+#pragma unroll
+    for (int i = 0; i < EPL; ++i) {
+      if (lane + 32 * i == bi) p[i] = -3.f;
+    }
+    if (lane == j) { my_i = (unsigned)bi; my_v = bv; }
+  }
+  const float tot = lily_group_sum<32>(lane < K ? my_v : 0.f);
+  idx = my_i;
+  score = lane < K ? (NORM ? my_v / lily_round<T>(tot) : my_v) : 0.f;
+}
