@@ -31,6 +31,7 @@ OP_NAMES = (
     "qgemv_out",
     "prefill_dequant",
     "gdn_proj",
+    "gdn_out_proj",
 )
 
 DISABLE_ENV = "MLX_LILY_DISABLE"

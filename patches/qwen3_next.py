@@ -251,19 +251,24 @@ def _gdn_dims(self, mask, cache):
                 mask=mask, lengths=lengths)
 
 
-def _gdn_finish(self, out, new_conv, new_state, cache, S):
+def _gdn_store(cache, new_conv, new_state, S):
     if cache is not None:
         cache[0] = new_conv
         cache[1] = new_state
         cache.advance(S)
+
+
+def _gdn_finish(self, out, new_conv, new_state, cache, S):
+    _gdn_store(cache, new_conv, new_state, S)
     return one_row_linear(self.out_proj, out)
 
 
 def gdn_core_proj(self, proj, pending, mask, cache):
     """A one-token GDN step whose input projection runs inside the decode kernel
-    (``gated_delta_proj``, one launch for add + RMSNorm + q|k|v|z|b|a GEMV + recurrence)
-    when ``gdn_proj`` is on and the kernel takes this call; sets ``pending.h`` and
-    returns the layer's ``out_proj`` output. None otherwise (the caller projects)."""
+    (``gated_delta_proj``, one launch for add + RMSNorm + q|k|v|z|b|a GEMV + recurrence,
+    and ``out_proj`` too where ``gdn_out_proj`` serves) when ``gdn_proj`` is on and the
+    kernel takes this call; sets ``pending.h`` and returns the layer's ``out_proj``
+    output. None otherwise (the caller projects)."""
     from mlx_lily.backend import current_backend
     from mlx_lily.kernels import plan_cache
 
@@ -274,9 +279,16 @@ def gdn_core_proj(self, proj, pending, mask, cache):
     conv_state = cache[0] if cache is not None else None
     state = cache[1] if cache is not None else None
     dims = _gdn_dims(self, mask, cache)
+    B = pending.h0.shape[0]
+    op = self.out_proj
+    out_proj = None
+    if (gdn_ops.out_enabled(backend) and type(op) is nn.QuantizedLinear and "bias" not in op
+            and op.bits == proj.bits and op.group_size == proj.group_size
+            and (op.mode or "affine") == "affine"):
+        out_proj = gdn_ops.OutProj(op.weight, op.scales, op.biases)
     counters = None
-    if gdn_ops.proj_split(backend) > 1:  # this layer's own arrival counters
-        n = pending.h0.shape[0] * self.num_v_heads
+    if gdn_ops.proj_split(backend) > 1 or out_proj is not None:  # this layer's own
+        n = B * self.num_v_heads + B
         plans = plan_cache(proj, "_lily_gdn_proj_counters")
         counters = plans.get(n)
         if counters is None:
@@ -286,6 +298,11 @@ def gdn_core_proj(self, proj, pending, mask, cache):
     args = (self.conv1d.weight, conv_state, self.A_log, self.dt_bias, state, self.norm.weight)
     if gdn_ops.proj_unsupported(p, *args, **dims) is not None:
         return None
+    if out_proj is not None and gdn_ops.out_proj_unsupported(p, out_proj, **dims) is None:
+        _, new_conv, new_state, pending.h, r = gdn_ops.gated_delta_proj(
+            p, *args, out_proj=out_proj, **dims)
+        _gdn_store(cache, new_conv, new_state, 1)
+        return r
     out, new_conv, new_state, pending.h = gdn_ops.gated_delta_proj(p, *args, **dims)
     return _gdn_finish(self, out, new_conv, new_state, cache, 1)
 

@@ -599,34 +599,55 @@ def _head_rows(Hk, Hv, Dk, Dv):
     return np.array(out)
 
 
-def run_proj(backend, p, inp, dims, mask=None, lengths=None, split=1):
-    """The PROJ launch (``split`` blocks per head) and the two launches it replaces
-    (``lily_norm_qgemv``, then the packed decode kernel), both on ``backend``; checks the
-    rows PROJ wrote against ``lily_norm_qgemv``'s output and, with ``split > 1``, that the
-    arrival counters hold zeros again."""
+def make_out_proj(p, dims, seed=0):
+    """A random ``OutProj`` (``[K, Hv*Dv]``, quantized as ``p``'s weight)."""
+    rng = np.random.default_rng(200 + seed)
+    K_, Hv, Dv = p.h0.shape[-1], dims["num_v_heads"], dims["head_v_dim"]
+    wf = mx.array((rng.standard_normal((K_, Hv * Dv)) * (Hv * Dv) ** -0.5).astype(np.float32))
+    return G.OutProj(*mx.quantize(wf.astype(p.h0.dtype), group_size=p.group_size, bits=p.bits))
+
+
+def run_proj(backend, p, inp, dims, mask=None, lengths=None, split=1, out_proj=None):
+    """The PROJ launch (``split`` blocks per head; with ``out_proj`` also OUTP) and the
+    launches it replaces (``lily_norm_qgemv``, the packed decode kernel, ``lily_qgemv``),
+    all on ``backend``; checks the rows PROJ wrote against ``lily_norm_qgemv``'s output,
+    the arrival counters (zeros again), and OUTP's ``r`` against ``lily_qgemv`` of the
+    same kernel's ``out``. Returns PROJ's and the two-launch ``(out, conv, state, h)``."""
     from mlx_lily.ops import norm_qgemv as NQ
+    from mlx_lily.ops import qgemv as Q
 
     stream = mx.gpu if backend in ("metal", "cuda") else mx.cpu
     init = float("nan") if backend in ("metal", "cuda") else None
     kw = dict(**dims, init_value=init, mask=mask, lengths=lengths,
               get_kernel=lambda spec: _kernel(spec, backend))
     B, Hv = p.h0.shape[0], dims["num_v_heads"]
-    if split > 1:
-        p = p._replace(counters=G.proj_counters(B * Hv + 3))
+    if split > 1 or out_proj is not None:
+        p = p._replace(counters=G.proj_counters(B * Hv + B + 3))
     with mx.stream(stream):
-        *got, rows = G.gated_delta_fused(None, None, None, None, **_rest(inp), proj=p,
-                                         proj_split=split, return_proj=True, **kw)
+        res = G.gated_delta_fused(None, None, None, None, **_rest(inp), proj=p,
+                                  proj_split=split, return_proj=True, out_proj=out_proj, **kw)
+        got, rows = res[:4], res[-1]
         y, h = NQ.launch(_kernel(NQ.SPEC, backend), p.h0, p.res, p.norm_w, p.eps, p.w,
                          p.scales, p.biases, p.group_size, p.bits, init_value=init)
         two = G.gated_delta_fused(y, None, None, None, **_rest(inp), packed=True, **kw)
         mx.eval(got, two, h, rows)
+        if out_proj is not None:
+            r = res[4]
+            r_two = Q.launch(_kernel(Q.SPEC, backend), got[0], out_proj.w, out_proj.scales,
+                             out_proj.biases, p.group_size, p.bits, init_value=init)
+            mx.eval(r, r_two)
+            a, b_ = f32(r), f32(r_two)
+            assert not np.isnan(a).any()
+            # other fp32 summation orders (per head slice, then heads): one bf16 ulp at most
+            assert np.abs(a - b_).max() <= 2 ** -7 * np.abs(b_).max() + 1e-6, np.abs(a - b_).max()
+            assert (a == b_).mean() >= 0.9, (a == b_).mean()
     want_rows = f32(y)[:, 0][:, _head_rows(dims["num_k_heads"], Hv, dims["head_k_dim"],
                                            dims["head_v_dim"])]
     r = f32(rows)
     assert not np.isnan(r).any()
     assert np.abs(r - want_rows).max() <= 2 ** -6 * np.abs(want_rows).max()
     assert (r == want_rows).mean() >= 0.98
-    if split > 1:
+    if p.counters is not None:
         assert not np.array(p.counters).any(), "arrival counters not reset"
     return tuple(got), (*two, h)
 
@@ -667,6 +688,8 @@ PROJ_CASES = [
     dict(B=1, K=256),                                   # 8 lanes per weight row
     dict(B=2, K=256, Hk=1, Hv=3, split=4, seed=5),       # 4 blocks per head (CUDA only)
     dict(B=1, K=2048, split=3, seed=6),                  # 3 blocks, uneven passes
+    dict(B=2, K=256, Hk=1, Hv=2, split=2, out=True, seed=7),   # + out_proj (CUDA only)
+    dict(B=1, K=512, Hk=2, Hv=4, D=64, out=True, seed=8),      # + out_proj, 2 words/row
     dict(B=1, K=2048, Hk=1, Hv=2, seed=1),              # the model's width: 32 lanes
     dict(B=2, K=512, Hk=1, Hv=3, seed=2, batched=True),  # mask + lengths, G = 3
     dict(B=1, K=128, bits=8, gs=32, dtype=mx.float16, KS=3, seed=3),
@@ -682,9 +705,9 @@ def test_decode_kernel_proj(backend, case):
     case = dict(case)
     K_, bits, gs = case.pop("K"), case.pop("bits", 4), case.pop("gs", 64)
     strided, batched = case.pop("strided", False), case.pop("batched", False)
-    split = case.pop("split", 1)
-    if split > 1 and backend not in ("cuda", "cuda-emu"):
-        pytest.skip("SPLIT > 1 is the CUDA twin's")
+    split, with_out = case.pop("split", 1), case.pop("out", False)
+    if (split > 1 or with_out) and backend not in ("cuda", "cuda-emu"):
+        pytest.skip("SPLIT > 1 and OUTP are the CUDA twin's")
     inp, dims = make_inputs(S=1, fused_views=False, **case)
     p = make_proj(inp, dims, K=K_, bits=bits, gs=gs, seed=case.get("seed", 0),
                   strided=strided)
@@ -692,7 +715,9 @@ def test_decode_kernel_proj(backend, case):
     mask = mx.array([True, False] * (B // 2) + [True] * (B % 2)) [:, None] if batched else None
     lengths = mx.array([1, 0] * (B // 2) + [1] * (B % 2), mx.int32) if batched else None
     assert G.proj_unsupported(p, **_rest(inp), **dims, mask=mask, lengths=lengths) is None
-    got, two = run_proj(backend, p, inp, dims, mask=mask, lengths=lengths, split=split)
+    out_proj = make_out_proj(p, dims, seed=case.get("seed", 0)) if with_out else None
+    got, two = run_proj(backend, p, inp, dims, mask=mask, lengths=lengths, split=split,
+                        out_proj=out_proj)
     _check_proj(got, two)
     if p.h0.dtype == BF and not batched:
         _check_proj_vs_reference(got, cpu_reference_proj(p, inp, dims))
@@ -749,6 +774,36 @@ def test_proj_dispatcher_on_cpu_and_reasons(monkeypatch):
     assert G.proj_enabled("cuda") == (G.PROJ_OP in K.VERIFIED["cuda"])
 
 
+def test_out_proj_reference_and_reasons():
+    """``gated_delta_proj`` with ``out_proj`` on the CPU is the reference (which is the
+    PROJ reference plus ``qgemv_reference`` of its output) exactly;
+    ``out_proj_unsupported`` names what OUTP does not take."""
+    from mlx_lily.ops.qgemv import qgemv_reference
+
+    inp, dims = make_inputs(2, 1, fused_views=False, seed=32)
+    p = make_proj(inp, dims, K=256, seed=32)
+    o = make_out_proj(p, dims, seed=32)
+    with mx.stream(mx.cpu):
+        got = G.gated_delta_proj(p, **_rest(inp), out_proj=o, **dims)
+        want = G.gated_delta_proj_reference(p, **_rest(inp), out_proj=o, **dims)
+        base = G.gated_delta_proj_reference(p, **_rest(inp), **dims)
+        r = qgemv_reference(base[0], o.w, o.scales, o.biases, p.group_size, p.bits)
+    assert len(got) == len(want) == 5
+    for x, y in zip(got, want):
+        assert x.shape == y.shape and mx.array_equal(x, y).item()
+    assert mx.array_equal(want[4], r).item()
+    Hv = dims["num_v_heads"]
+    pc = p._replace(counters=G.proj_counters(2 * Hv + 2))
+    assert G.out_proj_unsupported(pc, o, **dims) is None
+    assert G.out_proj_unsupported(p, o, **dims) == "counters"
+    assert G.out_proj_unsupported(pc._replace(counters=G.proj_counters(2 * Hv)), o,
+                                  **dims) == "counters"
+    assert G.out_proj_unsupported(pc, o._replace(w=o.w[:-1]), **dims) == "out_proj weight"
+    assert G.out_proj_unsupported(pc, o._replace(scales=o.scales.astype(mx.float16)),
+                                  **dims) == "out_proj scales"
+    assert not G.out_enabled("metal") and not G.out_enabled("cpu")
+
+
 def test_proj_split_setting(monkeypatch):
     monkeypatch.delenv(G.PROJ_SPLIT_ENV, raising=False)
     assert G.proj_split("cuda") == G.PROJ_SPLIT["cuda"]
@@ -797,6 +852,10 @@ def test_production_dims_proj_gpu(backend):
         got, two = run_proj(backend, p, inp, dims, split=split)
         _check_proj(got, two)
         _check_proj_vs_reference(got, ref)
+    if backend == "cuda":  # OUTP with the model's out_proj shape [2048, 4096]
+        got, two = run_proj(backend, p, inp, dims, split=G.PROJ_SPLIT["cuda"],
+                            out_proj=make_out_proj(p, dims, seed=40))
+        _check_proj(got, two)
 
 
 @pytest.mark.gpu
@@ -1015,22 +1074,25 @@ def _cuda_cases():
                             norm_w=(T, 1), eps=(f, 1), mask=(mx.bool_, 2),
                             lengths=(mx.int32, 1), hin=(T, 3), res=(T, 3), in_nw=(T, 1),
                             in_eps=(f, 1), w=(mx.uint32, 2), scales=(T, 2), biases=(T, 2),
-                            counters=(mx.int32, 1)),
-                       [T, T, f, T, f], dict(T=T, Hk=16, Hv=32, Dk=128, Dv=128, KS=4, NW=16,
+                            counters=(mx.int32, 1), ow=(mx.uint32, 2), oscales=(T, 2),
+                            obiases=(T, 2)),
+                       [T, T, f, T, f, T, f], dict(T=T, Hk=16, Hv=32, Dk=128, Dv=128, KS=4, NW=16,
                                              HAS_MASK=T == BF, HAS_LEN=T == BF, PACKED=T != BF,
                                              PROJ=False, S=T, K=32, BITS=4, GS=32, RPW=1,
-                                             SPLIT=1)),
+                                             SPLIT=1, OUTP=False, ORPW=1)),
             ("decode_proj", T): (
                 dict(qkv=(T, 1), z=(T, 1), b=(T, 1), a=(T, 1), conv_w=(T, 3),
                      conv_state=(T, 3), A_log=(f, 1), dt_bias=(T, 1), state=(f, 4),
                      norm_w=(T, 1), eps=(f, 1), mask=(mx.bool_, 2), lengths=(mx.int32, 1),
                      hin=(T, 3), res=(T, 3), in_nw=(T, 1), in_eps=(f, 1), w=(mx.uint32, 2),
-                     scales=(T, 2), biases=(T, 2), counters=(mx.int32, 1)),
-                [T, T, f, T, f], dict(T=T, Hk=16, Hv=32, Dk=128, Dv=128, KS=4, NW=16,
+                     scales=(T, 2), biases=(T, 2), counters=(mx.int32, 1), ow=(mx.uint32, 2),
+                     oscales=(T, 2), obiases=(T, 2)),
+                [T, T, f, T, f, T, f], dict(T=T, Hk=16, Hv=32, Dk=128, Dv=128, KS=4, NW=16,
                                       HAS_MASK=T != BF, HAS_LEN=T != BF, PACKED=True, PROJ=True,
                                       S=T, K=2048 if T == BF else 256, BITS=4 if T == BF else 8,
                                       GS=64 if T == BF else 32, RPW=G.PROJ_RPW,
-                                      SPLIT=G.PROJ_SPLIT["cuda"] if T == BF else 1)),
+                                      SPLIT=G.PROJ_SPLIT["cuda"] if T == BF else 1,
+                                      OUTP=T == BF, ORPW=G.OUT_RPW)),
             G.PREP: (dict(qkv=(T, 3), conv_w=(T, 3), conv_state=(T, 3), a=(T, 3), b=(T, 3),
                           A_log=(f, 1), dt_bias=(T, 1), mask=(mx.bool_, 2),
                           lengths=(mx.int32, 1)),

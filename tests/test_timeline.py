@@ -4,6 +4,7 @@ relations between them must hold."""
 import time
 
 import mlx.core as mx
+import numpy as np
 import pytest
 
 from mlx_lily.bench import gpu_clock, timeline
@@ -90,6 +91,9 @@ def test_prefill_run_chunks(host_clock):
     with pytest.raises(ValueError, match="empty"):
         timeline.prefill_run(t.model, [], 16)
     assert [c["tokens"] for c in _prefill_timeline(t.model, ids[:5], 16)["chunks"]] == [4, 1]
+    # the A/B hands over a list of numpy ints (session 11's H200 run failed on them)
+    np_ids = list(np.arange(5, 12, dtype=np.int32))
+    assert [c["tokens"] for c in _prefill_timeline(t.model, np_ids, 16)["chunks"]] == [6, 1]
 
 
 @pytest.mark.parametrize("script", ["gpu/long_context_bench.py", "gpu/precompile_bench.py",

@@ -146,7 +146,7 @@ def prefill_run(model, ids, prefill_step_size: int = 2048) -> dict:
     zero = mx.array([0, 0, 0, 0], dtype=mx.uint32)
     mx.eval(zero)
     cache = make_prompt_cache(model)
-    prompt = mx.array(list(ids), dtype=mx.int32)
+    prompt = mx.array([int(t) for t in ids], dtype=mx.int32)  # numpy ints too
     raw = []
     mx.synchronize()
     t_start = time.time_ns()

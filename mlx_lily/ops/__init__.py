@@ -26,6 +26,7 @@ _MODULES = {
     "qgemv_out": "mlx_lily.ops.qgemv:has_out_proj_kernel",
     "prefill_dequant": "mlx_lily.ops.qmm_dequant",
     "gdn_proj": "mlx_lily.ops.gated_delta:has_proj_kernel",
+    "gdn_out_proj": "mlx_lily.ops.gated_delta:has_out_kernel",
 }
 
 

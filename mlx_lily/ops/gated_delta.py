@@ -137,8 +137,9 @@ DECODE = _k.KernelSpec(
     "lily_gdn_decode", "gdn_decode",
     ("qkv", "z", "b", "a", "conv_w", "conv_state", "A_log", "dt_bias", "state", "norm_w",
      "eps", "mask", "lengths", "hin", "res", "in_nw", "in_eps", "w", "scales", "biases",
-     "counters"),
-    ("out", "conv_out", "state_out", "h_out", "proj"), ensure_row_contiguous=False)
+     "counters", "ow", "oscales", "obiases"),
+    ("out", "conv_out", "state_out", "h_out", "proj", "r_out", "r_parts"),
+    ensure_row_contiguous=False)
 PREP = _k.KernelSpec(
     "lily_gdn_prep", "gdn_prep",
     ("qkv", "conv_w", "conv_state", "a", "b", "A_log", "dt_bias", "mask", "lengths"),
@@ -226,6 +227,16 @@ class DecodeProj(NamedTuple):
     group_size: int
     bits: int
     counters: mx.array | None = None
+
+
+class OutProj(NamedTuple):
+    """``out_proj`` for ``lily_gdn_decode``'s OUTP: ``[K, Hv*Dv]`` affine-quantized weight
+    (uint32 ``[K, Hv*Dv*bits/32]``, scales/biases ``[K, Hv*Dv/group_size]``) with the
+    input projection's bits and group size, no bias."""
+
+    w: mx.array
+    scales: mx.array
+    biases: mx.array
 
 
 def proj_counters(n: int) -> mx.array:
@@ -326,7 +337,7 @@ def gated_delta_fused(qkv, z, b, a, conv_weight, conv_state, A_log, dt_bias, sta
                       norm_weight, *, num_k_heads, head_k_dim, num_v_heads, head_v_dim,
                       eps, get_kernel, scan_cfg=(8, 1, 4), decode_nw=None, mask=None,
                       lengths=None, init_value=None, packed=False, scan="kernel", proj=None,
-                      proj_split=1, return_proj=False):
+                      proj_split=1, return_proj=False, out_proj=None):
     """The fused kernels for a call ``kernel_unsupported`` accepted.
 
     S == 1: one ``lily_gdn_decode`` launch. S > 1: ``lily_gdn_prep`` (conv, SiLU, l2norm,
@@ -348,7 +359,9 @@ def gated_delta_fused(qkv, z, b, a, conv_weight, conv_state, A_log, dt_bias, sta
     row itself (``PROJ``) and a fourth result, the residual sum ``h0 + res``, is returned
     (see ``gated_delta_proj``); ``proj_split`` blocks per head share the projection rows
     (> 1 needs ``proj.counters``; CUDA only); ``return_proj`` adds a fifth result, the
-    rows each head read ``[B, Hv, 2*Dk+2*Dv+2]`` fp32 (tests).
+    rows each head read ``[B, Hv, 2*Dk+2*Dv+2]`` fp32 (tests). ``out_proj`` (an
+    ``OutProj``, with ``proj``; CUDA; ``proj.counters`` of B*Hv + B zeros): the kernel
+    also applies ``out_proj`` (``OUTP``) and its result ``r [B, 1, K]`` follows ``h``.
     """
     Hk, Dk, Hv, Dv = num_k_heads, head_k_dim, num_v_heads, head_v_dim
     if proj is not None:
@@ -377,15 +390,20 @@ def gated_delta_fused(qkv, z, b, a, conv_weight, conv_state, A_log, dt_bias, sta
     if S == 1:
         nw = decode_nw or decode_warps(Dv)
         split = 1
+        if out_proj is not None and proj is None:
+            raise ValueError("gated_delta_fused: out_proj needs proj")
         if proj is not None:
             kdim = proj.h0.shape[-1]
             split = int(proj_split)
-            if split > 1 and (proj.counters is None or proj.counters.size < B * Hv):
-                raise ValueError(f"gated_delta_fused: proj_split={split} needs counters "
-                                 f"of at least B*Hv = {B * Hv} zeros")
+            need = B * Hv + (B if out_proj is not None else 0)
+            if ((split > 1 or out_proj is not None)
+                    and (proj.counters is None or proj.counters.size < need)):
+                raise ValueError(f"gated_delta_fused: proj_split={split}"
+                                 f"{' with out_proj' if out_proj is not None else ''} needs "
+                                 f"counters of at least {need} zeros")
             pin = [proj.h0, proj.res, proj.norm_w, _k.f32_scalar(proj.eps), proj.w,
                    proj.scales, proj.biases,
-                   proj.counters if split > 1 else _dummy("n", mx.int32)]
+                   proj.counters if need > B * Hv or split > 1 else _dummy("n", mx.int32)]
             ptmpl = [("PROJ", True), ("S", proj.scales.dtype), ("K", kdim),
                      ("BITS", proj.bits), ("GS", proj.group_size), ("RPW", PROJ_RPW)]
             h_shape, p_shape = (B, 1, kdim), (B, Hv, 2 * Dk + 2 * Dv + 2)
@@ -396,17 +414,27 @@ def gated_delta_fused(qkv, z, b, a, conv_weight, conv_state, A_log, dt_bias, sta
             ptmpl = [("PROJ", False), ("S", T), ("K", 32), ("BITS", 4), ("GS", 32),
                      ("RPW", 1)]
             h_shape = p_shape = (1,)
-        out, new_conv, new_state, h, rows = get_kernel(DECODE)(
+        if out_proj is not None:
+            pin += [out_proj.w, out_proj.scales, out_proj.biases]
+            otmpl = [("OUTP", True), ("ORPW", OUT_RPW)]
+            r_shape, rp_shape = (B, 1, kdim), (B, Hv, kdim)
+        else:
+            pin += [_dummy("w", mx.uint32), _dummy("x", T), _dummy("x", T)]
+            otmpl = [("OUTP", False), ("ORPW", 1)]
+            r_shape = rp_shape = (1,)
+        out, new_conv, new_state, h, rows, r, _ = get_kernel(DECODE)(
             inputs=[qkv, z, b, a, conv_weight, conv_state, A_log, dt_bias, state,
                     norm_weight, eps_a, mask, lengths] + pin,
             template=[("T", T), ("Hk", Hk), ("Hv", Hv), ("Dk", Dk),
                       ("Dv", Dv), ("KS", K), ("NW", nw)] + flags
-            + [("PACKED", bool(packed))] + ptmpl + [("SPLIT", split)],
+            + [("PACKED", bool(packed))] + ptmpl + [("SPLIT", split)] + otmpl,
             grid=(32 * nw * split, B * Hv, 1), threadgroup=(32 * nw, 1, 1),
-            output_shapes=[(B, 1, Hv * Dv), (B, K - 1, C), (B, Hv, Dv, Dk), h_shape, p_shape],
-            output_dtypes=[T, T, mx.float32, T, mx.float32], **extra)
+            output_shapes=[(B, 1, Hv * Dv), (B, K - 1, C), (B, Hv, Dv, Dk), h_shape, p_shape,
+                           r_shape, rp_shape],
+            output_dtypes=[T, T, mx.float32, T, mx.float32, T, mx.float32], **extra)
         if proj is not None:
-            return (out, new_conv, new_state, h) + ((rows,) if return_proj else ())
+            res = (out, new_conv, new_state, h) + ((r,) if out_proj is not None else ())
+            return res + ((rows,) if return_proj else ())
         return out, new_conv, new_state
     D = Dk
     n_tiles = -(-S // PREP_TT)
@@ -697,6 +725,8 @@ def gated_delta_packed(y, conv_weight, conv_state, A_log, dt_bias, state, norm_w
 PROJ_OP = "gdn_proj"  # the decode kernel computes its own input projection (switch)
 #: Weight rows per lane group and pass of ``lily_gdn_decode``'s PROJ GEMV.
 PROJ_RPW = 4
+#: out_proj rows per lane group and pass under OUTP.
+OUT_RPW = 4
 #: Blocks per (batch, v-head) sharing the PROJ GEMV, per backend (CUDA: 32 heads on one
 #: block each kept 32 of the H200's 132 SMs busy, 49 us per layer under ncu, session 11;
 #: Metal's twin takes 1 only).
@@ -723,7 +753,7 @@ def proj_split(backend: str) -> int:
 
 
 def gated_delta_proj_reference(p: DecodeProj, conv_weight, conv_state, A_log, dt_bias, state,
-                               norm_weight, **dims):
+                               norm_weight, out_proj: OutProj | None = None, **dims):
     """A GDN decoder layer's decode step from its pending input to the gated-norm output.
 
     Contract: ``y, h = norm_qgemv_reference(p.h0, p.res, p.norm_w, p.eps, p.w, p.scales,
@@ -737,8 +767,11 @@ def gated_delta_proj_reference(p: DecodeProj, conv_weight, conv_state, A_log, dt
             ``[P, K/group_size]``, ``P = 2*Hk*Dk + 2*Hv*Dv + 2*Hv``.
         conv_weight .. norm_weight, dims: as ``gated_delta_reference`` (``mask``,
             ``lengths`` included).
+        out_proj: an ``OutProj``: also ``r = qgemv_reference(out, out_proj...)`` with the
+            projection's group size and bits.
     Returns:
-        ``(out [B,1,Hv*Dv], new_conv_state, new_state fp32, h [B,1,K])``.
+        ``(out [B,1,Hv*Dv], new_conv_state, new_state fp32, h [B,1,K])``, and ``r [B,1,K]``
+        last when ``out_proj`` is given.
     Raises:
         ValueError: the projection's width is not ``P`` (``split_packed``).
     Source: Yang et al. 2024 (gated delta rule); the input projection folded into the
@@ -750,7 +783,53 @@ def gated_delta_proj_reference(p: DecodeProj, conv_weight, conv_state, A_log, dt
                                 p.group_size, p.bits)
     out, conv, st = gated_delta_reference(*split_packed(y, **dims), conv_weight, conv_state,
                                           A_log, dt_bias, state, norm_weight, **dims)
-    return out, conv, st, h
+    if out_proj is None:
+        return out, conv, st, h
+    from .qgemv import qgemv_reference
+
+    r = qgemv_reference(out, out_proj.w, out_proj.scales, out_proj.biases, p.group_size,
+                        p.bits)
+    return out, conv, st, h, r
+
+
+OUT_OP = "gdn_out_proj"  # the decode kernel also applies out_proj (switch; CUDA)
+
+
+def out_proj_unsupported(p: DecodeProj, out_proj: OutProj, *, num_v_heads, head_v_dim,
+                         **_) -> str | None:
+    """Why ``lily_gdn_decode`` cannot apply ``out_proj`` inside (OUTP) on top of a PROJ
+    call, or None: the weight ``[K, Hv*Dv]`` quantized like the input projection (bits,
+    group size, scale dtype), each head's columns whole groups and a power-of-two number
+    of 16-byte words per row, ``p.counters`` with B*Hv + B zeros."""
+    Hv, Dv = num_v_heads, head_v_dim
+    B, _, K = p.h0.shape
+    vpl = 128 // p.bits
+    words = Dv // vpl
+    if out_proj.w.shape != (K, Hv * Dv * p.bits // 32) or out_proj.w.dtype != mx.uint32:
+        return "out_proj weight"
+    if (out_proj.scales.shape != (K, Hv * Dv // p.group_size)
+            or out_proj.biases.shape != out_proj.scales.shape
+            or out_proj.scales.dtype != p.scales.dtype or out_proj.biases.dtype != p.scales.dtype):
+        return "out_proj scales"
+    if Dv % p.group_size or words * vpl != Dv or words > 32 or words & (words - 1):
+        return "out_proj head slice"
+    if p.counters is None or p.counters.size < B * Hv + B:
+        return "counters"
+    return None
+
+
+def out_enabled(backend: str) -> bool:
+    """Whether OUTP may run on ``backend`` now: CUDA, ``proj_enabled`` and the
+    ``gdn_out_proj`` switch."""
+    from ..backend import op_enabled
+
+    return (backend == "cuda" and proj_enabled(backend) and op_enabled(OUT_OP)
+            and _k.kernels_allowed(OUT_OP, backend))
+
+
+def has_out_kernel(backend: str) -> bool:
+    """True when ``gated_delta_proj`` with ``out_proj`` runs one launch on ``backend``."""
+    return has_kernel(backend) and out_enabled(backend)
 
 
 #: Threadgroup bytes ``lily_gdn_decode`` may take under PROJ (Apple's limit: 32 KiB).
@@ -814,15 +893,30 @@ def has_proj_kernel(backend: str) -> bool:
 
 
 def gated_delta_proj(p: DecodeProj, conv_weight, conv_state, A_log, dt_bias, state,
-                     norm_weight, **dims):
+                     norm_weight, out_proj: OutProj | None = None, **dims):
     """Dispatcher: one ``lily_gdn_decode`` launch with the projection inside (``PROJ``)
-    when ``proj_enabled`` and ``proj_unsupported`` is None, else the two launches it
-    replaces (``norm_qgemv`` then ``gated_delta_packed``, each its own dispatcher). Same
-    arguments and results as ``gated_delta_proj_reference``."""
+    when ``proj_enabled`` and ``proj_unsupported`` is None, with ``out_proj`` inside too
+    (``OUTP``) when ``out_enabled`` and ``out_proj_unsupported`` is None; else the
+    launches they replace (``norm_qgemv``, ``gated_delta_packed``, ``qgemv``: each its own
+    dispatcher). Same arguments and results as ``gated_delta_proj_reference``."""
     backend = current_backend()
-    if (proj_enabled(backend) and proj_unsupported(
-            p, conv_weight, conv_state, A_log, dt_bias, state, norm_weight, **dims) is None
-            and _k.get(DECODE, backend) is not None):
+    served = (proj_enabled(backend) and proj_unsupported(
+        p, conv_weight, conv_state, A_log, dt_bias, state, norm_weight, **dims) is None
+        and _k.get(DECODE, backend) is not None)
+    if (out_proj is not None and served and out_enabled(backend)
+            and out_proj_unsupported(p, out_proj, **dims) is None):
+        return gated_delta_fused(
+            None, None, None, None, conv_weight, conv_state, A_log, dt_bias, state,
+            norm_weight, get_kernel=lambda spec: _k.get(spec, backend), proj=p,
+            proj_split=proj_split(backend), out_proj=out_proj, **dims)
+    if out_proj is not None:
+        from .qgemv import qgemv
+
+        res = gated_delta_proj(p, conv_weight, conv_state, A_log, dt_bias, state,
+                               norm_weight, **dims)
+        return (*res, qgemv(res[0], out_proj.w, out_proj.scales, out_proj.biases,
+                            p.group_size, p.bits))
+    if served:
         B, Hv = p.h0.shape[0], dims["num_v_heads"]
         split = proj_split(backend)
         if p.counters is None or p.counters.size < B * Hv:

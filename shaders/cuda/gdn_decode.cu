@@ -1,10 +1,10 @@
 // @kernel lily_gdn_decode
-// @inputs qkv[B,1,C] z[B,1,Hv,Dv] b[B,1,Hv] a[B,1,Hv] conv_w[C,KS,1] conv_state[B,KS-1,C] A_log[Hv] dt_bias[Hv] state[B,Hv,Dv,Dk]:float32 norm_w[Dv] eps[1]:float32 mask[B,1]:bool lengths[B]:int32 hin[B,1,K] res[B,1,K] in_nw[K] in_eps[1]:float32 w[P,K*BITS/32]:uint32 scales[P,K/GS]:S biases[P,K/GS]:S counters[N]:int32 (all but w/scales/biases/counters read through *_strides; mask/lengths read only when HAS_MASK/HAS_LEN; hin..counters only when PROJ, counters only when SPLIT > 1)
-// @outputs out[B,1,Hv*Dv]:T conv_out[B,KS-1,C]:T state_out[B,Hv,Dv,Dk]:float32 h_out[B,1,K]:T proj[B,Hv,2*Dk+2*Dv+2]:float32
-// @template T=bfloat16 Hk=16 Hv=32 Dk=128 Dv=128 KS=4 NW=16 HAS_MASK=false HAS_LEN=false PACKED=true PROJ=false S=bfloat16 K=32 BITS=4 GS=32 RPW=1 SPLIT=1
-// @template T=float16 Hk=2 Hv=6 Dk=64 Dv=64 KS=3 NW=8 HAS_MASK=true HAS_LEN=true PACKED=false PROJ=false S=float16 K=32 BITS=4 GS=32 RPW=1 SPLIT=1
-// @template T=bfloat16 Hk=16 Hv=32 Dk=128 Dv=128 KS=4 NW=16 HAS_MASK=false HAS_LEN=false PACKED=true PROJ=true S=bfloat16 K=2048 BITS=4 GS=64 RPW=4 SPLIT=4
-// @template T=float16 Hk=2 Hv=6 Dk=64 Dv=64 KS=3 NW=8 HAS_MASK=true HAS_LEN=true PACKED=true PROJ=true S=float16 K=128 BITS=8 GS=32 RPW=2 SPLIT=1
+// @inputs qkv[B,1,C] z[B,1,Hv,Dv] b[B,1,Hv] a[B,1,Hv] conv_w[C,KS,1] conv_state[B,KS-1,C] A_log[Hv] dt_bias[Hv] state[B,Hv,Dv,Dk]:float32 norm_w[Dv] eps[1]:float32 mask[B,1]:bool lengths[B]:int32 hin[B,1,K] res[B,1,K] in_nw[K] in_eps[1]:float32 w[P,K*BITS/32]:uint32 scales[P,K/GS]:S biases[P,K/GS]:S counters[N]:int32 ow[K,Hv*Dv*BITS/32]:uint32 oscales[K,Hv*Dv/GS]:S obiases[K,Hv*Dv/GS]:S (all but w..obiases read through *_strides; mask/lengths read only when HAS_MASK/HAS_LEN; hin..counters only when PROJ, counters only when SPLIT > 1 or OUTP, ow..obiases only when OUTP)
+// @outputs out[B,1,Hv*Dv]:T conv_out[B,KS-1,C]:T state_out[B,Hv,Dv,Dk]:float32 h_out[B,1,K]:T proj[B,Hv,2*Dk+2*Dv+2]:float32 r_out[B,1,K]:T r_parts[B,Hv,K]:float32
+// @template T=bfloat16 Hk=16 Hv=32 Dk=128 Dv=128 KS=4 NW=16 HAS_MASK=false HAS_LEN=false PACKED=true PROJ=false S=bfloat16 K=32 BITS=4 GS=32 RPW=1 SPLIT=1 OUTP=false ORPW=1
+// @template T=float16 Hk=2 Hv=6 Dk=64 Dv=64 KS=3 NW=8 HAS_MASK=true HAS_LEN=true PACKED=false PROJ=false S=float16 K=32 BITS=4 GS=32 RPW=1 SPLIT=1 OUTP=false ORPW=1
+// @template T=bfloat16 Hk=16 Hv=32 Dk=128 Dv=128 KS=4 NW=16 HAS_MASK=false HAS_LEN=false PACKED=true PROJ=true S=bfloat16 K=2048 BITS=4 GS=64 RPW=4 SPLIT=4 OUTP=true ORPW=4
+// @template T=float16 Hk=2 Hv=6 Dk=64 Dv=64 KS=3 NW=8 HAS_MASK=true HAS_LEN=true PACKED=true PROJ=true S=float16 K=128 BITS=8 GS=32 RPW=2 SPLIT=1 OUTP=false ORPW=1
 // @grid (32*NW*SPLIT, B*Hv, 1)
 // @threadgroup (32*NW, 1, 1)
 // @ensure_row_contiguous false
@@ -19,7 +19,13 @@
 // the rows (passes of NW*RPW rows, dealt round-robin); the last of them to finish (an
 // atomic count in counters[n], reset to 0 by that block: the buffer must hold zeros at
 // launch and holds zeros after) reads them back and runs the step; the others exit.
-// CUDA twin of shaders/metal/gdn_decode.metal (whose contract allows SPLIT = 1 only): one
+// OUTP (with PROJ): out_proj too (ow: [K, Hv*Dv] quantized as w, no bias): the block
+// that ran head h's step writes out_h . dequant(ow[:, h*Dv:(h+1)*Dv])^T (fp32, rows
+// of ORPW per lane group) to r_parts; the last of the batch row's Hv heads to arrive
+// (counter counters[B*Hv + bi], reset by it) sums the Hv partials in head order (fixed:
+// the result does not depend on arrival order) and writes r_out = T(sum). counters then
+// needs B*Hv + B zeros.
+// CUDA twin of shaders/metal/gdn_decode.metal (whose contract allows SPLIT = 1 and no OUTP): one
 // block per (batch, v-head) for the step, NW warps owning Dv/NW state rows each (lane owns
 // columns lane + 32*j).
 
@@ -94,6 +100,9 @@ __device__ __forceinline__ void lily_gdn_pending_norm(const T* hin, const T* res
   T* xs = reinterpret_cast<T*>(xs4);
   __shared__ float ps[PROJ ? NP : 1];
   __shared__ int last_part[1];
+  __shared__ uint4 os4[OUTP ? (Dv * sizeof(T) + 15) / 16 : 1];  // out_h for OUTP
+  T* os_ = reinterpret_cast<T*>(os4);
+  static_assert(!OUTP || PROJ, "gdn_decode: OUTP needs PROJ");
 
   if constexpr (PROJ) {
     constexpr int VPL = 128 / BITS;
@@ -324,6 +333,51 @@ __device__ __forceinline__ void lily_gdn_pending_norm(const T* hin, const T* res
             : static_cast<float>(
                   z[int64_t(bi) * z_strides[0] + int64_t(h) * z_strides[2] + r * z_strides[3]]);
       }
-      out[int64_t(n) * Dv + r] = static_cast<T>(zf * lily_sigmoid(zf) * nw);
+      const T ov = static_cast<T>(zf * lily_sigmoid(zf) * nw);
+      out[int64_t(n) * Dv + r] = ov;
+      if constexpr (OUTP) os_[r] = ov;
+    }
+  }
+
+  if constexpr (OUTP) {
+    // this head's share of out_proj, then the batch row's last head sums the shares
+    constexpr int VPL = 128 / BITS;
+    constexpr int WPR = Dv / VPL;
+    constexpr int LPRO = WPR < 32 ? WPR : 32;
+    constexpr int SGO = 32 / LPRO;
+    constexpr int RPPO = NW * SGO * ORPW;
+    __syncthreads();
+    const int slo = lane % LPRO;
+    const int o_slot = (warp * SGO + lane / LPRO) * ORPW;
+    float* part = r_parts + int64_t(n) * K;
+    for (int o0 = 0; o0 < K; o0 += RPPO) {
+      int rows[ORPW];
+#pragma unroll
+      for (int r = 0; r < ORPW; ++r) rows[r] = min(o0 + o_slot + r, K - 1);
+      float acc[ORPW];
+      lily_qgemv_slice<S, Dv, Hv * Dv, BITS, GS, ORPW, LPRO>(os_, ow, oscales, obiases, rows,
+                                                            h * Dv, slo, acc);
+#pragma unroll
+      for (int r = 0; r < ORPW; ++r) {
+        if (slo == 0 && o0 + o_slot + r < K) part[o0 + o_slot + r] = acc[r];
+      }
+    }
+    __threadfence();
+    __syncthreads();
+    if (tid == 0) {
+      int* ctr = const_cast<int*>(counters) + hin_shape[0] * Hv + bi;
+      const int done = atomicAdd(ctr, 1);
+      last_part[0] = done == Hv - 1;
+      if (done == Hv - 1) *ctr = 0;
+    }
+    __syncthreads();
+    if (!last_part[0]) return;
+    __threadfence();
+    const float* parts = r_parts + int64_t(bi) * Hv * K;
+    for (int o = tid; o < K; o += NT) {
+      float acc = 0.f;
+#pragma unroll 8
+      for (int hh = 0; hh < Hv; ++hh) acc += __ldcg(parts + int64_t(hh) * K + o);
+      r_out[int64_t(bi) * K + o] = static_cast<T>(acc);
     }
   }

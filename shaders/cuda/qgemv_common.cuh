@@ -141,21 +141,54 @@ __device__ __forceinline__ void lily_qgemv_rows(const T* xr, const uint32_t* w,
     if (sl == 0 && row0 + r < O) yr[row0 + r] = static_cast<T>(v);
   }
 }
-// acc[r] = x . dequant(weight row rows[r]) for RPW rows anywhere in w (LPR lanes per
-// row, lane sl of the group; every lane of the group gets the sum): lily_qgemv_rows for
-// gathered rows.
+// acc[r] = x . dequant(columns col0 .. col0+N of weight row rows[r]) for RPW rows of a
+// quantized matrix KF values wide (x: N values; LPR lanes per row, lane sl of the group;
+// every lane of the group gets the sum); all loads issued before any math, as in
+// LilyRowTile. col0 a multiple of 128/BITS.
+template <typename S, int N, int KF, int BITS, int GS, int RPW, int LPR, typename T>
+__device__ __forceinline__ void lily_qgemv_slice(const T* xr, const uint32_t* w,
+                                                 const S* scales, const S* biases,
+                                                 const int* rows, int col0, int sl,
+                                                 float* acc) {
+  constexpr int VPL = 128 / BITS;
+  constexpr int STEPS = N / VPL / LPR;
+  constexpr int KWF = KF / VPL;
+  constexpr int NGF = KF / GS;
+  static_assert(STEPS * LPR * VPL == N, "lily_qgemv_slice: bad N / LPR");
+  const uint4* w4 = reinterpret_cast<const uint4*>(w);
+  uint4 q[STEPS][RPW];
+  S sc[STEPS][RPW];
+  S bs[STEPS][RPW];
+#pragma unroll
+  for (int r = 0; r < RPW; ++r) {
+    const size_t row = (size_t)rows[r];
+#pragma unroll
+    for (int st = 0; st < STEPS; ++st) {
+      const int c = col0 / VPL + st * LPR + sl;
+      q[st][r] = w4[row * KWF + c];
+      sc[st][r] = scales[row * NGF + (c * VPL) / GS];
+      bs[st][r] = biases[row * NGF + (c * VPL) / GS];
+    }
+    acc[r] = 0.f;
+  }
+#pragma unroll
+  for (int st = 0; st < STEPS; ++st) {
+    float xv[VPL];
+    const float xs = lily_load_x<VPL>(xr + (st * LPR + sl) * VPL, xv);
+#pragma unroll
+    for (int r = 0; r < RPW; ++r) {
+      acc[r] += lily_f(sc[st][r]) * lily_qdot<BITS>(q[st][r], xv) + lily_f(bs[st][r]) * xs;
+    }
+  }
+#pragma unroll
+  for (int r = 0; r < RPW; ++r) acc[r] = lily_group_sum<LPR>(acc[r]);
+}
+// acc[r] = x . dequant(weight row rows[r]) for RPW rows anywhere in w (K values each):
+// lily_qgemv_rows for gathered rows.
 template <typename S, int K, int BITS, int GS, int RPW, int LPR, typename T>
 __device__ __forceinline__ void lily_qgemv_gather(const T* xr, const uint32_t* w,
                                                   const S* scales, const S* biases,
                                                   const int* rows, int sl, float* acc) {
-  LilyRowTile<S, K, BITS, GS, RPW, LPR> tile;
-#pragma unroll
-  for (int r = 0; r < RPW; ++r) {
-    tile.load_row(reinterpret_cast<const uint4*>(w), scales, biases, r, (size_t)rows[r], sl);
-    acc[r] = 0.f;
-  }
-  tile.fma(xr, sl, 1.f, acc);
-#pragma unroll
-  for (int r = 0; r < RPW; ++r) acc[r] = lily_group_sum<LPR>(acc[r]);
+  lily_qgemv_slice<S, K, K, BITS, GS, RPW, LPR>(xr, w, scales, biases, rows, 0, sl, acc);
 }
 // ---- end lily qgemv helpers ----
