@@ -374,10 +374,29 @@ __device__ __forceinline__ void lily_gdn_pending_norm(const T* hin, const T* res
     if (!last_part[0]) return;
     __threadfence();
     const float* parts = r_parts + int64_t(bi) * Hv * K;
-    for (int o = tid; o < K; o += NT) {
-      float acc = 0.f;
+    T* ro = r_out + int64_t(bi) * K;
+    if constexpr (K % 4 == 0) {  // 16-byte loads, up to 16 heads' in flight per thread
+      for (int o = 4 * tid; o < K; o += 4 * NT) {
+        float a0 = 0.f, a1 = 0.f, a2 = 0.f, a3 = 0.f;
+#pragma unroll 16
+        for (int hh = 0; hh < Hv; ++hh) {
+          const float4 v = __ldcg(reinterpret_cast<const float4*>(parts + int64_t(hh) * K + o));
+          a0 += v.x;
+          a1 += v.y;
+          a2 += v.z;
+          a3 += v.w;
+        }
+        ro[o] = static_cast<T>(a0);
+        ro[o + 1] = static_cast<T>(a1);
+        ro[o + 2] = static_cast<T>(a2);
+        ro[o + 3] = static_cast<T>(a3);
+      }
+    } else {
+      for (int o = tid; o < K; o += NT) {
+        float acc = 0.f;
 #pragma unroll 8
-      for (int hh = 0; hh < Hv; ++hh) acc += __ldcg(parts + int64_t(hh) * K + o);
-      r_out[int64_t(bi) * K + o] = static_cast<T>(acc);
+        for (int hh = 0; hh < Hv; ++hh) acc += __ldcg(parts + int64_t(hh) * K + o);
+        ro[o] = static_cast<T>(acc);
+      }
     }
   }
