@@ -253,11 +253,17 @@ _STEM_OPS = (
 # 3 and 9, benchmarks/results/2026-11-30-cuda-h200-session7/). qgemv_out and
 # prefill_dequant: GPU tests (qgemv, qmm_dequant: sessions 8-10) and the ten-length A/B
 # gate with both on (session 10 lease 2, benchmarks/results/2026-11-30-cuda-h200-session10/).
+# gdn_proj and gdn_out_proj: GPU tests (gated_delta 51 / 53 / 55 / 55 passed at trees
+# 4c7ce95, bad0961, 46079bd, 070a68c; decode_step passed at the first three) and the A/B gate
+# with them on (gdn_proj at bad0961, both at 46079bd: session 11 leases 2 and 3,
+# benchmarks/results/2026-11-30-cuda-h200-session11/); 070a68c changed only the width of
+# OUTP's loads in its head sum (same summation order).
 VERIFIED: dict = {
     "cuda": frozenset({"add_rms_norm", "moe_router_topk", "moe_route", "moe_experts",
                        "moe_grouped", "attention", "qgemv", "gated_delta", "norm_qgemv",
                        "gdn_packed", "attn_packed", "moe_router_norm",
-                       "moe_topk_in_experts", "qgemv_out", "prefill_dequant"}),
+                       "moe_topk_in_experts", "qgemv_out", "prefill_dequant", "gdn_proj",
+                       "gdn_out_proj"}),
     "metal": frozenset(),
 }
 
