@@ -50,10 +50,13 @@ def targets():
 
 
 def prepare_gdn(g) -> None:
-    """Fuse the four input projections of one GatedDeltaNet (once)."""
+    """Fuse the four input projections of one GatedDeltaNet (once), and keep its
+    ``out_proj`` as a row-contiguous ``QProj`` for ``gdn_out_proj`` (the decode kernel
+    reads it without strides) when it is a bias-free affine ``nn.QuantizedLinear``."""
     if isinstance(g, qwen3_5.GatedDeltaNet) and getattr(g, "_lily", None) is None:
         g._lily = nxt.LilyState(g, prepare_gdn, in_proj=nxt.QProj.fuse(
-            [g.in_proj_qkv, g.in_proj_z, g.in_proj_b, g.in_proj_a]))
+            [g.in_proj_qkv, g.in_proj_z, g.in_proj_b, g.in_proj_a]),
+            out_proj=nxt.contiguous_qproj(g.out_proj))
 
 
 def prepare(model) -> None:

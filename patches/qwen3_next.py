@@ -14,7 +14,7 @@ import weakref
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models import qwen3_next
-from mlx_lm.models.cache import KVCache
+from mlx_lm.models.cache import ArraysCache, KVCache
 
 from mlx_lily.backend import op_enabled
 from mlx_lily.kernels import device_scalars
@@ -263,6 +263,46 @@ def _gdn_finish(self, out, new_conv, new_state, cache, S):
     return one_row_linear(self.out_proj, out)
 
 
+def contiguous_qproj(layer):
+    """A one-part ``QProj`` of a bias-free affine ``nn.QuantizedLinear`` whose arrays are
+    row-contiguous (``mx.contiguous``, evaluated now: the same memory when they already
+    are), for kernels that read weights without strides; None for any other layer."""
+    if (type(layer) is not nn.QuantizedLinear or "bias" in layer
+            or (getattr(layer, "mode", None) or "affine") != "affine"):
+        return None
+    w, s, b = (mx.contiguous(a) for a in (layer.weight, layer.scales, layer.biases))
+    mx.eval(w, s, b)
+    return QProj(w, s, b, layer.group_size, layer.bits, "affine", (int(w.shape[0]),))
+
+
+COUNTERS_ATTR = "_lily_gdn_counters"
+
+
+def gdn_counters(cache, n):
+    """The arrival counters of the SPLIT / OUTP launches (``gated_delta.proj_counters``:
+    int32 zeros, left zeros by every launch) for GDN cache ``cache``, at least ``n`` of
+    them; None without a cache. Kept on the cache object: the launches of one cache are
+    ordered by its recurrent state (each reads the state the previous one wrote), and
+    launches of different caches, which MLX may run concurrently, never share counters.
+    A traced step's ``_StepCache`` carries the real cache's counters as an input."""
+    if cache is None:
+        return None
+    if isinstance(cache, _StepCache):
+        ctr = cache.counters
+        return ctr if ctr is not None and ctr.size >= n else None
+    ctr = cache.__dict__.get(COUNTERS_ATTR)
+    if ctr is None or ctr.size < n:
+        ctr = gdn_ops.proj_counters(n)
+        setattr(cache, COUNTERS_ATTR, ctr)
+    return ctr
+
+
+def _counters_for(layer, c, h):
+    """``gdn_counters`` of a GDN layer's real cache ``c`` for a step of ``h [B, 1, D]``."""
+    B = h.shape[0]
+    return gdn_counters(c, B * layer.linear_attn.num_v_heads + B)
+
+
 def gdn_core_proj(self, proj, pending, mask, cache):
     """A one-token GDN step whose input projection runs inside the decode kernel
     (``gated_delta_proj``, one launch for add + RMSNorm + q|k|v|z|b|a GEMV + recurrence,
@@ -270,7 +310,6 @@ def gdn_core_proj(self, proj, pending, mask, cache):
     kernel takes this call; sets ``pending.h`` and returns the layer's ``out_proj``
     output. None otherwise (the caller projects)."""
     from mlx_lily.backend import current_backend
-    from mlx_lily.kernels import plan_cache
 
     backend = current_backend()
     if (not proj.quantized or (proj.mode or "affine") != "affine"
@@ -280,27 +319,25 @@ def gdn_core_proj(self, proj, pending, mask, cache):
     state = cache[1] if cache is not None else None
     dims = _gdn_dims(self, mask, cache)
     B = pending.h0.shape[0]
-    op = self.out_proj
-    out_proj = None
-    if (gdn_ops.out_enabled(backend) and type(op) is nn.QuantizedLinear and "bias" not in op
-            and op.bits == proj.bits and op.group_size == proj.group_size
-            and (op.mode or "affine") == "affine"):
-        out_proj = gdn_ops.OutProj(op.weight, op.scales, op.biases)
+    out_proj = getattr(getattr(self, "_lily", None), "out_proj", None)
+    if not gdn_ops.out_enabled(backend) or out_proj is None or (
+            out_proj.bits, out_proj.group_size) != (proj.bits, proj.group_size):
+        out_proj = None
     counters = None
-    if gdn_ops.proj_split(backend) > 1 or out_proj is not None:  # this layer's own
-        n = B * self.num_v_heads + B
-        plans = plan_cache(proj, "_lily_gdn_proj_counters")
-        counters = plans.get(n)
-        if counters is None:
-            counters = plans[n] = gdn_ops.proj_counters(n)
+    if gdn_ops.proj_split(backend) > 1 or out_proj is not None:
+        counters = gdn_counters(cache, B * self.num_v_heads + B)
+    if counters is None:  # no cache to order the launches: one block per head, no OUTP
+        out_proj = None
     p = gdn_ops.DecodeProj(pending.h0, pending.res, pending.weight, pending.eps, proj.weight,
                            proj.scales, proj.biases, proj.group_size, proj.bits, counters)
     args = (self.conv1d.weight, conv_state, self.A_log, self.dt_bias, state, self.norm.weight)
     if gdn_ops.proj_unsupported(p, *args, **dims) is not None:
         return None
-    if out_proj is not None and gdn_ops.out_proj_unsupported(p, out_proj, **dims) is None:
+    o = None if out_proj is None else gdn_ops.OutProj(out_proj.weight, out_proj.scales,
+                                                      out_proj.biases)
+    if o is not None and gdn_ops.out_proj_unsupported(p, o, **dims) is None:
         _, new_conv, new_state, pending.h, r = gdn_ops.gated_delta_proj(
-            p, *args, out_proj=out_proj, **dims)
+            p, *args, out_proj=o, **dims)
         _gdn_store(cache, new_conv, new_state, 1)
         return r
     out, new_conv, new_state, pending.h = gdn_ops.gated_delta_proj(p, *args, **dims)
@@ -366,8 +403,9 @@ class _StepCache:
     lengths = None
     left_padding = None
 
-    def __init__(self, conv, state):
+    def __init__(self, conv, state, counters=None):
         self.cache = [conv, state]
+        self.counters = counters
 
     def __getitem__(self, i):
         return self.cache[i]
@@ -471,14 +509,15 @@ def _mixer(layer, x, mask, c, h):
 
 
 def _gdn_step_fn(layer, pending):
-    """One decode step of a GDN decoder layer as a pure function: ``(h, d, conv, state) ->
-    (h', m, conv', state')``, where ``d`` is the layer's input ``x`` or, when ``pending``,
-    the previous MLP output (``x = rms_norm(h + d)`` is then folded into the input
-    projection); mixer, post-attention add+norm and MLP/MoE."""
+    """One decode step of a GDN decoder layer as a pure function: ``(h, d, conv, state,
+    counters) -> (h', m, conv', state')``, where ``d`` is the layer's input ``x`` or, when
+    ``pending``, the previous MLP output (``x = rms_norm(h + d)`` is then folded into the
+    input projection), ``counters`` the cache's ``gdn_counters``; mixer, post-attention
+    add+norm and MLP/MoE."""
     norm = layer.input_layernorm
 
-    def step(h, d, conv, state):
-        c = _StepCache(conv, state)
+    def step(h, d, conv, state, counters):
+        c = _StepCache(conv, state, counters)
         x = PendingNorm(h, d, norm.weight, norm.eps) if pending else d
         h, r = _mixer(layer, x, None, c, h)
         h, m = _layer_tail(layer, h, r)
@@ -594,8 +633,8 @@ def kv_write_index(offset, row_shape):
 def _whole_step_fn(text_model, layers):
     """A whole decode step of the decoder stack as one pure function: ``(h, *states,
     offset) -> (y, *states')`` with ``h`` the token's embedding ``[B, 1, D]``, ``states``
-    each layer's cache arrays in order (GDN: conv and recurrent state; attention: the KV
-    cache's key and value buffers), ``offset`` the attention layers' common position
+    each layer's cache arrays in order (GDN: conv and recurrent state, then its
+    ``gdn_counters``, an input only; attention: the KV cache's key and value buffers), ``offset`` the attention layers' common position
     (int32 ``[1]``) and ``y`` the final norm's output. The layers' bodies are
     ``_gdn_step_fn`` / ``_attn_step_fn`` (every layer's input norm but the first pending,
     folded into its input projection), so ``mx.compile`` replays the whole step with one
@@ -613,10 +652,11 @@ def _whole_step_fn(text_model, layers):
         idx = {}
         d = mx.fast.rms_norm(h, first.weight, first.eps)
         outs = []
-        for i, (layer, f) in enumerate(zip(layers, fns)):
-            a, b = arrays[2 * i], arrays[2 * i + 1]
+        it = iter(arrays[:-1])
+        for layer, f in zip(layers, fns):
+            a, b = next(it), next(it)
             if layer.is_linear:
-                h, d, a, b = f(h, d, a, b)
+                h, d, a, b = f(h, d, a, b, next(it))
             else:
                 row = (a.shape[0], a.shape[1], 1, a.shape[3])
                 if row not in idx:
@@ -718,7 +758,8 @@ def _run_whole_step(text_model, cs, layers, cache, h):
         fn = mx.compile(_whole_step_fn(text_model, layers))
     args = [h]
     for layer, c in zip(layers, cache):
-        args += [c[0], c[1]] if layer.is_linear else [c.keys, c.values]
+        args += ([c[0], c[1], _counters_for(layer, c, h)] if layer.is_linear
+                 else [c.keys, c.values])
     args.append(mx.array([offset or 0], dtype=mx.int32))
     try:
         out = fn(*args)
@@ -888,10 +929,8 @@ def _gdn_step_ok(layer, c) -> bool:
 
 
 def _gdn_cache_ok(c) -> bool:
-    from mlx_lm.models.cache import ArraysCache
-
     return (type(c) is ArraysCache and c.lengths is None and c.left_padding is None
-            and c[0] is not None and c[1] is not None)
+            and c.cache[0] is not None and c.cache[1] is not None)
 
 
 def _run_compiled(steps, key, layer, h, x, c, fa_mask):
@@ -915,7 +954,7 @@ def _run_compiled(steps, key, layer, h, x, c, fa_mask):
         args = (h, x.res if pending else x, c.keys, c.values,
                 mx.array([c.offset], dtype=mx.int32))
     elif layer.is_linear:
-        args = (h, x.res if pending else x, c[0], c[1])
+        args = (h, x.res if pending else x, c[0], c[1], _counters_for(layer, c, h))
     else:
         h, r = _mixer(layer, x, fa_mask, c, h)
         args = (h, r)

@@ -68,3 +68,41 @@ def test_whole_step_matches_per_layer_and_eager(small_model, monkeypatch):
     assert (got["whole"].argmax(-1) == got["per_layer"].argmax(-1)).mean() >= 0.9
     # a wrong answer is caught by the same comparison
     assert float(np.abs(got["whole"][::-1] - got["eager"]).max()) > 0.02 * scale
+
+
+@pytest.mark.gpu
+@on_gpu
+@pytest.mark.parametrize("compile_env", ["1", "0"])
+def test_independent_caches_in_one_eval(small_model, monkeypatch, compile_env):
+    """Two sequences with their own caches, their decode steps built first and evaluated
+    in ONE ``mx.eval`` (MLX may then run the two launches of a layer concurrently): each
+    step's logits equal those of the same step evaluated alone, and every cache's arrival
+    counters (``gdn_proj`` SPLIT / ``gdn_out_proj``) hold zeros afterwards. With counters
+    shared per layer, interleaved arrivals could let a block run on half-written rows."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from mlx_lily.patches import qwen3_next as nxt
+
+    monkeypatch.setenv("MLX_LILY_COMPILE", compile_env)
+    prompts = [PROMPT, PROMPT[::-1]]
+    with mlx_lily.patched(small_model):
+        caches = []
+        for p in prompts:
+            c = make_prompt_cache(small_model)
+            small_model(mx.array([p]), cache=c)
+            mx.eval([x.state for x in c])
+            caches.append(c)
+        import copy
+
+        alone = []
+        for c, t in zip(copy.deepcopy(caches), (11, 12)):
+            y = small_model(mx.array([[t]]), cache=c)
+            alone.append(np.array(y[0, -1].astype(mx.float32)))
+        ys = [small_model(mx.array([[t]]), cache=c) for c, t in zip(caches, (11, 12))]
+        mx.eval(ys)
+    for y, a in zip(ys, alone):
+        assert np.array_equal(np.array(y[0, -1].astype(mx.float32)), a)
+    ctrs = [getattr(x, nxt.COUNTERS_ATTR, None) for c in caches for x in c]
+    ctrs = [x for x in ctrs if x is not None]
+    assert ctrs and len({id(x) for x in ctrs}) == len(ctrs)
+    assert not any(np.array(x).any() for x in ctrs)

@@ -1137,3 +1137,57 @@ def test_metal_bodies_lint():
     for spec in G.SPECS:
         res = msl_lint.lint_file(K.shader_path("metal", spec.stem + ".metal"))
         assert not res.issues, res.issues
+
+
+def test_counters_belong_to_caches():
+    """The patch keeps the SPLIT / OUTP arrival counters on each GDN cache object (never
+    shared between caches, so launches MLX may run concurrently never share them); no
+    cache, no counters (one block per head, no OUTP); a traced step's stand-in cache
+    hands over the real cache's."""
+    from mlx_lm.models.cache import ArraysCache
+
+    from mlx_lily.patches import qwen3_next as nxt
+
+    a, b = ArraysCache(2), ArraysCache(2)
+    ca, cb = nxt.gdn_counters(a, 66), nxt.gdn_counters(b, 66)
+    assert ca is not cb and ca.size >= 66 and not np.array(ca).any()
+    assert nxt.gdn_counters(a, 66) is ca  # kept
+    assert nxt.gdn_counters(a, 200).size >= 200  # regrown for a larger batch
+    assert nxt.gdn_counters(None, 66) is None
+    assert nxt.gdn_counters(nxt._StepCache(None, None, ca), 66) is ca
+    assert nxt.gdn_counters(nxt._StepCache(None, None, ca), 10 ** 6) is None
+    assert nxt.gdn_counters(nxt._StepCache(None, None), 66) is None
+
+
+def test_contiguous_out_proj():
+    """``contiguous_qproj`` keeps a bias-free affine ``QuantizedLinear``'s arrays as
+    row-contiguous arrays with the same values; anything else gets None."""
+    import mlx.nn as nn
+
+    from mlx_lily.patches import qwen3_next as nxt
+
+    ql = nn.QuantizedLinear(128, 64, bias=False, group_size=64, bits=4)
+    q = nxt.contiguous_qproj(ql)
+    assert (q.bits, q.group_size, q.sizes) == (4, 64, (64,))
+    for x, y in ((q.weight, ql.weight), (q.scales, ql.scales), (q.biases, ql.biases)):
+        assert mx.array_equal(x, y).item()
+    assert nxt.contiguous_qproj(nn.QuantizedLinear(128, 64, bias=True)) is None
+    assert nxt.contiguous_qproj(nn.Linear(128, 64, bias=False)) is None
+
+
+def test_out_enabled_switches_and_one_step_only(monkeypatch):
+    """OUTP follows its own switch and ``qgemv_out``'s (the launch it replaces); a PROJ
+    launch refuses more than one step."""
+    monkeypatch.setenv("MLX_LILY_KERNELS", "all")
+    monkeypatch.delenv("MLX_LILY_DISABLE", raising=False)
+    assert G.out_enabled("cuda")
+    for op in (G.OUT_OP, "qgemv_out", G.PROJ_OP):
+        monkeypatch.setenv("MLX_LILY_DISABLE", op)
+        assert not G.out_enabled("cuda"), op
+    monkeypatch.delenv("MLX_LILY_DISABLE")
+    inp, dims = make_inputs(1, 1, fused_views=False, seed=33)
+    p = make_proj(inp, dims, K=256, seed=33)
+    two = p._replace(h0=mx.concatenate([p.h0, p.h0], 1), res=mx.concatenate([p.res, p.res], 1))
+    with pytest.raises(ValueError, match="S == 1"):
+        G.gated_delta_fused(None, None, None, None, **_rest(inp), **dims, proj=two,
+                            get_kernel=lambda spec: None)

@@ -213,9 +213,13 @@ class DecodeProj(NamedTuple):
     """The input projection that ``lily_gdn_decode`` computes itself under ``PROJ``:
     the row ``x = rms_norm(h0 + res) * norm_w`` (``eps``) and the fused q|k|v|z|b|a
     affine-quantized weight (``[P, K*bits/32]`` uint32, scales/biases ``[P, K/group_size]``,
-    P = 2*Hk*Dk + 2*Hv*Dv + 2*Hv rows in that order). ``counters``: an int32 array of
-    zeros with at least B*Hv elements (``proj_counters``) lets the CUDA kernel spread each
-    head's rows over ``PROJ_SPLIT`` blocks; the kernel leaves it all zeros."""
+    P = 2*Hk*Dk + 2*Hv*Dv + 2*Hv rows in that order; row-contiguous arrays: the kernel
+    reads them without strides). ``counters``: an int32 array of zeros
+    (``proj_counters``), at least B*Hv of them to spread each head's rows over
+    ``PROJ_SPLIT`` blocks on CUDA, B*Hv + B with ``OutProj``; every launch leaves them
+    zeros. Launches that share counters must be ordered (MLX runs independent graph nodes
+    concurrently on CUDA): give each recurrent state its own (the patch keeps them on the
+    cache object)."""
 
     h0: mx.array
     res: mx.array
@@ -232,7 +236,7 @@ class DecodeProj(NamedTuple):
 class OutProj(NamedTuple):
     """``out_proj`` for ``lily_gdn_decode``'s OUTP: ``[K, Hv*Dv]`` affine-quantized weight
     (uint32 ``[K, Hv*Dv*bits/32]``, scales/biases ``[K, Hv*Dv/group_size]``) with the
-    input projection's bits and group size, no bias."""
+    input projection's bits and group size, no bias; row-contiguous arrays."""
 
     w: mx.array
     scales: mx.array
@@ -367,6 +371,8 @@ def gated_delta_fused(qkv, z, b, a, conv_weight, conv_state, A_log, dt_bias, sta
     if proj is not None:
         B, S, _ = proj.h0.shape
         T = proj.h0.dtype
+        if S != 1:
+            raise ValueError(f"gated_delta_fused: proj serves one step (S == 1), got S={S}")
         packed = True
         qkv = z = b = a = _dummy("x", T)
     else:
@@ -819,12 +825,14 @@ def out_proj_unsupported(p: DecodeProj, out_proj: OutProj, *, num_v_heads, head_
 
 
 def out_enabled(backend: str) -> bool:
-    """Whether OUTP may run on ``backend`` now: CUDA, ``proj_enabled`` and the
-    ``gdn_out_proj`` switch."""
+    """Whether OUTP may run on ``backend`` now: CUDA, ``proj_enabled``, the
+    ``gdn_out_proj`` switch and that of the launch it replaces (``qgemv_out``)."""
     from ..backend import op_enabled
+    from . import qgemv as _qg
 
     return (backend == "cuda" and proj_enabled(backend) and op_enabled(OUT_OP)
-            and _k.kernels_allowed(OUT_OP, backend))
+            and _k.kernels_allowed(OUT_OP, backend) and op_enabled(_qg.OUT_PROJ_OP)
+            and _k.kernels_allowed(_qg.OUT_PROJ_OP, backend))
 
 
 def has_out_kernel(backend: str) -> bool:
@@ -910,12 +918,15 @@ def gated_delta_proj(p: DecodeProj, conv_weight, conv_state, A_log, dt_bias, sta
             norm_weight, get_kernel=lambda spec: _k.get(spec, backend), proj=p,
             proj_split=proj_split(backend), out_proj=out_proj, **dims)
     if out_proj is not None:
-        from .qgemv import qgemv
+        from ..backend import op_enabled
+        from . import qgemv as _qg
 
         res = gated_delta_proj(p, conv_weight, conv_state, A_log, dt_bias, state,
                                norm_weight, **dims)
-        return (*res, qgemv(res[0], out_proj.w, out_proj.scales, out_proj.biases,
-                            p.group_size, p.bits))
+        gemv = (_qg.qgemv if op_enabled(_qg.OUT_PROJ_OP)
+                and _k.kernels_allowed(_qg.OUT_PROJ_OP, backend) else _qg.qgemv_reference)
+        return (*res, gemv(res[0], out_proj.w, out_proj.scales, out_proj.biases,
+                           p.group_size, p.bits))
     if served:
         B, Hv = p.h0.shape[0], dims["num_v_heads"]
         split = proj_split(backend)

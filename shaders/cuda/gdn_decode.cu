@@ -18,7 +18,8 @@
 // writes hh to h_out. qkv/z/b/a are then not read. SPLIT blocks per (batch, v-head) share
 // the rows (passes of NW*RPW rows, dealt round-robin); the last of them to finish (an
 // atomic count in counters[n], reset to 0 by that block: the buffer must hold zeros at
-// launch and holds zeros after) reads them back and runs the step; the others exit.
+// launch and holds zeros after; launches sharing it must not run concurrently) reads them
+// back and runs the step; the others exit.
 // OUTP (with PROJ): out_proj too (ow: [K, Hv*Dv] quantized as w, no bias): the block
 // that ran head h's step writes out_h . dequant(ow[:, h*Dv:(h+1)*Dv])^T (fp32, rows
 // of ORPW per lane group) to r_parts; the last of the batch row's Hv heads to arrive
@@ -375,7 +376,8 @@ __device__ __forceinline__ void lily_gdn_pending_norm(const T* hin, const T* res
     __threadfence();
     const float* parts = r_parts + int64_t(bi) * Hv * K;
     T* ro = r_out + int64_t(bi) * K;
-    if constexpr (K % 4 == 0) {  // 16-byte loads, up to 16 heads' in flight per thread
+    static_assert(K % 4 == 0, "gdn_decode: OUTP sums 4 outputs per 16-byte load");
+    {  // 16-byte loads, up to 16 heads' in flight per thread
       for (int o = 4 * tid; o < K; o += 4 * NT) {
         float a0 = 0.f, a1 = 0.f, a2 = 0.f, a3 = 0.f;
 #pragma unroll 16
@@ -390,13 +392,6 @@ __device__ __forceinline__ void lily_gdn_pending_norm(const T* hin, const T* res
         ro[o + 1] = static_cast<T>(a1);
         ro[o + 2] = static_cast<T>(a2);
         ro[o + 3] = static_cast<T>(a3);
-      }
-    } else {
-      for (int o = tid; o < K; o += NT) {
-        float acc = 0.f;
-#pragma unroll 8
-        for (int hh = 0; hh < Hv; ++hh) acc += __ldcg(parts + int64_t(hh) * K + o);
-        ro[o] = static_cast<T>(acc);
       }
     }
   }
