@@ -26,6 +26,8 @@ import sys
 import time
 from pathlib import Path
 
+from mlx_lily.bench import write_json
+
 
 def measure(layers: int, steps: int, warmup: int, compile_mode: str,
             detail: bool = False):
@@ -115,8 +117,7 @@ def main(argv=None) -> int:
                   f"{r['mean_ms']:.3f} ms, steps > 5x median: {r['slow_steps']} "
                   f"({r['slow_ms_total']:.1f} ms)")
     if a.out:
-        a.out.mkdir(parents=True, exist_ok=True)
-        (a.out / "build_time.json").write_text(json.dumps(res, indent=1))
+        write_json(a.out, "build_time.json", res)
     return 0
 
 

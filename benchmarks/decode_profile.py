@@ -24,7 +24,6 @@ device's copy bandwidth. Writes DIR/decode_profile.json and prints a table.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -33,7 +32,7 @@ from pathlib import Path
 import mlx.core as mx
 
 from mlx_lily.backend import COMPILE_ENV
-from mlx_lily.bench import env_override, gpu_clock, parse_arm_envs
+from mlx_lily.bench import env_override, gpu_clock, parse_arm_envs, write_json
 from mlx_lily.bench.ab import (ARMS, arm_context, build_context, copy_cache, environment, ids_array,
                                load_target, log, measure_decode, synthetic_ids, vocab_bounds)
 from mlx_lily.bench.primitives import _state_arrays, count_graph
@@ -343,9 +342,7 @@ def main(argv=None) -> int:
     print(f"{res['bytes_per_step']['total'] / 1e9:.2f} GB per step; copy bandwidth "
           f"{res['copy_gbps']:.0f} GB/s")
     if a.out:
-        a.out.mkdir(parents=True, exist_ok=True)
-        (a.out / "decode_profile.json").write_text(json.dumps(res, indent=1, default=str))
-        log(f"wrote {a.out / 'decode_profile.json'}")
+        log(f"wrote {write_json(a.out, 'decode_profile.json', res)}")
     return 0
 
 

@@ -257,7 +257,9 @@ _STEM_OPS = (
 # 4c7ce95, bad0961, 46079bd, 070a68c; decode_step passed at the first three) and the A/B gate
 # with them on (gdn_proj at bad0961, both at 46079bd: session 11 leases 2 and 3,
 # benchmarks/results/2026-11-30-cuda-h200-session11/); 070a68c changed only the width of
-# OUTP's loads in its head sum (same summation order).
+# OUTP's loads in its head sum (same summation order); the cleanup after it (a shared
+# last-to-arrive helper, LilyRowTile taking a column slice) left every CUDA kernel's SASS
+# as nvcc 13 -arch=sm_90a built it before, but for the order of one address computation.
 VERIFIED: dict = {
     "cuda": frozenset({"add_rms_norm", "moe_router_topk", "moe_route", "moe_experts",
                        "moe_grouped", "attention", "qgemv", "gated_delta", "norm_qgemv",

@@ -300,7 +300,7 @@ def gdn_counters(cache, n):
 def _counters_for(layer, c, h):
     """``gdn_counters`` of a GDN layer's real cache ``c`` for a step of ``h [B, 1, D]``."""
     B = h.shape[0]
-    return gdn_counters(c, B * layer.linear_attn.num_v_heads + B)
+    return gdn_counters(c, gdn_ops.counters_needed(B, layer.linear_attn.num_v_heads))
 
 
 def gdn_core_proj(self, proj, pending, mask, cache):
@@ -325,7 +325,7 @@ def gdn_core_proj(self, proj, pending, mask, cache):
         out_proj = None
     counters = None
     if gdn_ops.proj_split(backend) > 1 or out_proj is not None:
-        counters = gdn_counters(cache, B * self.num_v_heads + B)
+        counters = gdn_counters(cache, gdn_ops.counters_needed(B, self.num_v_heads))
     if counters is None:  # no cache to order the launches: one block per head, no OUTP
         out_proj = None
     p = gdn_ops.DecodeProj(pending.h0, pending.res, pending.weight, pending.eps, proj.weight,
@@ -634,11 +634,11 @@ def _whole_step_fn(text_model, layers):
     """A whole decode step of the decoder stack as one pure function: ``(h, *states,
     offset) -> (y, *states')`` with ``h`` the token's embedding ``[B, 1, D]``, ``states``
     each layer's cache arrays in order (GDN: conv and recurrent state, then its
-    ``gdn_counters``, an input only; attention: the KV cache's key and value buffers), ``offset`` the attention layers' common position
-    (int32 ``[1]``) and ``y`` the final norm's output. The layers' bodies are
-    ``_gdn_step_fn`` / ``_attn_step_fn`` (every layer's input norm but the first pending,
-    folded into its input projection), so ``mx.compile`` replays the whole step with one
-    Python call until the KV caches grow."""
+    ``gdn_counters``, an input only; attention: the KV cache's key and value buffers),
+    ``offset`` the attention layers' common position (int32 ``[1]``) and ``y`` the final
+    norm's output. The layers' bodies are ``_gdn_step_fn`` / ``_attn_step_fn`` (every
+    layer's input norm but the first pending, folded into its input projection), so
+    ``mx.compile`` replays the whole step with one Python call until the KV caches grow."""
     first = layers[0].input_layernorm
     fns = [(_gdn_step_fn if l.is_linear else _attn_step_fn)(l, i > 0)
            for i, l in enumerate(layers)]

@@ -15,12 +15,11 @@ MLX's graph settings (``MLX_MAX_OPS_PER_BUFFER``, ``MLX_MAX_MB_PER_BUFFER``,
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from pathlib import Path
 
-from mlx_lily.bench import env_override, gpu_clock, parse_arm_envs
+from mlx_lily.bench import env_override, gpu_clock, parse_arm_envs, write_json
 from mlx_lily.bench.ab import (arm_context, build_context, copy_cache, environment, load_target,
                                log, synthetic_ids, vocab_bounds)
 from mlx_lily.bench.timeline import KEYS, run_loop
@@ -78,9 +77,7 @@ def main(argv=None) -> int:
         for r in rs:
             print(f"{arm:{w}s}" + "".join(f"{r['median_ms'][k]:15.3f}" for k in KEYS))
     if a.out:
-        a.out.mkdir(parents=True, exist_ok=True)
-        (a.out / "decode_timeline.json").write_text(json.dumps(res, indent=1, default=str))
-        log(f"wrote {a.out / 'decode_timeline.json'}")
+        log(f"wrote {write_json(a.out, 'decode_timeline.json', res)}")
     return 0
 
 

@@ -21,11 +21,12 @@ decode step now writes with), ``step_eager`` (static write + attention on the vi
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
 from pathlib import Path
+
+from mlx_lily.bench import write_json
 
 
 def main(argv=None) -> int:
@@ -160,8 +161,7 @@ def main(argv=None) -> int:
            "mlx": mx.__version__, "rows": rows}
     print(f"one KV buffer: {buffer_mib:.1f} MiB")
     if a.out:
-        a.out.mkdir(parents=True, exist_ok=True)
-        (a.out / "kv_write_probe.json").write_text(json.dumps(res, indent=2))
+        write_json(a.out, "kv_write_probe.json", res)
     return 0
 
 

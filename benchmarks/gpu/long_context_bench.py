@@ -14,7 +14,6 @@ Prints and writes ``DIR/long_context_bench.json``.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -31,7 +30,7 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     import os
 
-    from mlx_lily.bench import gpu_or_explain
+    from mlx_lily.bench import gpu_or_explain, write_json
 
     if not gpu_or_explain("long_context_bench"):
         return 0
@@ -96,8 +95,7 @@ def main(argv=None) -> int:
         row["decode_ratio"] = row["decode_lily_tok_s"] / row["decode_stock_tok_s"]
         res["rows"].append(row)
         if a.out:  # after every length: a sweep cut short keeps what finished
-            a.out.mkdir(parents=True, exist_ok=True)
-            (a.out / "long_context_bench.json").write_text(json.dumps(res, indent=1, default=str))
+            write_json(a.out, "long_context_bench.json", res)
         del cache
         mx.clear_cache()
     print(f"\n{'tokens':>8s}{'prefill tok/s':>15s}{'peak MiB':>10s}{'decode stock':>14s}"
@@ -110,8 +108,7 @@ def main(argv=None) -> int:
               f"{r['decode_stock_tok_s']:14.1f}{r['decode_lily_tok_s']:13.1f}"
               f"{r['decode_ratio']:7.2f}")
     if a.out:
-        a.out.mkdir(parents=True, exist_ok=True)
-        (a.out / "long_context_bench.json").write_text(json.dumps(res, indent=1, default=str))
+        write_json(a.out, "long_context_bench.json", res)
     return 0
 
 

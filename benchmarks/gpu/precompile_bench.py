@@ -11,7 +11,6 @@ layers, unfused projections: nothing is materialised). Prints and writes
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import tempfile
@@ -25,7 +24,7 @@ def main(argv=None) -> int:
     p.add_argument("--workers", type=int, default=os.cpu_count() or 1)
     p.add_argument("--out", type=Path, default=None)
     a = p.parse_args(argv)
-    from mlx_lily.bench import gpu_or_explain
+    from mlx_lily.bench import gpu_or_explain, write_json
 
     if not gpu_or_explain("precompile_bench", cuda_only=True):
         return 0
@@ -50,8 +49,7 @@ def main(argv=None) -> int:
         print(f"{name:12s} workers {r.get('workers')}: {r.get('compiled')}/{r.get('kernels')} "
               f"compiled in {r.get('seconds', 0):.2f} s {r.get('skipped', '')}", flush=True)
     if a.out:
-        a.out.mkdir(parents=True, exist_ok=True)
-        (a.out / "precompile_bench.json").write_text(json.dumps(res, indent=1, default=str))
+        write_json(a.out, "precompile_bench.json", res)
     return 0
 
 

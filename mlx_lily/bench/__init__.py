@@ -15,7 +15,19 @@ import contextlib
 import os
 
 __all__ = ["ab", "numerics", "primitives", "timeline", "gpu_or_explain", "env_override",
-           "parse_arm_envs"]
+           "parse_arm_envs", "write_json"]
+
+
+def write_json(out_dir, name: str, result):
+    """Write ``result`` as ``out_dir/name`` (JSON, values it cannot encode as strings),
+    creating the folder; returns the path. The benchmark scripts' ``--out``."""
+    import json
+    from pathlib import Path
+
+    path = Path(out_dir) / name
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=1, default=str))
+    return path
 
 
 @contextlib.contextmanager

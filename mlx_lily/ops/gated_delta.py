@@ -243,6 +243,12 @@ class OutProj(NamedTuple):
     biases: mx.array
 
 
+def counters_needed(B: int, Hv: int, out_proj: bool = True) -> int:
+    """Arrival counters a launch of ``B`` rows and ``Hv`` v-heads uses: one per (row, head)
+    for SPLIT, one more per row for OUTP."""
+    return B * Hv + (B if out_proj else 0)
+
+
 def proj_counters(n: int) -> mx.array:
     """A fresh int32 array of ``n`` zeros for ``DecodeProj.counters``, materialised now
     (no graph node: safe to create inside ``mx.compile`` tracing). Give each layer its
@@ -401,7 +407,7 @@ def gated_delta_fused(qkv, z, b, a, conv_weight, conv_state, A_log, dt_bias, sta
         if proj is not None:
             kdim = proj.h0.shape[-1]
             split = int(proj_split)
-            need = B * Hv + (B if out_proj is not None else 0)
+            need = counters_needed(B, Hv, out_proj is not None)
             if ((split > 1 or out_proj is not None)
                     and (proj.counters is None or proj.counters.size < need)):
                 raise ValueError(f"gated_delta_fused: proj_split={split}"
@@ -819,7 +825,7 @@ def out_proj_unsupported(p: DecodeProj, out_proj: OutProj, *, num_v_heads, head_
         return "out_proj scales"
     if Dv % p.group_size or words * vpl != Dv or words > 32 or words & (words - 1):
         return "out_proj head slice"
-    if p.counters is None or p.counters.size < B * Hv + B:
+    if p.counters is None or p.counters.size < counters_needed(B, Hv):
         return "counters"
     return None
 

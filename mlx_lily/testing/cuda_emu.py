@@ -64,7 +64,6 @@ inline float fmaf(float a, float b, float c) { return metal::fma(a, b, c); }
 inline float expf(float a) { return metal::exp(a); }
 inline float logf(float a) { return metal::log(a); }
 inline float fabsf(float a) { return metal::abs(a); }
-#define __align__(n) alignas(n)
 inline int atomicAdd(int* p, int v) { return __atomic_fetch_add(p, v, __ATOMIC_SEQ_CST); }
 inline void __threadfence() { __atomic_thread_fence(__ATOMIC_SEQ_CST); }
 template <typename V> inline V __ldcg(const V* p) { return *(const volatile V*)p; }

@@ -46,6 +46,24 @@ __device__ __forceinline__ int lily_gdn_proj_row(int p, int h, int hk) {
   return C + Hv * Dv + (p - 2 * Dk - 2 * Dv) * Hv + h;
 }
 
+// After every thread of the block has written what other blocks will read: true in the
+// block that arrives last of `count` sharing the counter *ctr (which it resets to 0; its
+// loads after this see the others' writes through L2: read them with __ldcg), false in
+// the others. flag: one shared int. Every thread calls it (barriers inside).
+__device__ __forceinline__ bool lily_last_to_arrive(int* ctr, int count, int* flag, int tid) {
+  __threadfence();
+  __syncthreads();
+  if (tid == 0) {
+    const int done = atomicAdd(ctr, 1);
+    flag[0] = done == count - 1;
+    if (done == count - 1) *ctr = 0;
+  }
+  __syncthreads();
+  const bool last = flag[0];
+  if (last) __threadfence();
+  return last;
+}
+
 // lily_add_rms_norm_row for row bi of hin/res read through their strides (the 16-byte
 // path when the K axis is unit-stride, element loads otherwise): xs = the normalised
 // row, h_out (may be null) = T(hin + res). Every thread calls it; ends with a barrier.
@@ -140,17 +158,7 @@ __device__ __forceinline__ void lily_gdn_pending_norm(const T* hin, const T* res
       }
     }
     if constexpr (SPLIT > 1) {
-      __threadfence();
-      __syncthreads();
-      if (tid == 0) {
-        int* ctr = const_cast<int*>(counters) + n;
-        const int done = atomicAdd(ctr, 1);
-        last_part[0] = done == SPLIT - 1;
-        if (done == SPLIT - 1) *ctr = 0;
-      }
-      __syncthreads();
-      if (!last_part[0]) return;
-      __threadfence();
+      if (!lily_last_to_arrive(const_cast<int*>(counters) + n, SPLIT, last_part, tid)) return;
       for (int p = tid; p < NP; p += NT) ps[p] = __ldcg(pr + p);
     }
     __syncthreads();
@@ -363,17 +371,10 @@ __device__ __forceinline__ void lily_gdn_pending_norm(const T* hin, const T* res
         if (slo == 0 && o0 + o_slot + r < K) part[o0 + o_slot + r] = acc[r];
       }
     }
-    __threadfence();
-    __syncthreads();
-    if (tid == 0) {
-      int* ctr = const_cast<int*>(counters) + hin_shape[0] * Hv + bi;
-      const int done = atomicAdd(ctr, 1);
-      last_part[0] = done == Hv - 1;
-      if (done == Hv - 1) *ctr = 0;
+    if (!lily_last_to_arrive(const_cast<int*>(counters) + hin_shape[0] * Hv + bi, Hv,
+                             last_part, tid)) {
+      return;
     }
-    __syncthreads();
-    if (!last_part[0]) return;
-    __threadfence();
     const float* parts = r_parts + int64_t(bi) * Hv * K;
     T* ro = r_out + int64_t(bi) * K;
     static_assert(K % 4 == 0, "gdn_decode: OUTP sums 4 outputs per 16-byte load");

@@ -79,25 +79,28 @@ __device__ __forceinline__ float lily_group_sum(float v) {
 // before any math: ptxas otherwise waits on each word before requesting the next
 // (SASS of the interleaved loop: one LDG.128 in flight per lane), and a decode GEMV is
 // bound by the bytes in flight.
-template <typename S, int K, int BITS, int GS, int RPW, int LPR>
+// K: the values each row contributes (x's length); KF: the matrix's row width (K unless
+// the tile covers a column slice, load_row's col0).
+template <typename S, int K, int BITS, int GS, int RPW, int LPR, int KF = K>
 struct LilyRowTile {
   static constexpr int VPL = 128 / BITS;
   static constexpr int KW = K / VPL;
   static constexpr int STEPS = KW / LPR;
-  static constexpr int NG = K / GS;
+  static constexpr int KWF = KF / VPL;
+  static constexpr int NGF = KF / GS;
   uint4 q[STEPS][RPW];
   S sc[STEPS][RPW];
   S bi[STEPS][RPW];
-  // weight row `row` into slot r, lane sl of LPR
+  // columns col0 .. col0+K of weight row `row` into slot r, lane sl of LPR
   __device__ __forceinline__ void load_row(const uint4* w4, const S* scales, const S* biases,
-                                           int r, size_t row, int sl) {
+                                           int r, size_t row, int sl, int col0 = 0) {
 #pragma unroll
     for (int st = 0; st < STEPS; ++st) {
-      const int c = st * LPR + sl;
+      const int c = col0 / VPL + st * LPR + sl;
       const int g = (c * VPL) / GS;
-      q[st][r] = w4[row * KW + c];
-      sc[st][r] = scales[row * NG + g];
-      bi[st][r] = biases[row * NG + g];
+      q[st][r] = w4[row * KWF + c];
+      sc[st][r] = scales[row * NGF + g];
+      bi[st][r] = biases[row * NGF + g];
     }
   }
   // rows row0 .. row0+RPW-1 (each clamped to last) of w4/scales/biases, lane sl of LPR
@@ -144,42 +147,22 @@ __device__ __forceinline__ void lily_qgemv_rows(const T* xr, const uint32_t* w,
 // acc[r] = x . dequant(columns col0 .. col0+N of weight row rows[r]) for RPW rows of a
 // quantized matrix KF values wide (x: N values; LPR lanes per row, lane sl of the group;
 // every lane of the group gets the sum); all loads issued before any math, as in
-// LilyRowTile. col0 a multiple of 128/BITS.
+// LilyRowTile (whose tile it is). col0 a multiple of 128/BITS.
 template <typename S, int N, int KF, int BITS, int GS, int RPW, int LPR, typename T>
 __device__ __forceinline__ void lily_qgemv_slice(const T* xr, const uint32_t* w,
                                                  const S* scales, const S* biases,
                                                  const int* rows, int col0, int sl,
                                                  float* acc) {
-  constexpr int VPL = 128 / BITS;
-  constexpr int STEPS = N / VPL / LPR;
-  constexpr int KWF = KF / VPL;
-  constexpr int NGF = KF / GS;
-  static_assert(STEPS * LPR * VPL == N, "lily_qgemv_slice: bad N / LPR");
-  const uint4* w4 = reinterpret_cast<const uint4*>(w);
-  uint4 q[STEPS][RPW];
-  S sc[STEPS][RPW];
-  S bs[STEPS][RPW];
+  using Tile = LilyRowTile<S, N, BITS, GS, RPW, LPR, KF>;
+  static_assert(Tile::STEPS * LPR * Tile::VPL == N, "lily_qgemv_slice: bad N / LPR");
+  Tile tile;
 #pragma unroll
   for (int r = 0; r < RPW; ++r) {
-    const size_t row = (size_t)rows[r];
-#pragma unroll
-    for (int st = 0; st < STEPS; ++st) {
-      const int c = col0 / VPL + st * LPR + sl;
-      q[st][r] = w4[row * KWF + c];
-      sc[st][r] = scales[row * NGF + (c * VPL) / GS];
-      bs[st][r] = biases[row * NGF + (c * VPL) / GS];
-    }
+    tile.load_row(reinterpret_cast<const uint4*>(w), scales, biases, r, (size_t)rows[r], sl,
+                  col0);
     acc[r] = 0.f;
   }
-#pragma unroll
-  for (int st = 0; st < STEPS; ++st) {
-    float xv[VPL];
-    const float xs = lily_load_x<VPL>(xr + (st * LPR + sl) * VPL, xv);
-#pragma unroll
-    for (int r = 0; r < RPW; ++r) {
-      acc[r] += lily_f(sc[st][r]) * lily_qdot<BITS>(q[st][r], xv) + lily_f(bs[st][r]) * xs;
-    }
-  }
+  tile.fma(xr, sl, 1.f, acc);
 #pragma unroll
   for (int r = 0; r < RPW; ++r) acc[r] = lily_group_sum<LPR>(acc[r]);
 }
