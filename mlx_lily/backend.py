@@ -32,6 +32,7 @@ OP_NAMES = (
     "prefill_dequant",
     "gdn_proj",
     "gdn_out_proj",
+    "moe_fused",
 )
 
 DISABLE_ENV = "MLX_LILY_DISABLE"

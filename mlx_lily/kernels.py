@@ -234,7 +234,8 @@ _CACHE: dict = {}
 _STEM_OPS = (
     ("gdn_", "gated_delta"), ("add_rms_norm", "add_rms_norm"), ("attn_", "attention"),
     ("moe_router_topk", "moe_router_topk"), ("moe_gate_up", "moe_experts"),
-    ("moe_down", "moe_experts"), ("moeg_route_", "moe_route"), ("moeg_", "moe_grouped"),
+    ("moe_down", "moe_experts"), ("moe_decode", "moe_fused"), ("moeg_route_", "moe_route"),
+    ("moeg_", "moe_grouped"),
     ("qgemv", "qgemv"), ("norm_qgemv", "norm_qgemv"),
 )
 

@@ -151,12 +151,16 @@ class PendingNorm:
     GEMV (``QProj.call_pending``); any other consumer calls ``resolve()``.
     """
 
-    __slots__ = ("h0", "res", "weight", "eps", "h", "_x")
+    __slots__ = ("h0", "res", "weight", "eps", "h", "_x", "counters")
 
-    def __init__(self, h0: mx.array, res: mx.array, weight: mx.array, eps: float):
+    def __init__(self, h0: mx.array, res: mx.array, weight: mx.array, eps: float,
+                 counters=None):
         self.h0, self.res, self.weight, self.eps = h0, res, weight, eps
         self.h = None
         self._x = None
+        #: ``(int32 array, offset)``: arrival counters a one-launch consumer may use
+        #: (``moe_experts.FUSED_COUNTERS`` from ``offset``, left zero), or None
+        self.counters = counters
 
     @property
     def shape(self):

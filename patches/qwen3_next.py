@@ -25,7 +25,7 @@ from mlx_lily.ops import qmm_dequant
 from mlx_lily.ops.add_rms_norm import add_rms_norm
 from mlx_lily.ops import gated_delta as gdn_ops
 from mlx_lily.ops.gated_delta import gated_delta, gated_delta_packed
-from mlx_lily.ops.moe_experts import drop_plans, moe_experts, moe_experts_routed
+from mlx_lily.ops.moe_experts import FUSED_COUNTERS, drop_plans, moe_experts, moe_experts_routed
 from mlx_lily.ops.moe_router_topk import PRE_NORM_OP, moe_router_topk, moe_router_topk_pending
 from mlx_lily.qproj import PendingNorm, QProj, resolve
 
@@ -279,11 +279,13 @@ COUNTERS_ATTR = "_lily_gdn_counters"
 
 
 def gdn_counters(cache, n):
-    """The arrival counters of the SPLIT / OUTP launches (``gated_delta.proj_counters``:
-    int32 zeros, left zeros by every launch) for GDN cache ``cache``, at least ``n`` of
-    them; None without a cache. Kept on the cache object: the launches of one cache are
-    ordered by its recurrent state (each reads the state the previous one wrote), and
-    launches of different caches, which MLX may run concurrently, never share counters.
+    """The arrival counters of a layer's one-launch kernels (GDN: SPLIT / OUTP; every
+    layer: the MoE block's ``moe_fused`` launch after them) for the layer's cache
+    ``cache`` (``ArraysCache`` or ``KVCache``), at least ``n`` of them
+    (``gated_delta.proj_counters``: int32 zeros, left zeros by every launch); None
+    without a cache. Kept on the cache object: the launches of one cache are ordered by
+    its state (each step reads what the previous one wrote), and launches of different
+    caches, which MLX may run concurrently, never share counters.
     A traced step's ``_StepCache`` carries the real cache's counters as an input."""
     if cache is None:
         return None
@@ -297,10 +299,26 @@ def gdn_counters(cache, n):
     return ctr
 
 
+def _gdn_counter_count(layer, B):
+    """Counters a GDN layer's decode launch uses for ``B`` rows (0 for attention layers):
+    the MoE block's (``moe_experts.FUSED_COUNTERS``) follow them in the same array."""
+    return gdn_ops.counters_needed(B, layer.linear_attn.num_v_heads) if layer.is_linear else 0
+
+
 def _counters_for(layer, c, h):
-    """``gdn_counters`` of a GDN layer's real cache ``c`` for a step of ``h [B, 1, D]``."""
-    B = h.shape[0]
-    return gdn_counters(c, gdn_ops.counters_needed(B, layer.linear_attn.num_v_heads))
+    """The arrival counters of a decoder layer's real cache ``c`` (``gdn_counters``) for a
+    step of ``h [B, 1, D]``: the GDN launch's (GDN layers), then the one-launch MoE
+    block's."""
+    return gdn_counters(c, _gdn_counter_count(layer, h.shape[0]) + FUSED_COUNTERS)
+
+
+def _moe_counters(layer, counters, B):
+    """``(counters, offset)`` of the MoE block of ``layer`` in its cache's counter array
+    (``PendingNorm.counters``), or None without one."""
+    off = _gdn_counter_count(layer, B)
+    if counters is None or counters.size < off + FUSED_COUNTERS:
+        return None
+    return counters, off
 
 
 def gdn_core_proj(self, proj, pending, mask, cache):
@@ -472,14 +490,16 @@ def _compile_key():
             norm_qgemv_ops.split_requested(), gdn_ops.proj_split(be))
 
 
-def _layer_tail(layer, h, r):
+def _layer_tail(layer, h, r, counters=None):
     """``(h, r) -> (h', m)``: the residual add fused into the post-attention RMSNorm (in
     the MoE router's kernel when ``moe_router_norm`` serves), then the MLP/MoE output
     ``m``; the closing residual add is left to the next layer's input norm
-    (``_layer_input``) or the final norm."""
+    (``_layer_input``) or the final norm. ``counters``: the layer's cache counters
+    (``_counters_for``), which let the MoE block run as one launch (``moe_fused``)."""
     post = layer.post_attention_layernorm
     if type(layer.mlp) is qwen3_next.Qwen3NextSparseMoeBlock and op_enabled(PRE_NORM_OP):
-        pending = PendingNorm(h, r, post.weight, post.eps)  # folded into the router
+        pending = PendingNorm(h, r, post.weight, post.eps,  # folded into the router
+                              _moe_counters(layer, counters, h.shape[0]))
         m = layer.mlp(pending)
         if pending.h is None:
             pending.resolve()
@@ -520,7 +540,7 @@ def _gdn_step_fn(layer, pending):
         c = _StepCache(conv, state, counters)
         x = PendingNorm(h, d, norm.weight, norm.eps) if pending else d
         h, r = _mixer(layer, x, None, c, h)
-        h, m = _layer_tail(layer, h, r)
+        h, m = _layer_tail(layer, h, r, counters)
         return h, m, c[0], c[1]
 
     return step
@@ -578,19 +598,20 @@ def _attn_static_head_dim(layer, dtype):
 
 def _attn_step_fn(layer, pending):
     """One decode step of an attention decoder layer as a pure function of arrays:
-    ``(h, d, keys, values, offset[, tlen, kv_idx]) -> (h', m, keys', values')`` with
+    ``(h, d, keys, values, offset[, tlen, kv_idx, counters]) -> (h', m, keys', values')`` with
     ``keys``/``values`` the KV cache's whole buffers, ``offset`` an int32 ``[1]`` (the
     token's position), ``tlen`` = ``offset + 1`` and ``kv_idx`` = ``kv_write_index``
     (computed here when not given; without ``tlen`` both are made device-resident here,
     ``kernels.device_scalars``): fused add+norm+q|k|v GEMV, q/k norm + RoPE + v, the
     cache write (``kv_write_index``), split-K attention over the first ``offset + 1`` keys (DYN_T),
-    ``o_proj``, post-attention add+norm, MLP/MoE. Static shapes for a given cache
+    ``o_proj``, post-attention add+norm, MLP/MoE (one launch with the cache's
+    ``counters``, ``_counters_for``). Static shapes for a given cache
     capacity, so ``mx.compile`` replays it until the cache grows."""
     attn = layer.self_attn
     norm = layer.input_layernorm
     Hq, Hkv = attn.num_attention_heads, attn.num_key_value_heads
 
-    def step(h, d, keys, values, offset, tlen=None, kv_idx=None):
+    def step(h, d, keys, values, offset, tlen=None, kv_idx=None, counters=None):
         if tlen is None:  # one layer on its own: position and key count in device memory
             off4 = device_scalars(offset)
             offset, tlen = off4[:1], (off4 + 1)[:1]
@@ -612,7 +633,7 @@ def _attn_step_fn(layer, pending):
         values = mx.put_along_axis(values, idx, v, axis=2)
         out = attn_ops.decode_attention(q, keys, values, attn.scale, y, gate_packed=True,
                                         tlen=tlen)
-        h, m = _layer_tail(layer, h, one_row_linear(attn.o_proj, out))
+        h, m = _layer_tail(layer, h, one_row_linear(attn.o_proj, out), counters)
         return h, m, keys, values
 
     return step
@@ -633,8 +654,8 @@ def kv_write_index(offset, row_shape):
 def _whole_step_fn(text_model, layers):
     """A whole decode step of the decoder stack as one pure function: ``(h, *states,
     offset) -> (y, *states')`` with ``h`` the token's embedding ``[B, 1, D]``, ``states``
-    each layer's cache arrays in order (GDN: conv and recurrent state, then its
-    ``gdn_counters``, an input only; attention: the KV cache's key and value buffers),
+    each layer's cache arrays in order (GDN: conv and recurrent state; attention: the KV
+    cache's key and value buffers; then the cache's ``_counters_for``, an input only),
     ``offset`` the attention layers' common position (int32 ``[1]``) and ``y`` the final
     norm's output. The layers' bodies are ``_gdn_step_fn`` / ``_attn_step_fn`` (every
     layer's input norm but the first pending, folded into its input projection), so
@@ -661,7 +682,7 @@ def _whole_step_fn(text_model, layers):
                 row = (a.shape[0], a.shape[1], 1, a.shape[3])
                 if row not in idx:
                     idx[row] = kv_write_index(offset, row)
-                h, d, a, b = f(h, d, a, b, offset, tlen, idx[row])
+                h, d, a, b = f(h, d, a, b, offset, tlen, idx[row], next(it))
             outs += [a, b]
         return [add_rms_norm(h, d, norm.weight, norm.eps)[1], *outs]
 
@@ -758,8 +779,8 @@ def _run_whole_step(text_model, cs, layers, cache, h):
         fn = mx.compile(_whole_step_fn(text_model, layers))
     args = [h]
     for layer, c in zip(layers, cache):
-        args += ([c[0], c[1], _counters_for(layer, c, h)] if layer.is_linear
-                 else [c.keys, c.values])
+        args += ([c[0], c[1]] if layer.is_linear else [c.keys, c.values])
+        args.append(_counters_for(layer, c, h))
     args.append(mx.array([offset or 0], dtype=mx.int32))
     try:
         out = fn(*args)

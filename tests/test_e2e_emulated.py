@@ -368,8 +368,8 @@ def test_whole_decode_step_function_matches_eager_path():
         assert len(offs) == 1
         args = [h]
         for l, c in zip(layers, cache):
-            args += ([c[0], c[1], nxt._counters_for(l, c, h)] if l.is_linear
-                     else [c.keys, c.values])
+            args += [c[0], c[1]] if l.is_linear else [c.keys, c.values]
+            args.append(nxt._counters_for(l, c, h))
         step = nxt._whole_step_fn(inner, layers)
         out = step(*args, mx.array([offs.pop()], dtype=mx.int32))
         close(out[0], want, "final hidden")

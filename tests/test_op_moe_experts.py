@@ -580,3 +580,203 @@ def test_routed_supported_requires_logits_in_x_dtype():
     wts = M.decode_weights(blk.switch_mlp, blk.shared_expert)
     assert M.routed_supported(router, 4, wts, (1, 1, 256), mx.bfloat16)
     assert not M.routed_supported(router, 4, wts, (1, 1, 256), mx.float16)
+
+
+# ------------------------------------------------------------------ one-launch MoE block
+FUSED_BACKENDS = (["cuda-emu"] if HAS_EMU else []) + [
+    pytest.param("cuda", marks=[pytest.mark.gpu] + (
+        [] if "cuda" in parity_backends() else
+        [pytest.mark.skip(reason="no cuda device here")]))]
+FUSED_CASES = [  # (D, I, E, k, rows, bits, gs, dtype, counter offset)
+    (256, 128, 16, 4, 1, 4, 64, mx.bfloat16, 0),
+    (2048, 512, 33, 8, 2, 4, 64, mx.bfloat16, 33),  # production D, I, k; E past 32 lanes
+    (128, 64, 5, 3, 2, 4, 32, mx.float16, 3),       # odd E and k, tiles past the rows
+    (256, 128, 8, 8, 1, 8, 128, mx.float32, 1),     # k = E, 8-bit experts
+]
+FUSED_PRODUCTION = (2048, 512, 256, 8, 1, 4, 64, mx.bfloat16, 33)
+
+
+def _fused_inputs(case):
+    d, i, e, k, rows, bits, gs, dtype, off = case
+    blk = make_block(d=d, e=e, k=k, i=i, seed=d + e + k + 17, bits=bits, gs=gs, dtype=dtype)
+    router = _fused_router(blk)
+    wts = M.decode_weights(blk.switch_mlp, blk.shared_expert)
+    hin = mx.random.normal((rows, 1, d)).astype(dtype)
+    res = mx.random.normal((rows, 1, d)).astype(dtype)
+    nw = (1.0 + 0.1 * mx.random.normal((d,))).astype(dtype)
+    return blk, router, wts, hin, res, nw
+
+
+def _check_fused(backend, case):
+    from mlx_lily.ops.add_rms_norm import add_rms_norm_reference
+    from mlx_lily.testing.cuda_emu import cuda_on_emu
+
+    d, i, e, k, rows, bits, gs, dtype, off = case
+    blk, router, wts, hin, res, nw = _fused_inputs(case)
+    eps = 1e-6
+    assert M.fused_supported(router, k, wts, hin.shape, dtype)
+    if backend == "cuda-emu":
+        kf, init = cuda_on_emu(M.FUSED_SPEC), None
+    else:
+        kf, init = kernels.build(M.FUSED_SPEC, "cuda"), float("nan")
+    counters = mx.zeros((off + M.FUSED_COUNTERS + 2,), dtype=mx.int32)
+    run = M.fused_plan(kf, wts, router, hin.shape, dtype, k, True, off, init_value=init)
+    y, h = run(hin, res, nw, eps, counters)
+    mx.eval(y, h, counters)
+    with mx.stream(mx.cpu):
+        h_ref, x = add_rms_norm_reference(hin, res, nw, eps)
+        (logits,) = router(x, split=False)
+        mx.eval(h_ref, x, logits)
+    assert mx.array_equal(h, h_ref).item()
+    # the three launches it replaces (down with one slot group, the fused kernel's order)
+    from mlx_lily.ops.norm_qgemv import SPEC as NQ_SPEC, plan as nq_plan
+
+    kg, kd, init3 = kernels_for(backend)
+    kn = cuda_on_emu(NQ_SPEC) if backend == "cuda-emu" else kernels.build(NQ_SPEC, "cuda")
+    logits3, _ = nq_plan(kn, hin.shape, dtype, router.weight, router.scales, router.biases,
+                         router.group_size, router.bits, rpw=M.FUSED_RPW[0],
+                         init_value=init3)(hin, res, nw, eps)
+    y3, inds3, sc3, sh3 = M.decode_plan(
+        kg, kd, wts, hin.shape, dtype, k, False, topk=True, pre_norm=True, init_value=init3,
+        gate_up=(4, M.FUSED_RPW[1]), down=(4, M.FUSED_RPW[2], 1))(hin, res, nw, eps, logits3)
+    if backend == "cuda-emu":
+        assert mx.array_equal(y, y3).item(), "not the three launches' result bit for bit"
+    # within the fp32 truth's bounds for that routing (the in-kernel norm's logits)
+    t, mag = truth(x, inds3, sc3, sh3, wts)
+    check_close(y, t, mag, dtype)
+    check_close(y3, t, mag, dtype)
+    return counters, off
+
+
+@pytest.mark.parametrize("backend", FUSED_BACKENDS)
+@pytest.mark.parametrize("case", FUSED_CASES,
+                         ids=lambda c: "D{}-I{}-E{}-k{}-n{}-b{}-g{}-{}-co{}".format(
+                             *c[:7], str(c[7]).split(".")[-1], c[8]))
+def test_fused_decode_matches_three_launches_and_truth(backend, case):
+    """``lily_moe_decode`` (one launch): h = hin + res exactly, y within the fp32 truth's
+    bounds for the reference routing, and (emulator) bit for bit the three launches it
+    replaces; on the GPU its counters are zero again afterwards."""
+    counters, off = _check_fused(backend, case)
+    if backend == "cuda":
+        assert not bool(mx.any(counters).item()), counters
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif("cuda" not in parity_backends(), reason="no cuda device here")
+def test_fused_decode_production_dims_repeated():
+    """The production block (E=256, k=8) on the GPU, several launches in a row on one
+    counter array, and two blocks on two arrays in one evaluation."""
+    counters, off = _check_fused("cuda", FUSED_PRODUCTION)
+    blk, router, wts, hin, res, nw = _fused_inputs(FUSED_PRODUCTION)
+    kf = kernels.build(M.FUSED_SPEC, "cuda")
+    run = M.fused_plan(kf, wts, router, hin.shape, mx.bfloat16, 8, True, off)
+    first = run(hin, res, nw, 1e-6, counters)[0]
+    outs = [run(hin, res, nw, 1e-6, counters)[0] for _ in range(4)]
+    c2 = mx.zeros((off + M.FUSED_COUNTERS,), dtype=mx.int32)
+    other = run(hin, res, nw, 1e-6, c2)[0]
+    mx.eval(first, *outs, other, counters, c2)
+    for o in outs + [other]:
+        assert mx.array_equal(o, first).item()
+    assert not bool(mx.any(counters).item()) and not bool(mx.any(c2).item())
+
+
+def test_fused_tiles_and_supported():
+    """Tile count of the production block and what ``fused_supported`` refuses."""
+    assert M.fused_tiles(2048, 512, 8, 256, 4, 8, 1) == 33 + 9 * 32 + 128
+    assert M.fused_tiles(2048, 512, 8, 256, 4, 8, 2) == 2 * 449
+    assert M.fused_tiles(100, 512, 8, 256, 4, 8, 1) is None
+    blk = make_block(seed=12)
+    router = _fused_router(blk)
+    wts = M.decode_weights(blk.switch_mlp, blk.shared_expert)
+    assert M.fused_supported(router, 4, wts, (1, 1, 256), mx.bfloat16)
+    assert not M.fused_supported(router, 4, wts, (1, 1, 256), mx.float16)
+    assert not M.fused_supported(router, 4, wts, (1, M.MAX_DECODE_ROWS + 1, 256),
+                                 mx.bfloat16)
+    assert not M.fused_supported(router, 4, None, (1, 1, 256), mx.bfloat16)
+
+
+@pytest.mark.skipif(not HAS_EMU, reason="Metal emulator unavailable")
+def test_fused_dispatcher(monkeypatch):
+    """``moe_experts_routed`` on CUDA with a ``PendingNorm`` carrying counters: one launch
+    (``lily_moe_decode``), the plan's result, ``h`` set; without counters, with the switch
+    off or on Metal: the three launches."""
+    from mlx_lily import backend as B
+    from mlx_lily.ops import norm_qgemv, qgemv
+    from mlx_lily.qproj import PendingNorm
+    from mlx_lily.testing.cuda_emu import cuda_on_emu
+
+    monkeypatch.setenv("MLX_LILY_KERNELS", "all")
+    monkeypatch.setattr(kernels, "_CACHE", {})
+    calls = []
+
+    def get(spec, backend):
+        def k(**kw):
+            calls.append(spec.name)
+            return cuda_on_emu(spec)(**kw)
+        return k
+
+    monkeypatch.setattr(kernels, "get", get)
+    for m in (M, qgemv, norm_qgemv):
+        monkeypatch.setattr(m, "current_backend", lambda: "cuda")
+    case = FUSED_CASES[0]
+    blk, router, wts, hin, res, nw = _fused_inputs(case)
+    ctr = mx.zeros((8,), dtype=mx.int32)
+    p = PendingNorm(hin, res, nw, 1e-6, (ctr, 2))
+    y = M.moe_experts_routed(p, router, 4, True, blk.switch_mlp, blk.shared_expert)
+    assert calls == ["lily_moe_decode"]
+    assert p.h is not None and mx.array_equal(p.h, hin + res).item()
+    want = M.fused_plan(cuda_on_emu(M.FUSED_SPEC), wts, router, hin.shape, hin.dtype, 4,
+                        True, 2)(hin, res, nw, 1e-6, ctr)[0]
+    assert mx.array_equal(y, want).item()
+    del calls[:]
+    p2 = PendingNorm(hin, res, nw, 1e-6)
+    y2 = M.moe_experts_routed(p2, router, 4, True, blk.switch_mlp, blk.shared_expert)
+    assert calls == ["lily_norm_qgemv", "lily_moe_gate_up", "lily_moe_down"]
+    t, mag = truth(p2.resolve(), *_route_ref(p2.resolve(), router, 4), wts)
+    check_close(y2, t, mag, mx.bfloat16)
+    check_close(y, t, mag, mx.bfloat16)
+    del calls[:]
+    monkeypatch.setenv(B.DISABLE_ENV, M.FUSED_OP)
+    M.moe_experts_routed(PendingNorm(hin, res, nw, 1e-6, (ctr, 2)), router, 4, True,
+                         blk.switch_mlp, blk.shared_expert)
+    assert calls == ["lily_norm_qgemv", "lily_moe_gate_up", "lily_moe_down"]
+    monkeypatch.delenv(B.DISABLE_ENV)
+    del calls[:]
+    short = mx.zeros((5,), dtype=mx.int32)  # fewer than offset + FUSED_COUNTERS
+    M.moe_experts_routed(PendingNorm(hin, res, nw, 1e-6, (short, 2)), router, 4, True,
+                         blk.switch_mlp, blk.shared_expert)
+    assert calls == ["lily_norm_qgemv", "lily_moe_gate_up", "lily_moe_down"]
+    del calls[:]
+    for m in (M, qgemv, norm_qgemv):
+        monkeypatch.setattr(m, "current_backend", lambda: "metal")
+    monkeypatch.setattr(kernels, "get", lambda spec, backend: None)
+    assert M.moe_experts_routed(PendingNorm(hin, res, nw, 1e-6, (ctr, 2)), router, 4, True,
+                                blk.switch_mlp, blk.shared_expert) is None
+
+
+@pytest.mark.skipif(nvcc_path() is None, reason="nvcc not installed")
+@pytest.mark.parametrize("rows", [1, 2])
+def test_cuda_fused_compiles(rows):
+    """nvcc builds ``lily_moe_decode`` at production dims (sm_90a)."""
+    from mlx_lily.testing import cuda_check
+
+    bf, u = mx.bfloat16, mx.uint32
+    ins = [("hin", bf, 3), ("res", bf, 3), ("nw", bf, 1), ("eps", mx.float32, 1),
+           ("rw", u, 2), ("rs", bf, 2), ("rb", bf, 2)]
+    for p in ("gate", "up"):
+        ins += [(f"{p}_w", u, 3), (f"{p}_s", bf, 3), (f"{p}_b", bf, 3)]
+    for p in ("sgate", "sup"):
+        ins += [(f"{p}_w", u, 2), (f"{p}_s", bf, 2), (f"{p}_b", bf, 2)]
+    ins += [("down_w", u, 3), ("down_s", bf, 3), ("down_b", bf, 3), ("sdown_w", u, 2),
+            ("sdown_s", bf, 2), ("sdown_b", bf, 2), ("counters", mx.int32, 1)]
+    assert [n for n, _, _ in ins] == list(M.FUSED_SPEC.inputs)
+    outs = [("y", bf), ("h", bf), ("logits", bf), ("act", bf), ("inds_o", u),
+            ("scores_o", bf), ("shared_o", bf)]
+    assert [n for n, _ in outs] == list(M.FUSED_SPEC.outputs)
+    rr, rg, rd = M.FUSED_RPW
+    head, body = kernels.cuda_parts("moe_decode")
+    cuda_check.check("lily_moe_decode", ins, outs, body, head,
+                     template=[("T", bf), ("S", bf), ("N", rows), ("D", 2048), ("I", 512),
+                               ("K", 8), ("E", 256), ("BITS", 4), ("GS", 64), ("RBITS", 8),
+                               ("RGS", 64), ("RRPW", rr), ("GRPW", rg), ("DRPW", rd),
+                               ("NORM", True), ("CO", 33)])

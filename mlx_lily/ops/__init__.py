@@ -27,6 +27,7 @@ _MODULES = {
     "prefill_dequant": "mlx_lily.ops.qmm_dequant",
     "gdn_proj": "mlx_lily.ops.gated_delta:has_proj_kernel",
     "gdn_out_proj": "mlx_lily.ops.gated_delta:has_out_kernel",
+    "moe_fused": "mlx_lily.ops.moe_experts:has_fused_kernel",
 }
 
 

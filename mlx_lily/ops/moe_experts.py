@@ -74,6 +74,28 @@ DOWN_SPEC = kernels.KernelSpec(
             "sdown_w", "sdown_s", "sdown_b", "res"),
     outputs=("y",))
 
+#: One launch for the whole decode MoE block (CUDA): router GEMV with the add+norm
+#: prologue, gate+up with routing, down + combine, as three phases of one grid ordered by
+#: tickets (``shaders/cuda/moe_decode.cu``). Template T, S, N, D, I, K, E, BITS, GS, RBITS,
+#: RGS (router bits and group), RRPW, GRPW, DRPW (rows per lane group of each phase),
+#: NORM; grid (fused_tiles(...) * 128, 1, 1), threadgroup (128, 1, 1).
+FUSED_SPEC = kernels.KernelSpec(
+    name="lily_moe_decode", stem="moe_decode",
+    inputs=("hin", "res", "nw", "eps", "rw", "rs", "rb",
+            "gate_w", "gate_s", "gate_b", "up_w", "up_s", "up_b",
+            "sgate_w", "sgate_s", "sgate_b", "sup_w", "sup_s", "sup_b",
+            "down_w", "down_s", "down_b", "sdown_w", "sdown_s", "sdown_b", "counters"),
+    outputs=("y", "h", "logits", "act", "inds_o", "scores_o", "shared_o"))
+#: The switch of the one-launch MoE block (``moe_experts_routed`` with counters).
+FUSED_OP = "moe_fused"
+#: int32 counters one fused launch uses (tickets, router tiles done, gate+up tiles done,
+#: blocks done); every launch leaves them zero.
+FUSED_COUNTERS = 4
+#: Rows per lane group of the fused kernel's phases (router, gate+up, down), CUDA.
+FUSED_RPW = (2, 4, 2)
+#: Threads per block of the fused kernel (4 warps in every phase).
+FUSED_THREADS = 128
+
 #: Most token rows the decode kernels take per call; more go to the grouped GEMM
 #: (``moe_grouped.try_grouped``) or the reference.
 MAX_DECODE_ROWS = 8
@@ -370,7 +392,7 @@ def has_routed_kernel(backend: str) -> bool:
     return has_kernel(backend) and kernels.kernels_allowed(TOPK_OP, backend)
 
 
-_PLAN_CACHES = ("_lily_decode_plans", "_lily_routed_plans")
+_PLAN_CACHES = ("_lily_decode_plans", "_lily_routed_plans", "_lily_fused_plans")
 _MAX_PLANS = 64
 
 
@@ -530,6 +552,10 @@ def moe_experts_routed(x, router, k: int, norm_topk_prob: bool, switch_mlp, shar
         if (x.res.shape != row.shape or x.res.dtype != row.dtype
                 or x.weight.shape != (row.shape[-1],) or x.weight.dtype != row.dtype):
             return None
+        if x.counters is not None:
+            y = _fused_call(x, router, k, norm_topk_prob, switch_mlp, shared_expert, backend)
+            if y is not None:
+                return y
         r = norm_qgemv.for_qproj(x.h0, x.res, x.weight, x.eps, router)
         if r is None:  # the router kernel's own add+norm prologue serves instead
             return None
@@ -539,3 +565,120 @@ def moe_experts_routed(x, router, k: int, norm_topk_prob: bool, switch_mlp, shar
         x = x._x
     (logits,) = router(x, split=False)
     return plain(x, logits)[0]
+
+
+def fused_tiles(d: int, i: int, k: int, e: int, bits: int, router_bits: int, rows: int,
+                rpw=FUSED_RPW) -> int | None:
+    """Blocks of one ``lily_moe_decode`` launch: per row, ``ceil((e+1)/RPB_R)`` router
+    tiles + ``(k+1) * ceil(i/RPB_G)`` gate+up tiles + ``ceil(d/RPB_D)`` down tiles, with
+    ``RPB = 4 * (32 / LPR) * RPW`` per phase. None when a width does not map onto lane
+    groups."""
+    lr = qgemv.lanes_per_row(d, router_bits)
+    lg = qgemv.lanes_per_row(d, bits)
+    ld = qgemv.lanes_per_row(i, bits)
+    if None in (lr, lg, ld):
+        return None
+    rpb = lambda lpr, r: 4 * (32 // lpr) * r  # noqa: E731
+    rr, rg, rd = rpw
+    return rows * (-(-(e + 1) // rpb(lr, rr)) + (k + 1) * -(-i // rpb(lg, rg))
+                   + -(-d // rpb(ld, rd)))
+
+
+def fused_supported(router, k: int, wts: DecodeWeights | None, x_shape, x_dtype) -> bool:
+    """True when ``lily_moe_decode`` computes this MoE block: what ``routed_supported``
+    accepts, a router whose group size is a multiple of its 16-byte word's values, the
+    row and the K+1 gate+up outputs within the 48 KiB of static shared memory, and every
+    phase's registers within what a 128-thread block may use (``REG_MODEL``)."""
+    if not routed_supported(router, k, wts, x_shape, x_dtype):
+        return False
+    d, i, bits = wts.hidden, wts.inter, wts.bits
+    rbits, rgs = router.bits, router.group_size
+    if rbits not in (4, 8) or d % rgs or rgs % (128 // rbits):
+        return False
+    rows = 1
+    for s_ in x_shape[:-1]:
+        rows *= s_
+    if fused_tiles(d, i, k, wts.num_experts, bits, rbits, rows) is None:
+        return False
+    if max(d, (k + 1) * i) * x_dtype.size + 4 * (2 * k + 6) > 48 * 1024:
+        return False
+    rr, rg, rd = FUSED_RPW
+    return (_fits("gate_up", _lane_words(d, rbits, rr), FUSED_THREADS)
+            and _fits("gate_up", _lane_words(d, bits, rg, 2), FUSED_THREADS)
+            and _fits("down", _lane_words(i, bits, rd, k + 1), FUSED_THREADS))
+
+
+def fused_plan(kernel, wts: DecodeWeights, router, x_shape, x_dtype, k: int,
+               norm_topk_prob: bool, offset: int, *, init_value: float | None = None):
+    """A callable ``run(hin, res, nw, eps, counters) -> (y, h)`` launching
+    ``lily_moe_decode`` for one row shape and dtype: ``h = hin + res``, the router's
+    logits of ``rms_norm(h) * nw``, top-``k`` routing, and ``y`` = the routed experts'
+    and the gated shared expert's SwiGLU output (``moe_experts_routed``'s result), in
+    one launch; ``counters`` an int32 array whose elements ``offset .. offset + 4`` are
+    zero (left zero). ``init_value`` fills every output first (tests poison them)."""
+    d, i, e = wts.hidden, wts.inter, wts.num_experts
+    lead = tuple(x_shape[:-1])
+    n = 1
+    for s_ in lead:
+        n *= s_
+    rr, rg, rd = FUSED_RPW
+    tiles = fused_tiles(d, i, k, e, wts.bits, router.bits, n)
+    dt = x_dtype
+    kw = dict(template=[("T", dt), ("S", wts.gate[1].dtype), ("N", n), ("D", d), ("I", i),
+                        ("K", k), ("E", e), ("BITS", wts.bits), ("GS", wts.group_size),
+                        ("RBITS", router.bits), ("RGS", router.group_size), ("RRPW", rr),
+                        ("GRPW", rg), ("DRPW", rd), ("NORM", bool(norm_topk_prob)),
+                        ("CO", int(offset))],
+              grid=(tiles * FUSED_THREADS, 1, 1), threadgroup=(FUSED_THREADS, 1, 1),
+              output_shapes=[lead + (d,), lead + (d,), (n, e + 1), (n, k + 1, i), (n, k),
+                             (n, k), (n * kernels.ROW_PAD,)],
+              output_dtypes=[dt, dt, dt, dt, mx.uint32, dt, dt])
+    if init_value is not None:
+        kw["init_value"] = init_value
+    w = [router.weight, router.scales, router.biases, *wts.gate, *wts.up, *wts.sgate,
+         *wts.sup, *wts.down, *wts.sdown]
+
+    def run(hin, res, nw, eps, counters):
+        out = kernel(inputs=[hin, res, nw, kernels.f32_scalar(eps), *w, counters], **kw)
+        return out[0], out[1]
+
+    return run
+
+
+def has_fused_kernel(backend: str) -> bool:
+    """True when the one-launch MoE block (``lily_moe_decode``, CUDA only) can run on
+    ``backend`` here."""
+    return (backend == "cuda" and has_routed_kernel(backend)
+            and kernels.get(FUSED_SPEC, backend) is not None)
+
+
+def _fused_call(x, router, k, norm_topk_prob, switch_mlp, shared_expert, backend):
+    """``lily_moe_decode`` for the pending row ``x`` (sets ``x.h``) when switch
+    ``moe_fused`` (and the router GEMV's ``norm_qgemv`` / ``qgemv``) are on, the backend
+    is CUDA and ``fused_supported`` holds; None otherwise (nothing launched)."""
+    from ..backend import op_enabled
+
+    ctr, off = x.counters
+    if (backend != "cuda" or not op_enabled(FUSED_OP) or not op_enabled("norm_qgemv")
+            or not op_enabled("qgemv") or not kernels.kernels_allowed(FUSED_OP, backend)
+            or ctr.dtype != mx.int32 or ctr.ndim != 1 or ctr.size < off + FUSED_COUNTERS):
+        return None
+    row = x.h0
+    plans = _plans(switch_mlp, "_lily_fused_plans")
+    key = (backend, id(router), id(shared_expert), id(switch_mlp.gate_proj.get("weight")),
+           id(switch_mlp.up_proj.get("weight")), id(switch_mlp.down_proj.get("weight")),
+           row.shape, row.dtype, k, bool(norm_topk_prob), int(off))
+    run = plans.get(key, False)
+    if run is False:
+        run = None
+        wts = decode_weights(switch_mlp, shared_expert)
+        if fused_supported(router, k, wts, row.shape, row.dtype):
+            kern = kernels.get(FUSED_SPEC, backend)
+            if kern is not None:
+                run = fused_plan(kern, wts, router, row.shape, row.dtype, k,
+                                 norm_topk_prob, off)
+        plans[key] = run
+    if run is None:
+        return None
+    y, x.h = run(x.h0, x.res, x.weight, x.eps, ctr)
+    return y

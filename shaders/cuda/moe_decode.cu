@@ -1,0 +1,208 @@
+// @kernel lily_moe_decode
+// @inputs hin[N,D]:T res[N,D]:T nw[D]:T eps[1]:float32 rw[E+1,D*RBITS/32]:uint32 rs[E+1,D/RGS]:T rb[E+1,D/RGS]:T gate_w[E,I,D*BITS/32]:uint32 gate_s[E,I,D/GS]:S gate_b[E,I,D/GS]:S up_w[E,I,D*BITS/32]:uint32 up_s[E,I,D/GS]:S up_b[E,I,D/GS]:S sgate_w[I,D*BITS/32]:uint32 sgate_s[I,D/GS]:S sgate_b[I,D/GS]:S sup_w[I,D*BITS/32]:uint32 sup_s[I,D/GS]:S sup_b[I,D/GS]:S down_w[E,D,I*BITS/32]:uint32 down_s[E,D,I/GS]:S down_b[E,D,I/GS]:S sdown_w[D,I*BITS/32]:uint32 sdown_s[D,I/GS]:S sdown_b[D,I/GS]:S counters[CO+4]:int32
+// @outputs y[N,D]:T h[N,D]:T logits[N,E+1]:T act[N,K+1,I]:T inds_o[N,K]:uint32 scores_o[N,K]:T shared_o[N*8]:T   (all but y and h: the launch's scratch)
+// @template T=bfloat16 S=bfloat16 N=1 D=2048 I=512 K=8 E=256 BITS=4 GS=64 RBITS=8 RGS=64 RRPW=2 GRPW=4 DRPW=2 NORM=true CO=0
+// @template T=float32 S=float16 N=2 D=128 I=64 K=3 E=5 BITS=4 GS=32 RBITS=8 RGS=64 RRPW=2 GRPW=4 DRPW=1 NORM=false CO=3
+// @grid (TILES*128, 1, 1)   TILES = N*(ceil((E+1)/RPB_R) + (K+1)*ceil(I/RPB_G) + ceil(D/RPB_D)), RPB_X = 4*(32/LPR_X)*XRPW, LPR_R = min(32, D*RBITS/128), LPR_G = min(32, D*BITS/128), LPR_D = min(32, I*BITS/128)
+// @threadgroup (128, 1, 1)
+// A decode MoE block in one launch (CUDA only): the three launches moe_experts_routed
+// makes (lily_norm_qgemv of the router, lily_moe_gate_up with TOPK and PRE_NORM,
+// lily_moe_down) as three phases of one grid, rounded exactly as those kernels round.
+// Counters are counters[CO .. CO+4). Each block takes a ticket (atomicAdd on counters[0]) and serves tile number ticket:
+// router tiles first (h = T(hin + res), x = rms_norm(h) * nw, logits = x @ router^T;
+// then counters[1] += 1), then gate+up tiles (wait for counters[1] to count every router
+// tile, route the row from the logits, silu(gate) * up of one expert slot's rows into
+// act; counters[2] += 1), then down tiles (wait for counters[2], the score-weighted down
+// GEMVs of the K+1 slots, y = their sum). A block only waits for tiles whose tickets
+// were taken before its own, by blocks already running, so the launch cannot deadlock
+// whatever the number of resident blocks. The last block to leave (counters[3]) resets
+// the four counters to zero. Writes of another block are read through L2 (__ldcg).
+// Apple GPUs give no such forward-progress guarantee between threadgroups in MSL, so
+// Metal runs the three launches (moe_experts.moe_experts_routed).
+// @header qgemv_common.cuh
+// @header qgemv_norm.cuh
+// @header qgemv_route.cuh
+// An L2 (L1-bypassing) view of a buffer other blocks of the launch wrote.
+template <typename T>
+struct LilyL2 {
+  const T* p;
+  __device__ __forceinline__ T operator[](int i) const { return __ldcg(p + i); }
+};
+// counters[i] += 1 once the whole block's writes are visible device-wide.
+__device__ __forceinline__ void lily_arrive(int* ctr, int tid) {
+  __threadfence();
+  __syncthreads();
+  if (tid == 0) atomicAdd(ctr, 1);
+}
+// Wait until *ctr >= target (thread 0 polls), then order this block's later loads.
+__device__ __forceinline__ void lily_wait_count(int* ctr, int target, int tid) {
+  if (tid == 0) {
+    while (atomicAdd(ctr, 0) < target) {
+    }
+  }
+  __syncthreads();
+  __threadfence();
+}
+// ---- body ----
+  constexpr int NWK = 4;
+  constexpr int RVPL = 128 / RBITS;
+  constexpr int RKW = D / RVPL;
+  constexpr int RLPR = RKW < 32 ? RKW : 32;
+  constexpr int RRPB = NWK * (32 / RLPR) * RRPW;
+  constexpr int RT = (E + 1 + RRPB - 1) / RRPB;
+  constexpr int VPL = 128 / BITS;
+  constexpr int GKW = D / VPL;
+  constexpr int GLPR = GKW < 32 ? GKW : 32;
+  constexpr int GRPB = NWK * (32 / GLPR) * GRPW;
+  constexpr int GX = (I + GRPB - 1) / GRPB;
+  constexpr int GT = GX * (K + 1);
+  constexpr int DKW = I / VPL;
+  constexpr int DLPR = DKW < 32 ? DKW : 32;
+  constexpr int DRPB = NWK * (32 / DLPR) * DRPW;
+  constexpr int DT = (D + DRPB - 1) / DRPB;
+  constexpr int TOTAL = N * (RT + GT + DT);
+  constexpr int XS = D > (K + 1) * I ? D : (K + 1) * I;
+  static_assert(RKW * RVPL == D && RKW % RLPR == 0 && GKW * VPL == D && GKW % GLPR == 0,
+                "moe_decode: bad D");
+  static_assert(DKW * VPL == I && DKW % DLPR == 0, "moe_decode: bad I");
+  static_assert(GS % VPL == 0 && RGS % RVPL == 0, "moe_decode: bad group size");
+  static_assert(K <= 32 && K <= E, "moe_decode: bad K");
+
+  __shared__ T xs[XS];  // first shared array: 16-byte aligned in practice
+  __shared__ float red[NWK];
+  __shared__ unsigned s_inds[K];
+  __shared__ float s_cf[K + 1];
+  __shared__ int s_ticket;
+  int* ctr = const_cast<int*>(counters) + CO;
+  const int tid = threadIdx.x;
+  const int lane = tid & 31;
+  const int warp = tid >> 5;
+  if (tid == 0) s_ticket = atomicAdd(ctr, 1);
+  __syncthreads();
+  const int t = s_ticket;
+
+  if (t < N * RT) {
+    // ---- router tile: lily_norm_qgemv's rows of the E+1 router outputs
+    const int n = t / RT;
+    const int sub = lane / RLPR;
+    const int sl = lane % RLPR;
+    const int row0 = (t % RT) * RRPB + (warp * (32 / RLPR) + sub) * RRPW;
+    LilyRowTile<T, D, RBITS, RGS, RRPW, RLPR> tile;
+    tile.load(reinterpret_cast<const uint4*>(rw), rs, rb, row0, E, sl);
+    const size_t ro = (size_t)n * D;
+    lily_add_rms_norm_row<T, D, NWK>(hin + ro, res + ro, nw, eps[0], xs, red,
+                                     t % RT == 0 ? h + ro : nullptr, nullptr, tid, lane,
+                                     warp);
+    float acc[RRPW];
+#pragma unroll
+    for (int r = 0; r < RRPW; ++r) acc[r] = 0.f;
+    tile.fma(xs, sl, 1.f, acc);
+#pragma unroll
+    for (int r = 0; r < RRPW; ++r) {
+      const float v = lily_group_sum<RLPR>(acc[r]);
+      if (sl == 0 && row0 + r <= E) logits[(size_t)n * (E + 1) + row0 + r] = static_cast<T>(v);
+    }
+    lily_arrive(ctr + 1, tid);
+  } else if (t < N * (RT + GT)) {
+    // ---- gate+up tile: lily_moe_gate_up (TOPK, PRE_NORM) for one slot's rows
+    const int u = t - N * RT;
+    const int n = u / GT;
+    const int slot = (u % GT) / GX;
+    const int gx = (u % GT) % GX;
+    const int sub = lane / GLPR;
+    const int sl = lane % GLPR;
+    const int row0 = gx * GRPB + (warp * (32 / GLPR) + sub) * GRPW;
+    LilyRowTile<S, D, BITS, GS, GRPW, GLPR> tg;
+    LilyRowTile<S, D, BITS, GS, GRPW, GLPR> tu;
+    if (slot == K) {  // the shared expert's weights do not depend on the routing
+      tg.load(reinterpret_cast<const uint4*>(sgate_w), sgate_s, sgate_b, row0, I - 1, sl);
+      tu.load(reinterpret_cast<const uint4*>(sup_w), sup_s, sup_b, row0, I - 1, sl);
+    }
+    lily_wait_count(ctr + 1, N * RT, tid);
+    if (slot < K) {
+      if (warp == 0) {
+        LilyL2<T> lg{logits + (size_t)n * (E + 1)};
+        unsigned my_i = 0u;
+        float my_sc = 0.f;
+        lily_route_topk<T, E, K, NORM>(lg, lane, my_i, my_sc);
+        if (lane < K) s_inds[lane] = my_i;
+        if (gx == 0 && slot == 0) {
+          if (lane < K) {
+            inds_o[(size_t)n * K + lane] = my_i;
+            scores_o[(size_t)n * K + lane] = static_cast<T>(my_sc);
+          }
+          if (lane == 0) shared_o[n] = static_cast<T>(1.f / (1.f + expf(-lily_f(lg[E]))));
+        }
+      }
+      __syncthreads();
+      const size_t e = min(s_inds[slot], (unsigned)(E - 1));
+      tg.load(reinterpret_cast<const uint4*>(gate_w) + e * I * GKW, gate_s + e * I * (D / GS),
+              gate_b + e * I * (D / GS), row0, I - 1, sl);
+      tu.load(reinterpret_cast<const uint4*>(up_w) + e * I * GKW, up_s + e * I * (D / GS),
+              up_b + e * I * (D / GS), row0, I - 1, sl);
+    }
+    const size_t ro = (size_t)n * D;
+    lily_add_rms_norm_row<T, D, NWK>(hin + ro, res + ro, nw, eps[0], xs, red,
+                                     (T*)nullptr, (T*)nullptr, tid, lane, warp);
+    float ag[GRPW];
+    float au[GRPW];
+#pragma unroll
+    for (int r = 0; r < GRPW; ++r) { ag[r] = 0.f; au[r] = 0.f; }
+    tg.fma(xs, sl, 1.f, ag);
+    tu.fma(xs, sl, 1.f, au);
+    T* hr = act + ((size_t)n * (K + 1) + slot) * I;
+#pragma unroll
+    for (int r = 0; r < GRPW; ++r) {
+      const float gv = lily_round<T>(lily_group_sum<GLPR>(ag[r]));
+      const float uv = lily_round<T>(lily_group_sum<GLPR>(au[r]));
+      const int row = row0 + r;
+      if (sl == 0 && row < I) hr[row] = static_cast<T>(gv / (1.f + expf(-gv)) * uv);
+    }
+    lily_arrive(ctr + 2, tid);
+  } else if (t < TOTAL) {
+    // ---- down tile: lily_moe_down (SL = 1) for DRPB output rows
+    const int u = t - N * (RT + GT);
+    const int n = u / DT;
+    const int sub = lane / DLPR;
+    const int sl = lane % DLPR;
+    const int row0 = (u % DT) * DRPB + (warp * (32 / DLPR) + sub) * DRPW;
+    LilyRowTile<S, I, BITS, GS, DRPW, DLPR> tile[K + 1];
+    tile[K].load(reinterpret_cast<const uint4*>(sdown_w), sdown_s, sdown_b, row0, D - 1, sl);
+    lily_wait_count(ctr + 2, N * GT, tid);
+    if (tid < K) {
+      s_inds[tid] = __ldcg(inds_o + (size_t)n * K + tid);
+      s_cf[tid] = lily_f(__ldcg(scores_o + (size_t)n * K + tid));
+    }
+    if (tid == K) s_cf[K] = lily_f(__ldcg(shared_o + n));
+    for (int i = tid; i < (K + 1) * I; i += 32 * NWK) {
+      xs[i] = __ldcg(act + (size_t)n * (K + 1) * I + i);
+    }
+    __syncthreads();
+#pragma unroll
+    for (int j = 0; j < K; ++j) {
+      const size_t e = min(s_inds[j], (unsigned)(E - 1));
+      tile[j].load(reinterpret_cast<const uint4*>(down_w) + e * D * DKW,
+                   down_s + e * D * (I / GS), down_b + e * D * (I / GS), row0, D - 1, sl);
+    }
+    float acc[DRPW];
+#pragma unroll
+    for (int r = 0; r < DRPW; ++r) acc[r] = 0.f;
+#pragma unroll
+    for (int j = 0; j <= K; ++j) tile[j].fma(xs + j * I, sl, s_cf[j], acc);
+#pragma unroll
+    for (int r = 0; r < DRPW; ++r) {
+      const float v = lily_group_sum<DLPR>(acc[r]);
+      const int row = row0 + r;
+      if (sl == 0 && row < D) y[(size_t)n * D + row] = static_cast<T>(v);
+    }
+  }
+  // the last block to leave resets the counters for the next launch
+  __threadfence();
+  __syncthreads();
+  if (tid == 0 && atomicAdd(ctr + 3, 1) == TOTAL - 1) {
+    ctr[0] = 0;
+    ctr[1] = 0;
+    ctr[2] = 0;
+    ctr[3] = 0;
+    __threadfence();
+  }
