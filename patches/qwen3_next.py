@@ -283,19 +283,23 @@ def gdn_counters(cache, n):
     layer: the MoE block's ``moe_fused`` launch after them) for the layer's cache
     ``cache`` (``ArraysCache`` or ``KVCache``), at least ``n`` of them
     (``gated_delta.proj_counters``: int32 zeros, left zeros by every launch); None
-    without a cache. Kept on the cache object: the launches of one cache are ordered by
-    its state (each step reads what the previous one wrote), and launches of different
-    caches, which MLX may run concurrently, never share counters.
+    without a cache. Kept on the cache object (with its ``id``, so that a copy of the cache
+    makes its own): the launches of one cache are ordered by its state (each step reads
+    what the previous one wrote), and launches of different caches, which MLX may run
+    concurrently, never share counters (a ``moe_fused`` launch sharing them would wait
+    for tiles never served, and trap after ~4 s).
     A traced step's ``_StepCache`` carries the real cache's counters as an input."""
     if cache is None:
         return None
     if isinstance(cache, _StepCache):
         ctr = cache.counters
         return ctr if ctr is not None and ctr.size >= n else None
-    ctr = cache.__dict__.get(COUNTERS_ATTR)
-    if ctr is None or ctr.size < n:
+    owner, ctr = cache.__dict__.get(COUNTERS_ATTR, (None, None))
+    # a copy of a cache (copy.copy, copy.deepcopy: MLX's deepcopy of an array keeps its
+    # buffer) gets counters of its own
+    if ctr is None or ctr.size < n or owner != id(cache):
         ctr = gdn_ops.proj_counters(n)
-        setattr(cache, COUNTERS_ATTR, ctr)
+        setattr(cache, COUNTERS_ATTR, (id(cache), ctr))
     return ctr
 
 

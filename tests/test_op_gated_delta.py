@@ -1140,8 +1140,8 @@ def test_metal_bodies_lint():
 
 
 def test_counters_belong_to_caches():
-    """The patch keeps the SPLIT / OUTP arrival counters on each GDN cache object (never
-    shared between caches, so launches MLX may run concurrently never share them); no
+    """The patch keeps the SPLIT / OUTP / moe_fused arrival counters on each cache object
+    (never shared between caches or their copies, so launches MLX may run concurrently never share them); no
     cache, no counters (one block per head, no OUTP); a traced step's stand-in cache
     hands over the real cache's."""
     from mlx_lm.models.cache import ArraysCache
@@ -1157,6 +1157,19 @@ def test_counters_belong_to_caches():
     assert nxt.gdn_counters(nxt._StepCache(None, None, ca), 66) is ca
     assert nxt.gdn_counters(nxt._StepCache(None, None, ca), 10 ** 6) is None
     assert nxt.gdn_counters(nxt._StepCache(None, None), 66) is None
+    # copies of a cache (MLX's deepcopy of an array keeps its buffer) get their own
+    import copy
+
+    from mlx_lm.models.cache import KVCache
+
+    for cp in (copy.copy, copy.deepcopy):
+        a2 = cp(a)
+        c2 = nxt.gdn_counters(a2, 66)
+        assert c2 is not ca and nxt.gdn_counters(a2, 66) is c2
+        assert memoryview(c2).tobytes() == bytes(4 * c2.size)
+        assert np.asarray(memoryview(c2)).ctypes.data != np.asarray(memoryview(ca)).ctypes.data
+    kv = KVCache()  # attention layers' caches hold the MoE block's counters
+    assert nxt.gdn_counters(kv, 4) is nxt.gdn_counters(kv, 4)
 
 
 def test_contiguous_out_proj():

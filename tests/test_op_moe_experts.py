@@ -664,19 +664,30 @@ def test_fused_decode_matches_three_launches_and_truth(backend, case):
 @pytest.mark.gpu
 @pytest.mark.skipif("cuda" not in parity_backends(), reason="no cuda device here")
 def test_fused_decode_production_dims_repeated():
-    """The production block (E=256, k=8) on the GPU, several launches in a row on one
-    counter array, and two blocks on two arrays in one evaluation."""
+    """The production block (E=256, k=8) on the GPU: chains of launches on one counter
+    array, two chains on two arrays in one evaluation, each launch evaluated alone: the
+    same results, counters zero afterwards."""
     counters, off = _check_fused("cuda", FUSED_PRODUCTION)
     blk, router, wts, hin, res, nw = _fused_inputs(FUSED_PRODUCTION)
     kf = kernels.build(M.FUSED_SPEC, "cuda")
     run = M.fused_plan(kf, wts, router, hin.shape, mx.bfloat16, 8, True, off)
-    first = run(hin, res, nw, 1e-6, counters)[0]
-    outs = [run(hin, res, nw, 1e-6, counters)[0] for _ in range(4)]
+    # launches on one counter array must be ordered (as a layer's are, step by step):
+    # each takes the previous one's output; a second array serves a chain MLX may run
+    # concurrently with the first
     c2 = mx.zeros((off + M.FUSED_COUNTERS,), dtype=mx.int32)
-    other = run(hin, res, nw, 1e-6, c2)[0]
-    mx.eval(first, *outs, other, counters, c2)
-    for o in outs + [other]:
-        assert mx.array_equal(o, first).item()
+    chains = []
+    for ctr in (counters, c2):
+        y = hin
+        for _ in range(4):
+            y = run(y, res, nw, 1e-6, ctr)[0]
+        chains.append(y)
+    want = hin
+    for _ in range(4):
+        want = run(want, res, nw, 1e-6, counters)[0]
+        mx.eval(want)
+    mx.eval(*chains, counters, c2)
+    for y in chains:
+        assert bool(mx.all(mx.isfinite(y)).item()) and mx.array_equal(y, want).item()
     assert not bool(mx.any(counters).item()) and not bool(mx.any(c2).item())
 
 

@@ -34,10 +34,15 @@ __device__ __forceinline__ void lily_arrive(int* ctr, int tid) {
   __syncthreads();
   if (tid == 0) atomicAdd(ctr, 1);
 }
-// Wait until *ctr >= target (thread 0 polls), then order this block's later loads.
+// Wait until *ctr >= target (thread 0 polls L2), then order this block's later loads.
+// A wait past ~4 s (2^33 SM clocks: counters that were not zero at launch, or shared by
+// two launches running at once) traps, so the launch fails instead of hanging the GPU.
 __device__ __forceinline__ void lily_wait_count(int* ctr, int target, int tid) {
   if (tid == 0) {
-    while (atomicAdd(ctr, 0) < target) {
+    const long long t0 = clock64();
+    while (*reinterpret_cast<volatile int*>(ctr) < target) {
+      __nanosleep(64);
+      if (clock64() - t0 > (1ll << 33)) __trap();
     }
   }
   __syncthreads();
