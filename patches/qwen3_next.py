@@ -25,7 +25,8 @@ from mlx_lily.ops import qmm_dequant
 from mlx_lily.ops.add_rms_norm import add_rms_norm
 from mlx_lily.ops import gated_delta as gdn_ops
 from mlx_lily.ops.gated_delta import gated_delta, gated_delta_packed
-from mlx_lily.ops.moe_experts import FUSED_COUNTERS, drop_plans, moe_experts, moe_experts_routed
+from mlx_lily.ops.moe_experts import (FUSED_COUNTERS, FUSED_RPW_ENV, drop_plans, moe_experts,
+                                      moe_experts_routed)
 from mlx_lily.ops.moe_router_topk import PRE_NORM_OP, moe_router_topk, moe_router_topk_pending
 from mlx_lily.qproj import PendingNorm, QProj, resolve
 
@@ -491,7 +492,8 @@ def _compile_key():
     return (be, backend.disabled_ops(), backend._selected_ops,
             backend.env_value("MLX_LILY_KERNELS", ""),
             backend.env_value(attn_ops.DECODE_PF_ENV, ""),
-            norm_qgemv_ops.split_requested(), gdn_ops.proj_split(be))
+            norm_qgemv_ops.split_requested(), gdn_ops.proj_split(be),
+            backend.env_value(FUSED_RPW_ENV, ""))
 
 
 def _layer_tail(layer, h, r, counters=None):

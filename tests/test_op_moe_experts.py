@@ -706,6 +706,17 @@ def test_fused_tiles_and_supported():
     assert not M.fused_supported(router, 4, None, (1, 1, 256), mx.bfloat16)
 
 
+def test_fused_rpw_switch(monkeypatch):
+    assert M.fused_rpw() == M.FUSED_RPW
+    monkeypatch.setenv(M.FUSED_RPW_ENV, "2,4,1")
+    assert M.fused_rpw() == (2, 4, 1)
+    assert M.fused_tiles(2048, 512, 8, 256, 4, 8, 1) == 33 + 9 * 32 + 256
+    for bad in ("2,4", "0,4,2", "a,b,c", "2,4,9"):
+        monkeypatch.setenv(M.FUSED_RPW_ENV, bad)
+        with pytest.raises(ValueError, match=M.FUSED_RPW_ENV):
+            M.fused_rpw()
+
+
 @pytest.mark.skipif(not HAS_EMU, reason="Metal emulator unavailable")
 def test_fused_dispatcher(monkeypatch):
     """``moe_experts_routed`` on CUDA with a ``PendingNorm`` carrying counters: one launch

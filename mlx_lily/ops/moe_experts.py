@@ -91,8 +91,31 @@ FUSED_OP = "moe_fused"
 #: int32 counters one fused launch uses (tickets, router tiles done, gate+up tiles done,
 #: blocks done); every launch leaves them zero.
 FUSED_COUNTERS = 4
-#: Rows per lane group of the fused kernel's phases (router, gate+up, down), CUDA.
+#: Rows per lane group of the fused kernel's phases (router, gate+up, down), CUDA;
+#: ``MLX_LILY_MOE_FUSED_RPW=r,g,d`` overrides them (benchmarking).
 FUSED_RPW = (2, 4, 2)
+FUSED_RPW_ENV = "MLX_LILY_MOE_FUSED_RPW"
+
+
+def fused_rpw() -> tuple:
+    """``FUSED_RPW``, or ``MLX_LILY_MOE_FUSED_RPW`` (three integers 1..8, comma-separated).
+
+    Raises:
+        ValueError: the variable is set to anything else.
+    """
+    from ..backend import env_value
+
+    raw = env_value(FUSED_RPW_ENV, "")
+    if not raw:
+        return FUSED_RPW
+    try:
+        v = tuple(int(t) for t in raw.split(","))
+    except ValueError:
+        v = ()
+    if len(v) != 3 or not all(1 <= x <= 8 for x in v):
+        raise ValueError(f"{FUSED_RPW_ENV} must be three integers 1..8 like '2,4,2', "
+                         f"got {raw!r}")
+    return v
 #: Threads per block of the fused kernel (4 warps in every phase).
 FUSED_THREADS = 128
 
@@ -568,7 +591,7 @@ def moe_experts_routed(x, router, k: int, norm_topk_prob: bool, switch_mlp, shar
 
 
 def fused_tiles(d: int, i: int, k: int, e: int, bits: int, router_bits: int, rows: int,
-                rpw=FUSED_RPW) -> int | None:
+                rpw=None) -> int | None:
     """Blocks of one ``lily_moe_decode`` launch: per row, ``ceil((e+1)/RPB_R)`` router
     tiles + ``(k+1) * ceil(i/RPB_G)`` gate+up tiles + ``ceil(d/RPB_D)`` down tiles, with
     ``RPB = 4 * (32 / LPR) * RPW`` per phase. None when a width does not map onto lane
@@ -579,7 +602,7 @@ def fused_tiles(d: int, i: int, k: int, e: int, bits: int, router_bits: int, row
     if None in (lr, lg, ld):
         return None
     rpb = lambda lpr, r: 4 * (32 // lpr) * r  # noqa: E731
-    rr, rg, rd = rpw
+    rr, rg, rd = rpw or fused_rpw()
     return rows * (-(-(e + 1) // rpb(lr, rr)) + (k + 1) * -(-i // rpb(lg, rg))
                    + -(-d // rpb(ld, rd)))
 
@@ -602,7 +625,7 @@ def fused_supported(router, k: int, wts: DecodeWeights | None, x_shape, x_dtype)
         return False
     if max(d, (k + 1) * i) * x_dtype.size + 4 * (2 * k + 6) > 48 * 1024:
         return False
-    rr, rg, rd = FUSED_RPW
+    rr, rg, rd = fused_rpw()
     return (_fits("gate_up", _lane_words(d, rbits, rr), FUSED_THREADS)
             and _fits("gate_up", _lane_words(d, bits, rg, 2), FUSED_THREADS)
             and _fits("down", _lane_words(i, bits, rd, k + 1), FUSED_THREADS))
@@ -621,8 +644,8 @@ def fused_plan(kernel, wts: DecodeWeights, router, x_shape, x_dtype, k: int,
     n = 1
     for s_ in lead:
         n *= s_
-    rr, rg, rd = FUSED_RPW
-    tiles = fused_tiles(d, i, k, e, wts.bits, router.bits, n)
+    rr, rg, rd = fused_rpw()
+    tiles = fused_tiles(d, i, k, e, wts.bits, router.bits, n, (rr, rg, rd))
     dt = x_dtype
     kw = dict(template=[("T", dt), ("S", wts.gate[1].dtype), ("N", n), ("D", d), ("I", i),
                         ("K", k), ("E", e), ("BITS", wts.bits), ("GS", wts.group_size),
@@ -667,7 +690,7 @@ def _fused_call(x, router, k, norm_topk_prob, switch_mlp, shared_expert, backend
     plans = _plans(switch_mlp, "_lily_fused_plans")
     key = (backend, id(router), id(shared_expert), id(switch_mlp.gate_proj.get("weight")),
            id(switch_mlp.up_proj.get("weight")), id(switch_mlp.down_proj.get("weight")),
-           row.shape, row.dtype, k, bool(norm_topk_prob), int(off))
+           row.shape, row.dtype, k, bool(norm_topk_prob), int(off), fused_rpw())
     run = plans.get(key, False)
     if run is False:
         run = None

@@ -28,11 +28,14 @@ struct LilyL2 {
   const T* p;
   __device__ __forceinline__ T operator[](int i) const { return __ldcg(p + i); }
 };
-// counters[i] += 1 once the whole block's writes are visible device-wide.
+// *ctr += 1 once the whole block's writes are visible device-wide (the barrier, then one
+// thread's device-scope fence, as cooperative groups' grid sync orders a block's writes).
 __device__ __forceinline__ void lily_arrive(int* ctr, int tid) {
-  __threadfence();
   __syncthreads();
-  if (tid == 0) atomicAdd(ctr, 1);
+  if (tid == 0) {
+    __threadfence();
+    atomicAdd(ctr, 1);
+  }
 }
 // Wait until *ctr >= target (thread 0 polls L2), then order this block's later loads.
 // A wait past ~4 s (2^33 SM clocks: counters that were not zero at launch, or shared by
@@ -44,9 +47,37 @@ __device__ __forceinline__ void lily_wait_count(int* ctr, int target, int tid) {
       __nanosleep(64);
       if (clock64() - t0 > (1ll << 33)) __trap();
     }
+    __threadfence();
   }
   __syncthreads();
-  __threadfence();
+}
+// n values of T at src (written by other blocks of the launch) into shared dst through
+// L2: 16-byte loads, all issued before any store, when both are 16-byte aligned.
+template <typename T, int N, int NT>
+__device__ __forceinline__ void lily_copy_l2(T* dst, const T* src, int tid) {
+  constexpr int NV = N * int(sizeof(T)) / 16;
+  if (N * int(sizeof(T)) % 16 == 0 &&
+      ((reinterpret_cast<unsigned long long>(src) | reinterpret_cast<unsigned long long>(dst)) & 15ull) == 0ull) {
+    constexpr int PT = (NV + NT - 1) / NT;
+    uint4 v[PT];
+#pragma unroll
+    for (int j = 0; j < PT; ++j) {
+      const int i = tid + j * NT;
+      if (i < NV) v[j] = __ldcg(reinterpret_cast<const uint4*>(src) + i);
+    }
+#pragma unroll
+    for (int j = 0; j < PT; ++j) {
+      const int i = tid + j * NT;
+      if (i < NV) reinterpret_cast<uint4*>(dst)[i] = v[j];
+    }
+  } else {
+    constexpr int PT = (N + NT - 1) / NT;
+#pragma unroll 8
+    for (int j = 0; j < PT; ++j) {
+      const int i = tid + j * NT;
+      if (i < N) dst[i] = __ldcg(src + i);
+    }
+  }
 }
 // ---- body ----
   constexpr int NWK = 4;
@@ -179,9 +210,7 @@ __device__ __forceinline__ void lily_wait_count(int* ctr, int target, int tid) {
       s_cf[tid] = lily_f(__ldcg(scores_o + (size_t)n * K + tid));
     }
     if (tid == K) s_cf[K] = lily_f(__ldcg(shared_o + n));
-    for (int i = tid; i < (K + 1) * I; i += 32 * NWK) {
-      xs[i] = __ldcg(act + (size_t)n * (K + 1) * I + i);
-    }
+    lily_copy_l2<T, (K + 1) * I, 32 * NWK>(xs, act + (size_t)n * (K + 1) * I, tid);
     __syncthreads();
 #pragma unroll
     for (int j = 0; j < K; ++j) {
@@ -202,12 +231,14 @@ __device__ __forceinline__ void lily_wait_count(int* ctr, int target, int tid) {
     }
   }
   // the last block to leave resets the counters for the next launch
-  __threadfence();
   __syncthreads();
-  if (tid == 0 && atomicAdd(ctr + 3, 1) == TOTAL - 1) {
-    ctr[0] = 0;
-    ctr[1] = 0;
-    ctr[2] = 0;
-    ctr[3] = 0;
+  if (tid == 0) {
     __threadfence();
+    if (atomicAdd(ctr + 3, 1) == TOTAL - 1) {
+      ctr[0] = 0;
+      ctr[1] = 0;
+      ctr[2] = 0;
+      ctr[3] = 0;
+      __threadfence();
+    }
   }
