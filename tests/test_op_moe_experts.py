@@ -693,8 +693,8 @@ def test_fused_decode_production_dims_repeated():
 
 def test_fused_tiles_and_supported():
     """Tile count of the production block and what ``fused_supported`` refuses."""
-    assert M.fused_tiles(2048, 512, 8, 256, 4, 8, 1) == 33 + 9 * 32 + 128
-    assert M.fused_tiles(2048, 512, 8, 256, 4, 8, 2) == 2 * 449
+    assert M.fused_tiles(2048, 512, 8, 256, 4, 8, 1, (2, 4, 2)) == 33 + 9 * 32 + 128
+    assert M.fused_tiles(2048, 512, 8, 256, 4, 8, 2, (2, 4, 2)) == 2 * 449
     assert M.fused_tiles(100, 512, 8, 256, 4, 8, 1) is None
     blk = make_block(seed=12)
     router = _fused_router(blk)
@@ -708,9 +708,9 @@ def test_fused_tiles_and_supported():
 
 def test_fused_rpw_switch(monkeypatch):
     assert M.fused_rpw() == M.FUSED_RPW
-    monkeypatch.setenv(M.FUSED_RPW_ENV, "2,4,1")
-    assert M.fused_rpw() == (2, 4, 1)
-    assert M.fused_tiles(2048, 512, 8, 256, 4, 8, 1) == 33 + 9 * 32 + 256
+    monkeypatch.setenv(M.FUSED_RPW_ENV, "2,4,2")
+    assert M.fused_rpw() == (2, 4, 2)
+    assert M.fused_tiles(2048, 512, 8, 256, 4, 8, 1) == 33 + 9 * 32 + 128
     for bad in ("2,4", "0,4,2", "a,b,c", "2,4,9"):
         monkeypatch.setenv(M.FUSED_RPW_ENV, bad)
         with pytest.raises(ValueError, match=M.FUSED_RPW_ENV):

@@ -93,7 +93,7 @@ FUSED_OP = "moe_fused"
 FUSED_COUNTERS = 4
 #: Rows per lane group of the fused kernel's phases (router, gate+up, down), CUDA;
 #: ``MLX_LILY_MOE_FUSED_RPW=r,g,d`` overrides them (benchmarking).
-FUSED_RPW = (2, 4, 2)
+FUSED_RPW = (2, 4, 1)
 FUSED_RPW_ENV = "MLX_LILY_MOE_FUSED_RPW"
 
 

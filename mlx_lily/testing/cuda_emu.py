@@ -53,6 +53,7 @@ def aligned_emu_buffers(monkeypatch):
 
 # CUDA built-ins mapped onto the emulator's Metal ones, so the .cu bodies run on the CPU.
 CUDA_ON_EMU_HEADER = r"""
+#define LILY_EMU 1
 #define __device__
 #define __forceinline__ inline
 typedef bfloat16_t __nv_bfloat16;

@@ -28,26 +28,53 @@ struct LilyL2 {
   const T* p;
   __device__ __forceinline__ T operator[](int i) const { return __ldcg(p + i); }
 };
-// *ctr += 1 once the whole block's writes are visible device-wide (the barrier, then one
-// thread's device-scope fence, as cooperative groups' grid sync orders a block's writes).
+// Release / acquire at device scope (PTX memory model) instead of __threadfence()'s
+// fence.sc.gpu (MEMBAR.SC, which every block of the launch would pass 2-3 times). The
+// emulator (LILY_EMU) runs the same steps with C++ atomics.
+#ifdef LILY_EMU
+__device__ __forceinline__ int lily_ld_acquire(const int* p) {
+  return __atomic_load_n(p, __ATOMIC_ACQUIRE);
+}
+__device__ __forceinline__ void lily_add_release(int* p, int v) {
+  __atomic_fetch_add(p, v, __ATOMIC_RELEASE);
+}
+__device__ __forceinline__ int lily_add_acq_rel(int* p, int v) {
+  return __atomic_fetch_add(p, v, __ATOMIC_ACQ_REL);
+}
+#else
+__device__ __forceinline__ int lily_ld_acquire(const int* p) {
+  int v;
+  asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+__device__ __forceinline__ void lily_add_release(int* p, int v) {
+  asm volatile("red.release.gpu.global.add.s32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+__device__ __forceinline__ int lily_add_acq_rel(int* p, int v) {
+  int old;
+  asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], %2;"
+               : "=r"(old) : "l"(p), "r"(v) : "memory");
+  return old;
+}
+#endif
+// *ctr += 1 once the whole block's writes are visible device-wide: the barrier, then one
+// thread's release (cumulative over the writes the barrier ordered before it, the
+// pattern of cooperative groups' grid sync).
 __device__ __forceinline__ void lily_arrive(int* ctr, int tid) {
   __syncthreads();
-  if (tid == 0) {
-    __threadfence();
-    atomicAdd(ctr, 1);
-  }
+  if (tid == 0) lily_add_release(ctr, 1);
 }
-// Wait until *ctr >= target (thread 0 polls L2), then order this block's later loads.
-// A wait past ~4 s (2^33 SM clocks: counters that were not zero at launch, or shared by
-// two launches running at once) traps, so the launch fails instead of hanging the GPU.
+// Wait until *ctr >= target (thread 0 acquires), then the barrier orders this block's
+// later loads after it. A wait past ~4 s (2^33 SM clocks: counters that were not zero at
+// launch, or shared by two launches running at once) traps, so the launch fails instead
+// of hanging the GPU.
 __device__ __forceinline__ void lily_wait_count(int* ctr, int target, int tid) {
   if (tid == 0) {
     const long long t0 = clock64();
-    while (*reinterpret_cast<volatile int*>(ctr) < target) {
-      __nanosleep(64);
+    while (lily_ld_acquire(ctr) < target) {
+      __nanosleep(32);
       if (clock64() - t0 > (1ll << 33)) __trap();
     }
-    __threadfence();
   }
   __syncthreads();
 }
@@ -232,13 +259,9 @@ __device__ __forceinline__ void lily_copy_l2(T* dst, const T* src, int tid) {
   }
   // the last block to leave resets the counters for the next launch
   __syncthreads();
-  if (tid == 0) {
-    __threadfence();
-    if (atomicAdd(ctr + 3, 1) == TOTAL - 1) {
-      ctr[0] = 0;
-      ctr[1] = 0;
-      ctr[2] = 0;
-      ctr[3] = 0;
-      __threadfence();
-    }
+  if (tid == 0 && lily_add_acq_rel(ctr + 3, 1) == TOTAL - 1) {
+    ctr[0] = 0;
+    ctr[1] = 0;
+    ctr[2] = 0;
+    ctr[3] = 0;
   }
