@@ -39,6 +39,91 @@ class PatchHandle:
         return f"<mlx_lily.PatchHandle {len(self.targets)} targets active={self.active}>"
 
 
+#: Count of item mutations of ``mlx.nn.Module`` objects (``module[k] = v``, ``del``, ``pop``,
+#: ...: every way ``mlx.nn`` replaces a parameter or sub-module) while a patch is active,
+#: raised again each time tracking starts (so a count taken before never matches after).
+_MUTATIONS = [0]
+#: name -> (wrapper installed on ``mlx.nn.Module``, the attribute it replaced or None)
+_TRACKING: dict = {}
+_TRACKED_NAMES = ("__setitem__", "__delitem__", "pop", "popitem", "clear", "setdefault",
+                  "update", "__ior__")
+
+
+def module_mutations():
+    """The mutation count of ``mlx.nn.Module`` items (``_MUTATIONS``) while tracking is on
+    (a patch is active), else None. Equal counts at two moments mean no module of a
+    tracked type (``mutations_tracked``) had an item added, replaced or removed between
+    them (``mlx_lily.patches.qwen3_next.WeightSig`` skips its full check then)."""
+    return _MUTATIONS[0] if _TRACKING else None
+
+
+_TYPE_TRACKED: dict = {}
+
+
+def mutations_tracked(cls) -> bool:
+    """True when every item mutation of a ``cls`` instance goes through the wrappers
+    ``patch()`` installs on ``mlx.nn.Module`` (no class between ``cls`` and it defines one
+    of those methods itself)."""
+    r = _TYPE_TRACKED.get(cls)
+    if r is None:
+        import mlx.nn as nn
+
+        r = True
+        for name in _TRACKED_NAMES:
+            for klass in cls.__mro__:
+                if name in klass.__dict__:
+                    r = r and klass is nn.Module
+                    break
+        _TYPE_TRACKED[cls] = r
+    return r
+
+
+def _start_tracking() -> None:
+    import mlx.nn as nn
+
+    if _TRACKING:
+        return
+    _MUTATIONS[0] += 1
+
+    def counting(name, base):
+        if name in ("pop", "setdefault"):
+            def wrapper(self, key, *args):
+                if (key in self) != (name == "setdefault"):
+                    _MUTATIONS[0] += 1
+                return base(self, key, *args)
+        else:
+            def wrapper(self, *args, **kwargs):
+                _MUTATIONS[0] += 1
+                return base(self, *args, **kwargs)
+        wrapper.__name__ = name
+        wrapper.__qualname__ = f"Module.{name}"
+        wrapper.__doc__ = getattr(base, "__doc__", None)
+        return wrapper
+
+    for name in _TRACKED_NAMES:
+        own = nn.Module.__dict__.get(name)
+        w = counting(name, own if own is not None else getattr(dict, name))
+        _TRACKING[name] = (w, own)
+        setattr(nn.Module, name, w)
+    _TYPE_TRACKED.clear()
+
+
+def _stop_tracking() -> None:
+    import mlx.nn as nn
+
+    for name, (w, own) in list(_TRACKING.items()):
+        if nn.Module.__dict__.get(name) is w:
+            if own is None:
+                delattr(nn.Module, name)
+            else:
+                setattr(nn.Module, name, own)
+        else:
+            warnings.warn(f"mlx-lily: mlx.nn.Module.{name} was replaced by someone else "
+                          "after patching; left as it is", stacklevel=3)
+    _TRACKING.clear()
+    _TYPE_TRACKED.clear()
+
+
 def original(owner, name="__call__"):
     """The original attribute ``owner.name`` saved by the active patch.
 
@@ -267,6 +352,7 @@ def patch(model=None, *, ops=None) -> PatchHandle:
             setattr(owner, name, repl)
             applied.append((owner, name, orig, repl))
         _ACTIVE = PatchHandle(applied, ops)
+        _start_tracking()
         fresh = True
     else:
         _ACTIVE.ops = ops
@@ -299,6 +385,7 @@ def unpatch(handle: PatchHandle | None = None) -> bool:
         setattr(owner, name, orig)
         _ORIGINALS.pop((owner, name), None)
     _ACTIVE = None
+    _stop_tracking()
     backend.select_ops(None)
     from mlx_lily.patches.qwen3_next import drop_compiled_steps
 

@@ -37,23 +37,40 @@ class WeightSig:
     """The identity of every array, sub-module and list of modules in one or more module
     trees when it was taken: ``valid()`` turns False once any of them is replaced
     (``load_weights``, ``update``, ``set_dtype``, quantization, a layer swapped for another). A copy (``copy.deepcopy``, pickling) is never valid, so a copied model
-    rebuilds what it derived from its weights."""
+    rebuilds what it derived from its weights. Taken while patched (and no module in the
+    trees overrides ``mlx.nn.Module``'s item mutators), ``valid()`` first compares the
+    count of module item mutations (``mlx_lily.patching.module_mutations``) with the one
+    it last saw: equal, nothing can have been replaced; else the full identity check."""
 
-    __slots__ = ("_owners", "_keys", "_values")
+    __slots__ = ("_owners", "_keys", "_values", "_count", "_tracked")
 
     def __init__(self, module=None, *more):
-        entries = [] if module is None else [
-            (m, k, v) for top in (module, *more) for _, m in top.named_modules()
-            for k, v in m.items() if isinstance(v, (mx.array, nn.Module, list, tuple))]
-        # parallel tuples, so that valid() (every decode step) runs in C
+        from mlx_lily.patching import module_mutations, mutations_tracked
+
+        mods = [] if module is None else [m for top in (module, *more)
+                                          for _, m in top.named_modules()]
+        entries = [(m, k, v) for m in mods for k, v in m.items()
+                   if isinstance(v, (mx.array, nn.Module, list, tuple))]
+        # parallel tuples, so that the full check runs in C
         self._owners = None if module is None else tuple(m for m, _, _ in entries)
         self._keys = tuple(k for _, k, _ in entries)
         self._values = tuple(v for _, _, v in entries)
+        # while patched, the count of module item mutations answers first: unchanged,
+        # nothing was replaced (~0.1 ms per decode step saved on the CPU box, 2631 entries)
+        self._tracked = all(mutations_tracked(t) for t in {type(m) for m in mods})
+        self._count = module_mutations()
 
     def valid(self) -> bool:
         if self._owners is None:
             return False
-        return all(map(operator.is_, map(dict.get, self._owners, self._keys), self._values))
+        from mlx_lily.patching import _MUTATIONS, _TRACKING
+
+        if self._tracked and _TRACKING and self._count == _MUTATIONS[0]:
+            return True
+        ok = all(map(operator.is_, map(dict.get, self._owners, self._keys), self._values))
+        if ok and _TRACKING:
+            self._count = _MUTATIONS[0]
+        return ok
 
     def __deepcopy__(self, memo):
         return WeightSig()

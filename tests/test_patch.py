@@ -1,5 +1,6 @@
 """The patch API and the patched model end to end against stock mlx-lm (CPU)."""
 
+import contextlib
 import copy
 import warnings
 
@@ -638,6 +639,113 @@ def test_weight_signature_sees_replaced_submodules():
     sig = WeightSig(m)
     m.proj.weight = mx.zeros((4, 4))
     assert not sig.valid()
+
+
+def _mutations():
+    """Each way ``mlx.nn`` (and a user) replaces or removes a module's array or child."""
+    import mlx.nn as nn
+
+    def setattr_array(m):
+        m.proj.weight = mx.zeros((4, 4))
+
+    def setattr_none(m):  # a non-array value pops the item
+        m.proj.bias = None
+
+    def update(m):
+        m.update({"proj": {"weight": mx.ones((4, 4))}})
+
+    def load_weights(m):
+        m.load_weights([("proj.weight", mx.ones((4, 4))), ("proj.bias", mx.ones((4,)))])
+
+    def set_dtype(m):
+        m.set_dtype(mx.float16)
+
+    def delete(m):
+        del m.proj["bias"]
+
+    def pop(m):
+        m.proj.pop("bias")
+
+    def setitem(m):
+        m["proj"] = nn.Linear(4, 4)
+
+    def update_modules(m):
+        m.update_modules({"proj": nn.Linear(4, 4)})
+
+    def quantize(m):
+        nn.quantize(m, group_size=32, bits=4, class_predicate=lambda p, x: p == "proj")
+
+    return [setattr_array, setattr_none, update, load_weights, set_dtype, delete, pop,
+            setitem, update_modules, quantize]
+
+
+@pytest.mark.parametrize("mutate", _mutations(), ids=lambda f: f.__name__)
+@pytest.mark.parametrize("patched", [True, False])
+def test_weight_signature_fast_path_sees_every_mutation(mutate, patched):
+    """While patched, ``WeightSig.valid()`` answers from the count of module item mutations
+    (``patching.module_mutations``) when nothing changed; every way of replacing an array
+    or a child still makes it invalid, patched or not, and a valid signature stays valid
+    after unrelated mutations."""
+    import mlx.nn as nn
+
+    from mlx_lily.patches.qwen3_next import WeightSig
+
+    def build():
+        m = nn.Module()
+        m.proj = nn.Linear(32, 32)
+        m.proj.weight = mx.zeros((4, 4))
+        m.proj.bias = mx.zeros((4,))
+        return m
+
+    with (mlx_lily.patched() if patched else contextlib.nullcontext()):
+        m = build()
+        sig = WeightSig(m)
+        assert sig._tracked == patched and sig.valid() and sig.valid()
+        other = nn.Linear(4, 4)
+        other.weight = mx.ones((4, 4))  # elsewhere: the full check runs once, still valid
+        assert sig.valid()
+        if mutate.__name__ == "quantize":
+            m.proj = nn.Linear(32, 32)
+            sig = WeightSig(m)
+        mutate(m)
+        assert not sig.valid()
+        assert not sig.valid()
+
+
+def test_mutation_tracking_installed_and_removed_with_the_patch():
+    """``patch()`` wraps ``mlx.nn.Module``'s item mutators and ``unpatch()`` removes them
+    (by identity: MLX's own ``update`` comes back); a signature taken before a patch never
+    takes the fast path after it (the count moves when tracking starts); a class that
+    overrides a mutator is not tracked (full check)."""
+    import mlx.nn as nn
+
+    from mlx_lily import patching
+    from mlx_lily.patches.qwen3_next import WeightSig
+
+    own_update = nn.Module.__dict__["update"]
+    assert "__setitem__" not in nn.Module.__dict__ and patching.module_mutations() is None
+    m = nn.Module()
+    m.w = mx.zeros((2,))
+    before = WeightSig(m)
+    with mlx_lily.patched():
+        assert "__setitem__" in nn.Module.__dict__ and nn.Module.__dict__["update"] is not own_update
+        c = patching.module_mutations()
+        m.w = mx.ones((2,))
+        assert patching.module_mutations() == c + 1
+        assert not before.valid()
+
+        class Custom(nn.Module):
+            def __setitem__(self, k, v):
+                dict.__setitem__(self, k, v)
+
+        cm = Custom()
+        cm.w = mx.zeros((2,))
+        assert not patching.mutations_tracked(Custom) and not WeightSig(cm)._tracked
+        s2 = WeightSig(cm)
+        dict.__setitem__(cm, "w", mx.ones((2,)))
+        assert not s2.valid()
+    assert "__setitem__" not in nn.Module.__dict__ and nn.Module.__dict__["update"] is own_update
+    assert patching.module_mutations() is None
 
 
 def test_cuda_default_kernel_set(monkeypatch):
