@@ -261,17 +261,19 @@ _STEM_OPS = (
 # OUTP's loads in its head sum (same summation order); the cleanup after it (a shared
 # last-to-arrive helper, LilyRowTile taking a column slice) left every CUDA kernel's SASS
 # as nvcc 13 -arch=sm_90a built it before, but for the order of one address computation.
-# moe_fused (the MoE block in one launch): its GPU tests passed at trees 573e475, a6d633e
-# and a660dda, decode_step (whole step vs per layer vs eager, two caches in one eval) at
-# 5ef942c, and the A/B gate with it on at a6d633e (MLX_LILY_MOE_FUSED_RPW=2,4,1, the
-# default since): session 12, benchmarks/results/2026-11-30-cuda-h200-session12/; a660dda
-# changed its waits from __threadfence to release/acquire (GPU tests only).
+# moe_fused (the MoE block in one launch) is not listed yet: its GPU tests passed at trees
+# 573e475, a6d633e and a660dda, decode_step at 5ef942c and the A/B gate at a6d633e
+# (session 12, benchmarks/results/2026-11-30-cuda-h200-session12/), but a review then
+# found that two steps built before one evaluation could run a layer's launches
+# concurrently on the same counters; the fix (each launch takes the previous one's output
+# as an unread input, `after`) has not run on a GPU. MLX_LILY_KERNELS=all (or
+# "verified,moe_fused") turns it on.
 VERIFIED: dict = {
     "cuda": frozenset({"add_rms_norm", "moe_router_topk", "moe_route", "moe_experts",
                        "moe_grouped", "attention", "qgemv", "gated_delta", "norm_qgemv",
                        "gdn_packed", "attn_packed", "moe_router_norm",
                        "moe_topk_in_experts", "qgemv_out", "prefill_dequant", "gdn_proj",
-                       "gdn_out_proj", "moe_fused"}),
+                       "gdn_out_proj"}),
     "metal": frozenset(),
 }
 

@@ -9,7 +9,9 @@ is wrapped so that models loaded while patched get their one-time weight re-layo
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
+import threading
 import warnings
 
 from . import backend
@@ -47,14 +49,26 @@ _MUTATIONS = [0]
 _TRACKING: dict = {}
 _TRACKED_NAMES = ("__setitem__", "__delitem__", "pop", "popitem", "clear", "setdefault",
                   "update", "__ior__")
+#: Methods a class must inherit from ``mlx.nn.Module`` for its mutations to be counted
+#: (its own ``__setattr__`` could write through ``dict.__setitem__``).
+_UNWRAPPED_NAMES = ("__setattr__", "__delattr__")
+_COUNT_LOCK = threading.Lock()
 
 
 def module_mutations():
     """The mutation count of ``mlx.nn.Module`` items (``_MUTATIONS``) while tracking is on
     (a patch is active), else None. Equal counts at two moments mean no module of a
     tracked type (``mutations_tracked``) had an item added, replaced or removed between
-    them (``mlx_lily.patches.qwen3_next.WeightSig`` skips its full check then)."""
+    them (``mlx_lily.patches.qwen3_next.WeightSig`` skips its full check then): a
+    mutation is counted after it took effect, so a count read before a check of the
+    modules covers what that check saw. Not counted: writes that bypass the methods, such
+    as ``dict.__setitem__(module, k, v)`` called directly."""
     return _MUTATIONS[0] if _TRACKING else None
+
+
+def _count_mutation() -> None:
+    with _COUNT_LOCK:
+        _MUTATIONS[0] += 1
 
 
 _TYPE_TRACKED: dict = {}
@@ -63,13 +77,13 @@ _TYPE_TRACKED: dict = {}
 def mutations_tracked(cls) -> bool:
     """True when every item mutation of a ``cls`` instance goes through the wrappers
     ``patch()`` installs on ``mlx.nn.Module`` (no class between ``cls`` and it defines one
-    of those methods itself)."""
+    of those methods, ``__setattr__`` or ``__delattr__`` itself)."""
     r = _TYPE_TRACKED.get(cls)
     if r is None:
         import mlx.nn as nn
 
         r = True
-        for name in _TRACKED_NAMES:
+        for name in _TRACKED_NAMES + _UNWRAPPED_NAMES:
             for klass in cls.__mro__:
                 if name in klass.__dict__:
                     r = r and klass is nn.Module
@@ -83,21 +97,27 @@ def _start_tracking() -> None:
 
     if _TRACKING:
         return
-    _MUTATIONS[0] += 1
+    _count_mutation()
 
     def counting(name, base):
+        # counted after the call: a reader that took the count before checking either
+        # saw the change or sees a new count next time
         if name in ("pop", "setdefault"):
+            @functools.wraps(base)
             def wrapper(self, key, *args):
-                if (key in self) != (name == "setdefault"):
-                    _MUTATIONS[0] += 1
-                return base(self, key, *args)
+                changes = (key in self) != (name == "setdefault")
+                try:
+                    return base(self, key, *args)
+                finally:
+                    if changes:
+                        _count_mutation()
         else:
+            @functools.wraps(base)
             def wrapper(self, *args, **kwargs):
-                _MUTATIONS[0] += 1
-                return base(self, *args, **kwargs)
-        wrapper.__name__ = name
-        wrapper.__qualname__ = f"Module.{name}"
-        wrapper.__doc__ = getattr(base, "__doc__", None)
+                try:
+                    return base(self, *args, **kwargs)
+                finally:
+                    _count_mutation()
         return wrapper
 
     for name in _TRACKED_NAMES:

@@ -158,8 +158,9 @@ class PendingNorm:
         self.h0, self.res, self.weight, self.eps = h0, res, weight, eps
         self.h = None
         self._x = None
-        #: ``(int32 array, offset)``: arrival counters a one-launch consumer may use
-        #: (``moe_experts.FUSED_COUNTERS`` from ``offset``, left zero), or None
+        #: ``(int32 array, offset, after)``: arrival counters a one-launch consumer may
+        #: use (``moe_experts.FUSED_COUNTERS`` from ``offset``, left zero) and the output of
+        #: the previous launch on them (its launch must be ordered after it), or None
         self.counters = counters
 
     @property

@@ -47,6 +47,7 @@ class WeightSig:
     def __init__(self, module=None, *more):
         from mlx_lily.patching import module_mutations, mutations_tracked
 
+        count = module_mutations()  # before reading the modules (see valid())
         mods = [] if module is None else [m for top in (module, *more)
                                           for _, m in top.named_modules()]
         entries = [(m, k, v) for m in mods for k, v in m.items()
@@ -58,18 +59,20 @@ class WeightSig:
         # while patched, the count of module item mutations answers first: unchanged,
         # nothing was replaced (~0.1 ms per decode step saved on the CPU box, 2631 entries)
         self._tracked = all(mutations_tracked(t) for t in {type(m) for m in mods})
-        self._count = module_mutations()
+        self._count = count
 
     def valid(self) -> bool:
         if self._owners is None:
             return False
         from mlx_lily.patching import _MUTATIONS, _TRACKING
 
-        if self._tracked and _TRACKING and self._count == _MUTATIONS[0]:
+        count = _MUTATIONS[0] if _TRACKING else None
+        if self._tracked and count is not None and self._count == count:
             return True
+        # the count read before the check: a mutation during the check moves it again
         ok = all(map(operator.is_, map(dict.get, self._owners, self._keys), self._values))
-        if ok and _TRACKING:
-            self._count = _MUTATIONS[0]
+        if ok and count is not None:
+            self._count = count
         return ok
 
     def __deepcopy__(self, memo):
@@ -334,13 +337,30 @@ def _counters_for(layer, c, h):
     return gdn_counters(c, _gdn_counter_count(layer, h.shape[0]) + FUSED_COUNTERS)
 
 
-def _moe_counters(layer, counters, B):
-    """``(counters, offset)`` of the MoE block of ``layer`` in its cache's counter array
-    (``PendingNorm.counters``), or None without one."""
+def _moe_counters(layer, counters, B, after):
+    """``(counters, offset, after)`` of the MoE block of ``layer`` in its cache's counter
+    array (``PendingNorm.counters``), or None without counters or ``after``."""
     off = _gdn_counter_count(layer, B)
-    if counters is None or counters.size < off + FUSED_COUNTERS:
+    if counters is None or after is None or counters.size < off + FUSED_COUNTERS:
         return None
-    return counters, off
+    return counters, off, after
+
+
+MOE_AFTER_ATTR = "_lily_moe_after"
+
+
+def _moe_after(c, h):
+    """The last MoE output of the layer whose cache is ``c`` (set by the compiled steps
+    after each step), which the next one-launch MoE block on the cache's counters takes as
+    an input so that MLX orders the two launches (``moe_experts.fused_plan``): without a
+    data dependency, two steps built before one evaluation could run their launches of a
+    layer concurrently on the same counters. Zeros of ``h``'s shape and dtype before the
+    first step."""
+    a = c.__dict__.get(MOE_AFTER_ATTR)
+    if a is None or a.shape != h.shape or a.dtype != h.dtype:
+        a = mx.zeros(h.shape, h.dtype)
+        setattr(c, MOE_AFTER_ATTR, a)
+    return a
 
 
 def gdn_core_proj(self, proj, pending, mask, cache):
@@ -513,16 +533,17 @@ def _compile_key():
             backend.env_value(FUSED_RPW_ENV, ""))
 
 
-def _layer_tail(layer, h, r, counters=None):
+def _layer_tail(layer, h, r, counters=None, after=None):
     """``(h, r) -> (h', m)``: the residual add fused into the post-attention RMSNorm (in
     the MoE router's kernel when ``moe_router_norm`` serves), then the MLP/MoE output
     ``m``; the closing residual add is left to the next layer's input norm
     (``_layer_input``) or the final norm. ``counters``: the layer's cache counters
-    (``_counters_for``), which let the MoE block run as one launch (``moe_fused``)."""
+    (``_counters_for``) and ``after`` (``_moe_after``), which let the MoE block run as one
+    launch (``moe_fused``)."""
     post = layer.post_attention_layernorm
     if type(layer.mlp) is qwen3_next.Qwen3NextSparseMoeBlock and op_enabled(PRE_NORM_OP):
         pending = PendingNorm(h, r, post.weight, post.eps,  # folded into the router
-                              _moe_counters(layer, counters, h.shape[0]))
+                              _moe_counters(layer, counters, h.shape[0], after))
         m = layer.mlp(pending)
         if pending.h is None:
             pending.resolve()
@@ -553,17 +574,18 @@ def _mixer(layer, x, mask, c, h):
 
 def _gdn_step_fn(layer, pending):
     """One decode step of a GDN decoder layer as a pure function: ``(h, d, conv, state,
-    counters) -> (h', m, conv', state')``, where ``d`` is the layer's input ``x`` or, when
-    ``pending``, the previous MLP output (``x = rms_norm(h + d)`` is then folded into the
-    input projection), ``counters`` the cache's ``gdn_counters``; mixer, post-attention
-    add+norm and MLP/MoE."""
+    counters, after) -> (h', m, conv', state')``, where ``d`` is the layer's input ``x``
+    or, when ``pending``, the previous MLP output (``x = rms_norm(h + d)`` is then folded
+    into the input projection), ``counters`` the cache's ``_counters_for`` and ``after``
+    its ``_moe_after`` (store ``m`` there after the step); mixer, post-attention add+norm
+    and MLP/MoE."""
     norm = layer.input_layernorm
 
-    def step(h, d, conv, state, counters):
+    def step(h, d, conv, state, counters, after):
         c = _StepCache(conv, state, counters)
         x = PendingNorm(h, d, norm.weight, norm.eps) if pending else d
         h, r = _mixer(layer, x, None, c, h)
-        h, m = _layer_tail(layer, h, r, counters)
+        h, m = _layer_tail(layer, h, r, counters, after)
         return h, m, c[0], c[1]
 
     return step
@@ -621,7 +643,8 @@ def _attn_static_head_dim(layer, dtype):
 
 def _attn_step_fn(layer, pending):
     """One decode step of an attention decoder layer as a pure function of arrays:
-    ``(h, d, keys, values, offset[, tlen, kv_idx, counters]) -> (h', m, keys', values')`` with
+    ``(h, d, keys, values, offset[, tlen, kv_idx, counters, after]) -> (h', m, keys',
+    values')`` with
     ``keys``/``values`` the KV cache's whole buffers, ``offset`` an int32 ``[1]`` (the
     token's position), ``tlen`` = ``offset + 1`` and ``kv_idx`` = ``kv_write_index``
     (computed here when not given; without ``tlen`` both are made device-resident here,
@@ -634,7 +657,8 @@ def _attn_step_fn(layer, pending):
     norm = layer.input_layernorm
     Hq, Hkv = attn.num_attention_heads, attn.num_key_value_heads
 
-    def step(h, d, keys, values, offset, tlen=None, kv_idx=None, counters=None):
+    def step(h, d, keys, values, offset, tlen=None, kv_idx=None, counters=None,
+             after=None):
         if tlen is None:  # one layer on its own: position and key count in device memory
             off4 = device_scalars(offset)
             offset, tlen = off4[:1], (off4 + 1)[:1]
@@ -656,7 +680,7 @@ def _attn_step_fn(layer, pending):
         values = mx.put_along_axis(values, idx, v, axis=2)
         out = attn_ops.decode_attention(q, keys, values, attn.scale, y, gate_packed=True,
                                         tlen=tlen)
-        h, m = _layer_tail(layer, h, one_row_linear(attn.o_proj, out), counters)
+        h, m = _layer_tail(layer, h, one_row_linear(attn.o_proj, out), counters, after)
         return h, m, keys, values
 
     return step
@@ -678,9 +702,10 @@ def _whole_step_fn(text_model, layers):
     """A whole decode step of the decoder stack as one pure function: ``(h, *states,
     offset) -> (y, *states')`` with ``h`` the token's embedding ``[B, 1, D]``, ``states``
     each layer's cache arrays in order (GDN: conv and recurrent state; attention: the KV
-    cache's key and value buffers; then the cache's ``_counters_for``, an input only),
-    ``offset`` the attention layers' common position (int32 ``[1]``) and ``y`` the final
-    norm's output. The layers' bodies are ``_gdn_step_fn`` / ``_attn_step_fn`` (every
+    cache's key and value buffers; then the cache's ``_counters_for`` and ``_moe_after``,
+    inputs only; ``states'`` per layer: the two new cache arrays and the layer's MoE
+    output, the next step's ``_moe_after``), ``offset`` the attention layers' common
+    position (int32 ``[1]``) and ``y`` the final norm's output. The layers' bodies are ``_gdn_step_fn`` / ``_attn_step_fn`` (every
     layer's input norm but the first pending, folded into its input projection), so
     ``mx.compile`` replays the whole step with one Python call until the KV caches grow."""
     first = layers[0].input_layernorm
@@ -699,14 +724,15 @@ def _whole_step_fn(text_model, layers):
         it = iter(arrays[:-1])
         for layer, f in zip(layers, fns):
             a, b = next(it), next(it)
+            ctr, after = next(it), next(it)
             if layer.is_linear:
-                h, d, a, b = f(h, d, a, b, next(it))
+                h, d, a, b = f(h, d, a, b, ctr, after)
             else:
                 row = (a.shape[0], a.shape[1], 1, a.shape[3])
                 if row not in idx:
                     idx[row] = kv_write_index(offset, row)
-                h, d, a, b = f(h, d, a, b, offset, tlen, idx[row], next(it))
-            outs += [a, b]
+                h, d, a, b = f(h, d, a, b, offset, tlen, idx[row], ctr, after)
+            outs += [a, b, d]
         return [add_rms_norm(h, d, norm.weight, norm.eps)[1], *outs]
 
     return step
@@ -803,7 +829,7 @@ def _run_whole_step(text_model, cs, layers, cache, h):
     args = [h]
     for layer, c in zip(layers, cache):
         args += ([c[0], c[1]] if layer.is_linear else [c.keys, c.values])
-        args.append(_counters_for(layer, c, h))
+        args += [_counters_for(layer, c, h), _moe_after(c, h)]
     args.append(mx.array([offset or 0], dtype=mx.int32))
     try:
         out = fn(*args)
@@ -829,6 +855,7 @@ def _run_whole_step(text_model, cs, layers, cache, h):
             c.keys = next(it)
             c.values = next(it)
             c.offset += 1
+        setattr(c, MOE_AFTER_ATTR, next(it))
     return out[0]
 
 
@@ -998,7 +1025,8 @@ def _run_compiled(steps, key, layer, h, x, c, fa_mask):
         args = (h, x.res if pending else x, c.keys, c.values,
                 mx.array([c.offset], dtype=mx.int32))
     elif layer.is_linear:
-        args = (h, x.res if pending else x, c[0], c[1], _counters_for(layer, c, h))
+        args = (h, x.res if pending else x, c[0], c[1], _counters_for(layer, c, h),
+                _moe_after(c, h))
     else:
         h, r = _mixer(layer, x, fa_mask, c, h)
         args = (h, r)
@@ -1024,6 +1052,7 @@ def _run_compiled(steps, key, layer, h, x, c, fa_mask):
         return h, m
     if layer.is_linear:
         h, m, c[0], c[1] = out
+        setattr(c, MOE_AFTER_ATTR, m)
         return h, m
     return out
 

@@ -369,12 +369,12 @@ def test_whole_decode_step_function_matches_eager_path():
         args = [h]
         for l, c in zip(layers, cache):
             args += [c[0], c[1]] if l.is_linear else [c.keys, c.values]
-            args.append(nxt._counters_for(l, c, h))
+            args += [nxt._counters_for(l, c, h), nxt._moe_after(c, h)]
         step = nxt._whole_step_fn(inner, layers)
         out = step(*args, mx.array([offs.pop()], dtype=mx.int32))
         close(out[0], want, "final hidden")
         for i, (l, c) in enumerate(zip(layers, c_eager)):
-            a, b = out[1 + 2 * i], out[2 + 2 * i]
+            a, b = out[1 + 3 * i], out[2 + 3 * i]  # then the layer's MoE output
             if l.is_linear:
                 close(a, c[0], f"conv state {i}")
                 close(b, c[1], f"recurrent state {i}")

@@ -621,7 +621,7 @@ def _check_fused(backend, case):
         kf, init = kernels.build(M.FUSED_SPEC, "cuda"), float("nan")
     counters = mx.zeros((off + M.FUSED_COUNTERS + 2,), dtype=mx.int32)
     run = M.fused_plan(kf, wts, router, hin.shape, dtype, k, True, off, init_value=init)
-    y, h = run(hin, res, nw, eps, counters)
+    y, h = run(hin, res, nw, eps, counters, hin)
     mx.eval(y, h, counters)
     with mx.stream(mx.cpu):
         h_ref, x = add_rms_norm_reference(hin, res, nw, eps)
@@ -664,30 +664,32 @@ def test_fused_decode_matches_three_launches_and_truth(backend, case):
 @pytest.mark.gpu
 @pytest.mark.skipif("cuda" not in parity_backends(), reason="no cuda device here")
 def test_fused_decode_production_dims_repeated():
-    """The production block (E=256, k=8) on the GPU: chains of launches on one counter
-    array, two chains on two arrays in one evaluation, each launch evaluated alone: the
-    same results, counters zero afterwards."""
+    """The production block (E=256, k=8) on the GPU: four launches on one counter array
+    whose rows do not depend on each other, ordered only through ``after`` (each takes the
+    previous one's output, as a layer's steps do), and the same on a second array in the
+    same evaluation (MLX may run the two chains concurrently): each launch's result equals
+    the launch evaluated alone, counters zero afterwards."""
     counters, off = _check_fused("cuda", FUSED_PRODUCTION)
     blk, router, wts, hin, res, nw = _fused_inputs(FUSED_PRODUCTION)
     kf = kernels.build(M.FUSED_SPEC, "cuda")
     run = M.fused_plan(kf, wts, router, hin.shape, mx.bfloat16, 8, True, off)
-    # launches on one counter array must be ordered (as a layer's are, step by step):
-    # each takes the previous one's output; a second array serves a chain MLX may run
-    # concurrently with the first
+    rows = [(hin * (1.0 + 0.25 * i)).astype(mx.bfloat16) for i in range(4)]
+    want = []
+    for r in rows:
+        want.append(run(r, res, nw, 1e-6, counters, hin)[0])
+        mx.eval(want[-1])
     c2 = mx.zeros((off + M.FUSED_COUNTERS,), dtype=mx.int32)
     chains = []
     for ctr in (counters, c2):
-        y = hin
-        for _ in range(4):
-            y = run(y, res, nw, 1e-6, ctr)[0]
-        chains.append(y)
-    want = hin
-    for _ in range(4):
-        want = run(want, res, nw, 1e-6, counters)[0]
-        mx.eval(want)
-    mx.eval(*chains, counters, c2)
-    for y in chains:
-        assert bool(mx.all(mx.isfinite(y)).item()) and mx.array_equal(y, want).item()
+        prev, ys = hin, []
+        for r in rows:
+            prev = run(r, res, nw, 1e-6, ctr, prev)[0]
+            ys.append(prev)
+        chains.append(ys)
+    mx.eval(*chains[0], *chains[1], counters, c2)
+    for ys in chains:
+        for y, w in zip(ys, want):
+            assert bool(mx.all(mx.isfinite(y)).item()) and mx.array_equal(y, w).item()
     assert not bool(mx.any(counters).item()) and not bool(mx.any(c2).item())
 
 
@@ -743,12 +745,12 @@ def test_fused_dispatcher(monkeypatch):
     case = FUSED_CASES[0]
     blk, router, wts, hin, res, nw = _fused_inputs(case)
     ctr = mx.zeros((8,), dtype=mx.int32)
-    p = PendingNorm(hin, res, nw, 1e-6, (ctr, 2))
+    p = PendingNorm(hin, res, nw, 1e-6, (ctr, 2, hin))
     y = M.moe_experts_routed(p, router, 4, True, blk.switch_mlp, blk.shared_expert)
     assert calls == ["lily_moe_decode"]
     assert p.h is not None and mx.array_equal(p.h, hin + res).item()
     want = M.fused_plan(cuda_on_emu(M.FUSED_SPEC), wts, router, hin.shape, hin.dtype, 4,
-                        True, 2)(hin, res, nw, 1e-6, ctr)[0]
+                        True, 2)(hin, res, nw, 1e-6, ctr, hin)[0]
     assert mx.array_equal(y, want).item()
     del calls[:]
     p2 = PendingNorm(hin, res, nw, 1e-6)
@@ -759,20 +761,20 @@ def test_fused_dispatcher(monkeypatch):
     check_close(y, t, mag, mx.bfloat16)
     del calls[:]
     monkeypatch.setenv(B.DISABLE_ENV, M.FUSED_OP)
-    M.moe_experts_routed(PendingNorm(hin, res, nw, 1e-6, (ctr, 2)), router, 4, True,
+    M.moe_experts_routed(PendingNorm(hin, res, nw, 1e-6, (ctr, 2, hin)), router, 4, True,
                          blk.switch_mlp, blk.shared_expert)
     assert calls == ["lily_norm_qgemv", "lily_moe_gate_up", "lily_moe_down"]
     monkeypatch.delenv(B.DISABLE_ENV)
     del calls[:]
     short = mx.zeros((5,), dtype=mx.int32)  # fewer than offset + FUSED_COUNTERS
-    M.moe_experts_routed(PendingNorm(hin, res, nw, 1e-6, (short, 2)), router, 4, True,
+    M.moe_experts_routed(PendingNorm(hin, res, nw, 1e-6, (short, 2, hin)), router, 4, True,
                          blk.switch_mlp, blk.shared_expert)
     assert calls == ["lily_norm_qgemv", "lily_moe_gate_up", "lily_moe_down"]
     del calls[:]
     for m in (M, qgemv, norm_qgemv):
         monkeypatch.setattr(m, "current_backend", lambda: "metal")
     monkeypatch.setattr(kernels, "get", lambda spec, backend: None)
-    assert M.moe_experts_routed(PendingNorm(hin, res, nw, 1e-6, (ctr, 2)), router, 4, True,
+    assert M.moe_experts_routed(PendingNorm(hin, res, nw, 1e-6, (ctr, 2, hin)), router, 4, True,
                                 blk.switch_mlp, blk.shared_expert) is None
 
 
@@ -790,7 +792,8 @@ def test_cuda_fused_compiles(rows):
     for p in ("sgate", "sup"):
         ins += [(f"{p}_w", u, 2), (f"{p}_s", bf, 2), (f"{p}_b", bf, 2)]
     ins += [("down_w", u, 3), ("down_s", bf, 3), ("down_b", bf, 3), ("sdown_w", u, 2),
-            ("sdown_s", bf, 2), ("sdown_b", bf, 2), ("counters", mx.int32, 1)]
+            ("sdown_s", bf, 2), ("sdown_b", bf, 2), ("counters", mx.int32, 1),
+            ("after", bf, 3)]
     assert [n for n, _, _ in ins] == list(M.FUSED_SPEC.inputs)
     outs = [("y", bf), ("h", bf), ("logits", bf), ("act", bf), ("inds_o", u),
             ("scores_o", bf), ("shared_o", bf)]

@@ -744,6 +744,13 @@ def test_mutation_tracking_installed_and_removed_with_the_patch():
         s2 = WeightSig(cm)
         dict.__setitem__(cm, "w", mx.ones((2,)))
         assert not s2.valid()
+
+        class OwnSetattr(nn.Module):
+            def __setattr__(self, k, v):
+                dict.__setitem__(self, k, v)
+
+        assert not patching.mutations_tracked(OwnSetattr)
+        assert patching.mutations_tracked(nn.Linear)
     assert "__setitem__" not in nn.Module.__dict__ and nn.Module.__dict__["update"] is own_update
     assert patching.module_mutations() is None
 

@@ -84,7 +84,8 @@ FUSED_SPEC = kernels.KernelSpec(
     inputs=("hin", "res", "nw", "eps", "rw", "rs", "rb",
             "gate_w", "gate_s", "gate_b", "up_w", "up_s", "up_b",
             "sgate_w", "sgate_s", "sgate_b", "sup_w", "sup_s", "sup_b",
-            "down_w", "down_s", "down_b", "sdown_w", "sdown_s", "sdown_b", "counters"),
+            "down_w", "down_s", "down_b", "sdown_w", "sdown_s", "sdown_b", "counters",
+            "after"),
     outputs=("y", "h", "logits", "act", "inds_o", "scores_o", "shared_o"))
 #: The switch of the one-launch MoE block (``moe_experts_routed`` with counters).
 FUSED_OP = "moe_fused"
@@ -633,12 +634,14 @@ def fused_supported(router, k: int, wts: DecodeWeights | None, x_shape, x_dtype)
 
 def fused_plan(kernel, wts: DecodeWeights, router, x_shape, x_dtype, k: int,
                norm_topk_prob: bool, offset: int, *, init_value: float | None = None):
-    """A callable ``run(hin, res, nw, eps, counters) -> (y, h)`` launching
+    """A callable ``run(hin, res, nw, eps, counters, after) -> (y, h)`` launching
     ``lily_moe_decode`` for one row shape and dtype: ``h = hin + res``, the router's
     logits of ``rms_norm(h) * nw``, top-``k`` routing, and ``y`` = the routed experts'
     and the gated shared expert's SwiGLU output (``moe_experts_routed``'s result), in
     one launch; ``counters`` an int32 array whose elements ``offset .. offset + 4`` are
-    zero (left zero). ``init_value`` fills every output first (tests poison them)."""
+    zero (left zero); ``after`` (never read) the output of the previous launch on these
+    counters, or any array when there was none: launches sharing counters must not run
+    concurrently, and MLX orders two launches only when one reads what the other wrote. ``init_value`` fills every output first (tests poison them)."""
     d, i, e = wts.hidden, wts.inter, wts.num_experts
     lead = tuple(x_shape[:-1])
     n = 1
@@ -661,8 +664,9 @@ def fused_plan(kernel, wts: DecodeWeights, router, x_shape, x_dtype, k: int,
     w = [router.weight, router.scales, router.biases, *wts.gate, *wts.up, *wts.sgate,
          *wts.sup, *wts.down, *wts.sdown]
 
-    def run(hin, res, nw, eps, counters):
-        out = kernel(inputs=[hin, res, nw, kernels.f32_scalar(eps), *w, counters], **kw)
+    def run(hin, res, nw, eps, counters, after):
+        out = kernel(inputs=[hin, res, nw, kernels.f32_scalar(eps), *w, counters, after],
+                     **kw)
         return out[0], out[1]
 
     return run
@@ -681,7 +685,7 @@ def _fused_call(x, router, k, norm_topk_prob, switch_mlp, shared_expert, backend
     is CUDA and ``fused_supported`` holds; None otherwise (nothing launched)."""
     from ..backend import op_enabled
 
-    ctr, off = x.counters
+    ctr, off, after = x.counters
     if (backend != "cuda" or not op_enabled(FUSED_OP) or not op_enabled("norm_qgemv")
             or not op_enabled("qgemv") or not kernels.kernels_allowed(FUSED_OP, backend)
             or ctr.dtype != mx.int32 or ctr.ndim != 1 or ctr.size < off + FUSED_COUNTERS):
@@ -703,5 +707,5 @@ def _fused_call(x, router, k, norm_topk_prob, switch_mlp, shared_expert, backend
         plans[key] = run
     if run is None:
         return None
-    y, x.h = run(x.h0, x.res, x.weight, x.eps, ctr)
+    y, x.h = run(x.h0, x.res, x.weight, x.eps, ctr, after)
     return y

@@ -1,5 +1,5 @@
 // @kernel lily_moe_decode
-// @inputs hin[N,D]:T res[N,D]:T nw[D]:T eps[1]:float32 rw[E+1,D*RBITS/32]:uint32 rs[E+1,D/RGS]:T rb[E+1,D/RGS]:T gate_w[E,I,D*BITS/32]:uint32 gate_s[E,I,D/GS]:S gate_b[E,I,D/GS]:S up_w[E,I,D*BITS/32]:uint32 up_s[E,I,D/GS]:S up_b[E,I,D/GS]:S sgate_w[I,D*BITS/32]:uint32 sgate_s[I,D/GS]:S sgate_b[I,D/GS]:S sup_w[I,D*BITS/32]:uint32 sup_s[I,D/GS]:S sup_b[I,D/GS]:S down_w[E,D,I*BITS/32]:uint32 down_s[E,D,I/GS]:S down_b[E,D,I/GS]:S sdown_w[D,I*BITS/32]:uint32 sdown_s[D,I/GS]:S sdown_b[D,I/GS]:S counters[CO+4]:int32
+// @inputs hin[N,D]:T res[N,D]:T nw[D]:T eps[1]:float32 rw[E+1,D*RBITS/32]:uint32 rs[E+1,D/RGS]:T rb[E+1,D/RGS]:T gate_w[E,I,D*BITS/32]:uint32 gate_s[E,I,D/GS]:S gate_b[E,I,D/GS]:S up_w[E,I,D*BITS/32]:uint32 up_s[E,I,D/GS]:S up_b[E,I,D/GS]:S sgate_w[I,D*BITS/32]:uint32 sgate_s[I,D/GS]:S sgate_b[I,D/GS]:S sup_w[I,D*BITS/32]:uint32 sup_s[I,D/GS]:S sup_b[I,D/GS]:S down_w[E,D,I*BITS/32]:uint32 down_s[E,D,I/GS]:S down_b[E,D,I/GS]:S sdown_w[D,I*BITS/32]:uint32 sdown_s[D,I/GS]:S sdown_b[D,I/GS]:S counters[CO+4]:int32 after[*]:T (unread)
 // @outputs y[N,D]:T h[N,D]:T logits[N,E+1]:T act[N,K+1,I]:T inds_o[N,K]:uint32 scores_o[N,K]:T shared_o[N*8]:T   (all but y and h: the launch's scratch)
 // @template T=bfloat16 S=bfloat16 N=1 D=2048 I=512 K=8 E=256 BITS=4 GS=64 RBITS=8 RGS=64 RRPW=2 GRPW=4 DRPW=2 NORM=true CO=0
 // @template T=float32 S=float16 N=2 D=128 I=64 K=3 E=5 BITS=4 GS=32 RBITS=8 RGS=64 RRPW=2 GRPW=4 DRPW=1 NORM=false CO=3
@@ -15,7 +15,9 @@
 // act; counters[2] += 1), then down tiles (wait for counters[2], the score-weighted down
 // GEMVs of the K+1 slots, y = their sum). A block only waits for tiles whose tickets
 // were taken before its own, by blocks already running, so the launch cannot deadlock
-// whatever the number of resident blocks. The last block to leave (counters[3]) resets
+// whatever the number of resident blocks. `after` is never read: the launch takes the
+// previous launch's output on the same counters as an input, so MLX's CUDA graph orders the
+// two (it adds edges only from a buffer's writer). The last block to leave (counters[3]) resets
 // the four counters to zero. Writes of another block are read through L2 (__ldcg).
 // Apple GPUs give no such forward-progress guarantee between threadgroups in MSL, so
 // Metal runs the three launches (moe_experts.moe_experts_routed).
