@@ -1,5 +1,7 @@
 """One MoE layer of Qwen3.6-35B-A3B at batch-1 decode: stock mlx-lm vs Lily's kernels,
-plus Lily's quantized GEMV vs MLX's own qmv at the model's projection shapes.
+plus Lily's quantized GEMV vs MLX's own qmv at the model's projection shapes, and (CUDA)
+the MoE block's three launches vs the one-launch ``lily_moe_decode`` at several launch
+shapes (``fused_variants``).
 
 Run on a CUDA (or Metal) machine from anywhere, with mlx-lily installed:
     python benchmarks/gpu/moe_decode_bench.py --out DIR      (DIR defaults to $OUT)
@@ -423,6 +425,72 @@ def routed_variants(blk, router, reps, out):
     out["routed_variants"] = rows
 
 
+def fused_variants(blk, router, reps, out):
+    """The whole MoE block as the compiled decode step runs it: the router GEMV with the
+    add + RMSNorm (``norm_qgemv``) and the routed gate+up and down kernels (three
+    launches) vs ``lily_moe_decode`` (one launch, ``moe_fused``, CUDA) at several rows
+    per lane group (router, gate+up, down); ``LAYERS`` layers chained (each layer's
+    output is the next one's residual delta), each layer with its own counters as in
+    the model. Wall and device-side us per layer."""
+    from mlx_lily import kernels
+    from mlx_lily.ops import moe_experts as M
+    from mlx_lily.ops import norm_qgemv as NQ
+
+    be = _backend()
+    if be != "cuda" or not M.has_routed_kernel(be):
+        return
+    kf = kernels.build(M.FUSED_SPEC, be)
+    kg, kd = kernels.get(M.GATE_UP_SPEC, be), kernels.get(M.DOWN_SPEC, be)
+    kn = kernels.get(NQ.SPEC, be)
+    wts = M.decode_weights(blk.switch_mlp, blk.shared_expert)
+    x0 = mx.random.normal((1, 1, D)).astype(mx.bfloat16)
+    res = [mx.random.normal((1, 1, D)).astype(mx.bfloat16) for _ in range(LAYERS)]
+    nw = (1.0 + 0.1 * mx.random.normal((D,))).astype(mx.bfloat16)
+    ctrs = [mx.zeros((M.FUSED_COUNTERS,), dtype=mx.int32) for _ in range(LAYERS)]
+    mx.eval(x0, res, nw, ctrs)
+    rows = []
+    print(f"\nMoE block: three launches vs one (lily_moe_decode), {LAYERS} chained layers, "
+          "per layer")
+    nq = NQ.plan(kn, x0.shape, x0.dtype, router.weight, router.scales, router.biases,
+                 router.group_size, router.bits)
+    three = M.decode_plan(kg, kd, wts, x0.shape, x0.dtype, K, False, topk=True,
+                          norm_topk_prob=True, pre_norm=True)
+
+    def chain3(x):
+        for r in res:
+            logits, _ = nq(x, r, nw, 1e-6)
+            x = three(x, r, nw, 1e-6, logits)[0]
+        return x
+
+    t = _bench(lambda: chain3(x0), reps) / LAYERS
+    g = _gpu_us(chain3, x0, LAYERS)
+    rows.append({"variant": "three launches", "us_per_layer": 1e6 * t, "gpu_us_per_layer": g})
+    print(f"  three launches:       {1e6 * t:7.1f} us wall, "
+          f"{float('nan') if g is None else g:7.1f} us GPU")
+    for rpw in ((2, 4, 1), (2, 4, 2), (1, 4, 1), (2, 2, 1), (4, 4, 1), (2, 8, 1)):
+        os.environ[M.FUSED_RPW_ENV] = ",".join(map(str, rpw))
+        try:
+            if not M.fused_supported(router, K, wts, x0.shape, x0.dtype):
+                print(f"  fused {rpw}: not supported here")
+                continue
+            run = M.fused_plan(kf, wts, router, x0.shape, x0.dtype, K, True, 0)
+        finally:
+            os.environ.pop(M.FUSED_RPW_ENV, None)
+
+        def chain1(x, run=run):
+            for r, c in zip(res, ctrs):
+                x = run(x, r, nw, 1e-6, c, x)[0]
+            return x
+
+        t = _bench(lambda: chain1(x0), reps) / LAYERS
+        g = _gpu_us(chain1, x0, LAYERS)
+        rows.append({"variant": f"fused {rpw}", "rpw": rpw, "us_per_layer": 1e6 * t,
+                     "gpu_us_per_layer": g})
+        print(f"  fused rpw {rpw}: {1e6 * t:7.1f} us wall, "
+              f"{float('nan') if g is None else g:7.1f} us GPU")
+    out["fused_variants"] = rows
+
+
 def norm_gemv_split(reps, out):
     """``norm_qgemv`` (the add + RMSNorm inside the GEMV) vs ``add_rms_norm`` then
     ``qgemv`` (``MLX_LILY_NORM_GEMV=split``) on the decode projections behind a norm,
@@ -533,6 +601,7 @@ def main(argv=None):
                  lambda: kernel_variants(blk, router, args.reps, out),
                  lambda: qgemv_vs_qmv(args.reps, out),
                  lambda: routed_variants(blk, router, args.reps, out),
+                 lambda: fused_variants(blk, router, args.reps, out),
                  lambda: norm_gemv_split(args.reps, out)):
         try:
             step()
