@@ -261,6 +261,10 @@ _STEM_OPS = (
 # OUTP's loads in its head sum (same summation order); the cleanup after it (a shared
 # last-to-arrive helper, LilyRowTile taking a column slice) left every CUDA kernel's SASS
 # as nvcc 13 -arch=sm_90a built it before, but for the order of one address computation.
+# Session 12's helper cleanup (LilyRowTile::dot_each, lily_swiglu_rows) left the SASS of
+# qgemv, norm_qgemv, moe_router_topk and every gdn kernel identical (nvcc 13, sm_90a, the
+# compile tests' instantiations) and moe_gate_up's floating-point instructions identical
+# (same count; a few integer address instructions differ).
 # moe_fused (the MoE block in one launch) is not listed yet: its GPU tests passed at trees
 # 573e475, a6d633e and a660dda, decode_step at 5ef942c and the A/B gate at a6d633e
 # (session 12, benchmarks/results/2026-11-30-cuda-h200-session12/), but a review then

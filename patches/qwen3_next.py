@@ -17,6 +17,7 @@ from mlx_lm.models import qwen3_next
 from mlx_lm.models.cache import ArraysCache, KVCache
 
 from mlx_lily.backend import op_enabled
+from mlx_lily.patching import module_mutations, mutations_tracked
 from mlx_lily.kernels import device_scalars
 from mlx_lily.ops import attention as attn_ops
 from mlx_lily.ops import qgemv as _qgemv_ops
@@ -45,8 +46,6 @@ class WeightSig:
     __slots__ = ("_owners", "_keys", "_values", "_count", "_tracked")
 
     def __init__(self, module=None, *more):
-        from mlx_lily.patching import module_mutations, mutations_tracked
-
         count = module_mutations()  # before reading the modules (see valid())
         mods = [] if module is None else [m for top in (module, *more)
                                           for _, m in top.named_modules()]
@@ -64,9 +63,7 @@ class WeightSig:
     def valid(self) -> bool:
         if self._owners is None:
             return False
-        from mlx_lily.patching import _MUTATIONS, _TRACKING
-
-        count = _MUTATIONS[0] if _TRACKING else None
+        count = module_mutations()
         if self._tracked and count is not None and self._count == count:
             return True
         # the count read before the check: a mutation during the check moves it again

@@ -430,6 +430,13 @@ def _plans(switch_mlp, attr: str) -> dict:
     return plans
 
 
+def _weights_key(switch_mlp, shared_expert) -> tuple:
+    """The part of a launch plan's cache key naming the block's weights: the shared
+    expert and the stacked expert arrays (a plan holds them; a swap makes a new key)."""
+    return (id(shared_expert), id(switch_mlp.gate_proj.get("weight")),
+            id(switch_mlp.up_proj.get("weight")), id(switch_mlp.down_proj.get("weight")))
+
+
 def drop_plans(switch_mlp) -> None:
     """Forget every launch plan cached on ``switch_mlp`` (they hold its arrays): called
     when its weights were replaced, so the old arrays are freed."""
@@ -443,9 +450,7 @@ def _decode_run(switch_mlp, shared_expert, x, inds, scores, shared, residual, ba
     Cached on the SwitchGLU per (backend, weights, shapes, dtypes); re-derived when the
     expert or shared-expert arrays are replaced."""
     plans = _plans(switch_mlp, "_lily_decode_plans")
-    key = (backend, id(shared_expert), id(switch_mlp.gate_proj.get("weight")),
-           id(switch_mlp.up_proj.get("weight")), id(switch_mlp.down_proj.get("weight")),
-           x.shape, x.dtype, inds.shape, scores.shape, shared.shape if shared is not None
+    key = (backend, *_weights_key(switch_mlp, shared_expert), x.shape, x.dtype, inds.shape, scores.shape, shared.shape if shared is not None
            else None, None if residual is None else residual.shape)
     run = plans.get(key, False)
     if run is False:
@@ -549,9 +554,8 @@ def moe_experts_routed(x, router, k: int, norm_topk_prob: bool, switch_mlp, shar
     pending = isinstance(x, PendingNorm)
     row = x.h0 if pending else x
     plans = _plans(switch_mlp, "_lily_routed_plans")
-    key = (backend, id(router), id(shared_expert), id(switch_mlp.gate_proj.get("weight")),
-           id(switch_mlp.up_proj.get("weight")), id(switch_mlp.down_proj.get("weight")),
-           row.shape, row.dtype, k, bool(norm_topk_prob))
+    key = (backend, id(router), *_weights_key(switch_mlp, shared_expert), row.shape,
+           row.dtype, k, bool(norm_topk_prob))
     entry = plans.get(key, False)
     if entry is False:
         entry = None
@@ -692,9 +696,8 @@ def _fused_call(x, router, k, norm_topk_prob, switch_mlp, shared_expert, backend
         return None
     row = x.h0
     plans = _plans(switch_mlp, "_lily_fused_plans")
-    key = (backend, id(router), id(shared_expert), id(switch_mlp.gate_proj.get("weight")),
-           id(switch_mlp.up_proj.get("weight")), id(switch_mlp.down_proj.get("weight")),
-           row.shape, row.dtype, k, bool(norm_topk_prob), int(off), fused_rpw())
+    key = (backend, id(router), *_weights_key(switch_mlp, shared_expert), row.shape,
+           row.dtype, k, bool(norm_topk_prob), int(off), fused_rpw())
     run = plans.get(key, False)
     if run is False:
         run = None

@@ -158,15 +158,10 @@ __device__ __forceinline__ void lily_copy_l2(T* dst, const T* src, int tid) {
     lily_add_rms_norm_row<T, D, NWK>(hin + ro, res + ro, nw, eps[0], xs, red,
                                      t % RT == 0 ? h + ro : nullptr, nullptr, tid, lane,
                                      warp);
-    float acc[RRPW];
-#pragma unroll
-    for (int r = 0; r < RRPW; ++r) acc[r] = 0.f;
-    tile.fma(xs, sl, 1.f, acc);
-#pragma unroll
-    for (int r = 0; r < RRPW; ++r) {
-      const float v = lily_group_sum<RLPR>(acc[r]);
-      if (sl == 0 && row0 + r <= E) logits[(size_t)n * (E + 1) + row0 + r] = static_cast<T>(v);
-    }
+    T* lg = logits + (size_t)n * (E + 1);
+    tile.dot_each(xs, sl, [&](int r, float v) {
+      if (sl == 0 && row0 + r <= E) lg[row0 + r] = static_cast<T>(v);
+    });
     lily_arrive(ctr + 1, tid);
   } else if (t < N * (RT + GT)) {
     // ---- gate+up tile: lily_moe_gate_up (TOPK, PRE_NORM) for one slot's rows
@@ -209,20 +204,7 @@ __device__ __forceinline__ void lily_copy_l2(T* dst, const T* src, int tid) {
     const size_t ro = (size_t)n * D;
     lily_add_rms_norm_row<T, D, NWK>(hin + ro, res + ro, nw, eps[0], xs, red,
                                      (T*)nullptr, (T*)nullptr, tid, lane, warp);
-    float ag[GRPW];
-    float au[GRPW];
-#pragma unroll
-    for (int r = 0; r < GRPW; ++r) { ag[r] = 0.f; au[r] = 0.f; }
-    tg.fma(xs, sl, 1.f, ag);
-    tu.fma(xs, sl, 1.f, au);
-    T* hr = act + ((size_t)n * (K + 1) + slot) * I;
-#pragma unroll
-    for (int r = 0; r < GRPW; ++r) {
-      const float gv = lily_round<T>(lily_group_sum<GLPR>(ag[r]));
-      const float uv = lily_round<T>(lily_group_sum<GLPR>(au[r]));
-      const int row = row0 + r;
-      if (sl == 0 && row < I) hr[row] = static_cast<T>(gv / (1.f + expf(-gv)) * uv);
-    }
+    lily_swiglu_rows<T>(tg, tu, xs, sl, act + ((size_t)n * (K + 1) + slot) * I, row0, I);
     lily_arrive(ctr + 2, tid);
   } else if (t < TOTAL) {
     // ---- down tile: lily_moe_down (SL = 1) for DRPB output rows

@@ -95,17 +95,4 @@
   }
   const T* xr = PRE_NORM ? xs_row : x + (size_t)n * D;
 
-  float ag[RPW];
-  float au[RPW];
-#pragma unroll
-  for (int r = 0; r < RPW; ++r) { ag[r] = 0.f; au[r] = 0.f; }
-  tg.fma(xr, sl, 1.f, ag);
-  tu.fma(xr, sl, 1.f, au);
-  T* hr = h + ((size_t)n * (K + 1) + slot) * I;
-#pragma unroll
-  for (int r = 0; r < RPW; ++r) {
-    const float gv = lily_round<T>(lily_group_sum<LPR>(ag[r]));
-    const float uv = lily_round<T>(lily_group_sum<LPR>(au[r]));
-    const int row = row0 + r;
-    if (sl == 0 && row < I) hr[row] = static_cast<T>(gv / (1.f + expf(-gv)) * uv);
-  }
+  lily_swiglu_rows<T>(tg, tu, xr, sl, h + ((size_t)n * (K + 1) + slot) * I, row0, I);

@@ -47,16 +47,10 @@
   for (int wb = warp * SG * RPW; wb < R; wb += NW * SG * RPW) {
     LilyRowTile<S, D, BITS, GS, RPW, LPR> tile;
     tile.load(w4, scales, biases, wb + sub * RPW, R - 1, sl);
-    float acc[RPW];
-#pragma unroll
-    for (int r = 0; r < RPW; ++r) acc[r] = 0.f;
-    tile.fma(xs_row, sl, 1.f, acc);
-#pragma unroll
-    for (int r = 0; r < RPW; ++r) {
-      const float s = lily_group_sum<LPR>(acc[r]);
+    tile.dot_each(xs_row, sl, [&](int r, float s) {
       const int row = wb + sub * RPW + r;
       if (sl == 0 && row < R) lg[row] = lily_round<T>(s);
-    }
+    });
   }
   __syncthreads();
   if (warp != 0) return;

@@ -40,13 +40,7 @@
   lily_add_rms_norm_row<T, K, NW>(hin + ro, res + ro, nw, eps[0], xs, red,
                                   blockIdx.x == 0 ? h + ro : nullptr, nullptr, tid, lane,
                                   warp);
-  float acc[RPW];
-#pragma unroll
-  for (int r = 0; r < RPW; ++r) acc[r] = 0.f;
-  tile.fma(xs, sl, 1.f, acc);
   T* yr = y + (size_t)n * O;
-#pragma unroll
-  for (int r = 0; r < RPW; ++r) {
-    const float v = lily_group_sum<LPR>(acc[r]);
+  tile.dot_each(xs, sl, [&](int r, float v) {
     if (sl == 0 && row0 + r < O) yr[row0 + r] = static_cast<T>(v);
-  }
+  });

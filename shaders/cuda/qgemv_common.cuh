@@ -122,6 +122,17 @@ struct LilyRowTile {
       }
     }
   }
+  // out(r, x . dequant(row r)) for each row, the dot summed over the group's LPR lanes
+  // (every lane of the group gets it)
+  template <typename T, class F>
+  __device__ __forceinline__ void dot_each(const T* xr, int sl, F out) const {
+    float acc[RPW];
+#pragma unroll
+    for (int r = 0; r < RPW; ++r) acc[r] = 0.f;
+    fma(xr, sl, 1.f, acc);
+#pragma unroll
+    for (int r = 0; r < RPW; ++r) out(r, lily_group_sum<LPR>(acc[r]));
+  }
 };
 
 // The GEMV of lily_qgemv / lily_norm_qgemv for one lane group: output rows
@@ -134,15 +145,9 @@ __device__ __forceinline__ void lily_qgemv_rows(const T* xr, const uint32_t* w,
                                                 int row0, int sl) {
   LilyRowTile<S, K, BITS, GS, RPW, LPR> tile;
   tile.load(reinterpret_cast<const uint4*>(w), scales, biases, row0, O - 1, sl);
-  float acc[RPW];
-#pragma unroll
-  for (int r = 0; r < RPW; ++r) acc[r] = 0.f;
-  tile.fma(xr, sl, 1.f, acc);
-#pragma unroll
-  for (int r = 0; r < RPW; ++r) {
-    const float v = lily_group_sum<LPR>(acc[r]);
+  tile.dot_each(xr, sl, [&](int r, float v) {
     if (sl == 0 && row0 + r < O) yr[row0 + r] = static_cast<T>(v);
-  }
+  });
 }
 // acc[r] = x . dequant(columns col0 .. col0+N of weight row rows[r]) for RPW rows of a
 // quantized matrix KF values wide (x: N values; LPR lanes per row, lane sl of the group;
@@ -160,11 +165,8 @@ __device__ __forceinline__ void lily_qgemv_slice(const T* xr, const uint32_t* w,
   for (int r = 0; r < RPW; ++r) {
     tile.load_row(reinterpret_cast<const uint4*>(w), scales, biases, r, (size_t)rows[r], sl,
                   col0);
-    acc[r] = 0.f;
   }
-  tile.fma(xr, sl, 1.f, acc);
-#pragma unroll
-  for (int r = 0; r < RPW; ++r) acc[r] = lily_group_sum<LPR>(acc[r]);
+  tile.dot_each(xr, sl, [&](int r, float v) { acc[r] = v; });
 }
 // acc[r] = x . dequant(weight row rows[r]) for RPW rows anywhere in w (K values each):
 // lily_qgemv_rows for gathered rows.

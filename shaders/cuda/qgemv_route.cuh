@@ -1,5 +1,24 @@
-// ---- lily qgemv helpers, routing part (after qgemv_common): moe_router_topk and
-// moe_gate_up pull it in with a `// @header` line ----
+// ---- lily qgemv helpers, routing part (after qgemv_common): moe_router_topk,
+// moe_gate_up and moe_decode pull it in with a `// @header` line ----
+// h[row] = T(silu(g) * u) for the rows row0 .. row0+RPW-1 (< n) of the gate and up tiles
+// tg / tu over x, g and u rounded to T first (as mlx-lm's gather_qmm outputs are).
+template <typename T, typename S, int D, int BITS, int GS, int RPW, int LPR, typename X>
+__device__ __forceinline__ void lily_swiglu_rows(const LilyRowTile<S, D, BITS, GS, RPW, LPR>& tg,
+                                                 const LilyRowTile<S, D, BITS, GS, RPW, LPR>& tu,
+                                                 const X* xr, int sl, T* h, int row0, int n) {
+  float ag[RPW];
+  float au[RPW];
+#pragma unroll
+  for (int r = 0; r < RPW; ++r) { ag[r] = 0.f; au[r] = 0.f; }
+  tg.fma(xr, sl, 1.f, ag);
+  tu.fma(xr, sl, 1.f, au);
+#pragma unroll
+  for (int r = 0; r < RPW; ++r) {
+    const float gv = lily_round<T>(lily_group_sum<LPR>(ag[r]));
+    const float uv = lily_round<T>(lily_group_sum<LPR>(au[r]));
+    if (sl == 0 && row0 + r < n) h[row0 + r] = static_cast<T>(gv / (1.f + expf(-gv)) * uv);
+  }
+}
 // Routing of one row by one warp (all 32 lanes call it): fp32 softmax over the E
 // logits lg[0..E) (already rounded to T), probabilities rounded to T, K rounds of a
 // lane-parallel argmax with ties to the lowest expert id (picks in decreasing order),
