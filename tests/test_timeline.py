@@ -87,6 +87,8 @@ def test_prefill_run_chunks(host_clock):
         assert -tol <= c["gpu_busy"] <= c["build"] + tol
         assert c["start_after_dispatch_begin"] <= tol
         assert c["host_after_gpu_end"] >= -tol
+        assert c["clear"] >= 0
+    assert r["chunks"][-1]["clear"] == 0
     assert sum(c["build"] + c["dispatch"] + c["wait"] for c in r["chunks"]) <= r["total_ms"]
     with pytest.raises(ValueError, match="empty"):
         timeline.prefill_run(t.model, [], 16)

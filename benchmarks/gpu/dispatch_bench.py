@@ -12,8 +12,10 @@ being built and commits the graph (update + launch) once it exceeds
 graphs on, MLX's default: with ``MLX_USE_CUDA_GRAPHS=0`` input sizes are not counted). This
 script times chains of a trivial kernel (copy 1024 floats) that also takes no extra inputs,
 ``--inputs`` or ``--many-inputs`` 16-byte arrays, or ``--inputs`` arrays of ``--big-mb``
-MiB (never read), one process, alternating variants (how the host cost grows with a
-launch's input count, and with its inputs' size):
+MiB (never read), or a ``--source-kb`` KiB source (the same kernel after a comment: MLX
+hashes each launch's whole generated source to find its module), one process, alternating
+variants (how the host cost grows with a launch's input count, its inputs' size and its
+source's length):
 host seconds to dispatch the chain (``mx.async_eval``) and wall seconds to finish it, per
 launch, medians. Prints a table; writes ``dispatch_bench.json`` to ``--out``.
 
@@ -36,10 +38,12 @@ _SRC = """
 """
 
 
-def _kernel(n_extra: int):
+def _kernel(n_extra: int, source_kb: int = 0):
     names = ["x"] + [f"w{i}" for i in range(n_extra)]
-    return mx.fast.cuda_kernel(name=f"lily_dispatch_probe{n_extra}", input_names=names,
-                               output_names=["y"], source=_SRC)
+    pad = ("// " + "x" * 60 + "\n") * (source_kb * 1024 // 64)
+    return mx.fast.cuda_kernel(name=f"lily_dispatch_probe{n_extra}_{source_kb}",
+                               input_names=names, output_names=["y"], source=_SRC,
+                               header=pad)
 
 
 def _chain(kern, x, extras, length: int):
@@ -59,6 +63,8 @@ def main(argv=None) -> int:
     ap.add_argument("--many-inputs", type=int, default=16,
                     help="extra small inputs per launch in the many-inputs variant")
     ap.add_argument("--big-mb", type=int, default=128, help="MiB of each large input")
+    ap.add_argument("--source-kb", type=int, default=20,
+                    help="KiB of comment in the long-source variant's header")
     a = ap.parse_args(argv)
     if a.inputs == a.many_inputs:
         ap.error("--inputs and --many-inputs must differ (one variant each)")
@@ -76,7 +82,8 @@ def main(argv=None) -> int:
                 f"{a.inputs} small inputs (16 B)": (_kernel(a.inputs), small[:a.inputs]),
                 f"{a.many_inputs} small inputs (16 B)": (_kernel(a.many_inputs),
                                                           small[:a.many_inputs]),
-                f"{a.inputs} large inputs ({a.big_mb} MiB)": (_kernel(a.inputs), big)}
+                f"{a.inputs} large inputs ({a.big_mb} MiB)": (_kernel(a.inputs), big),
+                f"{a.source_kb} KiB source": (_kernel(0, a.source_kb), [])}
     res = {name: {"dispatch_s": [], "wall_s": []} for name in variants}
     for rep in range(a.reps + 1):  # the first round warms up (compiles)
         for name, (kern, extras) in variants.items():
@@ -98,6 +105,7 @@ def main(argv=None) -> int:
            "env": {k: os.environ.get(k) for k in ("MLX_MAX_MB_PER_BUFFER",
                                                   "MLX_MAX_OPS_PER_BUFFER",
                                                   "MLX_USE_CUDA_GRAPHS")},
+           "source_kb": a.source_kb,
            "variants": {}}
     print(f"{a.length} launches per chain, medians of {a.reps}")
     for name, r in res.items():

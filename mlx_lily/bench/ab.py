@@ -767,8 +767,10 @@ def run_sweeps(target: Target, opts) -> list[dict]:
                                 log("  timeline (ms): " + "; ".join(
                                     f"{c['tokens']} tok build {c['build']:.1f} dispatch "
                                     f"{c['dispatch']:.1f} wait {c['wait']:.1f} GPU "
-                                    f"{c['gpu_busy']:.1f}" for c in ch[:3] + ch[-1:])
-                                    + ("" if len(ch) <= 4 else f" ({len(ch)} chunks)"))
+                                    f"{c['gpu_busy']:.1f} clear {c.get('clear', 0.0):.1f}"
+                                    for c in ch[:3] + ch[-1:])
+                                    + ("" if len(ch) <= 4 else f" ({len(ch)} chunks)")
+                                    + f"; total {m['timeline']['total_ms']:.1f}")
                 else:
                     t0 = time.perf_counter()
                     with arm_context("lily", model, opts.ops):

@@ -115,9 +115,11 @@ def run_loop(model, cache, first: int, steps: int, warmup: int) -> dict:
 #: Per-chunk figures of ``prefill_run`` (ms): host ``build`` (the model call),
 #: ``dispatch`` (inside ``mx.async_eval``), ``wait`` (until the chunk's results are
 #: ready), GPU ``gpu_busy`` (the chunk's start to end on the GPU), ``start_after_dispatch_begin``
-#: and ``host_after_gpu_end`` (the host's return minus the GPU's end: sync latency).
+#: and ``host_after_gpu_end`` (the host's return minus the GPU's end: sync latency),
+#: ``clear`` (``mx.clear_cache()`` after the chunk, as generate_step calls it; 0 for the
+#: last step).
 PREFILL_KEYS = ("tokens", "build", "dispatch", "wait", "gpu_busy",
-                "start_after_dispatch_begin", "host_after_gpu_end")
+                "start_after_dispatch_begin", "host_after_gpu_end", "clear")
 
 
 def prefill_run(model, ids, prefill_step_size: int = 2048) -> dict:
@@ -164,8 +166,8 @@ def prefill_run(model, ids, prefill_step_size: int = 2048) -> dict:
             h2 = time.time_ns()
             mx.eval(g1)
             h3 = time.time_ns()
-            raw.append((n, h0, h1, h2, h3, g0, g1))
             mx.clear_cache()
+            raw.append((n, h0, h1, h2, h3, g0, g1, time.time_ns() - h3))
             prompt = prompt[n:]
         h0 = time.time_ns()
         last, g0 = gpu_clock.spin_us(prompt, zero)
@@ -178,16 +180,16 @@ def prefill_run(model, ids, prefill_step_size: int = 2048) -> dict:
         h2 = time.time_ns()
         y.item()
         h3 = time.time_ns()
-        raw.append((int(prompt.size), h0, h1, h2, h3, g0, g1))
+        raw.append((int(prompt.size), h0, h1, h2, h3, g0, g1, 0))
     total = h3 - t_start
     mx.synchronize()
     off, err = calibrate()
     chunks = []
-    for n, h0, h1, h2, h3, g0, g1 in raw:
+    for n, h0, h1, h2, h3, g0, g1, clr in raw:
         s, e = gpu_clock.ns(g0) - off, gpu_clock.ns(g1) - off
         chunks.append({"tokens": n, "build": (h1 - h0) / 1e6, "dispatch": (h2 - h1) / 1e6,
                        "wait": (h3 - h2) / 1e6, "gpu_busy": (e - s) / 1e6,
                        "start_after_dispatch_begin": (s - h1) / 1e6,
-                       "host_after_gpu_end": (h3 - e) / 1e6})
+                       "host_after_gpu_end": (h3 - e) / 1e6, "clear": clr / 1e6})
     return {"chunks": chunks, "total_ms": total / 1e6, "tok_s": len(ids) / (total / 1e9),
             "clock_align_err_ns": err}
