@@ -265,19 +265,18 @@ _STEM_OPS = (
 # qgemv, norm_qgemv, moe_router_topk and every gdn kernel identical (nvcc 13, sm_90a, the
 # compile tests' instantiations) and moe_gate_up's floating-point instructions identical
 # (same count; a few integer address instructions differ).
-# moe_fused (the MoE block in one launch) is not listed yet: its GPU tests passed at trees
-# 573e475, a6d633e and a660dda, decode_step at 5ef942c and the A/B gate at a6d633e
-# (session 12, benchmarks/results/2026-11-30-cuda-h200-session12/), but a review then
-# found that two steps built before one evaluation could run a layer's launches
-# concurrently on the same counters; the fix (each launch takes the previous one's output
-# as an unread input, `after`) has not run on a GPU. MLX_LILY_KERNELS=all (or
-# "verified,moe_fused") turns it on.
+# moe_fused (the MoE block in one launch): GPU tests passed at 573e475, a6d633e and a660dda
+# and the A/B gate at a6d633e (session 12); a review then found two steps built before one
+# evaluation could run a layer's launches concurrently on the same counters, fixed by
+# `after` (each launch takes the previous one's output as an unread input); at a97b3d2
+# (session 13, benchmarks/results/2026-11-30-cuda-h200-session13/) moe_experts 30 passed
+# (fused tests included), decode_step 3 passed and the four-length A/B gate passed with it.
 VERIFIED: dict = {
     "cuda": frozenset({"add_rms_norm", "moe_router_topk", "moe_route", "moe_experts",
                        "moe_grouped", "attention", "qgemv", "gated_delta", "norm_qgemv",
                        "gdn_packed", "attn_packed", "moe_router_norm",
                        "moe_topk_in_experts", "qgemv_out", "prefill_dequant", "gdn_proj",
-                       "gdn_out_proj"}),
+                       "gdn_out_proj", "moe_fused"}),
     "metal": frozenset(),
 }
 
