@@ -230,11 +230,7 @@ def describe() -> str:
     parts = ", ".join(f"{k}={v}" for k, v in info["ops"].items())
     graphs = ""
     if info["backend"] == "cuda":
-        from .cuda_pool import applied
-
-        keep = applied()
         graphs = f" cuda_launch={cuda_launch_mode()}"
-        graphs += f" pool_keep={keep / 2**30:g}GiB" if keep else ""
     return (f"[mlx-lily] backend={info['backend']} compile={compile_mode(info['backend'])}"
             f"{graphs} ops: {parts}")
 

@@ -356,17 +356,11 @@ def patch(model=None, *, ops=None) -> PatchHandle:
     Returns:
         The active ``PatchHandle`` (the same one when already patched: idempotent).
     Raises:
-        ValueError: an unknown op name, or a malformed ``MLX_LILY_CUDA_POOL_KEEP_GB``
-            (``mlx_lily.cuda_pool``: on CUDA, patching also lets the driver's memory pool
-            keep freed memory mapped between prefill chunks).
+        ValueError: an unknown op name.
     """
     global _ACTIVE
-    from . import cuda_pool
-
-    cuda_pool.keep_bytes()  # a malformed setting fails before anything changes
     backend.select_ops(ops)
     _default_kernel_cache_dir()
-    cuda_pool.apply()
     if _ACTIVE is None:
         applied = []
         for owner, name, repl in _collect_targets():
@@ -417,9 +411,6 @@ def unpatch(handle: PatchHandle | None = None) -> bool:
 
     drop_compiled_steps()
     _restore_kernel_cache_env()
-    from . import cuda_pool
-
-    cuda_pool.restore()
     return True
 
 
