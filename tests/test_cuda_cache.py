@@ -528,6 +528,47 @@ def test_strip_source_keeps_code_and_literals():
         assert "// ----" not in sb and "@header" not in sh, stem
 
 
+def test_squeeze_spaces_keeps_tokens_apart():
+    """``kernels.squeeze_spaces``: blanks between word characters, and between operator
+    characters that would join (``- -``, ``/ *``, ``> >``), stay; literals and
+    preprocessor lines are untouched; the rest go."""
+    text = ('#define X (a + b)\n'
+            'template <typename T> __device__ float f(const T* p, int n) {\n'
+            'return a - -b + x / *p + y & &z + c ? d : e;\n'
+            'asm("ld.global.b32 %0, [%1];" : "=r"(v) : "l"(p));\n'
+            "char c = ' '; unsigned long long u = 1ull << 3; A<B<int> > q;\n")
+    assert kernels.squeeze_spaces(text).splitlines() == [
+        "#define X (a + b)",
+        "template<typename T>__device__ float f(const T*p,int n){",
+        "return a- -b+x/ *p+y& &z+c?d:e;",
+        'asm("ld.global.b32 %0, [%1];":"=r"(v):"l"(p));',
+        "char c=' ';unsigned long long u=1ull<<3;A<B<int> >q;"]
+
+
+def test_prune_header_drops_only_unused_helpers():
+    """``kernels.prune_header``: a helper survives when the body or a surviving helper
+    names it (transitively); structs, templates, variables and preprocessor blocks are
+    recognised; an item it cannot name is kept."""
+    head = kernels.strip_source(
+        "template <typename T>\n__device__ float used(T v) { return helper(v); }\n"
+        "__device__ float helper(float v) { return v; }\n"
+        "__device__ float unused(float v) {\n  return v;\n}\n"
+        "template <int N>\nstruct Tile {\n  float q[N];\n};\n"
+        "struct Other { int a; };\n"
+        "constexpr int kTab[2] = {1, 2};\n"
+        "constexpr int kDead = 3;\n"
+        "#ifdef LILY_EMU\n__device__ int emu_only() { return 0; }\n#endif\n"
+        "#define LILY_X 1\n")
+    body = "Tile<4> t; float y = used(t.q[0]) + kTab[1];\n"
+    out = kernels.prune_header(head, body)
+    for kept in ("used(", "helper(", "struct Tile", "kTab", "emu_only", "#define LILY_X"):
+        assert kept in out, kept
+    for gone in ("unused", "struct Other", "kDead"):
+        assert gone not in out, gone
+    assert kernels.prune_header(head, body + "unused(1.f); Other o;\n") == \
+        head.replace("constexpr int kDead = 3;\n", "")
+
+
 def test_compiled_decode_honours_attn_packed_switch(monkeypatch):
     """``MLX_LILY_DISABLE=attn_packed`` keeps the packed attention kernels out of the
     compiled decode step too (CUDA path, kernels stubbed): no whole-stack step, no
