@@ -795,8 +795,7 @@ def test_cuda_fused_compiles(rows):
             ("sdown_s", bf, 2), ("sdown_b", bf, 2), ("counters", mx.int32, 1),
             ("after", bf, 3)]
     assert [n for n, _, _ in ins] == list(M.FUSED_SPEC.inputs)
-    outs = [("y", bf), ("h", bf), ("logits", bf), ("act", bf), ("inds_o", u),
-            ("scores_o", bf), ("shared_o", bf)]
+    outs = [("y", bf), ("h", bf), ("work", u)]
     assert [n for n, _ in outs] == list(M.FUSED_SPEC.outputs)
     rr, rg, rd = M.FUSED_RPW
     head, body = kernels.cuda_parts("moe_decode")
@@ -804,4 +803,5 @@ def test_cuda_fused_compiles(rows):
                      template=[("T", bf), ("S", bf), ("N", rows), ("D", 2048), ("I", 512),
                                ("K", 8), ("E", 256), ("BITS", 4), ("GS", 64), ("RBITS", 8),
                                ("RGS", 64), ("RRPW", rr), ("GRPW", rg), ("DRPW", rd),
-                               ("NORM", True), ("CO", 33)])
+                               ("NORM", True), ("CO", 33),
+                               ("WPR", M.fused_work_words(2048, 512, 8, 256, 2))])

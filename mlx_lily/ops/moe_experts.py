@@ -86,7 +86,7 @@ FUSED_SPEC = kernels.KernelSpec(
             "sgate_w", "sgate_s", "sgate_b", "sup_w", "sup_s", "sup_b",
             "down_w", "down_s", "down_b", "sdown_w", "sdown_s", "sdown_b", "counters",
             "after"),
-    outputs=("y", "h", "logits", "act", "inds_o", "scores_o", "shared_o"))
+    outputs=("y", "h", "work"))
 #: The switch of the one-launch MoE block (``moe_experts_routed`` with counters).
 FUSED_OP = "moe_fused"
 #: int32 counters one fused launch uses (tickets, router tiles done, gate+up tiles done,
@@ -636,6 +636,18 @@ def fused_supported(router, k: int, wts: DecodeWeights | None, x_shape, x_dtype)
             and _fits("down", _lane_words(i, bits, rd, k + 1), FUSED_THREADS))
 
 
+def fused_work_words(d: int, i: int, k: int, e: int, itemsize: int) -> int:
+    """uint32 words of ``lily_moe_decode``'s scratch per row: the K+1 SwiGLU outputs
+    (``(k+1)*i``), the normalised row (``d``), the router's ``e+1`` logits, the ``k``
+    scores (all of ``itemsize`` bytes), the shared expert's gate and the ``k`` expert ids
+    (4 bytes each), every section starting at a 16-byte offset (the kernel's
+    ``static_assert`` checks the same sum)."""
+    r16 = lambda b: -(-b // 16) * 16  # noqa: E731
+    total = (r16((k + 1) * i * itemsize) + r16(d * itemsize) + r16((e + 1) * itemsize)
+             + r16(k * itemsize) + 16 + r16(k * 4))
+    return total // 4
+
+
 def fused_plan(kernel, wts: DecodeWeights, router, x_shape, x_dtype, k: int,
                norm_topk_prob: bool, offset: int, *, init_value: float | None = None):
     """A callable ``run(hin, res, nw, eps, counters, after) -> (y, h)`` launching
@@ -654,15 +666,15 @@ def fused_plan(kernel, wts: DecodeWeights, router, x_shape, x_dtype, k: int,
     rr, rg, rd = fused_rpw()
     tiles = fused_tiles(d, i, k, e, wts.bits, router.bits, n, (rr, rg, rd))
     dt = x_dtype
+    wpr = fused_work_words(d, i, k, e, dt.size)
     kw = dict(template=[("T", dt), ("S", wts.gate[1].dtype), ("N", n), ("D", d), ("I", i),
                         ("K", k), ("E", e), ("BITS", wts.bits), ("GS", wts.group_size),
                         ("RBITS", router.bits), ("RGS", router.group_size), ("RRPW", rr),
                         ("GRPW", rg), ("DRPW", rd), ("NORM", bool(norm_topk_prob)),
-                        ("CO", int(offset))],
+                        ("CO", int(offset)), ("WPR", wpr)],
               grid=(tiles * FUSED_THREADS, 1, 1), threadgroup=(FUSED_THREADS, 1, 1),
-              output_shapes=[lead + (d,), lead + (d,), (n, e + 1), (n, k + 1, i), (n, k),
-                             (n, k), (n * kernels.ROW_PAD,)],
-              output_dtypes=[dt, dt, dt, dt, mx.uint32, dt, dt])
+              output_shapes=[lead + (d,), lead + (d,), (n * wpr,)],
+              output_dtypes=[dt, dt, mx.uint32])
     if init_value is not None:
         kw["init_value"] = init_value
     w = [router.weight, router.scales, router.biases, *wts.gate, *wts.up, *wts.sgate,

@@ -1,18 +1,19 @@
 // @kernel lily_moe_decode
 // @inputs hin[N,D]:T res[N,D]:T nw[D]:T eps[1]:float32 rw[E+1,D*RBITS/32]:uint32 rs[E+1,D/RGS]:T rb[E+1,D/RGS]:T gate_w[E,I,D*BITS/32]:uint32 gate_s[E,I,D/GS]:S gate_b[E,I,D/GS]:S up_w[E,I,D*BITS/32]:uint32 up_s[E,I,D/GS]:S up_b[E,I,D/GS]:S sgate_w[I,D*BITS/32]:uint32 sgate_s[I,D/GS]:S sgate_b[I,D/GS]:S sup_w[I,D*BITS/32]:uint32 sup_s[I,D/GS]:S sup_b[I,D/GS]:S down_w[E,D,I*BITS/32]:uint32 down_s[E,D,I/GS]:S down_b[E,D,I/GS]:S sdown_w[D,I*BITS/32]:uint32 sdown_s[D,I/GS]:S sdown_b[D,I/GS]:S counters[CO+4]:int32 after[*]:T (unread)
-// @outputs y[N,D]:T h[N,D]:T logits[N,E+1]:T act[N,K+1,I]:T inds_o[N,K]:uint32 scores_o[N,K]:T shared_o[N*8]:T   (all but y and h: the launch's scratch)
-// @template T=bfloat16 S=bfloat16 N=1 D=2048 I=512 K=8 E=256 BITS=4 GS=64 RBITS=8 RGS=64 RRPW=2 GRPW=4 DRPW=2 NORM=true CO=0
-// @template T=float32 S=float16 N=2 D=128 I=64 K=3 E=5 BITS=4 GS=32 RBITS=8 RGS=64 RRPW=2 GRPW=4 DRPW=1 NORM=false CO=3
+// @outputs y[N,D]:T h[N,D]:T work[N*WPR]:uint32   (work: the launch's scratch, per row WPR words: act[K+1,I], xn[D], logits[E+1], scores[K], the shared gate, inds[K], each at a 16-byte offset)
+// @template T=bfloat16 S=bfloat16 N=1 D=2048 I=512 K=8 E=256 BITS=4 GS=64 RBITS=8 RGS=64 RRPW=2 GRPW=4 DRPW=2 NORM=true CO=0 WPR=3476
+// @template T=float32 S=float16 N=2 D=128 I=64 K=3 E=5 BITS=4 GS=32 RBITS=8 RGS=64 RRPW=2 GRPW=4 DRPW=1 NORM=false CO=3 WPR=404
 // @grid (TILES*128, 1, 1)   TILES = N*(ceil((E+1)/RPB_R) + (K+1)*ceil(I/RPB_G) + ceil(D/RPB_D)), RPB_X = 4*(32/LPR_X)*XRPW, LPR_R = min(32, D*RBITS/128), LPR_G = min(32, D*BITS/128), LPR_D = min(32, I*BITS/128)
 // @threadgroup (128, 1, 1)
 // A decode MoE block in one launch (CUDA only): the three launches moe_experts_routed
 // makes (lily_norm_qgemv of the router, lily_moe_gate_up with TOPK and PRE_NORM,
 // lily_moe_down) as three phases of one grid, rounded exactly as those kernels round.
 // Counters are counters[CO .. CO+4). Each block takes a ticket (atomicAdd on counters[0]) and serves tile number ticket:
-// router tiles first (h = T(hin + res), x = rms_norm(h) * nw, logits = x @ router^T;
-// then counters[1] += 1), then gate+up tiles (wait for counters[1] to count every router
-// tile, route the row from the logits, silu(gate) * up of one expert slot's rows into
-// act; counters[2] += 1), then down tiles (wait for counters[2], the score-weighted down
+// router tiles first (h = T(hin + res), x = rms_norm(h) * nw, logits = x @ router^T; a
+// row's first router tile also writes x to xn; then counters[1] += 1), then gate+up tiles
+// (wait for counters[1] to count every router tile, route the row from the logits, copy
+// x from xn, silu(gate) * up of one expert slot's rows into act; counters[2] += 1),
+// then down tiles (wait for counters[2], the score-weighted down
 // GEMVs of the K+1 slots, y = their sum). A block only waits for tiles whose tickets
 // were taken before its own, by blocks already running, so the launch cannot deadlock
 // whatever the number of resident blocks. `after` is never read: the launch takes the
@@ -132,6 +133,14 @@ __device__ __forceinline__ void lily_copy_l2(T* dst, const T* src, int tid) {
   static_assert(DKW * VPL == I && DKW % DLPR == 0, "moe_decode: bad I");
   static_assert(GS % VPL == 0 && RGS % RVPL == 0, "moe_decode: bad group size");
   static_assert(K <= 32 && K <= E, "moe_decode: bad K");
+  // scratch of row n: work + n * WPR words, sections at 16-byte offsets (fused_work_words)
+  constexpr int SZ = int(sizeof(T));
+  constexpr int O_XN = ((K + 1) * I * SZ + 15) / 16 * 16;
+  constexpr int O_LG = O_XN + (D * SZ + 15) / 16 * 16;
+  constexpr int O_SC = O_LG + ((E + 1) * SZ + 15) / 16 * 16;
+  constexpr int O_SH = O_SC + (K * SZ + 15) / 16 * 16;
+  constexpr int O_IN = O_SH + 16;
+  static_assert(O_IN + (K * 4 + 15) / 16 * 16 == WPR * 4, "moe_decode: WPR does not match");
 
   __shared__ T xs[XS];  // first shared array: 16-byte aligned in practice
   __shared__ float red[NWK];
@@ -149,16 +158,19 @@ __device__ __forceinline__ void lily_copy_l2(T* dst, const T* src, int tid) {
   if (t < N * RT) {
     // ---- router tile: lily_norm_qgemv's rows of the E+1 router outputs
     const int n = t / RT;
+    char* wn = reinterpret_cast<char*>(work) + (size_t)n * WPR * 4;
     const int sub = lane / RLPR;
     const int sl = lane % RLPR;
     const int row0 = (t % RT) * RRPB + (warp * (32 / RLPR) + sub) * RRPW;
     LilyRowTile<T, D, RBITS, RGS, RRPW, RLPR> tile;
     tile.load(reinterpret_cast<const uint4*>(rw), rs, rb, row0, E, sl);
     const size_t ro = (size_t)n * D;
+    const bool first = t % RT == 0;
     lily_add_rms_norm_row<T, D, NWK>(hin + ro, res + ro, nw, eps[0], xs, red,
-                                     t % RT == 0 ? h + ro : nullptr, nullptr, tid, lane,
-                                     warp);
-    T* lg = logits + (size_t)n * (E + 1);
+                                     first ? h + ro : nullptr,
+                                     first ? reinterpret_cast<T*>(wn + O_XN) : nullptr, tid,
+                                     lane, warp);
+    T* lg = reinterpret_cast<T*>(wn + O_LG);
     tile.dot_each(xs, sl, [&](int r, float v) {
       if (sl == 0 && row0 + r <= E) lg[row0 + r] = static_cast<T>(v);
     });
@@ -167,6 +179,7 @@ __device__ __forceinline__ void lily_copy_l2(T* dst, const T* src, int tid) {
     // ---- gate+up tile: lily_moe_gate_up (TOPK, PRE_NORM) for one slot's rows
     const int u = t - N * RT;
     const int n = u / GT;
+    char* wn = reinterpret_cast<char*>(work) + (size_t)n * WPR * 4;
     const int slot = (u % GT) / GX;
     const int gx = (u % GT) % GX;
     const int sub = lane / GLPR;
@@ -181,17 +194,19 @@ __device__ __forceinline__ void lily_copy_l2(T* dst, const T* src, int tid) {
     lily_wait_count(ctr + 1, N * RT, tid);
     if (slot < K) {
       if (warp == 0) {
-        LilyL2<T> lg{logits + (size_t)n * (E + 1)};
+        LilyL2<T> lg{reinterpret_cast<const T*>(wn + O_LG)};
         unsigned my_i = 0u;
         float my_sc = 0.f;
         lily_route_topk<T, E, K, NORM>(lg, lane, my_i, my_sc);
         if (lane < K) s_inds[lane] = my_i;
         if (gx == 0 && slot == 0) {
           if (lane < K) {
-            inds_o[(size_t)n * K + lane] = my_i;
-            scores_o[(size_t)n * K + lane] = static_cast<T>(my_sc);
+            reinterpret_cast<unsigned*>(wn + O_IN)[lane] = my_i;
+            reinterpret_cast<T*>(wn + O_SC)[lane] = static_cast<T>(my_sc);
           }
-          if (lane == 0) shared_o[n] = static_cast<T>(1.f / (1.f + expf(-lily_f(lg[E]))));
+          if (lane == 0) {
+            *reinterpret_cast<T*>(wn + O_SH) = static_cast<T>(1.f / (1.f + expf(-lily_f(lg[E]))));
+          }
         }
       }
       __syncthreads();
@@ -201,15 +216,16 @@ __device__ __forceinline__ void lily_copy_l2(T* dst, const T* src, int tid) {
       tu.load(reinterpret_cast<const uint4*>(up_w) + e * I * GKW, up_s + e * I * (D / GS),
               up_b + e * I * (D / GS), row0, I - 1, sl);
     }
-    const size_t ro = (size_t)n * D;
-    lily_add_rms_norm_row<T, D, NWK>(hin + ro, res + ro, nw, eps[0], xs, red,
-                                     (T*)nullptr, (T*)nullptr, tid, lane, warp);
-    lily_swiglu_rows<T>(tg, tu, xs, sl, act + ((size_t)n * (K + 1) + slot) * I, row0, I);
+    // x as the row's first router tile normalised it (the add + RMSNorm once per row)
+    lily_copy_l2<T, D, 32 * NWK>(xs, reinterpret_cast<const T*>(wn + O_XN), tid);
+    __syncthreads();
+    lily_swiglu_rows<T>(tg, tu, xs, sl, reinterpret_cast<T*>(wn) + slot * I, row0, I);
     lily_arrive(ctr + 2, tid);
   } else if (t < TOTAL) {
     // ---- down tile: lily_moe_down (SL = 1) for DRPB output rows
     const int u = t - N * (RT + GT);
     const int n = u / DT;
+    const char* wn = reinterpret_cast<const char*>(work) + (size_t)n * WPR * 4;
     const int sub = lane / DLPR;
     const int sl = lane % DLPR;
     const int row0 = (u % DT) * DRPB + (warp * (32 / DLPR) + sub) * DRPW;
@@ -217,11 +233,11 @@ __device__ __forceinline__ void lily_copy_l2(T* dst, const T* src, int tid) {
     tile[K].load(reinterpret_cast<const uint4*>(sdown_w), sdown_s, sdown_b, row0, D - 1, sl);
     lily_wait_count(ctr + 2, N * GT, tid);
     if (tid < K) {
-      s_inds[tid] = __ldcg(inds_o + (size_t)n * K + tid);
-      s_cf[tid] = lily_f(__ldcg(scores_o + (size_t)n * K + tid));
+      s_inds[tid] = __ldcg(reinterpret_cast<const unsigned*>(wn + O_IN) + tid);
+      s_cf[tid] = lily_f(__ldcg(reinterpret_cast<const T*>(wn + O_SC) + tid));
     }
-    if (tid == K) s_cf[K] = lily_f(__ldcg(shared_o + n));
-    lily_copy_l2<T, (K + 1) * I, 32 * NWK>(xs, act + (size_t)n * (K + 1) * I, tid);
+    if (tid == K) s_cf[K] = lily_f(__ldcg(reinterpret_cast<const T*>(wn + O_SH)));
+    lily_copy_l2<T, (K + 1) * I, 32 * NWK>(xs, reinterpret_cast<const T*>(wn), tid);
     __syncthreads();
 #pragma unroll
     for (int j = 0; j < K; ++j) {
