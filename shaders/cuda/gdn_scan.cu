@@ -49,30 +49,6 @@ __device__ __forceinline__ void lily_scan_load(const float* kp, const float* qp,
   *br = bp[o * hv];
 }
 
-// The outputs of NB steps x RPL rows held as each lane's partial sums cb[s * RPL + i]
-// (NB * RPL == LPR): a reduce-scatter over the group's LPR lanes (log2(LPR) rounds, each
-// lane sending half of what it still holds) leaves lane li with the total of value li,
-// which it stores (step t_first + li / RPL, row li % RPL) when that step is < t_end.
-// One shuffle per value instead of log2(LPR) for a butterfly all-reduce of each.
-template <int LPR, int RPL, typename T>
-__device__ __forceinline__ void lily_scan_flush(float (&cb)[LPR], int li, T* yp, int t_first,
-                                                int t_end, int64_t v_step) {
-#pragma unroll
-  for (int m = LPR / 2; m >= 1; m >>= 1) {
-    const bool up = (li & m) != 0;
-#pragma unroll
-    for (int j = 0; j < m; ++j) {
-      const float send = up ? cb[j] : cb[j + m];
-      const float keep = up ? cb[j + m] : cb[j];
-      cb[j] = keep + __shfl_xor_sync(0xffffffffu, send, m);
-    }
-  }
-  const int t = t_first + li / RPL;
-  if (t < t_end) {
-    yp[int64_t(t) * v_step + li % RPL] = static_cast<T>(cb[0]);
-  }
-}
-
 // ---- body ----
   constexpr int E = Dk / LPR;
   constexpr int GPW = 32 / LPR;
@@ -123,15 +99,6 @@ __device__ __forceinline__ void lily_scan_flush(float (&cb)[LPR], int li, T* yp,
     }
   }
 
-  // YB: each step's outputs stay lane partials (gc * S.q + delta * k.q over the lane's
-  // Dk/LPR columns), reduced NB = LPR / RPL steps at a time (lily_scan_flush); only the
-  // recurrence's k.S is all-reduced per step. Batches align with the ring's PF steps.
-  constexpr int NB = LPR / RPL;
-  constexpr bool YB = LPR >= 2 && LPR % RPL == 0 && NB >= 1 && PF % NB == 0;
-  float cb[LPR];
-#pragma unroll
-  for (int j = 0; j < LPR; ++j) cb[j] = 0.0f;
-
   for (int t0 = 0; t0 < T_; t0 += PF) {
 #pragma unroll
     for (int u = 0; u < PF; ++u) {
@@ -167,15 +134,11 @@ __device__ __forceinline__ void lily_scan_flush(float (&cb)[LPR], int li, T* yp,
       }
 #pragma unroll
       for (int m = 1; m < LPR; m <<= 1) {
-        if constexpr (!YB) {
-          pkq += __shfl_xor_sync(0xffffffffu, pkq, m);
-        }
+        pkq += __shfl_xor_sync(0xffffffffu, pkq, m);
 #pragma unroll
         for (int i = 0; i < RPL; ++i) {
           pk[i] += __shfl_xor_sync(0xffffffffu, pk[i], m);
-          if constexpr (!YB) {
-            py[i] += __shfl_xor_sync(0xffffffffu, py[i], m);
-          }
+          py[i] += __shfl_xor_sync(0xffffffffu, py[i], m);
         }
       }
 #pragma unroll
@@ -186,27 +149,14 @@ __device__ __forceinline__ void lily_scan_flush(float (&cb)[LPR], int li, T* yp,
         for (int j = 0; j < E; ++j) {
           s[i][j] = fmaf(gc, s[i][j], delta * kc[j]);
         }
-        if constexpr (YB) {
-          cb[(u % NB) * RPL + i] = yy;
-        } else if (li == i % LPR) {
+        if (li == i % LPR) {
           yp[int64_t(t) * V_STEP + i] = static_cast<T>(yy);
-        }
-      }
-      if constexpr (YB) {
-        if (u % NB == NB - 1) {
-          lily_scan_flush<LPR, RPL>(cb, li, yp, t - (NB - 1), T_, V_STEP);
         }
       }
       if (t + PF < T_) {
         lily_scan_load<E, RPL>(kp, qp, vp, gp, bp, int64_t(t + PF), QK_STEP, V_STEP, Hv,
                                kr[u], qr[u], vr[u], gr + u, br + u);
       }
-    }
-  }
-
-  if constexpr (YB) {
-    if (T_ % NB != 0) {  // the last, partial batch (the loop left before its flush)
-      lily_scan_flush<LPR, RPL>(cb, li, yp, T_ - T_ % NB, T_, V_STEP);
     }
   }
 
