@@ -406,7 +406,12 @@ _STEM_OPS = (
 # evaluation could run a layer's launches concurrently on the same counters, fixed by
 # `after` (each launch takes the previous one's output as an unread input); at a97b3d2
 # (session 13, benchmarks/results/2026-11-30-cuda-h200-session13/) moe_experts 30 passed
-# (fused tests included), decode_step 3 passed and the four-length A/B gate passed with it.
+# (fused tests included), decode_step 3 passed and the four-length A/B gate passed with it;
+# at 66bb231 (one scratch output, gate+up tiles copying the row the first router tile
+# normalised) the fused and decode_step GPU tests (8 passed) and the gate passed again.
+# Since 66bb231 every CUDA source reaches MLX pruned of unused helpers and of blanks
+# (prune_header, squeeze_spaces): nvcc 13 gives identical SASS for every kernel at the
+# compile tests' instantiations, and the lease-3 GPU tests and gate ran on it.
 VERIFIED: dict = {
     "cuda": frozenset({"add_rms_norm", "moe_router_topk", "moe_route", "moe_experts",
                        "moe_grouped", "attention", "qgemv", "gated_delta", "norm_qgemv",
