@@ -373,7 +373,9 @@ PREFILL_CASES = [
     dict(B=2, S=6, Hv=2, Hk=1, seed=7, exotic=True),
     dict(B=1, S=4, Hk=16, Hv=32, seed=8, cfg=G.SCAN_CONFIG["cuda"]),  # production heads
     dict(B=2, S=21, seed=9, cfg=(32, 4, 1)),  # CUDA's input ring (8 steps): 2 rounds + 5
-    dict(B=1, S=16, seed=10, cfg=(32, 4, 1)),  # CUDA's batched outputs: 2 whole batches
+    dict(B=1, S=16, seed=10, cfg=(32, 4, 1)),  # whole CUDA stages only (4 steps each)
+    dict(B=1, S=40, seed=11, cfg=(8, 1, 8)),  # CUDA: 16-step stages, two and a part
+    dict(B=2, S=37, seed=12, cfg=(16, 1, 8)),
 ]
 
 

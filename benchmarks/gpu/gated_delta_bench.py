@@ -143,6 +143,11 @@ def main():
     ap.add_argument("--sweep-budget-s", type=float, default=120.0,
                     help="stop the scan-configuration sweep after this many seconds of run time "
                          "(at least one configuration always runs)")
+    ap.add_argument("--sweep-only", action="store_true",
+                    help="only the scan-configuration sweep (each configuration's output also "
+                         "checked against the reference)")
+    ap.add_argument("--configs", default=None, metavar="L,R,W;L,R,W",
+                    help="scan configurations of the sweep (LPR,RPL,WPB; ';'-separated)")
     args = ap.parse_args()
     backend = current_backend()
     if backend not in ("cuda", "metal"):
@@ -163,9 +168,10 @@ def main():
 
     # ---- decode
     n_chain = 32 if args.quick else 64
+    skip = args.sweep_only
     rows = []
     res["decode"] = {}
-    for B in DECODE_B:
+    for B in () if skip else DECODE_B:
         p = inputs(B, 1, seed=B)
         par = parity(kern(p), reference_fn(p))
         r = {"parity": par}
@@ -184,7 +190,7 @@ def main():
     # decode warps sweep (B=1)
     p = inputs(1, 1, seed=7)
     sweep = {}
-    for nw in (4, 8, 16):
+    for nw in () if skip else (4, 8, 16):
         fn = kernel_fn(backend, decode_nw=nw)
         ok = parity(fn(p), reference_fn(p))
         t = timed(lambda: chain(fn, p, n_chain), reps=3) / n_chain
@@ -193,7 +199,7 @@ def main():
 
     # ---- prefill
     res["prefill"] = {}
-    for S in PREFILL_S:
+    for S in () if skip else PREFILL_S:
         p = inputs(1, S, seed=S)
         p["conv_state"] = None
         p["state"] = None
@@ -224,10 +230,16 @@ def main():
 
     # ---- scan configuration sweep
     p = inputs(1, SWEEP_S, seed=3)
-    cfgs = [(32, 4, 1), (32, 2, 1), (32, 1, 1), (32, 2, 2), (32, 1, 4), (16, 4, 2),
-            (8, 2, 4), (16, 2, 4)]
+    cfgs = [(32, 4, 1), (8, 1, 4), (16, 1, 8), (8, 1, 8), (32, 2, 2), (16, 2, 4),
+            (32, 1, 4), (16, 4, 2), (8, 2, 4)]
+    if args.configs:
+        cfgs = [tuple(int(v) for v in c.split(",")) for c in args.configs.split(";") if c]
     if args.quick:
         cfgs = cfgs[:4]
+    ref = None
+    if args.sweep_only:
+        ref = reference_fn(p)
+        _sync_eval(ref)
     base = None
     sweep = {}
     for cfg in cfgs:
@@ -241,6 +253,8 @@ def main():
         d = float(mx.abs(got[2] - base[2]).max().item())
         t = timed(lambda: fn(p), reps=3)
         sweep[",".join(map(str, cfg))] = dict(ms=t * 1e3, state_vs_first=d)
+        if ref is not None:
+            sweep[",".join(map(str, cfg))]["parity"] = parity(got, ref)
     res[f"scan_sweep_S{SWEEP_S}"] = sweep
     best = min(sweep.items(), key=lambda kv: kv[1]["ms"])
     res["scan_best"] = best[0]
@@ -256,6 +270,9 @@ def main():
         for k, v in res["decode_nw_sweep"].items()))
     print(f"scan sweep S={SWEEP_S} (LPR,RPL,WPB: ms): " + ", ".join(
         f"{k}: {v['ms']:.2f}" for k, v in sweep.items()) + f"  -> best {best[0]}")
+    for k, v in sweep.items():
+        if "parity" in v:
+            print(f"  {k}: parity vs reference {v['parity']}")
     print(f"{'case':<15}{'lily ms':>10}{'lily sync':>10}{'ref ms':>10}{'ref sync':>10}"
           f"{'GB/s':>8}  parity max|err|/max|ref| out, state, conv")
     for name, lb, ls, rb, rs, gb, par in rows:
@@ -263,7 +280,7 @@ def main():
         print(f"{name:<15}{f(lb)}{f(ls)}{f(rb, d=2)}{f(rs)}{f(gb, 8, 1)}  "
               f"{par['out']:.1e}, {par['state']:.1e}, {par['conv']:.0e}"
               + ("  NaN!" if par["out_nan"] or par["state_nan"] else ""))
-    for S in PREFILL_S:
+    for S in () if skip else PREFILL_S:
         r = res["prefill"][f"S{S}"]
         print(f"prefill S={S}: {r['lily_tok_per_s']:.0f} tok/s per layer, "
               f"{r['speedup']:.0f}x the reference")

@@ -7,46 +7,24 @@
 // @threadgroup (32*WPB, 1, 1)
 // @ensure_row_contiguous false
 // CUDA twin of shaders/metal/gdn_scan.metal (register-resident sequential scan, one
-// warp-shuffle reduction round per step; the raw inputs of the next PF steps are held in a
-// register ring, PF from the registers a step takes, where the Metal twin loads one step
-// ahead). q/k arrive as fp32 (bf16-rounded values; no conversions in the loop), read
-// with 16-byte loads (qn/kn are MLX allocations, lane chunks of Dk/LPR floats).
+// warp-shuffle reduction round per step). q/k arrive as fp32 (bf16-rounded values; no
+// conversions in the loop). The block's warps all serve one head, so q/k of TS steps at a
+// time are staged in shared memory by the whole block (double-buffered: the next stage's
+// 16-byte loads are issued before the current stage's steps and stored after them, one
+// barrier per stage); lane li of a group reads the 16-byte chunks li, li + LPR, ... of
+// the Dk columns (conflict-free), so its state columns are those chunks' too. v, the gate
+// and beta of the next PF steps are held in a register ring, PF from the registers a
+// step takes (the Metal twin loads one step ahead).
 
-template <int E>
-__device__ __forceinline__ void lily_ld4(const float* p, float (&o)[E]) {
+// Column of element j of a lane's E state columns: 16-byte chunks strided by LPR lanes
+// when E is a multiple of 4, else a contiguous run.
+template <int E, int LPR>
+__device__ __forceinline__ int lily_scan_col(int li, int j) {
   if constexpr ((E % 4) == 0) {
-#pragma unroll
-    for (int v = 0; v < E / 4; ++v) {
-      const float4 x = reinterpret_cast<const float4*>(p)[v];
-      o[4 * v] = x.x;
-      o[4 * v + 1] = x.y;
-      o[4 * v + 2] = x.z;
-      o[4 * v + 3] = x.w;
-    }
+    return ((j / 4) * LPR + li) * 4 + (j % 4);
   } else {
-#pragma unroll
-    for (int i = 0; i < E; ++i) {
-      o[i] = p[i];
-    }
+    return li * E + j;
   }
-}
-
-// The raw inputs of step o into one slot of the scan's register ring: q/k (E floats per
-// lane), v (RPL values), the gate and beta.
-template <int E, int RPL, typename T>
-__device__ __forceinline__ void lily_scan_load(const float* kp, const float* qp, const T* vp,
-                                               const float* gp, const float* bp, int64_t o,
-                                               int64_t qk_step, int64_t v_step, int hv,
-                                               float (&kr)[E], float (&qr)[E], T (&vr)[RPL],
-                                               float* gr, float* br) {
-  lily_ld4<E>(kp + o * qk_step, kr);
-  lily_ld4<E>(qp + o * qk_step, qr);
-#pragma unroll
-  for (int i = 0; i < RPL; ++i) {
-    vr[i] = vp[o * v_step + i];
-  }
-  *gr = gp[o * hv];
-  *br = bp[o * hv];
 }
 
 // ---- body ----
@@ -54,10 +32,20 @@ __device__ __forceinline__ void lily_scan_load(const float* kp, const float* qp,
   constexpr int GPW = 32 / LPR;
   constexpr int RB = WPB * GPW * RPL;
   constexpr int G = Hv / Hk;
+  constexpr int NT = 32 * WPB;
+  // steps per stage: ~32 staged floats per thread, at most 32 KiB of shared memory
+  constexpr int TS0 = (16 * NT) / Dk;
+  constexpr int TS1 = TS0 > 2048 / Dk ? 2048 / Dk : TS0;
+  constexpr int TS = TS1 < 1 ? 1 : (TS1 > 32 ? 32 : TS1);
+  constexpr int SV4 = TS * 2 * Dk / 4;  // float4s per stage (k then q per step)
+  constexpr int PT = (SV4 + NT - 1) / NT;
+  static_assert(Dk % 4 == 0, "gdn_scan: Dk must be a multiple of 4");
+  __shared__ float4 kq_s[2 * SV4];
 
   const int T_ = qn_shape[1];
-  const int lane = threadIdx.x & 31;
-  const int warp = threadIdx.x >> 5;
+  const int tid = threadIdx.x;
+  const int lane = tid & 31;
+  const int warp = tid >> 5;
   const int gi = lane / LPR;
   const int li = lane % LPR;
   const int n = blockIdx.z;
@@ -72,48 +60,91 @@ __device__ __forceinline__ void lily_scan_load(const float* kp, const float* qp,
   for (int i = 0; i < RPL; ++i) {
 #pragma unroll
     for (int j = 0; j < E; ++j) {
-      s[i][j] = state[sb + (r0 + i) * state_strides[2] + (li * E + j) * state_strides[3]];
+      s[i][j] = state[sb + (r0 + i) * state_strides[2] +
+                      lily_scan_col<E, LPR>(li, j) * state_strides[3]];
     }
   }
 
   constexpr int QK_STEP = Hk * Dk;
   constexpr int V_STEP = Hv * Dv;
-  const float* qp = qn + (int64_t(bi) * T_ * Hk + hk) * Dk + li * E;
-  const float* kp = kn + (int64_t(bi) * T_ * Hk + hk) * Dk + li * E;
+  const float* qbase = qn + (int64_t(bi) * T_ * Hk + hk) * Dk;
+  const float* kbase = kn + (int64_t(bi) * T_ * Hk + hk) * Dk;
   const T* vp = vv + (int64_t(bi) * T_ * Hv + h) * Dv + r0;
   const float* gp = g + int64_t(bi) * T_ * Hv + h;
   const float* bp = beta + int64_t(bi) * T_ * Hv + h;
   T* yp = y + (int64_t(bi) * T_ * Hv + h) * Dv + r0;
 
-  // raw inputs of the next PF steps in a register ring (slot u holds step t0 + u): a step
-  // is a short dependent chain, one step of lead does not cover an L2/DRAM round trip
-  constexpr int SLOT = 2 * E + RPL + 2;  // registers per buffered step
-  constexpr int PF = SLOT * 8 <= 112 ? 8 : (112 / SLOT < 1 ? 1 : 112 / SLOT);
-  float kr[PF][E], qr[PF][E], gr[PF], br[PF];
+  // stage loads: float4 f of a stage is step f / (Dk/2), k (first Dk/4) or q, chunk
+  float4 st[PT];
+  auto stage_load = [&](int t0) {
+#pragma unroll
+    for (int p = 0; p < PT; ++p) {
+      const int f = tid + p * NT;
+      const int u = f / (Dk / 2);
+      const int c = f % (Dk / 2);
+      const int t = t0 + u;
+      if (f < SV4 && t < T_) {
+        const float* src = (c < Dk / 4 ? kbase : qbase) + int64_t(t) * QK_STEP;
+        st[p] = reinterpret_cast<const float4*>(src)[c % (Dk / 4)];
+      }
+    }
+  };
+  auto stage_store = [&](int buf) {
+#pragma unroll
+    for (int p = 0; p < PT; ++p) {
+      const int f = tid + p * NT;
+      if (f < SV4) kq_s[buf * SV4 + f] = st[p];
+    }
+  };
+
+  // v, gate and beta of the next PF steps in a register ring (step t in slot t % PF; PF
+  // divides TS, so the slot is known at compile time in the unrolled stage loop)
+  constexpr int PF = TS % 8 == 0 ? 8 : (TS % 4 == 0 ? 4 : (TS % 2 == 0 ? 2 : 1));
+  float gr[PF], br[PF];
   T vr[PF][RPL];
 #pragma unroll
   for (int u = 0; u < PF; ++u) {
     if (u < T_) {
-      lily_scan_load<E, RPL>(kp, qp, vp, gp, bp, int64_t(u), QK_STEP, V_STEP, Hv, kr[u], qr[u],
-                             vr[u], gr + u, br + u);
+#pragma unroll
+      for (int i = 0; i < RPL; ++i) vr[u][i] = vp[int64_t(u) * V_STEP + i];
+      gr[u] = gp[int64_t(u) * Hv];
+      br[u] = bp[int64_t(u) * Hv];
     }
   }
 
-  for (int t0 = 0; t0 < T_; t0 += PF) {
+  stage_load(0);
+  stage_store(0);
+  __syncthreads();
+  for (int t0 = 0; t0 < T_; t0 += TS) {
+    const int buf = (t0 / TS) & 1;
+    if (t0 + TS < T_) stage_load(t0 + TS);
+    const float* ks = reinterpret_cast<const float*>(kq_s + buf * SV4);
 #pragma unroll
-    for (int u = 0; u < PF; ++u) {
+    for (int u = 0; u < TS; ++u) {
       const int t = t0 + u;
       if (t >= T_) break;  // T_ is the same for every lane
-      // slot u is refilled at the end of the step, after its last read (refilled here,
-      // ptxas copied the slot to other registers first: ~40 MOVs per step)
-      const float* kc = kr[u];
-      const float* qc = qr[u];
+      const int slot = u % PF;
+      float kc[E], qc[E];
+#pragma unroll
+      for (int j = 0; j < E; j += 4) {
+        const int c = lily_scan_col<E, LPR>(li, j);
+        if constexpr ((E % 4) == 0) {
+          const float4 kv = *reinterpret_cast<const float4*>(ks + u * 2 * Dk + c);
+          const float4 qv = *reinterpret_cast<const float4*>(ks + u * 2 * Dk + Dk + c);
+          kc[j] = kv.x; kc[j + 1] = kv.y; kc[j + 2] = kv.z; kc[j + 3] = kv.w;
+          qc[j] = qv.x; qc[j + 1] = qv.y; qc[j + 2] = qv.z; qc[j + 3] = qv.w;
+        } else {
+#pragma unroll
+          for (int e = j; e < E && e < j + 4; ++e) {
+            kc[e] = ks[u * 2 * Dk + lily_scan_col<E, LPR>(li, e)];
+            qc[e] = ks[u * 2 * Dk + Dk + lily_scan_col<E, LPR>(li, e)];
+          }
+        }
+      }
       float vc[RPL];
 #pragma unroll
-      for (int i = 0; i < RPL; ++i) {
-        vc[i] = static_cast<float>(vr[u][i]);
-      }
-      const float gc = gr[u], bc = br[u];
+      for (int i = 0; i < RPL; ++i) vc[i] = static_cast<float>(vr[slot][i]);
+      const float gc = gr[slot], bc = br[slot];
 
       float pkq = 0.0f;
       float pk[RPL], py[RPL];
@@ -153,18 +184,24 @@ __device__ __forceinline__ void lily_scan_load(const float* kp, const float* qp,
           yp[int64_t(t) * V_STEP + i] = static_cast<T>(yy);
         }
       }
-      if (t + PF < T_) {
-        lily_scan_load<E, RPL>(kp, qp, vp, gp, bp, int64_t(t + PF), QK_STEP, V_STEP, Hv,
-                               kr[u], qr[u], vr[u], gr + u, br + u);
+      if (t + PF < T_) {  // refill the slot just read, after its last read
+#pragma unroll
+        for (int i = 0; i < RPL; ++i) vr[slot][i] = vp[int64_t(t + PF) * V_STEP + i];
+        gr[slot] = gp[int64_t(t + PF) * Hv];
+        br[slot] = bp[int64_t(t + PF) * Hv];
       }
     }
+    if (t0 + TS < T_) {
+      stage_store(buf ^ 1);
+    }
+    __syncthreads();
   }
 
-  const int64_t ob = (int64_t(n) * Dv + r0) * Dk + li * E;
+  const int64_t ob = (int64_t(n) * Dv + r0) * Dk;
 #pragma unroll
   for (int i = 0; i < RPL; ++i) {
 #pragma unroll
     for (int j = 0; j < E; ++j) {
-      state_out[ob + i * Dk + j] = s[i][j];
+      state_out[ob + i * Dk + lily_scan_col<E, LPR>(li, j)] = s[i][j];
     }
   }
