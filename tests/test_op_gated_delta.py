@@ -372,7 +372,8 @@ PREFILL_CASES = [
     dict(B=1, S=5, seed=6, dtype=mx.float32, cfg=(2, 1, 1)),
     dict(B=2, S=6, Hv=2, Hk=1, seed=7, exotic=True),
     dict(B=1, S=4, Hk=16, Hv=32, seed=8, cfg=G.SCAN_CONFIG["cuda"]),  # production heads
-    dict(B=2, S=21, seed=9, cfg=(32, 4, 1)),  # CUDA's input ring (8 steps): 2 rounds + 5
+    dict(B=2, S=21, seed=9, cfg=(32, 4, 1)),  # CUDA: 4-step stages, 4-step ring: 5 + 1
+    dict(B=1, S=37, Hk=16, Hv=32, seed=13, cfg=G.SCAN_CONFIG["cuda"]),  # default, 3 stages
     dict(B=1, S=16, seed=10, cfg=(32, 4, 1)),  # whole CUDA stages only (4 steps each)
     dict(B=1, S=40, seed=11, cfg=(8, 1, 8)),  # CUDA: 16-step stages, two and a part
     dict(B=2, S=37, seed=12, cfg=(16, 1, 8)),
