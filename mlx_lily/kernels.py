@@ -161,10 +161,22 @@ def _top_level_items(text: str) -> list[str]:
     return items
 
 
+_NOT_NAMES = frozenset({"operator", "decltype", "__attribute__", "alignas", "__align__",
+                        "__declspec", "static_assert", "typedef", "using", "enum", "union",
+                        "namespace", "extern", "asm", "friend"})
+
+
 def _defined_name(item: str) -> str | None:
-    """The name a top-level item declares (function, struct, variable), or None when it
-    is not recognised (such items are always kept)."""
-    if item.lstrip().startswith("#"):
+    """The name a top-level item defines, for three shapes only: a ``__device__`` function
+    definition, a ``struct``/``class`` definition with nothing declared after its closing
+    brace, and a ``constexpr``/``__constant__`` variable with an initialiser. Anything else
+    (enums, typedefs, operators, attributes, macro invocations, ``static_assert``, an item
+    with a preprocessor conditional inside) gives None, and such items are always kept."""
+    s = item.strip()
+    if s.startswith("#") or not s.endswith(("}", ";")):
+        return None
+    if any(ln.lstrip().startswith(("#if", "#el", "#endif", "#define", "#undef"))
+           for ln in item.splitlines()):
         return None
     head = item.split("{", 1)[0]
     if head.lstrip().startswith("template"):  # drop the template parameter list
@@ -176,14 +188,18 @@ def _defined_name(item: str) -> str | None:
                 break
         head = head[i:]
     words = _IDENT.findall(head)
-    for k in _TYPE_KEYS:
-        if k in words and words.index(k) + 1 < len(words):
-            return words[words.index(k) + 1]
-    eq, par = head.find("="), head.find("(")
-    if par >= 0 and (eq < 0 or par < eq):
+    if not words or any(w in _NOT_NAMES for w in words):
+        return None
+    par, eq = head.find("("), head.find("=")
+    if "struct" in words or "class" in words:
+        if par >= 0 or words[0] not in ("struct", "class") or len(words) < 2:
+            return None
+        return words[1] if re.search(r"}\s*;\s*$", item) else None
+    if par >= 0 and "__device__" in words and s.endswith("}") and (eq < 0 or par < eq):
         m = re.search(r"([A-Za-z_]\w*)\s*$", head[:par])
         return m.group(1) if m else None
-    if eq >= 0:
+    if par < 0 and eq >= 0 and words[0] in ("constexpr", "__constant__", "__device__",
+                                             "static"):
         m = re.search(r"([A-Za-z_]\w*)\s*(\[[^\]]*\]\s*)*$", head[:eq])
         return m.group(1) if m else None
     return None
@@ -217,11 +233,20 @@ def prune_header(head: str, body: str) -> str:
 _KEEP_APART = frozenset("+-*/%&|^<>=!.:")  # pairs of these may form one token ("- -")
 
 
+def _ends_in_number(chunks: list) -> bool:
+    """Whether the text so far ends in a preprocessing number (``0xE``, ``1e``, ``.5e``),
+    which a following sign would extend."""
+    m = re.search(r"\.?\d[\w.]*$", "".join(chunks[-32:]))
+    return m is not None and (m.start() == 0 or not re.match(r"[\w.]", "".join(chunks[-32:])[m.start() - 1]))
+
+
 def squeeze_spaces(text: str) -> str:
     """``strip_source`` output without the blanks that separate no tokens: a run of
     blanks inside a line goes unless both neighbours are word characters, or both are
     operator characters that could join into another token (``a - -b``, ``x / *p``,
-    ``> >``); string and character literals and preprocessor lines are left as they are.
+    ``> >``), or it follows an ``e``/``p`` before a sign (``0xE - 1``), or it separates a
+    literal from a word (``"a" SFX``, ``L "x"``); string and character literals and
+    preprocessor lines are left as they are.
     The compiler sees the same tokens (checked: identical SASS for every kernel)."""
     out = []
     for line in text.splitlines(keepends=True):
@@ -243,8 +268,11 @@ def squeeze_spaces(text: str) -> str:
                     j += 1
                 a = res[-1][-1] if res else ""
                 b = line[j] if j < n else ""
-                word = (a.isalnum() or a == "_") and (b.isalnum() or b == "_")
-                if a and b and b != "\n" and (word or (a in _KEEP_APART and b in _KEEP_APART)):
+                aw, bw = a.isalnum() or a == "_", b.isalnum() or b == "_"
+                keep = ((aw and bw) or (a in _KEEP_APART and b in _KEEP_APART)
+                        or (a in "eEpP" and b in "+-" and _ends_in_number(res))  # 0xE - 1
+                        or (a in "\"'" and bw) or (aw and b in "\"'"))  # "a" SFX, L "x"
+                if a and b and b != "\n" and keep:
                     res.append(" ")
                 i = j
             else:
@@ -412,6 +440,10 @@ _STEM_OPS = (
 # Since 66bb231 every CUDA source reaches MLX pruned of unused helpers and of blanks
 # (prune_header, squeeze_spaces): nvcc 13 gives identical SASS for every kernel at the
 # compile tests' instantiations, and the lease-3 GPU tests and gate ran on it.
+# gated_delta's CUDA scan stages q/k in shared memory since e2c4016 (default shape (16,2,4)
+# since 0f201a7): its GPU tests at every test case's shape and the production-dims tests
+# passed on the H200 (17, session 13 lease 4), and nine shapes matched the reference at
+# production dims over 2048 tokens; the A/B gate has not run with it yet.
 VERIFIED: dict = {
     "cuda": frozenset({"add_rms_norm", "moe_router_topk", "moe_route", "moe_experts",
                        "moe_grouped", "attention", "qgemv", "gated_delta", "norm_qgemv",
@@ -451,8 +483,10 @@ def stock_result_dtype(x_dtype, scales_dtype) -> bool:
 KERNELS_ENV = "MLX_LILY_KERNELS"
 
 
+@functools.lru_cache(maxsize=None)
 def op_of(spec: KernelSpec) -> str | None:
-    """The op whose kernels include ``spec`` (by shader stem), or None."""
+    """The op whose kernels include ``spec`` (by shader stem), or None (cached: a
+    prefill chunk asks ~700 times)."""
     for prefix, op in _STEM_OPS:
         if spec.stem.startswith(prefix):
             return op

@@ -569,6 +569,40 @@ def test_prune_header_drops_only_unused_helpers():
         head.replace("constexpr int kDead = 3;\n", "")
 
 
+@pytest.mark.parametrize("head,body", [
+    ("enum Mode { kA, kB };\n", "int m = kA;\n"),
+    ("struct __align__(16) P { float x; };\n", "P p;\n"),
+    ("__device__ decltype(auto) f(int a) { return a; }\n", "f(1);\n"),
+    ("struct Pair { int a; };\n__device__ struct Pair mk() { Pair p; return p; }\n", "mk();\n"),
+    ("struct V { int a; };\n__device__ bool operator==(V a, V b) { return a.a == b.a; }\n",
+     "V x, y; bool e = x == y;\n"),
+    ("struct X { int a; } g;\n", "g.a = 1;\n"),
+    ("typedef float (*Fn)(float);\n", "Fn f;\n"),
+    ("#define LILY_DEF(n) __device__ int n() { return 1; }\nLILY_DEF(foo)\n", "foo();\n"),
+    ('static_assert(sizeof(int) == 4, "x");\n', "int a;\n"),
+    ("template <int N>\n#ifdef LILY_EMU\n__device__ int a() { return N; }\n#else\n"
+     "__device__ int a() { return 2 * N; }\n#endif\n__device__ int b() { return 1; }\n", "b();\n"),
+])
+def test_prune_header_keeps_what_it_cannot_name(head, body):
+    """Shapes ``prune_header`` does not name (enums, attributes, operators, typedefs,
+    macro-made definitions, a declarator after a struct, ``static_assert``, a conditional
+    inside an item) are kept whole, used or not."""
+    h = kernels.strip_source(head)
+    assert kernels.prune_header(h, body) == h
+
+
+@pytest.mark.parametrize("src,want", [
+    ("x = 0xE - 1;\n", "x=0xE -1;\n"),
+    ("y = 1e - 3;\n", "y=1e -3;\n"),
+    ('auto s = "a" SFX;\n', 'auto s="a" SFX;\n'),
+    ('auto w = L "x";\n', 'auto w=L "x";\n'),
+])
+def test_squeeze_spaces_keeps_literal_boundaries(src, want):
+    """No pp-number swallows a sign (``0xE-1`` would be one token) and no literal gains a
+    prefix or suffix."""
+    assert kernels.squeeze_spaces(src) == want
+
+
 def test_compiled_decode_honours_attn_packed_switch(monkeypatch):
     """``MLX_LILY_DISABLE=attn_packed`` keeps the packed attention kernels out of the
     compiled decode step too (CUDA path, kernels stubbed): no whole-stack step, no

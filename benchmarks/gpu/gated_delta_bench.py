@@ -230,12 +230,16 @@ def main():
 
     # ---- scan configuration sweep
     p = inputs(1, SWEEP_S, seed=3)
-    cfgs = [(32, 4, 1), (8, 1, 4), (16, 1, 8), (8, 1, 8), (32, 2, 2), (16, 2, 4),
-            (32, 1, 4), (16, 4, 2), (8, 2, 4)]
+    cfgs = [(16, 2, 4), (8, 1, 4), (32, 4, 1), (8, 2, 4), (16, 4, 2), (8, 1, 8),
+            (16, 1, 8), (32, 2, 2), (32, 1, 4)]
     if args.configs:
         cfgs = [tuple(int(v) for v in c.split(",")) for c in args.configs.split(";") if c]
-    if args.quick:
+    elif args.quick:
         cfgs = cfgs[:4]
+    bad = [c for c in cfgs if not G._scan_ok(c, D, D)]
+    if bad:
+        print(f"skipping scan configurations that do not tile Dk=Dv={D}: {bad}")
+        cfgs = [c for c in cfgs if c not in bad] or [G.scan_config(backend)]
     ref = None
     if args.sweep_only:
         ref = reference_fn(p)

@@ -657,7 +657,9 @@ def fused_plan(kernel, wts: DecodeWeights, router, x_shape, x_dtype, k: int,
     one launch; ``counters`` an int32 array whose elements ``offset .. offset + 4`` are
     zero (left zero); ``after`` (never read) the output of the previous launch on these
     counters, or any array when there was none: launches sharing counters must not run
-    concurrently, and MLX orders two launches only when one reads what the other wrote. ``init_value`` fills every output first (tests poison them)."""
+    concurrently, and MLX orders two launches only when one reads what the other wrote. ``init_value`` fills every output first (tests poison them: NaN in y and h; the
+    uint32 scratch ``work`` gets 0, so an unwritten scratch read shows only as a wrong
+    value, which the tests compare against the three launches and the fp32 truth)."""
     d, i, e = wts.hidden, wts.inter, wts.num_experts
     lead = tuple(x_shape[:-1])
     n = 1
