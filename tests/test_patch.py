@@ -808,3 +808,49 @@ def test_kv_caches_grow_in_bigger_steps_same_answers(tiny_models, monkeypatch):
             model(mx.array([prompt]), cache=c)
         assert all(x.step == 256 for x in _kv_caches(c))
         assert (raw == "zero") == any(P.KV_STEP_ENV in str(x.message) for x in w)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_prefill_split_matches_one_call(tiny_models, kind, monkeypatch):
+    """MLX_LILY_PREFILL_SPLIT=3: a 40-token prefill runs as three pieces (the first two
+    evaluated asynchronously while the next is built); logits at every position and every
+    cache state match one call, then decoding continues from the same cache. Unsupported
+    requests (the switch malformed, too few tokens per piece) run whole."""
+    from mlx_lily.patches import qwen3_next as P
+
+    model = tiny_models[kind]
+    prompt = mx.array([[(7 * i + 3) % 200 + 1 for i in range(40)]])
+    monkeypatch.setattr(P, "PREFILL_PIECE_MIN", 8)
+    with mlx_lily.patched(model):
+        c1 = cache_mod.make_prompt_cache(model)
+        want = model(prompt, cache=c1)
+        want_next = model(mx.array([[5]]), cache=c1)
+        mx.eval(want, want_next)
+        inner = _inner(model)
+        calls = []
+        orig = P._prefill_pieces
+        monkeypatch.setattr(P, "_prefill_pieces",
+                            lambda *a: calls.append(orig(*a)) or calls[-1])
+        monkeypatch.setenv(P.PREFILL_SPLIT_ENV, "3")
+        c2 = cache_mod.make_prompt_cache(model)
+        got = model(prompt, cache=c2)
+        got_next = model(mx.array([[5]]), cache=c2)
+        mx.eval(got, got_next)
+        assert [p[0].shape[1] for p in calls[0]] == [13, 13, 14]
+        assert calls[1] is None  # the one-token step runs whole
+        for a, b in ((got, want), (got_next, want_next)):
+            assert a.shape == b.shape
+            assert float(mx.abs(a - b).max()) <= 1e-4 * max(1.0, float(mx.abs(b).max()))
+        for s1, s2 in zip(c1, c2):
+            for a, b in zip(P._state_arrays(s1), P._state_arrays(s2)):
+                assert a.shape == b.shape
+                assert float(mx.abs(a.astype(mx.float32) - b.astype(mx.float32)).max()) <= \
+                    1e-4 * max(1.0, float(mx.abs(b.astype(mx.float32)).max()))
+        assert inner is _inner(model)
+        monkeypatch.setenv(P.PREFILL_SPLIT_ENV, "two")
+        assert P._prefill_pieces(inner, prompt, cache_mod.make_prompt_cache(model), None) is None
+        monkeypatch.setenv(P.PREFILL_SPLIT_ENV, "8")
+        assert len(P._prefill_pieces(inner, prompt, cache_mod.make_prompt_cache(model),
+                                     None)) == 5  # 40 // 8 pieces at most
+        assert P._prefill_pieces(inner, prompt[:, :15], cache_mod.make_prompt_cache(model),
+                                 None) is None
