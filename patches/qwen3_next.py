@@ -1009,8 +1009,8 @@ def _prefill_pieces(text_model, inputs, cache, input_embeddings):
     """``[(inputs_j, embeddings_j)]`` splitting a prefill call along its tokens for
     ``MLX_LILY_PREFILL_SPLIT``, or None to run it whole: the switch off or malformed, no
     cache, training, fewer than two pieces of ``PREFILL_PIECE_MIN`` tokens, or a cache
-    that is not mlx-lm's plain ``KVCache`` / ``ArraysCache`` (the pieces must see the
-    cache exactly as one call would)."""
+    that is not mlx-lm's plain ``KVCache`` / ``ArraysCache`` or carries batch padding or
+    lengths (the pieces must see the cache exactly as one call would)."""
     from mlx_lily.backend import env_value
 
     raw = env_value(PREFILL_SPLIT_ENV, "").strip()
@@ -1026,6 +1026,9 @@ def _prefill_pieces(text_model, inputs, cache, input_embeddings):
     t = x.shape[1]
     k = min(k, t // PREFILL_PIECE_MIN)
     if k < 2 or any(type(c) not in (KVCache, ArraysCache) for c in cache):
+        return None
+    if any(getattr(c, "left_padding", None) is not None or getattr(c, "lengths", None) is not None
+           for c in cache):  # batch padding: run whole, as mlx-lm's own chunks would
         return None
     bounds = [t * j // k for j in range(k + 1)]
     return [(inputs[:, a:b] if inputs is not None else None,

@@ -854,3 +854,8 @@ def test_prefill_split_matches_one_call(tiny_models, kind, monkeypatch):
                                      None)) == 5  # 40 // 8 pieces at most
         assert P._prefill_pieces(inner, prompt[:, :15], cache_mod.make_prompt_cache(model),
                                  None) is None
+        padded = cache_mod.make_prompt_cache(model)
+        for c in padded:
+            if type(c) is cache_mod.ArraysCache:
+                c.left_padding = mx.array([0])
+        assert P._prefill_pieces(inner, prompt, padded, None) is None
