@@ -67,6 +67,15 @@ def split_header(text: str, marker: str = "// ---- body ----") -> tuple[str, str
     return "", text
 
 
+def _literal_end(text: str, i: int) -> int:
+    """Index just past the string or character literal opening at ``text[i]`` (a quote;
+    backslash escapes skipped), or ``len(text)`` when it does not close."""
+    q, j, n = text[i], i + 1, len(text)
+    while j < n and text[j] != q:
+        j += 2 if text[j] == "\\" else 1
+    return min(j + 1, n)
+
+
 def strip_source(text: str) -> str:
     """C/CUDA text without comments, indentation, trailing blanks or empty lines; string
     and character literals kept as they are, one output line per remaining source line
@@ -84,11 +93,9 @@ def strip_source(text: str) -> str:
     while i < n:
         ch = text[i]
         if ch in "\"'":
-            j = i + 1
-            while j < n and text[j] != ch:
-                j += 2 if text[j] == "\\" else 1
-            line.append(text[i:j + 1])
-            i = j + 1
+            j = _literal_end(text, i)
+            line.append(text[i:j])
+            i = j
         elif text.startswith("//", i):
             while i < n and text[i] != "\n":
                 i += 1
@@ -143,16 +150,13 @@ def _top_level_items(text: str) -> list[str]:
                 cur = []
             continue
         cur.append(line)
-        q = None
-        for ch in s:
-            if q:
-                q = None if ch == q else q
-            elif ch in "\"'":
-                q = ch
-            elif ch == "{":
-                depth += 1
-            elif ch == "}":
-                depth -= 1
+        i = 0
+        while i < len(s):
+            if s[i] in "\"'":
+                i = _literal_end(s, i)
+                continue
+            depth += {"{": 1, "}": -1}.get(s[i], 0)
+            i += 1
         if depth == 0 and pp == 0 and s.endswith(("}", ";")):
             items.append("".join(cur))
             cur = []
@@ -257,11 +261,9 @@ def squeeze_spaces(text: str) -> str:
         while i < n:
             ch = line[i]
             if ch in "\"'":
-                j = i + 1
-                while j < n and line[j] != ch:
-                    j += 2 if line[j] == "\\" else 1
-                res.append(line[i:j + 1])
-                i = j + 1
+                j = _literal_end(line, i)
+                res.append(line[i:j])
+                i = j
             elif ch == " ":
                 j = i
                 while j < n and line[j] == " ":

@@ -938,7 +938,7 @@ def make_text_model_call(module, cls_name, layer_cls_name, with_embeddings):
             for j, (inp, emb) in enumerate(pieces):
                 outs.append(_text_model_forward(self, inp, cache, emb))
                 if j + 1 < len(pieces):  # the GPU runs this piece while the next is built
-                    mx.async_eval([a for c in cache for a in _state_arrays(c)])
+                    mx.async_eval([c.state for c in cache])  # as generate_step evals
             return mx.concatenate(outs, axis=1)
 
     def _text_model_forward(self, inputs, cache, input_embeddings):
@@ -1034,13 +1034,6 @@ def _prefill_pieces(text_model, inputs, cache, input_embeddings):
     return [(inputs[:, a:b] if inputs is not None else None,
              input_embeddings[:, a:b] if input_embeddings is not None else None)
             for a, b in zip(bounds[:-1], bounds[1:])]
-
-
-def _state_arrays(c) -> list:
-    """The arrays of a cache's state (what mlx-lm's prefill evaluates)."""
-    st = c.state
-    st = st if isinstance(st, (list, tuple)) else [st]
-    return [a for a in st if isinstance(a, mx.array)]
 
 
 def _gdn_step_ok(layer, c) -> bool:

@@ -437,6 +437,18 @@ def _weights_key(switch_mlp, shared_expert) -> tuple:
             id(switch_mlp.up_proj.get("weight")), id(switch_mlp.down_proj.get("weight")))
 
 
+def _cached_plan(switch_mlp, shared_expert, attr: str, key: tuple, build):
+    """The launch plan cached on ``switch_mlp`` under ``attr`` for ``key`` plus the
+    block's weights (``_weights_key``); on a miss ``build(decode_weights(...))`` makes it
+    (None, cached too, when the kernels do not serve these shapes)."""
+    plans = _plans(switch_mlp, attr)
+    full = (*_weights_key(switch_mlp, shared_expert), *key)
+    run = plans.get(full, False)
+    if run is False:
+        run = plans[full] = build(decode_weights(switch_mlp, shared_expert))
+    return run
+
+
 def drop_plans(switch_mlp) -> None:
     """Forget every launch plan cached on ``switch_mlp`` (they hold its arrays): called
     when its weights were replaced, so the old arrays are freed."""
@@ -449,21 +461,18 @@ def _decode_run(switch_mlp, shared_expert, x, inds, scores, shared, residual, ba
 
     Cached on the SwitchGLU per (backend, weights, shapes, dtypes); re-derived when the
     expert or shared-expert arrays are replaced."""
-    plans = _plans(switch_mlp, "_lily_decode_plans")
-    key = (backend, *_weights_key(switch_mlp, shared_expert), x.shape, x.dtype, inds.shape, scores.shape, shared.shape if shared is not None
-           else None, None if residual is None else residual.shape)
-    run = plans.get(key, False)
-    if run is False:
-        run = None
-        wts = decode_weights(switch_mlp, shared_expert)
-        if supports_decode(x, inds, scores, shared, wts, residual):
-            kg = kernels.get(GATE_UP_SPEC, backend)
-            kd = kernels.get(DOWN_SPEC, backend)
-            if kg is not None and kd is not None:
-                run = decode_plan(kg, kd, wts, x.shape, x.dtype, inds.shape[-1],
-                                  residual is not None)
-        plans[key] = run
-    return run
+    def build(wts):
+        if not supports_decode(x, inds, scores, shared, wts, residual):
+            return None
+        kg = kernels.get(GATE_UP_SPEC, backend)
+        kd = kernels.get(DOWN_SPEC, backend)
+        if kg is None or kd is None:
+            return None
+        return decode_plan(kg, kd, wts, x.shape, x.dtype, inds.shape[-1], residual is not None)
+
+    key = (backend, x.shape, x.dtype, inds.shape, scores.shape,
+           None if shared is None else shared.shape, None if residual is None else residual.shape)
+    return _cached_plan(switch_mlp, shared_expert, "_lily_decode_plans", key, build)
 
 
 def moe_experts(x, inds, scores, switch_mlp, shared_expert, shared, residual=None):
@@ -553,22 +562,21 @@ def moe_experts_routed(x, router, k: int, norm_topk_prob: bool, switch_mlp, shar
         return None
     pending = isinstance(x, PendingNorm)
     row = x.h0 if pending else x
-    plans = _plans(switch_mlp, "_lily_routed_plans")
-    key = (backend, id(router), *_weights_key(switch_mlp, shared_expert), row.shape,
-           row.dtype, k, bool(norm_topk_prob))
-    entry = plans.get(key, False)
-    if entry is False:
-        entry = None
-        wts = decode_weights(switch_mlp, shared_expert)
-        if routed_supported(router, k, wts, row.shape, row.dtype):
-            kg = kernels.get(GATE_UP_SPEC, backend)
-            kd = kernels.get(DOWN_SPEC, backend)
-            if kg is not None and kd is not None:
-                mk = lambda pre: decode_plan(kg, kd, wts, row.shape, row.dtype, k,  # noqa: E731
-                                             False, topk=True,
-                                             norm_topk_prob=norm_topk_prob, pre_norm=pre)
-                entry = (mk(False), mk(True))
-        plans[key] = entry
+    def build(wts):
+        if not routed_supported(router, k, wts, row.shape, row.dtype):
+            return None
+        kg = kernels.get(GATE_UP_SPEC, backend)
+        kd = kernels.get(DOWN_SPEC, backend)
+        if kg is None or kd is None:
+            return None
+        mk = lambda pre: decode_plan(kg, kd, wts, row.shape, row.dtype, k,  # noqa: E731
+                                     False, topk=True, norm_topk_prob=norm_topk_prob,
+                                     pre_norm=pre)
+        return mk(False), mk(True)
+
+    entry = _cached_plan(switch_mlp, shared_expert, "_lily_routed_plans",
+                         (backend, id(router), row.shape, row.dtype, k, bool(norm_topk_prob)),
+                         build)
     if entry is None:
         return None
     plain, pre = entry
@@ -709,19 +717,18 @@ def _fused_call(x, router, k, norm_topk_prob, switch_mlp, shared_expert, backend
             or ctr.dtype != mx.int32 or ctr.ndim != 1 or ctr.size < off + FUSED_COUNTERS):
         return None
     row = x.h0
-    plans = _plans(switch_mlp, "_lily_fused_plans")
-    key = (backend, id(router), *_weights_key(switch_mlp, shared_expert), row.shape,
-           row.dtype, k, bool(norm_topk_prob), int(off), fused_rpw())
-    run = plans.get(key, False)
-    if run is False:
-        run = None
-        wts = decode_weights(switch_mlp, shared_expert)
-        if fused_supported(router, k, wts, row.shape, row.dtype):
-            kern = kernels.get(FUSED_SPEC, backend)
-            if kern is not None:
-                run = fused_plan(kern, wts, router, row.shape, row.dtype, k,
-                                 norm_topk_prob, off)
-        plans[key] = run
+
+    def build(wts):
+        if not fused_supported(router, k, wts, row.shape, row.dtype):
+            return None
+        kern = kernels.get(FUSED_SPEC, backend)
+        if kern is None:
+            return None
+        return fused_plan(kern, wts, router, row.shape, row.dtype, k, norm_topk_prob, off)
+
+    run = _cached_plan(switch_mlp, shared_expert, "_lily_fused_plans",
+                       (backend, id(router), row.shape, row.dtype, k, bool(norm_topk_prob),
+                        int(off), fused_rpw()), build)
     if run is None:
         return None
     y, x.h = run(x.h0, x.res, x.weight, x.eps, ctr, after)
