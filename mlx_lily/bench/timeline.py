@@ -117,9 +117,9 @@ def run_loop(model, cache, first: int, steps: int, warmup: int) -> dict:
 #: ready), GPU ``gpu_busy`` (the chunk's start to end on the GPU), ``start_after_dispatch_begin``
 #: and ``host_after_gpu_end`` (the host's return minus the GPU's end: sync latency),
 #: ``clear`` (``mx.clear_cache()`` after the chunk, as generate_step calls it; 0 for the
-#: last step).
+#: last step), ``cache_mb`` (MLX's buffer cache, MiB, just before that clear).
 PREFILL_KEYS = ("tokens", "build", "dispatch", "wait", "gpu_busy",
-                "start_after_dispatch_begin", "host_after_gpu_end", "clear")
+                "start_after_dispatch_begin", "host_after_gpu_end", "clear", "cache_mb")
 
 
 def prefill_run(model, ids, prefill_step_size: int = 2048) -> dict:
@@ -166,8 +166,10 @@ def prefill_run(model, ids, prefill_step_size: int = 2048) -> dict:
             h2 = time.time_ns()
             mx.eval(g1)
             h3 = time.time_ns()
+            cached = mx.get_cache_memory()
+            h3c = time.time_ns()
             mx.clear_cache()
-            raw.append((n, h0, h1, h2, h3, g0, g1, time.time_ns() - h3))
+            raw.append((n, h0, h1, h2, h3, g0, g1, time.time_ns() - h3c, cached))
             prompt = prompt[n:]
         h0 = time.time_ns()
         last, g0 = gpu_clock.spin_us(prompt, zero)
@@ -180,16 +182,17 @@ def prefill_run(model, ids, prefill_step_size: int = 2048) -> dict:
         h2 = time.time_ns()
         y.item()
         h3 = time.time_ns()
-        raw.append((int(prompt.size), h0, h1, h2, h3, g0, g1, 0))
+        raw.append((int(prompt.size), h0, h1, h2, h3, g0, g1, 0, mx.get_cache_memory()))
     total = h3 - t_start
     mx.synchronize()
     off, err = calibrate()
     chunks = []
-    for n, h0, h1, h2, h3, g0, g1, clr in raw:
+    for n, h0, h1, h2, h3, g0, g1, clr, cached in raw:
         s, e = gpu_clock.ns(g0) - off, gpu_clock.ns(g1) - off
         chunks.append({"tokens": n, "build": (h1 - h0) / 1e6, "dispatch": (h2 - h1) / 1e6,
                        "wait": (h3 - h2) / 1e6, "gpu_busy": (e - s) / 1e6,
                        "start_after_dispatch_begin": (s - h1) / 1e6,
-                       "host_after_gpu_end": (h3 - e) / 1e6, "clear": clr / 1e6})
+                       "host_after_gpu_end": (h3 - e) / 1e6, "clear": clr / 1e6,
+                       "cache_mb": cached / 2**20})
     return {"chunks": chunks, "total_ms": total / 1e6, "tok_s": len(ids) / (total / 1e9),
             "clock_align_err_ns": err}
