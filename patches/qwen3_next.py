@@ -931,15 +931,7 @@ def make_text_model_call(module, cls_name, layer_cls_name, with_embeddings):
         from mlx_lily.backend import env_frozen
 
         with env_frozen():
-            pieces = _prefill_pieces(self, inputs, cache, input_embeddings)
-            if pieces is None:
-                return _text_model_forward(self, inputs, cache, input_embeddings)
-            outs = []
-            for j, (inp, emb) in enumerate(pieces):
-                outs.append(_text_model_forward(self, inp, cache, emb))
-                if j + 1 < len(pieces):  # the GPU runs this piece while the next is built
-                    mx.async_eval([c.state for c in cache])  # as generate_step evals
-            return mx.concatenate(outs, axis=1)
+            return _text_model_forward(self, inputs, cache, input_embeddings)
 
     def _text_model_forward(self, inputs, cache, input_embeddings):
         stock = _original(getattr(module, cls_name))
@@ -995,45 +987,6 @@ def make_text_model_call(module, cls_name, layer_cls_name, with_embeddings):
         return add_rms_norm(h, m, self.norm.weight, self.norm.eps)[1]
 
     return text_model_call
-
-
-#: ``MLX_LILY_PREFILL_SPLIT=k``: a prefill call of T tokens runs as k pieces of at least
-#: ``PREFILL_PIECE_MIN`` tokens, each piece's cache updates evaluated asynchronously while
-#: Python builds the next (the build of a 2048-token chunk took 14 ms on the H200 with
-#: the GPU idle, session 13). Off by default: not yet measured on a GPU.
-PREFILL_SPLIT_ENV = "MLX_LILY_PREFILL_SPLIT"
-PREFILL_PIECE_MIN = 512
-
-
-def _prefill_pieces(text_model, inputs, cache, input_embeddings):
-    """``[(inputs_j, embeddings_j)]`` splitting a prefill call along its tokens for
-    ``MLX_LILY_PREFILL_SPLIT``, or None to run it whole: the switch off or malformed, no
-    cache, training, fewer than two pieces of ``PREFILL_PIECE_MIN`` tokens, or a cache
-    that is not mlx-lm's plain ``KVCache`` / ``ArraysCache`` or carries batch padding or
-    lengths (the pieces must see the cache exactly as one call would)."""
-    from mlx_lily.backend import env_value
-
-    raw = env_value(PREFILL_SPLIT_ENV, "").strip()
-    if not raw or cache is None or text_model.training:
-        return None
-    try:
-        k = int(raw)
-    except ValueError:
-        return None
-    x = input_embeddings if input_embeddings is not None else inputs
-    if x is None or x.ndim < 2:
-        return None
-    t = x.shape[1]
-    k = min(k, t // PREFILL_PIECE_MIN)
-    if k < 2 or any(type(c) not in (KVCache, ArraysCache) for c in cache):
-        return None
-    if any(getattr(c, "left_padding", None) is not None or getattr(c, "lengths", None) is not None
-           for c in cache):  # batch padding: run whole, as mlx-lm's own chunks would
-        return None
-    bounds = [t * j // k for j in range(k + 1)]
-    return [(inputs[:, a:b] if inputs is not None else None,
-             input_embeddings[:, a:b] if input_embeddings is not None else None)
-            for a, b in zip(bounds[:-1], bounds[1:])]
 
 
 def _gdn_step_ok(layer, c) -> bool:

@@ -810,56 +810,87 @@ def test_kv_caches_grow_in_bigger_steps_same_answers(tiny_models, monkeypatch):
         assert (raw == "zero") == any(P.KV_STEP_ENV in str(x.message) for x in w)
 
 
-@pytest.mark.parametrize("kind", KINDS)
-def test_prefill_split_matches_one_call(tiny_models, kind, monkeypatch):
-    """MLX_LILY_PREFILL_SPLIT=3: a 40-token prefill runs as three pieces (the first two
-    evaluated asynchronously while the next is built); logits at every position and every
-    cache state match one call, then decoding continues from the same cache. Unsupported
-    requests (the switch malformed, too few tokens per piece) run whole."""
-    from mlx_lily.patches import qwen3_next as P
+def test_prefill_step_default(tiny_models, monkeypatch):
+    """While patched, ``generate_step`` (where mlx-lm and its ``cache_prompt`` look it up)
+    gives a model Lily serves the backend's prefill chunk (``PREFILL_STEP_SIZE``) unless
+    the caller chose one: an explicit int always wins, the CLI's marked default does not;
+    other model types and ``MLX_LILY_PREFILL_STEP=0`` keep mlx-lm's default. Unpatching
+    restores every name by identity."""
+    import importlib
 
-    model = tiny_models[kind]
-    prompt = mx.array([[(7 * i + 3) % 200 + 1 for i in range(40)]])
-    monkeypatch.setattr(P, "PREFILL_PIECE_MIN", 8)
+    import mlx_lm.cache_prompt
+    import mlx_lm.chat
+
+    from mlx_lily import patching
+
+    gen = importlib.import_module("mlx_lm.generate")  # the module (the package exports a function)
+
+    seen = []
+
+    def spy(prompt, model, *args, **kwargs):
+        seen.append(kwargs.get("prefill_step_size", "unset"))
+        return iter(())
+
+    monkeypatch.setattr(gen, "generate_step", spy)
+    monkeypatch.setattr(mlx_lm.cache_prompt, "generate_step", spy)
+    monkeypatch.setattr(patching, "PREFILL_STEP_SIZE", {backend.current_backend(): 16})
+    monkeypatch.delenv(patching.PREFILL_STEP_ENV, raising=False)
+    default_before = gen.DEFAULT_PREFILL_STEP_SIZE
+    model = tiny_models["qwen3_5_moe"]
+
+    class Other:
+        model_type = "llama"
+
+    with mlx_lily.patched():
+        assert gen.generate_step is not spy and mlx_lm.cache_prompt.generate_step is gen.generate_step
+        marked = gen.DEFAULT_PREFILL_STEP_SIZE
+        assert type(marked) is patching.DefaultStepSize and marked == default_before
+        assert type(mlx_lm.chat.DEFAULT_PREFILL_STEP_SIZE) is patching.DefaultStepSize
+        args = gen.setup_arg_parser().parse_args(["--prompt", "x"])
+        assert type(args.prefill_step_size) is patching.DefaultStepSize
+        typed = gen.setup_arg_parser().parse_args(["--prefill-step-size", str(default_before)])
+        assert type(typed.prefill_step_size) is int
+        for kw in ({}, {"prefill_step_size": None}, {"prefill_step_size": marked},
+                   {"prefill_step_size": typed.prefill_step_size}, {"prefill_step_size": 48}):
+            gen.generate_step(mx.array([1]), model, **kw)
+        assert seen == [16, 16, 16, default_before, 48]
+        seen.clear()
+        gen.generate_step(mx.array([1]), Other())
+        gen.generate_step(mx.array([1]), Other(), prefill_step_size=marked)
+        assert seen == ["unset", marked]
+        seen.clear()
+        for raw, want in (("32", 32), ("0", "unset"), ("many", "unset")):
+            monkeypatch.setenv(patching.PREFILL_STEP_ENV, raw)
+            mlx_lm.cache_prompt.generate_step(mx.array([1]), model)
+            assert seen.pop() == want, raw
+    assert gen.generate_step is spy and mlx_lm.cache_prompt.generate_step is spy
+    assert gen.DEFAULT_PREFILL_STEP_SIZE is default_before
+    assert type(mlx_lm.chat.DEFAULT_PREFILL_STEP_SIZE) is int
+
+
+def test_prefill_step_default_same_tokens(tiny_models, monkeypatch):
+    """A 40-token prompt prefilled in Lily's chunks (16 here) decodes the same greedy
+    tokens as stock mlx-lm's one 2048-token chunk."""
+    from mlx_lily import patching
+
+    monkeypatch.setattr(patching, "PREFILL_STEP_SIZE", {backend.current_backend(): 16})
+    monkeypatch.delenv(patching.PREFILL_STEP_ENV, raising=False)
+    model = tiny_models["qwen3_5_moe"]
+    prompt = [(5 * i + 2) % 200 + 1 for i in range(40)]
+    import importlib
+
+    gen = importlib.import_module("mlx_lm.generate")
+
+    def run():
+        return [int(t) for (t, _), _i in zip(gen.generate_step(mx.array(prompt), model,
+                                                               max_tokens=6), range(6))]
+
+    want = run()
+    calls = []
     with mlx_lily.patched(model):
-        c1 = cache_mod.make_prompt_cache(model)
-        want = model(prompt, cache=c1)
-        want_next = model(mx.array([[5]]), cache=c1)
-        mx.eval(want, want_next)
-        inner = _inner(model)
-        calls = []
-        orig = P._prefill_pieces
-        monkeypatch.setattr(P, "_prefill_pieces",
-                            lambda *a: calls.append(orig(*a)) or calls[-1])
-        monkeypatch.setenv(P.PREFILL_SPLIT_ENV, "3")
-        c2 = cache_mod.make_prompt_cache(model)
-        got = model(prompt, cache=c2)
-        got_next = model(mx.array([[5]]), cache=c2)
-        mx.eval(got, got_next)
-        assert [p[0].shape[1] for p in calls[0]] == [13, 13, 14]
-        assert calls[1] is None  # the one-token step runs whole
-        for a, b in ((got, want), (got_next, want_next)):
-            assert a.shape == b.shape
-            assert float(mx.abs(a - b).max()) <= 1e-4 * max(1.0, float(mx.abs(b).max()))
-        from mlx.utils import tree_flatten
-
-        arrays = lambda c: [v for _, v in tree_flatten(c.state)  # noqa: E731
-                            if isinstance(v, mx.array)]
-        for s1, s2 in zip(c1, c2):
-            for a, b in zip(arrays(s1), arrays(s2)):
-                assert a.shape == b.shape
-                assert float(mx.abs(a.astype(mx.float32) - b.astype(mx.float32)).max()) <= \
-                    1e-4 * max(1.0, float(mx.abs(b.astype(mx.float32)).max()))
-        assert inner is _inner(model)
-        monkeypatch.setenv(P.PREFILL_SPLIT_ENV, "two")
-        assert P._prefill_pieces(inner, prompt, cache_mod.make_prompt_cache(model), None) is None
-        monkeypatch.setenv(P.PREFILL_SPLIT_ENV, "8")
-        assert len(P._prefill_pieces(inner, prompt, cache_mod.make_prompt_cache(model),
-                                     None)) == 5  # 40 // 8 pieces at most
-        assert P._prefill_pieces(inner, prompt[:, :15], cache_mod.make_prompt_cache(model),
-                                 None) is None
-        padded = cache_mod.make_prompt_cache(model)
-        for c in padded:
-            if type(c) is cache_mod.ArraysCache:
-                c.left_padding = mx.array([0])
-        assert P._prefill_pieces(inner, prompt, padded, None) is None
+        inner = patching.original(gen, "generate_step")
+        monkeypatch.setattr(patching, "_model_type",
+                            lambda m, f=patching._model_type: calls.append(1) or f(m))
+        got = run()
+    assert calls and got == want
+    assert inner is gen.generate_step

@@ -295,6 +295,31 @@ def _fresh_memory():
     mx.reset_peak_memory()
 
 
+def _fmt_steps(settings: dict) -> str:
+    by_arm = settings.get("prefill_step_by_arm") or {}
+    if settings.get("prefill_step_size") is not None or len(set(by_arm.values())) <= 1:
+        return str(settings.get("prefill_step_size") or next(iter(by_arm.values()), "default"))
+    return ", ".join(f"{a} {v}" for a, v in by_arm.items())
+
+
+def effective_prefill_step(model, requested: int | None = None) -> int:
+    """The prefill chunk ``generate_step`` uses for ``model`` now: ``requested`` when given,
+    else mlx-lm's default, which while Lily is patched is Lily's per-backend choice for the
+    models it serves (``mlx_lily.patching.prefill_step_size``)."""
+    import importlib
+
+    import mlx_lily
+
+    if requested is not None:
+        return int(requested)
+    default = importlib.import_module("mlx_lm.generate").DEFAULT_PREFILL_STEP_SIZE
+    if mlx_lily.is_patched():
+        from mlx_lily.patching import prefill_step_size
+
+        return int(prefill_step_size(model, default))
+    return int(default)
+
+
 def measure_prefill(model, ids, prefill_step_size: int) -> dict:
     """Prompt tokens / time to the first token yielded by ``mlx_lm.generate.generate_step``."""
     import mlx.core as mx
@@ -310,7 +335,8 @@ def measure_prefill(model, ids, prefill_step_size: int) -> dict:
     _sync()
     peak = mx.get_peak_memory()
     del gen
-    return {"seconds": dt, "tok_s": len(ids) / dt, "peak_memory_bytes": int(peak), "first_token": int(tok)}
+    return {"seconds": dt, "tok_s": len(ids) / dt, "peak_memory_bytes": int(peak), "first_token": int(tok),
+            "prefill_step_size": int(prefill_step_size)}
 
 
 def build_context(model, ids, prefill_step_size: int) -> list:
@@ -711,7 +737,7 @@ def run_sweeps(target: Target, opts) -> list[dict]:
         for arm in ARMS:
             with arm_context(arm, model, opts.ops):
                 for _ in range(opts.warmup):
-                    warmup(model, ids[:wl], 4, opts.prefill_step_size)
+                    warmup(model, ids[:wl], 4, effective_prefill_step(model, opts.prefill_step_size))
         log(f"warm-up done ({opts.warmup} x {wl}-token prefill + 4 decode steps per arm)")
 
     orders = round_orders(getattr(opts, "rounds", 2))
@@ -749,10 +775,10 @@ def run_sweeps(target: Target, opts) -> list[dict]:
                     for r, order in enumerate(orders):
                         for arm in (a for a in order if a in run_arms):
                             with arm_context(arm, model, opts.ops):
-                                m = measure_prefill(model, ids[:L], opts.prefill_step_size)
+                                step = effective_prefill_step(model, opts.prefill_step_size)
+                                m = measure_prefill(model, ids[:L], step)
                                 if arm == "lily" and getattr(opts, "prefill_timeline", False):
-                                    tl = _prefill_timeline(model, ids[:L],
-                                                           opts.prefill_step_size)
+                                    tl = _prefill_timeline(model, ids[:L], step)
                                     if tl is not None:
                                         m["timeline"] = tl
                             m.update({"round": r, "position": order.index(arm)})
@@ -774,7 +800,8 @@ def run_sweeps(target: Target, opts) -> list[dict]:
                 else:
                     t0 = time.perf_counter()
                     with arm_context("lily", model, opts.ops):
-                        ctx = build_context(model, ids[:L], opts.prefill_step_size)
+                        ctx = build_context(model, ids[:L],
+                                            effective_prefill_step(model, opts.prefill_step_size))
                     tb = time.perf_counter() - t0
                     row["context_built_by"] = "lily"
                     row["context_build_s"] = tb
@@ -863,7 +890,8 @@ RESULT_SCHEMA: dict = {
     "lily_backend_info": {"backend": str, "ops": dict},
     "mlx_env": dict, "cuda_launch_mode": str,
     "settings": {"lengths": list, "sweeps": list, "rounds": int, "order": list, "decode_steps": int,
-                 "prefill_step_size": int, "budget_s": _OPT_NUM, "warmup": int, "seed": int,
+                 "prefill_step_size": (int, type(None)), "prefill_step_by_arm": dict,
+                 "budget_s": _OPT_NUM, "warmup": int, "seed": int,
                  "drift_flag": _NUM, "ops": (list, type(None))},
     "gate": {"passed": bool, "checks": dict, "injected_wrong": bool},
     "rows": list,
@@ -1001,7 +1029,8 @@ def render_markdown(result: dict) -> str:
           if result.get("backend") == "cuda" and result.get("cuda_launch_mode") else []),
         f"- Method: {s['rounds']} rounds per row (odd rounds stock->lily, even rounds lily->stock; "
         f"each arm's figure the median over its rounds); prefill tok/s = prompt / "
-        f"time to first token (generate_step, prefill_step_size {s['prefill_step_size']}); decode tok/s = "
+        f"time to first token (generate_step, prefill_step_size "
+        f"{_fmt_steps(s)}); decode tok/s = "
         f"1 / median of {s['decode_steps']} inter-token intervals (mean in brackets), from a context built "
         f"once by Lily and deep-copied per arm; rows whose rounds differ > {s['drift_flag']:.0%} are flagged",
         f"- Gate: {'PASSED' if g['passed'] else 'FAILED'} (rel max logit diff "
@@ -1154,7 +1183,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="CUDA: after each decode measurement, the same arm again through "
                         "mlx_lily.bench.timeline (24 steps): host build / dispatch / wait and "
                         "the GPU's busy time per step, kept as 'timeline_ms' in the round")
-    p.add_argument("--prefill-step-size", type=int, default=2048)
+    p.add_argument("--prefill-step-size", type=int, default=None,
+                   help="prompt tokens per prefill chunk for both arms (default: each arm's "
+                        "own: mlx-lm's 2048 for stock, mlx_lily.patching.PREFILL_STEP_SIZE "
+                        "for Lily)")
     p.add_argument("--rounds", type=int, default=2,
                    help="rounds per row and arm (>= 2; arms alternate who runs first); "
                         "each arm's figure is the median over its rounds")
@@ -1180,6 +1212,15 @@ def build_parser() -> argparse.ArgumentParser:
                         "an fp32 evaluation than stock's bf16 path (see correctness_gate)")
     p.add_argument("--inject-wrong", action="store_true", help=argparse.SUPPRESS)
     return p
+
+
+def _steps_by_arm(model, opts) -> dict:
+    """``{arm: prefill chunk}`` each arm's prefill runs with (``effective_prefill_step``)."""
+    out = {}
+    for arm in ARMS:
+        with arm_context(arm, model, opts.ops):
+            out[arm] = effective_prefill_step(model, opts.prefill_step_size)
+    return out
 
 
 def run(opts) -> tuple[dict, int]:
@@ -1227,7 +1268,9 @@ def run(opts) -> tuple[dict, int]:
             "order": [list(o) for o in round_orders(opts.rounds)], "decode_steps": opts.decode_steps,
             "decode_timeline": bool(getattr(opts, "decode_timeline", False)),
             "prefill_timeline": bool(getattr(opts, "prefill_timeline", False)),
-            "prefill_step_size": opts.prefill_step_size, "budget_s": opts.budget_s,
+            "prefill_step_size": opts.prefill_step_size,
+            "prefill_step_by_arm": _steps_by_arm(target.model, opts),
+            "budget_s": opts.budget_s,
             "lily_only_over_budget": bool(getattr(opts, "lily_only_over_budget", False)),
             "warmup": opts.warmup, "seed": opts.seed, "drift_flag": DRIFT_FLAG, "ops": opts.ops,
         },
