@@ -685,3 +685,45 @@ extern "C" int __emu_launch_kernel(__emu_launch* L) {
   if (L->catch_signals) remove_signals();
   return L->failed ? 1 : 0;
 }
+
+// float -> bfloat conversion, round to nearest even, NaN kept quiet. Compilers lower a
+// float-to-__bf16 conversion on x86 without AVX512-BF16 to this libcall; libgcc before
+// GCC 13 and some compiler-rt builds do not provide it, so the runtime (linked into every
+// kernel library) does.
+extern "C" __bf16 __truncsfbf2(float f) {
+  uint32_t u;
+  memcpy(&u, &f, 4);
+  uint16_t h;
+  if ((u & 0x7fffffffu) > 0x7f800000u) {
+    h = (uint16_t)((u >> 16) | 0x40u);
+  } else {
+    h = (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+  }
+  __bf16 r;
+  memcpy(&r, &h, 2);
+  return r;
+}
+
+// double -> bfloat through float would round twice: round the double to bfloat directly.
+extern "C" __bf16 __truncdfbf2(double d) {
+  uint64_t u;
+  memcpy(&u, &d, 8);
+  const uint64_t mag = u & 0x7fffffffffffffffull;
+  uint16_t h;
+  if (mag > 0x7ff0000000000000ull) {
+    h = (uint16_t)(((u >> 48) & 0x8000u) | 0x7fc0u);
+  } else {
+    float f = (float)d;  // exact when the double has <= 24 significant bits
+    uint32_t v;
+    memcpy(&v, &f, 4);
+    double back = (double)f;
+    uint32_t lo = v & 0xffffu;
+    // f is d rounded to float; if that rounding landed exactly on a bfloat tie, nudge
+    // toward d so the second rounding goes the way a direct one would
+    if (lo == 0x8000u && back != d) v += (back < d) == (d > 0) ? 1u : (uint32_t)-1;
+    h = (uint16_t)((v + 0x7fffu + ((v >> 16) & 1u)) >> 16);
+  }
+  __bf16 r;
+  memcpy(&r, &h, 2);
+  return r;
+}
