@@ -311,6 +311,9 @@ CUDA_BUILDS = [
     (mg.GATE_UP, GU_IN, [("h", BF)],
      [("T", BF), ("DM", 2048), ("DI", 512), ("TOPK", 8), ("BM", 16)]),
     (mg.DOWN, DN_IN, [("y", BF)], [("T", BF), ("DM", 2048), ("DI", 512), ("BM", 32)]),
+    (mg.DOWN, DN_IN, [("y", BF)], [("T", BF), ("DM", 256), ("DI", 192), ("BM", 16)]),  # half stage
+    (mg.GATE_UP, GU_IN, [("h", BF)],
+     [("T", BF), ("DM", 256), ("DI", 192), ("TOPK", 2), ("BM", 32)]),
     (mg.COMBINE, CB_IN, [("out", BF)],
      [("T", BF), ("ST", mx.float32), ("GT", BF), ("DM", 2048), ("TOPK", 8),
       ("HAS_SHARED", 1), ("HAS_GATE", 1)]),
@@ -370,30 +373,42 @@ def _mma(acc, a, b):
         acc[lane] += (C[g, 2 * t], C[g, 2 * t + 1], C[g + 8, 2 * t], C[g + 8, 2 * t + 1])
 
 
-def _cuda_block(glu, BM, r0, cnt, by, arow, mats, K, LD=72):
+def _cuda_block(glu, BM, r0, cnt, by, arow, mats, K, LD=136, KS=128):
     """One threadgroup of moeg_gate_up (glu) or moeg_down; mats = [(Wq, S, B)] of the
     expert (1 or 2 matrices, rows = output features). Returns {(row, col): value}."""
     MT, ncol = BM // 16, (64 if glu else 128)
     n0 = by * ncol
     NT = 2 if glu else 4
     acc = np.zeros((len(mats), 4, MT, NT, 32, 4))
-    for kc in range(K // 64):
-        sA = np.zeros(BM * LD)
-        sB = np.zeros(128 * LD)
+    for s in range(-(-K // KS)):
+        sA = np.full(BM * LD, np.nan)
+        sB = np.full(128 * LD, np.nan)
         for tid in range(128):
-            W, S, Bi = mats[tid // 64] if glu else mats[0]
-            row = n0 + ((tid & 63) if glu else tid)
-            for i in range(8):
+            warp, lane = tid >> 5, tid & 31
+            wc = lane >> 3
+            for i in range(4):  # load slot i: weight row moeg_wrow(i, warp, lane)
+                rr = ((i << 2) + warp) * 8 + (lane & 7)
+                W, S, Bi = mats[int(i >= 2)] if glu else mats[0]
+                row = n0 + ((rr & 63) if glu else rr)
+                ok = s * KS + wc * 32 < K
+                g = 2 * s + (wc >> 1)
+                sc, bi = (S[row, g], Bi[row, g]) if ok else (0.0, 0.0)
                 for j in range(4):
-                    lo, hi = _dq_pair(W[row, kc * 8 + i], j, S[row, kc], Bi[row, kc])
-                    sB[tid * LD + 8 * i + 2 * j], sB[tid * LD + 8 * i + 2 * j + 1] = lo, hi
-            xs = tid & 7
-            for i in range(BM // 16):
-                r = (tid >> 3) + 16 * i
-                e = arow(r)[kc * 64 + xs * 8: kc * 64 + xs * 8 + 8] if r < cnt else np.zeros(8)
+                    w = W[row, s * 16 + wc * 4 + j] if ok else 0
+                    for jj in range(4):
+                        lo, hi = _dq_pair(w, jj, sc, bi)
+                        o = rr * LD + wc * 32 + 8 * j + 2 * jj
+                        sB[o], sB[o + 1] = lo, hi
+            xs = tid & 15
+            for i in range(BM // 8):
+                r = (tid >> 4) + 8 * i
+                k0 = s * KS + xs * 8
+                e = arow(r)[k0:k0 + 8] if (r < cnt and k0 < K) else np.zeros(8)
                 sA[r * LD + xs * 8: r * LD + xs * 8 + 8] = [e[i] for i in (0, 4, 1, 5, 2, 6, 3, 7)]
         for warp in range(4):
-            for kk in range(4):
+            for kk in range(KS // 16):
+                if s * KS + kk * 16 >= K:
+                    break
                 a = [_ldsm_x4(sA, lambda ln, mi=mi: (mi * 16 + (ln & 15)) * LD + kk * 16
                               + (ln >> 4) * 8) for mi in range(MT)]
                 bsub = lambda ln: ((ln >> 3) & 1) * 8  # noqa: E731
@@ -433,9 +448,9 @@ def _cuda_block(glu, BM, r0, cnt, by, arow, mats, K, LD=72):
     return out
 
 
-@pytest.mark.parametrize("BM", [16, 32])
-def test_cuda_gemm_index_math_model(BM):
-    D, I, E, k, N = 128, 128, 3, 2, 11
+@pytest.mark.parametrize("BM,D,I", [(16, 128, 128), (32, 128, 128), (16, 256, 192)])
+def test_cuda_gemm_index_math_model(BM, D, I):
+    E, k, N = 3, 2, 11
     sw, _ = make_layer(D, I, E, shared=False)
     x, inds, _, _ = make_inputs(N, k, E, D, "topk")
     f = lambda a: np.array(a.astype(mx.float32))  # noqa: E731

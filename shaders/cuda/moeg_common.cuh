@@ -1,6 +1,17 @@
 // Shared helpers of the grouped-GEMM kernels (moeg_gate_up, moeg_down): pulled into each
 // kernel's header by its `// @header moeg_common.cuh` line.
-#define MOEG_LD 72
+// k per stage of the grouped GEMMs and the shared tiles' row stride in bf16 (68 words, 4
+// mod 32: the 8 rows an ldmatrix phase or a dequantizing store phase touches fall in 8
+// different 4-bank groups).
+#define MOEG_KS 128
+#define MOEG_LD (MOEG_KS + 8)
+
+// Weight row (0..127 in the block) of load slot i for this lane: 8 lanes per row-octet,
+// lane >> 3 picks the 16-byte chunk of the row's 64 stage bytes, so one warp load reads
+// 64 contiguous bytes on each of 8 rows.
+__device__ __forceinline__ int moeg_wrow(int i, int warp, int lane) {
+  return ((i << 2) + warp) * 8 + (lane & 7);
+}
 
 __device__ __forceinline__ void moeg_ldsm_x4(unsigned int (&r)[4], const void* p) {
   const unsigned int a = static_cast<unsigned int>(__cvta_generic_to_shared(p));

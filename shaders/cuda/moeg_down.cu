@@ -6,20 +6,26 @@
 // @threadgroup (128, 1, 1)
 // Grouped GEMM, down projection. Block (tile, j): rows tiles[tile] of h (already in
 // expert-sorted order), output columns [128j, 128j+128) of expert tiles[tile].expert.
-// Each k step of 64 (one quant group) dequantizes 128 weight rows (one per thread) into
-// shared memory as bf16; mma.sync m16n8k16 bf16, fp32 accumulators; y stored bf16 in
-// sorted-pair order (the combine kernel reorders and weights it). Shared tiles hold k
-// in the order (0,4,1,5,2,6,3,7) within each 8; h rows are permuted the same way.
+// Each stage of MOEG_KS k (two quant groups; the last stage may hold one when DI is an
+// odd multiple of 64) loads the 128 weight rows' packed words with 64 contiguous bytes
+// per row and warp load (the next stage's words held in registers while this one
+// multiplies), dequantizes them into shared memory as bf16; mma.sync m16n8k16 bf16, fp32
+// accumulators; y stored bf16 in sorted-pair order (the combine kernel reorders and
+// weights it). Shared tiles hold k in the order (0,4,1,5,2,6,3,7) within each 8; h rows
+// are permuted the same way.
 // @header moeg_common.cuh
 // ---- body ----
   constexpr int LD = MOEG_LD;
-  constexpr int KC = DI / 64;
+  constexpr int KS = MOEG_KS;
+  constexpr int NS = (DI + KS - 1) / KS;
+  constexpr bool TAIL = DI % KS != 0;
   constexpr int WPR = DI / 8;
   constexpr int GPR = DI / 64;
   constexpr int MT = BM / 16;
-  constexpr int XR = BM / 16;
-  __shared__ __align__(16) __nv_bfloat16 sA[2][BM * LD];
-  __shared__ __align__(16) __nv_bfloat16 sB[2][128 * LD];
+  constexpr int XR = BM / 8;
+  static_assert(DI % 64 == 0, "moeg_down: DI must be a multiple of 64");
+  __shared__ __align__(16) __nv_bfloat16 sA[BM * LD];
+  __shared__ __align__(16) __nv_bfloat16 sB[128 * LD];
 
   const int tile = blockIdx.x;
   const int ex = tiles[3 * tile];
@@ -30,27 +36,44 @@
   const int lane = tid & 31;
   const int warp = tid >> 5;
   const int n0 = blockIdx.y * 128;
+  const int wc = lane >> 3;
 
-  const size_t rowid = (size_t)ex * DM + n0 + tid;
-  const uint4* wp = reinterpret_cast<const uint4*>(w_down + rowid * WPR);
-  const T* sp = s_down + rowid * GPR;
-  const T* bp = b_down + rowid * GPR;
-
-  const int xseg = tid & 7;
+  const uint4* wp[4];
+  const T* sp[4];
+  const T* bp[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const size_t row = (size_t)ex * DM + n0 + moeg_wrow(i, warp, lane);
+    wp[i] = reinterpret_cast<const uint4*>(w_down + row * WPR) + wc;
+    sp[i] = s_down + row * GPR + (wc >> 1);
+    bp[i] = b_down + row * GPR + (wc >> 1);
+  }
+  const int xseg = tid & 15;
   const uint4* xp[XR];
 #pragma unroll
   for (int i = 0; i < XR; ++i) {
-    const int row = (tid >> 3) + 16 * i;
+    const int row = (tid >> 4) + 8 * i;
     xp[i] = row < cnt ? reinterpret_cast<const uint4*>(h + (size_t)(r0 + row) * DI) + xseg
                       : nullptr;
   }
 
   const uint4 zero4 = make_uint4(0u, 0u, 0u, 0u);
-  uint4 rw0 = wp[0], rw1 = wp[1];
-  T rs = sp[0], rb = bp[0];
-  uint4 rx[XR];
+  const T zero = T(0.f);
+  uint4 rq[4], rx[XR];
+  T rs[4], rb[4];
+  // stage 0 (a stage's chunks past DI, in a last half stage, load zeros)
+  {
+    const bool wok = !TAIL || NS > 1 || wc * 32 < DI;
+    const bool xok = !TAIL || NS > 1 || xseg * 8 < DI;
 #pragma unroll
-  for (int i = 0; i < XR; ++i) rx[i] = xp[i] ? xp[i][0] : zero4;
+    for (int i = 0; i < 4; ++i) {
+      rq[i] = wok ? wp[i][0] : zero4;
+      rs[i] = wok ? sp[i][0] : zero;
+      rb[i] = wok ? bp[i][0] : zero;
+    }
+#pragma unroll
+    for (int i = 0; i < XR; ++i) rx[i] = (xp[i] && xok) ? xp[i][0] : zero4;
+  }
 
   float acc[MT][4][4];
 #pragma unroll
@@ -60,48 +83,48 @@
 #pragma unroll
       for (int q = 0; q < 4; ++q) acc[mi][nt][q] = 0.f;
 
-  for (int kc = 0; kc < KC; ++kc) {
-    const int st = kc & 1;
-    {
-      const __nv_bfloat162 s2 = __bfloat162bfloat162(rs);
-      const __nv_bfloat162 b2 = __bfloat162bfloat162(rb);
-      uint4* dst = reinterpret_cast<uint4*>(&sB[st][tid * LD]);
-      dst[0] = moeg_dq8(rw0.x, s2, b2);
-      dst[1] = moeg_dq8(rw0.y, s2, b2);
-      dst[2] = moeg_dq8(rw0.z, s2, b2);
-      dst[3] = moeg_dq8(rw0.w, s2, b2);
-      dst[4] = moeg_dq8(rw1.x, s2, b2);
-      dst[5] = moeg_dq8(rw1.y, s2, b2);
-      dst[6] = moeg_dq8(rw1.z, s2, b2);
-      dst[7] = moeg_dq8(rw1.w, s2, b2);
+  const int brow = warp * 32 + (lane & 7) + ((lane >> 4) << 3);
+  const int bsub = ((lane >> 3) & 1) * 8;
+  for (int s = 0; s < NS; ++s) {
 #pragma unroll
-      for (int i = 0; i < XR; ++i) {
-        const int row = (tid >> 3) + 16 * i;
-        reinterpret_cast<uint4*>(&sA[st][row * LD])[xseg] = moeg_perm8(rx[i]);
-      }
+    for (int i = 0; i < 4; ++i) {
+      const __nv_bfloat162 s2 = __bfloat162bfloat162(rs[i]);
+      const __nv_bfloat162 b2 = __bfloat162bfloat162(rb[i]);
+      uint4* dst = reinterpret_cast<uint4*>(&sB[moeg_wrow(i, warp, lane) * LD + wc * 32]);
+      dst[0] = moeg_dq8(rq[i].x, s2, b2);
+      dst[1] = moeg_dq8(rq[i].y, s2, b2);
+      dst[2] = moeg_dq8(rq[i].z, s2, b2);
+      dst[3] = moeg_dq8(rq[i].w, s2, b2);
+    }
+#pragma unroll
+    for (int i = 0; i < XR; ++i) {
+      const int row = (tid >> 4) + 8 * i;
+      reinterpret_cast<uint4*>(&sA[row * LD])[xseg] = moeg_perm8(rx[i]);
     }
     __syncthreads();
-    if (kc + 1 < KC) {
-      rw0 = wp[(kc + 1) * 2];
-      rw1 = wp[(kc + 1) * 2 + 1];
-      rs = sp[kc + 1];
-      rb = bp[kc + 1];
+    if (s + 1 < NS) {
+      const int k1 = (s + 1) * KS;
+      const bool wok = !TAIL || k1 + wc * 32 < DI;
+      const bool xok = !TAIL || k1 + xseg * 8 < DI;
 #pragma unroll
-      for (int i = 0; i < XR; ++i) rx[i] = xp[i] ? xp[i][(kc + 1) * 8] : zero4;
+      for (int i = 0; i < 4; ++i) {
+        rq[i] = wok ? wp[i][(s + 1) * (KS / 32)] : zero4;
+        rs[i] = wok ? sp[i][(s + 1) * (KS / 64)] : zero;
+        rb[i] = wok ? bp[i][(s + 1) * (KS / 64)] : zero;
+      }
+#pragma unroll
+      for (int i = 0; i < XR; ++i) rx[i] = (xp[i] && xok) ? xp[i][(s + 1) * (KS / 8)] : zero4;
     }
-    const __nv_bfloat16* A = sA[st];
-    const __nv_bfloat16* B = sB[st];
-    const int brow = warp * 32 + (lane & 7) + ((lane >> 4) << 3);
-    const int bsub = ((lane >> 3) & 1) * 8;
 #pragma unroll
-    for (int kk = 0; kk < 4; ++kk) {
+    for (int kk = 0; kk < KS / 16; ++kk) {
+      if (TAIL && s * KS + kk * 16 >= DI) break;
       unsigned int a[MT][4];
 #pragma unroll
       for (int mi = 0; mi < MT; ++mi)
-        moeg_ldsm_x4(a[mi], A + (mi * 16 + (lane & 15)) * LD + kk * 16 + (lane >> 4) * 8);
+        moeg_ldsm_x4(a[mi], sA + (mi * 16 + (lane & 15)) * LD + kk * 16 + (lane >> 4) * 8);
       unsigned int b0[4], b1[4];
-      moeg_ldsm_x4(b0, B + brow * LD + kk * 16 + bsub);
-      moeg_ldsm_x4(b1, B + (16 + brow) * LD + kk * 16 + bsub);
+      moeg_ldsm_x4(b0, sB + brow * LD + kk * 16 + bsub);
+      moeg_ldsm_x4(b1, sB + (16 + brow) * LD + kk * 16 + bsub);
 #pragma unroll
       for (int mi = 0; mi < MT; ++mi) {
         moeg_mma(acc[mi][0], a[mi], b0[0], b0[1]);
@@ -110,6 +133,7 @@
         moeg_mma(acc[mi][3], a[mi], b1[2], b1[3]);
       }
     }
+    __syncthreads();
   }
 
 #pragma unroll

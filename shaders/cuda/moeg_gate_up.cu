@@ -6,21 +6,25 @@
 // @threadgroup (128, 1, 1)
 // Grouped GEMM, gate and up projections with the SwiGLU epilogue. Block (tile, j): rows
 // tiles[tile] of the expert-sorted pairs (token rows of x gathered), output columns
-// [64j, 64j+64) of gate and up. Each k step of 64 (one quant group) dequantizes 64 gate
-// rows + 64 up rows (one per thread) into shared memory as bf16; mma.sync m16n8k16 bf16
-// with fp32 accumulators; h = silu(gate) * up in fp32, stored bf16 in sorted-pair order.
-// Shared tiles hold k in the order (0,4,1,5,2,6,3,7) within each 8 (the nibble-pair
-// order of the dequantizer); x rows are permuted the same way.
+// [64j, 64j+64) of gate and up. Each stage of MOEG_KS k (two quant groups) loads the 128
+// weight rows' packed words with 64 contiguous bytes per row and warp load (the next
+// stage's words held in registers while this one multiplies), dequantizes them into
+// shared memory as bf16; mma.sync m16n8k16 bf16 with fp32 accumulators; h = silu(gate)
+// * up in fp32, stored bf16 in sorted-pair order. Shared tiles hold k in the order
+// (0,4,1,5,2,6,3,7) within each 8 (the nibble-pair order of the dequantizer); x rows are
+// permuted the same way.
 // @header moeg_common.cuh
 // ---- body ----
   constexpr int LD = MOEG_LD;
-  constexpr int KC = DM / 64;
+  constexpr int KS = MOEG_KS;
+  constexpr int NS = DM / KS;
   constexpr int WPR = DM / 8;
   constexpr int GPR = DM / 64;
   constexpr int MT = BM / 16;
-  constexpr int XR = BM / 16;
-  __shared__ __align__(16) __nv_bfloat16 sA[2][BM * LD];
-  __shared__ __align__(16) __nv_bfloat16 sB[2][128 * LD];
+  constexpr int XR = BM / 8;
+  static_assert(DM % KS == 0, "moeg_gate_up: DM must be a multiple of MOEG_KS");
+  __shared__ __align__(16) __nv_bfloat16 sA[BM * LD];
+  __shared__ __align__(16) __nv_bfloat16 sB[128 * LD];
 
   const int tile = blockIdx.x;
   const int ex = tiles[3 * tile];
@@ -31,18 +35,24 @@
   const int lane = tid & 31;
   const int warp = tid >> 5;
   const int n0 = blockIdx.y * 64;
+  const int wc = lane >> 3;
 
-  const bool is_up = tid >= 64;
-  const size_t rowid = (size_t)ex * DI + n0 + (tid & 63);
-  const uint4* wp = reinterpret_cast<const uint4*>((is_up ? w_up : w_gate) + rowid * WPR);
-  const T* sp = (is_up ? s_up : s_gate) + rowid * GPR;
-  const T* bp = (is_up ? b_up : b_gate) + rowid * GPR;
-
-  const int xseg = tid & 7;
+  const uint4* wp[4];
+  const T* sp[4];
+  const T* bp[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const bool up = i >= 2;
+    const size_t row = (size_t)ex * DI + n0 + (moeg_wrow(i, warp, lane) & 63);
+    wp[i] = reinterpret_cast<const uint4*>((up ? w_up : w_gate) + row * WPR) + wc;
+    sp[i] = (up ? s_up : s_gate) + row * GPR + (wc >> 1);
+    bp[i] = (up ? b_up : b_gate) + row * GPR + (wc >> 1);
+  }
+  const int xseg = tid & 15;
   const uint4* xp[XR];
 #pragma unroll
   for (int i = 0; i < XR; ++i) {
-    const int row = (tid >> 3) + 16 * i;
+    const int row = (tid >> 4) + 8 * i;
     xp[i] = nullptr;
     if (row < cnt) {
       const int tok = sorted_pairs[r0 + row] / TOPK;
@@ -51,9 +61,14 @@
   }
 
   const uint4 zero4 = make_uint4(0u, 0u, 0u, 0u);
-  uint4 rw0 = wp[0], rw1 = wp[1];
-  T rs = sp[0], rb = bp[0];
-  uint4 rx[XR];
+  uint4 rq[4], rx[XR];
+  T rs[4], rb[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    rq[i] = wp[i][0];
+    rs[i] = sp[i][0];
+    rb[i] = bp[i][0];
+  }
 #pragma unroll
   for (int i = 0; i < XR; ++i) rx[i] = xp[i] ? xp[i][0] : zero4;
 
@@ -68,48 +83,44 @@
         accu[mi][nt][q] = 0.f;
       }
 
-  for (int kc = 0; kc < KC; ++kc) {
-    const int st = kc & 1;
-    {
-      const __nv_bfloat162 s2 = __bfloat162bfloat162(rs);
-      const __nv_bfloat162 b2 = __bfloat162bfloat162(rb);
-      uint4* dst = reinterpret_cast<uint4*>(&sB[st][tid * LD]);
-      dst[0] = moeg_dq8(rw0.x, s2, b2);
-      dst[1] = moeg_dq8(rw0.y, s2, b2);
-      dst[2] = moeg_dq8(rw0.z, s2, b2);
-      dst[3] = moeg_dq8(rw0.w, s2, b2);
-      dst[4] = moeg_dq8(rw1.x, s2, b2);
-      dst[5] = moeg_dq8(rw1.y, s2, b2);
-      dst[6] = moeg_dq8(rw1.z, s2, b2);
-      dst[7] = moeg_dq8(rw1.w, s2, b2);
+  const int brow = warp * 16 + (lane & 7) + ((lane >> 4) << 3);
+  const int bsub = ((lane >> 3) & 1) * 8;
+  for (int s = 0; s < NS; ++s) {
 #pragma unroll
-      for (int i = 0; i < XR; ++i) {
-        const int row = (tid >> 3) + 16 * i;
-        reinterpret_cast<uint4*>(&sA[st][row * LD])[xseg] = moeg_perm8(rx[i]);
-      }
+    for (int i = 0; i < 4; ++i) {
+      const __nv_bfloat162 s2 = __bfloat162bfloat162(rs[i]);
+      const __nv_bfloat162 b2 = __bfloat162bfloat162(rb[i]);
+      uint4* dst = reinterpret_cast<uint4*>(&sB[moeg_wrow(i, warp, lane) * LD + wc * 32]);
+      dst[0] = moeg_dq8(rq[i].x, s2, b2);
+      dst[1] = moeg_dq8(rq[i].y, s2, b2);
+      dst[2] = moeg_dq8(rq[i].z, s2, b2);
+      dst[3] = moeg_dq8(rq[i].w, s2, b2);
+    }
+#pragma unroll
+    for (int i = 0; i < XR; ++i) {
+      const int row = (tid >> 4) + 8 * i;
+      reinterpret_cast<uint4*>(&sA[row * LD])[xseg] = moeg_perm8(rx[i]);
     }
     __syncthreads();
-    if (kc + 1 < KC) {
-      rw0 = wp[(kc + 1) * 2];
-      rw1 = wp[(kc + 1) * 2 + 1];
-      rs = sp[kc + 1];
-      rb = bp[kc + 1];
+    if (s + 1 < NS) {
 #pragma unroll
-      for (int i = 0; i < XR; ++i) rx[i] = xp[i] ? xp[i][(kc + 1) * 8] : zero4;
+      for (int i = 0; i < 4; ++i) {
+        rq[i] = wp[i][(s + 1) * (KS / 32)];
+        rs[i] = sp[i][(s + 1) * (KS / 64)];
+        rb[i] = bp[i][(s + 1) * (KS / 64)];
+      }
+#pragma unroll
+      for (int i = 0; i < XR; ++i) rx[i] = xp[i] ? xp[i][(s + 1) * (KS / 8)] : zero4;
     }
-    const __nv_bfloat16* A = sA[st];
-    const __nv_bfloat16* B = sB[st];
-    const int brow = warp * 16 + (lane & 7) + ((lane >> 4) << 3);
-    const int bsub = ((lane >> 3) & 1) * 8;
 #pragma unroll
-    for (int kk = 0; kk < 4; ++kk) {
+    for (int kk = 0; kk < KS / 16; ++kk) {
       unsigned int a[MT][4];
 #pragma unroll
       for (int mi = 0; mi < MT; ++mi)
-        moeg_ldsm_x4(a[mi], A + (mi * 16 + (lane & 15)) * LD + kk * 16 + (lane >> 4) * 8);
+        moeg_ldsm_x4(a[mi], sA + (mi * 16 + (lane & 15)) * LD + kk * 16 + (lane >> 4) * 8);
       unsigned int bgf[4], buf[4];
-      moeg_ldsm_x4(bgf, B + brow * LD + kk * 16 + bsub);
-      moeg_ldsm_x4(buf, B + (64 + brow) * LD + kk * 16 + bsub);
+      moeg_ldsm_x4(bgf, sB + brow * LD + kk * 16 + bsub);
+      moeg_ldsm_x4(buf, sB + (64 + brow) * LD + kk * 16 + bsub);
 #pragma unroll
       for (int mi = 0; mi < MT; ++mi)
 #pragma unroll
@@ -118,6 +129,7 @@
           moeg_mma(accu[mi][nt], a[mi], buf[2 * nt], buf[2 * nt + 1]);
         }
     }
+    __syncthreads();
   }
 
 #pragma unroll
