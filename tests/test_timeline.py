@@ -141,16 +141,14 @@ def test_arm_env_helpers(monkeypatch):
 
 def test_prefill_bench_variants(host_clock, tmp_path, monkeypatch):
     """``benchmarks/gpu/prefill_bench.py`` on the tiny preset with host clocks: every
-    variant runs, the environment and cache limit are restored, rows carry the figures."""
+    variant runs, the cache limit is restored, rows carry the figures."""
     import importlib.util
-    import os
     from pathlib import Path
 
     path = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu" / "prefill_bench.py"
     spec = importlib.util.spec_from_file_location("prefill_bench", path)
     pb = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(pb)
-    monkeypatch.delenv("MLX_LILY_PREFILL_SPLIT", raising=False)
     limit = mx.set_cache_limit(123 << 20)
     try:
         assert pb.main(["--preset", "tiny", "--lengths", "40", "--rounds", "1",
@@ -158,7 +156,6 @@ def test_prefill_bench_variants(host_clock, tmp_path, monkeypatch):
         assert mx.set_cache_limit(limit) == 123 << 20
     finally:
         mx.set_cache_limit(limit)
-    assert "MLX_LILY_PREFILL_SPLIT" not in os.environ
     import json
     res = json.loads((tmp_path / "prefill_bench.json").read_text())
     assert [r["variant"] for r in res["rows"]] == list(pb.VARIANTS)

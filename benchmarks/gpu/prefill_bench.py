@@ -1,7 +1,10 @@
-"""Prefill variants of the patched full-size synthetic Qwen3.6-35B-A3B (batch 1): chunk size,
-``MLX_LILY_PREFILL_SPLIT`` and MLX's buffer-cache limit, each through
+"""Prefill variants of the patched full-size synthetic Qwen3.6-35B-A3B (batch 1): chunk size
+and MLX's buffer-cache limit, each through
 ``mlx_lily.bench.timeline.prefill_run`` (``generate_step``'s prefill loop, timed per chunk on
 the host and the GPU), in one process.
+
+Session 14 (H200) also measured ``MLX_LILY_PREFILL_SPLIT=2`` (each chunk as two pieces, the
+second built while the GPU ran the first): 15,223 tok/s at 4K vs 17,889 whole; removed.
 
 Run on a CUDA machine with mlx-lily installed:
     python benchmarks/gpu/prefill_bench.py --lengths 4096,32768 --rounds 3 --out DIR
@@ -9,10 +12,8 @@ Prints one row per (variant, length) and writes DIR/prefill_bench.json.
 
 Variants (``--variants``, comma list; default all):
   base        prefill_step_size 2048 (mlx-lm's default)
-  split2      base with MLX_LILY_PREFILL_SPLIT=2 (each chunk as two pieces, the second's
-              Python build overlapping the first's GPU work)
-  step4096    prefill_step_size 4096
-  step4096s2  step4096 with MLX_LILY_PREFILL_SPLIT=2
+  step4096    prefill_step_size 4096 (Lily's CUDA default, ``mlx_lily.patching.PREFILL_STEP_SIZE``)
+  step8192    prefill_step_size 8192
   nocache     base with ``mx.set_cache_limit(0)`` for the run (buffers freed as released,
               so ``mx.clear_cache`` between chunks has nothing to free)
 Figures: tok/s = prompt tokens / wall time of the whole prefill (the last token's step and
@@ -34,9 +35,8 @@ import mlx.core as mx
 
 VARIANTS = {
     "base": dict(step=2048, env={}, cache_limit=None),
-    "split2": dict(step=2048, env={"MLX_LILY_PREFILL_SPLIT": "2"}, cache_limit=None),
     "step4096": dict(step=4096, env={}, cache_limit=None),
-    "step4096s2": dict(step=4096, env={"MLX_LILY_PREFILL_SPLIT": "2"}, cache_limit=None),
+    "step8192": dict(step=8192, env={}, cache_limit=None),
     "nocache": dict(step=2048, env={}, cache_limit=0),
 }
 CHUNK_KEYS = ("build", "dispatch", "wait", "gpu_busy", "clear", "cache_mb")
