@@ -297,12 +297,12 @@ def _wrap_load_model(orig):
 
 
 #: Prompt tokens per prefill chunk for a model Lily serves, per backend, when the caller
-#: leaves ``prefill_step_size`` to mlx-lm's default: on the H200 4096-token chunks
-#: prefilled a 4K prompt at 21,203 tok/s vs 17,889 with 2048 and a 32K one at 17,546 vs
-#: 14,777 (peak 32.0 vs 30.4 GB at 4K; ``benchmarks/gpu/prefill_bench.py``, session 14):
-#: each chunk pays a fixed ~13 ms host build and ~13 ms of mlx-lm's ``mx.clear_cache()``.
-#: Backends not listed keep mlx-lm's default.
-PREFILL_STEP_SIZE = {"cuda": 4096}
+#: leaves ``prefill_step_size`` to mlx-lm's default. H200, ``benchmarks/gpu/prefill_bench.py``
+#: (session 14): a 4K prompt 16,783 / 21,969 / 21,898 tok/s with 2048 / 4096 / 8192-token
+#: chunks, a 32K one 14,358 / 17,309 / 19,399 (peak 30.9 / 32.8 / 34.6 GB, weights
+#: included): each chunk pays a fixed ~13-18 ms host build and ~13-22 ms of mlx-lm's
+#: ``mx.clear_cache()`` besides its GPU work. Backends not listed keep mlx-lm's default.
+PREFILL_STEP_SIZE = {"cuda": 8192}
 PREFILL_STEP_ENV = "MLX_LILY_PREFILL_STEP"  # tokens per chunk; "0": mlx-lm's default
 
 
