@@ -163,8 +163,12 @@ NORM_RPB = 4
 # Session 13 (q/k staged in shared memory per block, lease 4 at e2c4016): (16,2,4) 1.00,
 # (8,1,4) 1.07, (8,2,4) 1.31, (16,4,2) 1.50, (8,1,8) 1.65, (16,1,8) 1.77, (32,4,1) 1.91,
 # (32,2,2) 1.95, (32,1,4) 2.43 (the unstaged kernel's best: (32,4,1) 1.50 in lease 2), every
-# configuration within the same error of the reference at production dims.
-SCAN_CONFIG = {"cuda": (16, 2, 4), "metal": (8, 1, 4)}
+# configuration within the same error of the reference at production dims. Session 14: the
+# A/B gate's fp32 anchor (synthetic Qwen3.6-35B-A3B, 64 positions) put Lily at distance /
+# top-1 0.246 / 0.531 with (16,2,4) (failed: stock 0.213 / 0.672), 0.225 / 0.594 with
+# (8,1,4) and 0.224 / 0.609 with (32,4,1) (passed): (8,1,4) is the default until the
+# cause of (16,2,4)'s larger distance is known.
+SCAN_CONFIG = {"cuda": (8, 1, 4), "metal": (8, 1, 4)}
 SCAN_ENV = "MLX_LILY_GDN_SCAN"
 
 
