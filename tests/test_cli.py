@@ -4,6 +4,7 @@ runs them: subprocesses of a freshly built and installed wheel."""
 import json
 import os
 import socket
+import site
 import subprocess
 import sys
 import threading
@@ -27,6 +28,14 @@ def venv(tmp_path_factory):
                     str(ROOT), "-w", str(wheels)], check=True)
     v = d / "v"
     subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(v)], check=True)
+    # --system-site-packages reaches the base interpreter's packages only: when the tests
+    # themselves run in a virtual environment (as .ci/run does), its packages (mlx, ...)
+    # are added after the new venv's own, so its mlx-lily and mlx-lm still come first
+    child_site = subprocess.run(
+        [str(v / "bin" / "python"), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+        check=True, capture_output=True, text=True).stdout.strip()
+    parents = [p for p in site.getsitepackages() if Path(p).is_dir()]
+    (Path(child_site) / "_lily_test_parent_env.pth").write_text("\n".join(parents) + "\n")
     pip = [str(v / "bin" / "python"), "-m", "pip", "install", "-q", "--no-deps",
            "--ignore-installed"]
     subprocess.run(pip + [str(next(wheels.glob("mlx_lily-*.whl")))], check=True)
