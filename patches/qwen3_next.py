@@ -984,9 +984,38 @@ def make_text_model_call(module, cls_name, layer_cls_name, with_embeddings):
                 h, m = _layer_tail(layer, h, r)
         finally:
             _CHECKED.active = outer
+        if h.shape[1] > 1:
+            _kv_headroom(cache)
         return add_rms_norm(h, m, self.norm.weight, self.norm.eps)[1]
 
     return text_model_call
+
+
+#: Rows a multi-token (prefill) call leaves free in each plain ``KVCache`` it grew into:
+#: ``generate_step`` runs the prompt's last token and builds the first generated one right
+#: after the prefill chunks, and a step without room runs layer by layer and makes the
+#: next one retrace the compiled stack. A prompt of 4096 tokens filled the 4096-row cache
+#: exactly, so the first generated token paid that inside the time to first token.
+KV_HEADROOM = 2
+
+
+def _kv_headroom(cache, rows: int = KV_HEADROOM) -> None:
+    """Grow every plain ``KVCache`` in ``cache`` with fewer than ``rows`` free rows by its
+    step (zeros appended along the sequence axis, as mlx-lm's own growth does when the
+    offset is a multiple of the step): the growth the next decode step would do, done at
+    the end of a prefill call instead. ``offset`` and the rows up to it are unchanged."""
+    for c in cache or ():
+        if type(c) is not KVCache or c.keys is None or c.step <= 0:
+            continue
+        cap = c.keys.shape[2]
+        if cap - c.offset >= rows:
+            continue
+        keys, values = c.keys[..., :c.offset, :], c.values[..., :c.offset, :]
+        n = ((c.offset + rows + c.step - 1) // c.step) * c.step - c.offset
+        kz = mx.zeros((*keys.shape[:2], n, keys.shape[3]), keys.dtype)
+        vz = mx.zeros((*values.shape[:2], n, values.shape[3]), values.dtype)
+        c.keys = mx.concatenate([keys, kz], axis=2)
+        c.values = mx.concatenate([values, vz], axis=2)
 
 
 def _gdn_step_ok(layer, c) -> bool:

@@ -894,3 +894,41 @@ def test_prefill_step_default_same_tokens(tiny_models, monkeypatch):
         got = run()
     assert calls and got == want
     assert inner is gen.generate_step
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_prefill_leaves_kv_headroom(tiny_models, kind, monkeypatch):
+    """A multi-token call that leaves a plain KVCache fewer than ``KV_HEADROOM`` free rows
+    grows it by a step right away (511 tokens at step 512: capacity 512 -> 1024), so the prompt's
+    last token and the first generated one find room; the rows up to the offset, the
+    logits and the greedy tokens are stock's. A call with room left, and one-token calls,
+    change no capacity."""
+    from mlx_lily.patches import qwen3_next as P
+
+    model = tiny_models[kind]
+    monkeypatch.setenv(P.KV_STEP_ENV, "512")
+    prompt = [(i * 13 + 3) % 300 + 1 for i in range(511)]
+    c_stock = model.make_cache()
+    want = model(mx.array([prompt]), cache=c_stock)
+    want_next = model(mx.array([[7]]), cache=c_stock)
+    c_lily = model.make_cache()
+    with mlx_lily.patched(model):
+        got = model(mx.array([prompt]), cache=c_lily)
+        kv = _kv_caches(c_lily)
+        assert kv and all(c.offset == 511 and c.keys.shape[2] == 1024 for c in kv)
+        got_next = model(mx.array([[7]]), cache=c_lily)
+        model(mx.array([[9]]), cache=c_lily)
+        assert all(c.offset == 513 and c.keys.shape[2] == 1024 for c in kv)
+        roomy = model.make_cache()
+        model(mx.array([prompt[:508]]), cache=roomy)
+        assert all(c.keys.shape[2] == 512 for c in _kv_caches(roomy))
+    for a, b in ((got, want), (got_next, want_next)):
+        assert float(mx.abs(a - b).max()) <= 1e-4 * max(1.0, float(mx.abs(b).max()))
+    for a, b in zip(_kv_caches(c_stock), kv):
+        n = a.offset
+        assert n == 512
+        assert mx.array_equal(a.keys[..., :n, :], b.keys[..., :n, :]).item()
+        assert mx.array_equal(a.values[..., :n, :], b.values[..., :n, :]).item()
+    ref = greedy(model, prompt, 6)
+    with mlx_lily.patched(model):
+        assert greedy(model, prompt, 6) == ref

@@ -11,13 +11,17 @@ Run on a CUDA machine with mlx-lily installed:
 Prints one row per (variant, length) and writes DIR/prefill_bench.json.
 
 Variants (``--variants``, comma list; default all):
+  default     the chunk generate_step picks for the patched model (Lily's per-backend
+              ``mlx_lily.patching.PREFILL_STEP_SIZE``)
   base        prefill_step_size 2048 (mlx-lm's default)
   step4096    prefill_step_size 4096 (Lily's CUDA default, ``mlx_lily.patching.PREFILL_STEP_SIZE``)
   step8192    prefill_step_size 8192
   nocache     base with ``mx.set_cache_limit(0)`` for the run (buffers freed as released,
               so ``mx.clear_cache`` between chunks has nothing to free)
 Figures: tok/s = prompt tokens / wall time of the whole prefill (the last token's step and
-its greedy token included, as ``generate_step``'s time to first token); per chunk (ms,
+its greedy token included); ttft tok/s = the A/B's figure (``mlx_lily.bench.ab.measure_prefill``:
+prompt tokens / time to the first token ``generate_step`` yields, which also builds and
+dispatches the next token's step), one per round after the timed run; per chunk (ms,
 median over rounds and the full-size chunks): build, dispatch, wait, GPU busy, clear, and
 the buffer cache (MiB) before the clear.
 """
@@ -34,6 +38,7 @@ import time
 import mlx.core as mx
 
 VARIANTS = {
+    "default": dict(step=None, env={}, cache_limit=None),
     "base": dict(step=2048, env={}, cache_limit=None),
     "step4096": dict(step=4096, env={}, cache_limit=None),
     "step8192": dict(step=8192, env={}, cache_limit=None),
@@ -43,7 +48,9 @@ CHUNK_KEYS = ("build", "dispatch", "wait", "gpu_busy", "clear", "cache_mb")
 
 
 def run_variant(model, ids, spec: dict) -> dict:
-    """One ``prefill_run`` of ``ids`` under ``spec`` (env and cache limit restored after)."""
+    """One ``prefill_run`` of ``ids`` under ``spec`` and then the A/B's time-to-first-token
+    measure (env and cache limit restored after)."""
+    from mlx_lily.bench.ab import effective_prefill_step, measure_prefill
     from mlx_lily.bench.timeline import prefill_run
 
     old_env = {k: os.environ.get(k) for k in spec["env"]}
@@ -52,8 +59,11 @@ def run_variant(model, ids, spec: dict) -> dict:
     try:
         mx.clear_cache()
         mx.reset_peak_memory()
-        r = prefill_run(model, ids, spec["step"])
+        step = effective_prefill_step(model, spec["step"])
+        r = prefill_run(model, ids, step)
         r["peak_memory_gb"] = mx.get_peak_memory() / 1e9
+        r["step"] = step
+        r["ttft_tok_s"] = measure_prefill(model, ids, step)["tok_s"]
         return r
     finally:
         if old_limit is not None:
@@ -65,11 +75,13 @@ def run_variant(model, ids, spec: dict) -> dict:
                 os.environ[k] = v
 
 
-def summarize(runs: list[dict], step: int) -> dict:
+def summarize(runs: list[dict]) -> dict:
+    step = runs[0]["step"]
     full = [c for r in runs for c in r["chunks"][:-1] if c["tokens"] >= step - 1]
     last = [r["chunks"][-1] for r in runs]
     med = {k: statistics.median(c[k] for c in full) if full else None for k in CHUNK_KEYS}
-    return {"tok_s_median": statistics.median(r["tok_s"] for r in runs),
+    return {"step": step, "tok_s_median": statistics.median(r["tok_s"] for r in runs),
+            "ttft_tok_s_median": statistics.median(r["ttft_tok_s"] for r in runs),
             "tok_s_rounds": [r["tok_s"] for r in runs],
             "total_ms_median": statistics.median(r["total_ms"] for r in runs),
             "chunk_median_ms": med,
@@ -110,11 +122,12 @@ def main(argv=None) -> int:
                 spec = VARIANTS[name]
                 run_variant(model, ids, spec)  # warm-up: compiles, cache shapes
                 runs = [run_variant(model, ids, spec) for _ in range(a.rounds)]
-                row = {"variant": name, "length": L, **summarize(runs, spec["step"]),
+                row = {"variant": name, "length": L, **summarize(runs),
                        "runs": runs}
                 out["rows"].append(row)
                 m = row["chunk_median_ms"]
-                print(f"{name:11s} L={L:6d} {row['tok_s_median']:9.1f} tok/s  chunk: "
+                print(f"{name:11s} step {row['step']:5d} L={L:6d} {row['tok_s_median']:9.1f} tok/s "
+                      f"(ttft {row['ttft_tok_s_median']:9.1f})  chunk: "
                       + " ".join(f"{k} {m[k]:.1f}" if m[k] is not None else f"{k} -" for k in CHUNK_KEYS)
                       + f"  last {row['last_step_ms']:.1f}  peak {row['peak_memory_gb']:.1f} GB",
                       flush=True)
