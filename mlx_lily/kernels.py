@@ -442,10 +442,13 @@ _STEM_OPS = (
 # Since 66bb231 every CUDA source reaches MLX pruned of unused helpers and of blanks
 # (prune_header, squeeze_spaces): nvcc 13 gives identical SASS for every kernel at the
 # compile tests' instantiations, and the lease-3 GPU tests and gate ran on it.
-# gated_delta's CUDA scan stages q/k in shared memory since e2c4016 (default shape (16,2,4)
-# since 0f201a7): its GPU tests at every test case's shape and the production-dims tests
-# passed on the H200 (17, session 13 lease 4), and nine shapes matched the reference at
-# production dims over 2048 tokens; the A/B gate has not run with it yet.
+# gated_delta's CUDA scan stages q/k in shared memory since e2c4016: its GPU tests at every
+# test case's shape and the production-dims tests passed on the H200 (17, session 13 lease
+# 4; 18 at 6d919d7, session 14), nine shapes matched the reference at production dims
+# over 2048 tokens; the A/B gate passed with it at its default (8,1,4) (session 14, 1180ee7:
+# 0.225 / 0.594 from fp32 vs stock's 0.213 / 0.672) and failed at (16,2,4) (0.246 / 0.531).
+# moe_grouped's CUDA GEMMs load 128-k stages with 64 contiguous bytes per weight row since
+# c703299: its GPU tests (37 passed with moe_route) and the gate (1180ee7) passed with them.
 VERIFIED: dict = {
     "cuda": frozenset({"add_rms_norm", "moe_router_topk", "moe_route", "moe_experts",
                        "moe_grouped", "attention", "qgemv", "gated_delta", "norm_qgemv",
