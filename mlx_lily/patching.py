@@ -183,6 +183,7 @@ def prepare_model(model, *, warn: bool = True) -> bool:
     for m in _patch_modules():
         if mt in m.MODEL_TYPES:
             m.prepare(model)
+            model._lily_prepared = True
             if (backend.current_backend() != "cpu" and _ACTIVE is not None
                     and not getattr(model, "_lily_warm", False)):
                 warmup(model)
@@ -304,6 +305,9 @@ def _wrap_load_model(orig):
 #: ``mx.clear_cache()`` besides its GPU work. Backends not listed keep mlx-lm's default.
 PREFILL_STEP_SIZE = {"cuda": 8192}
 PREFILL_STEP_ENV = "MLX_LILY_PREFILL_STEP"  # tokens per chunk; "0": mlx-lm's default
+#: The ops whose kernels make a prefill chunk's cost what ``PREFILL_STEP_SIZE`` was measured
+#: with: with all of them off the chunk stays mlx-lm's.
+PREFILL_OPS = ("moe_grouped", "gated_delta", "attention")
 
 
 class DefaultStepSize(int):
@@ -321,13 +325,15 @@ def prefill_step_size(model, requested=None) -> int | None:
         requested: the caller's ``prefill_step_size``: None or a ``DefaultStepSize`` means
             the caller left it to the default.
     Returns:
-        ``requested`` when the caller chose it (a plain int); else, for a model type Lily
-        serves on a backend in ``PREFILL_STEP_SIZE`` (or with ``MLX_LILY_PREFILL_STEP`` set
-        to a positive integer), that size; else ``requested`` (None: mlx-lm's default).
+        ``requested`` when the caller chose it (a plain int); else, while patched, for a
+        model Lily prepared (``prepare_model``) with one of ``PREFILL_OPS`` enabled, on a
+        backend in ``PREFILL_STEP_SIZE`` (or with ``MLX_LILY_PREFILL_STEP`` set to a
+        positive integer), that size; else ``requested`` (None: mlx-lm's default).
     """
     if requested is not None and not isinstance(requested, DefaultStepSize):
         return requested
-    if _model_type(model) not in supported_model_types():
+    if (_ACTIVE is None or not getattr(model, "_lily_prepared", False)
+            or not any(backend.op_enabled(op) for op in PREFILL_OPS)):
         return requested
     raw = backend.env_value(PREFILL_STEP_ENV, "").strip()
     if raw:
@@ -341,6 +347,8 @@ def prefill_step_size(model, requested=None) -> int | None:
 
 def _wrap_generate_step(orig):
     def generate_step(prompt, model, *args, **kwargs):
+        if _ACTIVE is None:  # a reference kept past unpatch()
+            return orig(prompt, model, *args, **kwargs)
         step = prefill_step_size(model, kwargs.get("prefill_step_size"))
         if step is not None:
             kwargs["prefill_step_size"] = int(step)
@@ -349,6 +357,15 @@ def _wrap_generate_step(orig):
     generate_step.__wrapped__ = orig
     generate_step.__doc__ = orig.__doc__
     return generate_step
+
+
+def _optional_module(name: str):
+    """``importlib.import_module(name)``, or None when it cannot be imported (``mlx_lm.chat``
+    needs ``rich``, which mlx-lm does not declare): its names are then left unpatched."""
+    try:
+        return importlib.import_module(name)
+    except ImportError:
+        return None
 
 
 def _collect_targets():
@@ -362,11 +379,11 @@ def _collect_targets():
     gen = importlib.import_module("mlx_lm.generate")
     wrapped = _wrap_generate_step(gen.generate_step)
     for name in ("mlx_lm.generate", "mlx_lm.cache_prompt"):
-        mod = importlib.import_module(name)
-        if getattr(mod, "generate_step", None) is gen.generate_step:
+        mod = _optional_module(name)
+        if mod is not None and getattr(mod, "generate_step", None) is gen.generate_step:
             triples.append((mod, "generate_step", wrapped))
     for name in ("mlx_lm.generate", "mlx_lm.chat"):
-        mod = importlib.import_module(name)
+        mod = _optional_module(name)
         default = getattr(mod, "DEFAULT_PREFILL_STEP_SIZE", None)
         if type(default) is int:
             triples.append((mod, "DEFAULT_PREFILL_STEP_SIZE", DefaultStepSize(default)))

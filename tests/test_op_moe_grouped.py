@@ -170,6 +170,7 @@ SMALL = [
     (57, 2, 8, 128, 64, 32, "gated", "bounds", None),
     (24, 4, 8, 256, 128, 32, "gated", "skew", None),     # 2 gate/up and 2 down column blocks
     (14, 8, 16, 128, 64, 16, "gated", "topk", (2, 7)),   # k=8, batch 2
+    (24, 4, 8, 256, 192, 16, "gated", "topk", None),     # CUDA down: a stage and a half
 ]
 
 

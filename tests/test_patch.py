@@ -812,10 +812,11 @@ def test_kv_caches_grow_in_bigger_steps_same_answers(tiny_models, monkeypatch):
 
 def test_prefill_step_default(tiny_models, monkeypatch):
     """While patched, ``generate_step`` (where mlx-lm and its ``cache_prompt`` look it up)
-    gives a model Lily serves the backend's prefill chunk (``PREFILL_STEP_SIZE``) unless
+    gives a model Lily prepared the backend's prefill chunk (``PREFILL_STEP_SIZE``) unless
     the caller chose one: an explicit int always wins, the CLI's marked default does not;
-    other model types and ``MLX_LILY_PREFILL_STEP=0`` keep mlx-lm's default. Unpatching
-    restores every name by identity."""
+    other models, a patch with no prefill op, ``MLX_LILY_PREFILL_STEP=0`` and a reference
+    kept past ``unpatch()`` keep mlx-lm's default. Unpatching restores every name by
+    identity."""
     import importlib
 
     import mlx_lm.cache_prompt
@@ -824,7 +825,6 @@ def test_prefill_step_default(tiny_models, monkeypatch):
     from mlx_lily import patching
 
     gen = importlib.import_module("mlx_lm.generate")  # the module (the package exports a function)
-
     seen = []
 
     def spy(prompt, model, *args, **kwargs):
@@ -841,8 +841,9 @@ def test_prefill_step_default(tiny_models, monkeypatch):
     class Other:
         model_type = "llama"
 
-    with mlx_lily.patched():
+    with mlx_lily.patched(model):
         assert gen.generate_step is not spy and mlx_lm.cache_prompt.generate_step is gen.generate_step
+        kept = gen.generate_step
         marked = gen.DEFAULT_PREFILL_STEP_SIZE
         assert type(marked) is patching.DefaultStepSize and marked == default_before
         assert type(mlx_lm.chat.DEFAULT_PREFILL_STEP_SIZE) is patching.DefaultStepSize
@@ -863,37 +864,51 @@ def test_prefill_step_default(tiny_models, monkeypatch):
             monkeypatch.setenv(patching.PREFILL_STEP_ENV, raw)
             mlx_lm.cache_prompt.generate_step(mx.array([1]), model)
             assert seen.pop() == want, raw
+        monkeypatch.delenv(patching.PREFILL_STEP_ENV)
     assert gen.generate_step is spy and mlx_lm.cache_prompt.generate_step is spy
     assert gen.DEFAULT_PREFILL_STEP_SIZE is default_before
     assert type(mlx_lm.chat.DEFAULT_PREFILL_STEP_SIZE) is int
+    kept(mx.array([1]), model)  # a wrapper kept past unpatch() passes calls through
+    assert seen.pop() == "unset"
+    with mlx_lily.patched(model, ops=["add_rms_norm", "qgemv"]):  # no prefill op
+        gen.generate_step(mx.array([1]), model)
+    assert seen.pop() == "unset"
+    fresh = _models.build("qwen3_5_moe")  # a model the patch never prepared
+    with mlx_lily.patched():
+        gen.generate_step(mx.array([1]), fresh)
+    assert seen.pop() == "unset"
 
 
-def test_prefill_step_default_same_tokens(tiny_models, monkeypatch):
-    """A 40-token prompt prefilled in Lily's chunks (16 here) decodes the same greedy
-    tokens as stock mlx-lm's one 2048-token chunk."""
+def test_prefill_step_default_chunks_same_tokens(tiny_models, monkeypatch):
+    """A 40-token prompt prefilled in Lily's chunks (16 here: the model sees 16, 16, 7, then
+    the last prompt token and the generated ones) decodes the same greedy tokens as stock
+    mlx-lm's one 2048-token chunk."""
+    import importlib
+
     from mlx_lily import patching
 
     monkeypatch.setattr(patching, "PREFILL_STEP_SIZE", {backend.current_backend(): 16})
     monkeypatch.delenv(patching.PREFILL_STEP_ENV, raising=False)
     model = tiny_models["qwen3_5_moe"]
     prompt = [(5 * i + 2) % 200 + 1 for i in range(40)]
-    import importlib
-
     gen = importlib.import_module("mlx_lm.generate")
+    emb_cls = type(_inner(model).embed_tokens)
+    widths = []
+    orig_call = emb_cls.__call__
+    monkeypatch.setattr(emb_cls, "__call__",
+                        lambda self, x: widths.append(x.shape[-1]) or orig_call(self, x))
 
     def run():
+        widths.clear()
         return [int(t) for (t, _), _i in zip(gen.generate_step(mx.array(prompt), model,
                                                                max_tokens=6), range(6))]
 
     want = run()
-    calls = []
+    assert widths[0] == 39
     with mlx_lily.patched(model):
-        inner = patching.original(gen, "generate_step")
-        monkeypatch.setattr(patching, "_model_type",
-                            lambda m, f=patching._model_type: calls.append(1) or f(m))
         got = run()
-    assert calls and got == want
-    assert inner is gen.generate_step
+        assert widths[:4] == [16, 16, 7, 1]
+    assert got == want
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -932,3 +947,21 @@ def test_prefill_leaves_kv_headroom(tiny_models, kind, monkeypatch):
     ref = greedy(model, prompt, 6)
     with mlx_lily.patched(model):
         assert greedy(model, prompt, 6) == ref
+
+
+def test_patch_without_optional_cli_modules(tiny_models, monkeypatch):
+    """``mlx_lm.chat`` needs ``rich``, which mlx-lm does not declare: when it cannot be
+    imported, ``patch()`` still applies everything else and leaves chat's names alone."""
+    import importlib
+    import sys
+
+    for name in [n for n in sys.modules if n == "rich" or n.startswith("rich.")
+                 or n in ("mlx_lm.chat", "mlx_lm.cli_ui")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, "rich", None)
+    gen = importlib.import_module("mlx_lm.generate")
+    before = gen.generate_step
+    with mlx_lily.patched(tiny_models["qwen3_5_moe"]):
+        assert mlx_lily.is_patched() and gen.generate_step is not before
+        assert "mlx_lm.chat" not in sys.modules
+    assert gen.generate_step is before

@@ -14,8 +14,8 @@ Variants (``--variants``, comma list; default all):
   default     the chunk generate_step picks for the patched model (Lily's per-backend
               ``mlx_lily.patching.PREFILL_STEP_SIZE``)
   base        prefill_step_size 2048 (mlx-lm's default)
-  step4096    prefill_step_size 4096 (Lily's CUDA default, ``mlx_lily.patching.PREFILL_STEP_SIZE``)
-  step8192    prefill_step_size 8192
+  step4096    prefill_step_size 4096
+  step8192    prefill_step_size 8192 (Lily's CUDA default since session 14)
   nocache     base with ``mx.set_cache_limit(0)`` for the run (buffers freed as released,
               so ``mx.clear_cache`` between chunks has nothing to free)
 Figures: tok/s = prompt tokens / wall time of the whole prefill (the last token's step and
