@@ -14,6 +14,9 @@ layer with the attention layers' mixers eager (``MLX_LILY_COMPILE_ATTN=0``: only
 halves compiled), and off. ``--growth-steps N``: N compiled steps from an empty cache,
 every one timed, with mlx-lm's KV growth step (256) and Lily's default
 (``MLX_LILY_KV_STEP``): the steps that grow the cache and retrace show in the mean.
+``--prefill-tokens N``: also the build of one N-token prefill call into a fresh cache (the
+Python part of a prefill chunk, which runs with the GPU idle: 12-25 ms for a 4095-token
+chunk on the H200's host in session 14).
 """
 
 from __future__ import annotations
@@ -27,6 +30,44 @@ import time
 from pathlib import Path
 
 from mlx_lily.bench import write_json
+
+
+def measure_prefill(layers: int, tokens: int, reps: int) -> float:
+    """Median ms of the Python build of a ``tokens``-token prefill call into a fresh cache
+    (stubbed kernels, nothing evaluated; one untimed call first)."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+
+    import mlx_lily
+    from mlx_lily import backend, kernels, patching, synth
+
+    def stub_factory(**_):
+        def call(*, inputs, output_shapes, output_dtypes, **__):
+            return [mx.zeros(s, d) for s, d in zip(output_shapes, output_dtypes)]
+        return call
+
+    kernels._CACHE.clear()
+    mx.fast.cuda_kernel = stub_factory
+    patching.warmup = lambda *a, **k: 0.0
+    os.environ["MLX_LILY_KERNELS"] = "all"
+    model, _ = synth._lazy_model(synth._text_config(num_hidden_layers=layers))
+    model.eval()
+    model.set_dtype(mx.bfloat16)
+    toks = mx.array([[5] * tokens])
+    ts = []
+    with backend.tracing_backend("cuda"):
+        mlx_lily.patch()
+        try:
+            mlx_lily.prepare_model(model)
+            for i in range(reps + 1):
+                cache = make_prompt_cache(model)
+                t0 = time.perf_counter()
+                model(toks, cache=cache)
+                if i:
+                    ts.append(time.perf_counter() - t0)
+        finally:
+            mlx_lily.unpatch()
+    return statistics.median(ts) * 1e3
 
 
 def measure(layers: int, steps: int, warmup: int, compile_mode: str,
@@ -80,6 +121,8 @@ def main(argv=None) -> int:
     p.add_argument("--growth-steps", type=int, default=0,
                    help="also: mean vs median over this many compiled steps from an empty "
                         "cache with MLX_LILY_KV_STEP=256 (mlx-lm's growth) and the default")
+    p.add_argument("--prefill-tokens", type=int, default=0,
+                   help="also: the build of one prefill call of this many tokens")
     p.add_argument("--out", type=Path, default=None)
     a = p.parse_args(argv)
     res = {"layers": a.layers, "steps": a.steps, "warmup": a.warmup, "build_ms_median": {}}
@@ -116,12 +159,22 @@ def main(argv=None) -> int:
             print(f"{name:17s} {a.growth_steps} steps: median {r['median_ms']:.3f} ms, mean "
                   f"{r['mean_ms']:.3f} ms, steps > 5x median: {r['slow_steps']} "
                   f"({r['slow_ms_total']:.1f} ms)")
+    if a.prefill_tokens:
+        out = subprocess.run(
+            [sys.executable, __file__, "--_prefill", str(a.layers), str(a.prefill_tokens), "5"],
+            capture_output=True, text=True, check=True).stdout
+        res["prefill_build_ms_median"] = {str(a.prefill_tokens): float(out.strip().splitlines()[-1])}
+        print(f"prefill {a.prefill_tokens} tokens: {res['prefill_build_ms_median'][str(a.prefill_tokens)]:.1f} ms "
+              f"({a.layers} layers, median of 5)")
     if a.out:
         write_json(a.out, "build_time.json", res)
     return 0
 
 
 if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == "--_prefill":  # one prefill call's build
+        print(measure_prefill(int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])))
+        sys.exit(0)
     if len(sys.argv) > 1 and sys.argv[1] == "--_growth":  # compiled, every step timed
         print(json.dumps(measure(int(sys.argv[2]), int(sys.argv[3]), 2, "1", detail=True)))
         sys.exit(0)

@@ -16,6 +16,7 @@ from typing import NamedTuple
 import mlx.core as mx
 
 from . import cuda_cache
+from .backend import env_value as _env_value
 
 _REPO_SHADERS = Path(__file__).resolve().parent.parent / "shaders"
 
@@ -516,12 +517,16 @@ def kernels_allowed(op: str | None, backend: str) -> bool:
     per-op parity tests or the Metal emulator), or a comma list of op names (``verified``
     may be one of them). Ops not allowed run their pure-MLX reference.
     """
-    from .backend import env_value
+    return _allowed(op, backend, _env_value(KERNELS_ENV, "verified"),
+                    VERIFIED.get(backend, frozenset()))
 
-    names = _parse_allowed(env_value(KERNELS_ENV, "verified"))
+
+@functools.lru_cache(maxsize=1024)
+def _allowed(op, backend: str, raw: str, verified: frozenset) -> bool:
+    names = _parse_allowed(raw)
     if "all" in names:
         return True
-    if "verified" in names and op in VERIFIED.get(backend, ()):
+    if "verified" in names and op in verified:
         return True
     return op in names
 
