@@ -22,6 +22,7 @@ chunk on the H200's host in session 14).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -32,11 +33,12 @@ from pathlib import Path
 from mlx_lily.bench import write_json
 
 
-def measure_prefill(layers: int, tokens: int, reps: int) -> float:
-    """Median ms of the Python build of a ``tokens``-token prefill call into a fresh cache
-    (stubbed kernels, nothing evaluated; one untimed call first)."""
+@contextlib.contextmanager
+def _stubbed_lily(layers: int):
+    """The production-dims model (lazy weights, ``layers`` layers, bf16), patched and
+    prepared on the CUDA path with every custom kernel stubbed to return zeros and no
+    warm-up; unpatched on exit."""
     import mlx.core as mx
-    from mlx_lm.models.cache import make_prompt_cache
 
     import mlx_lily
     from mlx_lily import backend, kernels, patching, synth
@@ -53,20 +55,30 @@ def measure_prefill(layers: int, tokens: int, reps: int) -> float:
     model, _ = synth._lazy_model(synth._text_config(num_hidden_layers=layers))
     model.eval()
     model.set_dtype(mx.bfloat16)
-    toks = mx.array([[5] * tokens])
-    ts = []
     with backend.tracing_backend("cuda"):
         mlx_lily.patch()
         try:
             mlx_lily.prepare_model(model)
-            for i in range(reps + 1):
-                cache = make_prompt_cache(model)
-                t0 = time.perf_counter()
-                model(toks, cache=cache)
-                if i:
-                    ts.append(time.perf_counter() - t0)
+            yield model
         finally:
             mlx_lily.unpatch()
+
+
+def measure_prefill(layers: int, tokens: int, reps: int) -> float:
+    """Median ms of the Python build of a ``tokens``-token prefill call into a fresh cache
+    (stubbed kernels, nothing evaluated; one untimed call first)."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+
+    toks = mx.array([[5] * tokens])
+    ts = []
+    with _stubbed_lily(layers) as model:
+        for i in range(reps + 1):
+            cache = make_prompt_cache(model)
+            t0 = time.perf_counter()
+            model(toks, cache=cache)
+            if i:
+                ts.append(time.perf_counter() - t0)
     return statistics.median(ts) * 1e3
 
 
@@ -75,36 +87,16 @@ def measure(layers: int, steps: int, warmup: int, compile_mode: str,
     import mlx.core as mx
     from mlx_lm.models.cache import make_prompt_cache
 
-    import mlx_lily
-    from mlx_lily import backend, kernels, patching, synth
-
-    def stub_factory(**_):
-        def call(*, inputs, output_shapes, output_dtypes, **__):
-            return [mx.zeros(s, d) for s, d in zip(output_shapes, output_dtypes)]
-        return call
-
-    kernels._CACHE.clear()
-    mx.fast.cuda_kernel = stub_factory
-    patching.warmup = lambda *a, **k: 0.0
-    os.environ["MLX_LILY_KERNELS"] = "all"
     os.environ["MLX_LILY_COMPILE"] = compile_mode
-    model, _ = synth._lazy_model(synth._text_config(num_hidden_layers=layers))
-    model.eval()
-    model.set_dtype(mx.bfloat16)
-    with backend.tracing_backend("cuda"):
-        mlx_lily.patch()
-        try:
-            mlx_lily.prepare_model(model)
-            cache = make_prompt_cache(model)
-            tok = mx.array([[5]])
-            ts = []
-            for i in range(warmup + steps):
-                t0 = time.perf_counter()
-                model(tok, cache=cache)
-                if i >= warmup:
-                    ts.append(time.perf_counter() - t0)
-        finally:
-            mlx_lily.unpatch()
+    ts = []
+    with _stubbed_lily(layers) as model:
+        cache = make_prompt_cache(model)
+        tok = mx.array([[5]])
+        for i in range(warmup + steps):
+            t0 = time.perf_counter()
+            model(tok, cache=cache)
+            if i >= warmup:
+                ts.append(time.perf_counter() - t0)
     med = statistics.median(ts) * 1e3
     if not detail:
         return med

@@ -308,16 +308,12 @@ def effective_prefill_step(model, requested: int | None = None) -> int:
     models it serves (``mlx_lily.patching.prefill_step_size``)."""
     import importlib
 
-    import mlx_lily
+    from mlx_lily.patching import prefill_step_size
 
     if requested is not None:
         return int(requested)
     default = importlib.import_module("mlx_lm.generate").DEFAULT_PREFILL_STEP_SIZE
-    if mlx_lily.is_patched():
-        from mlx_lily.patching import prefill_step_size
-
-        return int(prefill_step_size(model, default))
-    return int(default)
+    return int(prefill_step_size(model, default))  # the default itself when not patched
 
 
 def measure_prefill(model, ids, prefill_step_size: int) -> dict:

@@ -59,3 +59,29 @@ __device__ __forceinline__ uint4 moeg_perm8(uint4 v) {
   o.w = __byte_perm(v.y, v.w, 0x7632);
   return o;
 }
+
+// One stage into the shared tiles: this thread's 4 packed weight chunks (load slot i: row
+// moeg_wrow(i, warp, lane), chunk lane >> 3, with its group's scale and bias) dequantized
+// into sB, and its XR activation chunks (row (tid >> 4) + 8 i, chunk tid & 15) permuted
+// into sA. Row stride MOEG_LD.
+template <int XR, typename T>
+__device__ __forceinline__ void moeg_stage_to_shared(__nv_bfloat16* sA, __nv_bfloat16* sB,
+                                                     const uint4 (&rq)[4], const T (&rs)[4],
+                                                     const T (&rb)[4], const uint4 (&rx)[XR],
+                                                     int tid) {
+  const int lane = tid & 31;
+  const int warp = tid >> 5;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const __nv_bfloat162 s2 = __bfloat162bfloat162(rs[i]);
+    const __nv_bfloat162 b2 = __bfloat162bfloat162(rb[i]);
+    uint4* dst = reinterpret_cast<uint4*>(&sB[moeg_wrow(i, warp, lane) * MOEG_LD + (lane >> 3) * 32]);
+    dst[0] = moeg_dq8(rq[i].x, s2, b2);
+    dst[1] = moeg_dq8(rq[i].y, s2, b2);
+    dst[2] = moeg_dq8(rq[i].z, s2, b2);
+    dst[3] = moeg_dq8(rq[i].w, s2, b2);
+  }
+#pragma unroll
+  for (int i = 0; i < XR; ++i)
+    reinterpret_cast<uint4*>(&sA[((tid >> 4) + 8 * i) * MOEG_LD])[tid & 15] = moeg_perm8(rx[i]);
+}

@@ -86,21 +86,7 @@
   const int brow = warp * 32 + (lane & 7) + ((lane >> 4) << 3);
   const int bsub = ((lane >> 3) & 1) * 8;
   for (int s = 0; s < NS; ++s) {
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const __nv_bfloat162 s2 = __bfloat162bfloat162(rs[i]);
-      const __nv_bfloat162 b2 = __bfloat162bfloat162(rb[i]);
-      uint4* dst = reinterpret_cast<uint4*>(&sB[moeg_wrow(i, warp, lane) * LD + wc * 32]);
-      dst[0] = moeg_dq8(rq[i].x, s2, b2);
-      dst[1] = moeg_dq8(rq[i].y, s2, b2);
-      dst[2] = moeg_dq8(rq[i].z, s2, b2);
-      dst[3] = moeg_dq8(rq[i].w, s2, b2);
-    }
-#pragma unroll
-    for (int i = 0; i < XR; ++i) {
-      const int row = (tid >> 4) + 8 * i;
-      reinterpret_cast<uint4*>(&sA[row * LD])[xseg] = moeg_perm8(rx[i]);
-    }
+    moeg_stage_to_shared<XR>(sA, sB, rq, rs, rb, rx, tid);
     __syncthreads();
     if (s + 1 < NS) {
       const int k1 = (s + 1) * KS;
