@@ -113,6 +113,11 @@ def tracing_backend(name: str = "metal"):
         _TRACE_BACKEND = prev
 
 
+def tracing_active() -> bool:
+    """Whether a ``tracing_backend`` block is open (graphs are recorded, not run)."""
+    return _TRACE_BACKEND is not None
+
+
 def current_backend() -> str:
     """Return the backend a call made now would run on: ``"metal"``, ``"cuda"`` or ``"cpu"``.
 

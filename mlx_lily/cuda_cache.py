@@ -190,6 +190,12 @@ def record(spec, header: str, body: str, kw: dict) -> None:
                       tuple(kw["output_dtypes"]), tmpl))
 
 
+def recording_active() -> bool:
+    """Whether a ``recording()`` block is open (graphs are built to note launches; nothing
+    should be evaluated)."""
+    return _RECORDER is not None
+
+
 @contextlib.contextmanager
 def recording():
     """Collect the CUDA kernel launches built while open (graph construction is enough;

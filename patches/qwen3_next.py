@@ -17,7 +17,7 @@ from mlx_lm.models import qwen3_next
 from mlx_lm.models.cache import ArraysCache, KVCache
 
 from mlx_lily.backend import op_enabled
-from mlx_lily.patching import module_mutations, mutations_tracked
+from mlx_lily.patching import module_mutations, mutations_tracked, prefill_eval_layers
 from mlx_lily.kernels import device_scalars
 from mlx_lily.ops import attention as attn_ops
 from mlx_lily.ops import qgemv as _qgemv_ops
@@ -925,6 +925,10 @@ def make_text_model_call(module, cls_name, layer_cls_name, with_embeddings):
     else its mixer eagerly and its MoE half compiled): Python builds the layer's graph
     once, later steps replay it (``MLX_LILY_COMPILE=0`` turns this off,
     ``MLX_LILY_COMPILE_ATTN=0`` keeps attention mixers eager).
+
+    Multi-token calls start evaluating every ``prefill_eval_layers`` layers
+    (``mlx_lily.patching.PREFILL_EVAL_LAYERS``) so the GPU overlaps the rest of the build;
+    the graph and its results are the same.
     """
 
     def text_model_call(self, inputs, cache=None, input_embeddings=None):
@@ -959,6 +963,7 @@ def make_text_model_call(module, cls_name, layer_cls_name, with_embeddings):
                 steps = cs.fns
         _check_weights(self, layers)
         defer = op_enabled("norm_qgemv")
+        every = prefill_eval_layers(h.shape[0] * h.shape[1]) if h.shape[1] > 1 else 0
         m = None
         outer, _CHECKED.active = _CHECKED.active, True
         try:
@@ -982,6 +987,8 @@ def make_text_model_call(module, cls_name, layer_cls_name, with_embeddings):
                         continue
                 h, r = _mixer(layer, x, ssm_mask if layer.is_linear else fa_mask, c, h)
                 h, m = _layer_tail(layer, h, r)
+                if every and (i + 1) % every == 0 and i + 1 < len(layers):
+                    every = every if _eval_ahead(h, m) else 0
         finally:
             _CHECKED.active = outer
         if h.shape[1] > 1:
@@ -989,6 +996,18 @@ def make_text_model_call(module, cls_name, layer_cls_name, with_embeddings):
         return add_rms_norm(h, m, self.norm.weight, self.norm.eps)[1]
 
     return text_model_call
+
+
+def _eval_ahead(*arrays) -> bool:
+    """Start evaluating ``arrays`` (``mx.async_eval``) so the GPU runs the layers built so
+    far while Python builds the next ones; False, with nothing evaluated, when the call
+    runs under a function transformation (``mx.compile``, ``mx.grad``, ``mx.vmap``,
+    export), where MLX refuses evaluation."""
+    try:
+        mx.async_eval(*arrays)
+    except ValueError:
+        return False
+    return True
 
 
 #: Rows a multi-token (prefill) call leaves free in each plain ``KVCache`` it grew into:

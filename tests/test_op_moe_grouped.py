@@ -171,6 +171,8 @@ SMALL = [
     (24, 4, 8, 256, 128, 32, "gated", "skew", None),     # 2 gate/up and 2 down column blocks
     (14, 8, 16, 128, 64, 16, "gated", "topk", (2, 7)),   # k=8, batch 2
     (24, 4, 8, 256, 192, 16, "gated", "topk", None),     # CUDA down: a stage and a half
+    (57, 2, 8, 128, 64, 64, "gated", "bounds", None),    # 64-row tiles: loads 16..33, 0, 1
+    (90, 4, 8, 256, 192, 64, "gated", "skew", None),     # 64-row tiles, some full, half stage
 ]
 
 
@@ -210,7 +212,7 @@ def test_grouped_with_reference_routing_matches_kernel_routing():
 @pytest.mark.gpu
 @pytest.mark.parametrize("backend", [b for b in parity_backends() if b in HW] or ["cuda"])
 @pytest.mark.parametrize("N", [512, 2048])
-@pytest.mark.parametrize("TR", [None, 16, 32])
+@pytest.mark.parametrize("TR", [None, 16, 32, 64])
 def test_grouped_production_dims(backend, N, TR):
     if backend not in parity_backends():
         pytest.skip(f"{backend} not available")
@@ -269,6 +271,22 @@ def test_try_grouped_end_to_end_emulated(emulated_metal, monkeypatch, disable_ro
     assert all(mx.array_equal(a, b).item() for a, b in zip(r, want))
 
 
+def test_tile_rows_env_emulated(emulated_metal, monkeypatch):
+    """``MLX_LILY_MOE_TILE_ROWS`` picks the tile height (the same bits at 16, 32 and 64: a
+    row's k order does not depend on the tile); a height outside ``TILE_ROWS`` declines."""
+    sw, sh = make_layer(128, 64, 8)
+    x, inds, scores, sgate = make_inputs(45, 2, 8, 128, "skew")
+    outs = []
+    for tr in ("16", "32", "64"):
+        monkeypatch.setenv(mg.TILE_ROWS_ENV, tr)
+        outs.append(mg.try_grouped(x, inds, scores, sw, sh, sgate))
+    assert all(o is not None for o in outs)
+    check(outs[0], x, inds, scores, sw, sh, sgate)
+    assert all(mx.array_equal(outs[0], o).item() for o in outs[1:])
+    monkeypatch.setenv(mg.TILE_ROWS_ENV, "48")
+    assert mg.try_grouped(x, inds, scores, sw, sh, sgate) is None
+
+
 def test_why_unsupported():
     sw, sh = make_layer(128, 64, 8)
     x, inds, scores, sgate = make_inputs(40, 2, 8, 128, "topk")
@@ -293,7 +311,15 @@ def test_why_unsupported():
 def test_choose_tile_rows():
     assert mg.choose_tile_rows(512 * 8, 256) == 16
     assert mg.choose_tile_rows(2048 * 8, 256) == 32
-    assert mg.choose_tile_rows(8192 * 8, 256) == 32
+    assert mg.choose_tile_rows(8192 * 8, 256) == 32  # Metal: 64-row tiles not picked
+    assert mg.choose_tile_rows(8192 * 8, 256, "metal") == 32
+    assert mg.choose_tile_rows(2048 * 8, 256, "cuda") == 32
+    big = mg.TALLER_TILE_MIN_MEAN_ROWS * 256
+    assert mg.choose_tile_rows(big - 1, 256, "cuda") == 32
+    assert mg.choose_tile_rows(big, 256, "cuda") == 64
+    assert mg.choose_tile_rows(8192 * 8, 256, "cuda") == 64
+    for b, tiles in mg.AUTO_TILE_ROWS.items():
+        assert set(tiles) <= set(mg.TILE_ROWS)
     with pytest.raises(ValueError):
         mg.grouped_experts(*make_inputs(4, 2, 8, 128, "topk")[:3], *make_layer(128, 64, 8),
                            None, tile_rows=8, get_kernel=getter("reference"))
@@ -315,6 +341,9 @@ CUDA_BUILDS = [
     (mg.DOWN, DN_IN, [("y", BF)], [("T", BF), ("DM", 256), ("DI", 192), ("BM", 16)]),  # half stage
     (mg.GATE_UP, GU_IN, [("h", BF)],
      [("T", BF), ("DM", 256), ("DI", 192), ("TOPK", 2), ("BM", 32)]),
+    (mg.GATE_UP, GU_IN, [("h", BF)],
+     [("T", BF), ("DM", 2048), ("DI", 512), ("TOPK", 8), ("BM", 64)]),
+    (mg.DOWN, DN_IN, [("y", BF)], [("T", BF), ("DM", 2048), ("DI", 512), ("BM", 64)]),
     (mg.COMBINE, CB_IN, [("out", BF)],
      [("T", BF), ("ST", mx.float32), ("GT", BF), ("DM", 2048), ("TOPK", 8),
       ("HAS_SHARED", 1), ("HAS_GATE", 1)]),
@@ -449,9 +478,10 @@ def _cuda_block(glu, BM, r0, cnt, by, arow, mats, K, LD=136, KS=128):
     return out
 
 
-@pytest.mark.parametrize("BM,D,I", [(16, 128, 128), (32, 128, 128), (16, 256, 192)])
-def test_cuda_gemm_index_math_model(BM, D, I):
-    E, k, N = 3, 2, 11
+@pytest.mark.parametrize("BM,D,I,N", [(16, 128, 128, 11), (32, 128, 128, 11),
+                                      (16, 256, 192, 11), (64, 128, 192, 80)])
+def test_cuda_gemm_index_math_model(BM, D, I, N):
+    E, k = 3, 2
     sw, _ = make_layer(D, I, E, shared=False)
     x, inds, _, _ = make_inputs(N, k, E, D, "topk")
     f = lambda a: np.array(a.astype(mx.float32))  # noqa: E731

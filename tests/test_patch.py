@@ -965,3 +965,83 @@ def test_patch_without_optional_cli_modules(tiny_models, monkeypatch):
         assert mlx_lily.is_patched() and gen.generate_step is not before
         assert "mlx_lm.chat" not in sys.modules
     assert gen.generate_step is before
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_prefill_eval_groups(tiny_models, kind, monkeypatch):
+    """``MLX_LILY_PREFILL_EVAL_LAYERS=N`` starts evaluation after every N decoder layers
+    of a multi-token call (none after the last, none in one-token calls); logits and
+    caches are bitwise those of the ungrouped call. Under ``mx.compile`` the groups are
+    skipped and the call still runs."""
+    from mlx_lily import patching
+
+    model = tiny_models[kind]
+    n_layers = len(model.layers)
+    prompt = mx.array([[(i * 7 + 5) % 300 + 1 for i in range(37)]])
+    calls = []
+    real = mx.async_eval
+
+    def spy(*arrays):
+        calls.append(len(arrays))
+        return real(*arrays)
+
+    def run(n):
+        monkeypatch.setenv(patching.PREFILL_EVAL_ENV, str(n))
+        c = model.make_cache()
+        with mlx_lily.patched(model):
+            del calls[:]
+            a = model(prompt, cache=c)
+            mx.eval(a)
+            during_prefill = len(calls)
+            b = model(mx.array([[11]]), cache=c)
+        mx.eval(b)
+        return a, b, c, during_prefill
+
+    a0, b0, c0, k0 = run(0)
+    monkeypatch.setattr(mx, "async_eval", spy)
+    a1, b1, c1, k1 = run(1)
+    monkeypatch.setattr(mx, "async_eval", real)
+    assert k0 == 0
+    assert k1 == n_layers - 1
+    assert mx.array_equal(a0, a1).item() and mx.array_equal(b0, b1).item()
+    from mlx.utils import tree_flatten
+
+    s0, s1 = tree_flatten([c.state for c in c0]), tree_flatten([c.state for c in c1])
+    assert len(s0) == len(s1) > 0
+    for (_, u), (_, v) in zip(s0, s1):
+        assert (u is None and v is None) or mx.array_equal(u, v).item()
+
+    monkeypatch.setenv(patching.PREFILL_EVAL_ENV, "1")
+    with mlx_lily.patched(model):
+        compiled = mx.compile(lambda t: model(t))
+        got = compiled(prompt)
+    assert mx.allclose(got, model(prompt), atol=1e-4).item()
+
+
+def test_prefill_eval_layers_policy(monkeypatch):
+    """The group size: the environment's N on any backend for any multi-token call, else
+    the backend's table entry for calls of at least ``PREFILL_EVAL_MIN_ROWS`` rows; never
+    for one row or while only tracing."""
+    from mlx_lily import patching
+
+    monkeypatch.delenv(patching.PREFILL_EVAL_ENV, raising=False)
+    monkeypatch.setattr(backend, "current_backend", lambda: "cuda")
+    big = patching.PREFILL_EVAL_MIN_ROWS
+    assert patching.prefill_eval_layers(big) == patching.PREFILL_EVAL_LAYERS["cuda"] > 0
+    assert patching.prefill_eval_layers(big - 1) == 0
+    assert patching.prefill_eval_layers(1) == 0
+    monkeypatch.setattr(backend, "current_backend", lambda: "cpu")
+    assert patching.prefill_eval_layers(big) == 0
+    monkeypatch.setenv(patching.PREFILL_EVAL_ENV, "3")
+    assert patching.prefill_eval_layers(2) == 3
+    assert patching.prefill_eval_layers(1) == 0
+    with backend.tracing_backend("cuda"):
+        assert patching.prefill_eval_layers(big) == 0
+    from mlx_lily import cuda_cache
+
+    with cuda_cache.recording():
+        assert patching.prefill_eval_layers(big) == 0
+    assert patching.prefill_eval_layers(big) == 3
+    for raw in ("0", "-2", "four"):
+        monkeypatch.setenv(patching.PREFILL_EVAL_ENV, raw)
+        assert patching.prefill_eval_layers(big) == 0

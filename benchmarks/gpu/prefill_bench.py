@@ -18,12 +18,19 @@ Variants (``--variants``, comma list; default all):
   step8192    prefill_step_size 8192 (Lily's CUDA default since session 14)
   nocache     base with ``mx.set_cache_limit(0)`` for the run (buffers freed as released,
               so ``mx.clear_cache`` between chunks has nothing to free)
+  evalN       default with ``MLX_LILY_PREFILL_EVAL_LAYERS=N`` (N = 0, 2, 8): the decoder
+              stack evaluated in groups of N layers inside each chunk (0: one group);
+              Lily's CUDA default is ``mlx_lily.patching.PREFILL_EVAL_LAYERS``
+  tile32      default with the grouped GEMMs' tiles fixed at 32 rows
+              (``MLX_LILY_MOE_TILE_ROWS``; the default picks 64 from a mean of
+              ``moe_grouped.TALLER_TILE_MIN_MEAN_ROWS`` rows per expert on CUDA)
 Figures: tok/s = prompt tokens / wall time of the whole prefill (the last token's step and
 its greedy token included); ttft tok/s = the A/B's figure (``mlx_lily.bench.ab.measure_prefill``:
 prompt tokens / time to the first token ``generate_step`` yields, which also builds and
 dispatches the next token's step), one per round after the timed run; per chunk (ms,
-median over rounds and the full-size chunks): build, dispatch, wait, GPU busy, clear, and
-the buffer cache (MiB) before the clear.
+median over rounds and the prefill chunks): build, dispatch, wait, GPU busy, clear, and
+the buffer cache (MiB) before the clear. With evaluation groups, "build" also holds the
+dispatch of every group but the last.
 """
 
 from __future__ import annotations
@@ -43,6 +50,10 @@ VARIANTS = {
     "step4096": dict(step=4096, env={}, cache_limit=None),
     "step8192": dict(step=8192, env={}, cache_limit=None),
     "nocache": dict(step=2048, env={}, cache_limit=0),
+    "eval0": dict(step=None, env={"MLX_LILY_PREFILL_EVAL_LAYERS": "0"}, cache_limit=None),
+    "eval2": dict(step=None, env={"MLX_LILY_PREFILL_EVAL_LAYERS": "2"}, cache_limit=None),
+    "eval8": dict(step=None, env={"MLX_LILY_PREFILL_EVAL_LAYERS": "8"}, cache_limit=None),
+    "tile32": dict(step=None, env={"MLX_LILY_MOE_TILE_ROWS": "32"}, cache_limit=None),
 }
 CHUNK_KEYS = ("build", "dispatch", "wait", "gpu_busy", "clear", "cache_mb")
 
@@ -77,7 +88,7 @@ def run_variant(model, ids, spec: dict) -> dict:
 
 def summarize(runs: list[dict]) -> dict:
     step = runs[0]["step"]
-    full = [c for r in runs for c in r["chunks"][:-1] if c["tokens"] >= step - 1]
+    full = [c for r in runs for c in r["chunks"][:-1]]
     last = [r["chunks"][-1] for r in runs]
     med = {k: statistics.median(c[k] for c in full) if full else None for k in CHUNK_KEYS}
     return {"step": step, "tok_s_median": statistics.median(r["tok_s"] for r in runs),

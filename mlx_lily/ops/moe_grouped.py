@@ -19,8 +19,8 @@ experts, score-weighted combine, plus the gated shared expert) for many rows at 
 Intermediates are rounded to bf16 where the reference rounds (h, the per-pair expert
 outputs); sums are fp32. Results match ``moe_experts_reference`` within bf16 tolerance.
 CUDA kernels use ``mma.sync.m16n8k16`` bf16 tensor-core tiles; Metal kernels
-``simdgroup_matrix<float,8,8>``. Tile height (rows per tile) is 16 or 32, chosen from the
-mean rows per expert (``choose_tile_rows``).
+``simdgroup_matrix<float,8,8>``. Tile height (rows per tile) is 16 or 32 (and 64 on CUDA),
+chosen from the mean rows per expert (``choose_tile_rows``).
 Source: Lily's prefill design (``lily-design.md``: dequantize inside the grouped GEMM,
 GPU-resident routing, tile height by expert load); grouped-GEMM MoE scheduling as in
 common MoE kernels.
@@ -33,7 +33,7 @@ from typing import Callable
 import mlx.core as mx
 
 from .. import kernels
-from ..backend import current_backend, op_enabled
+from ..backend import current_backend, env_value, op_enabled
 from ..kernels import KernelSpec
 from . import moe_route as _route
 from . import qmm_dequant
@@ -41,9 +41,19 @@ from . import qmm_dequant
 NAME = "moe_grouped"
 
 THREADS = 128  # 4 warps / simdgroups per GEMM threadgroup (fixed in the shaders)
-TILE_ROWS = (16, 32)  # supported tile heights (BM template)
+TILE_ROWS = (16, 32, 64)  # tile heights (BM template) both twins take
+#: Tile heights ``choose_tile_rows`` picks from per backend: 64-row tiles only where they
+#: were measured (the H200); on Metal they pass the emulator but no Apple GPU timed them.
+AUTO_TILE_ROWS = {"metal": (16, 32), "cuda": (16, 32, 64)}
 MIN_PAIRS = 64  # below this many (token, expert) pairs, try_grouped declines
 TALL_TILE_MIN_MEAN_ROWS = 32  # mean rows per expert from which 32-row tiles are used
+#: Mean rows per expert from which 64-row tiles are used where the backend has them.
+TALLER_TILE_MIN_MEAN_ROWS = 96
+#: Benchmark sweeps: ``MLX_LILY_MOE_TILE_ROWS=16|32|64`` replaces ``choose_tile_rows``.
+TILE_ROWS_ENV = "MLX_LILY_MOE_TILE_ROWS"
+#: CUDA dynamic shared memory of both GEMMs (``MOEG_SMEM_BYTES`` in moeg_common.cuh): the
+#: activation tile of up to 64 rows and 128 dequantized weight rows, bf16, stride 136.
+CUDA_SHARED_MEMORY = (64 + 128) * 136 * 2
 
 # Kernel launch contracts (Metal and CUDA twins in shaders/*/moeg_*.*):
 #   gate_up: grid (128*Tm, I/64, 1), threadgroup (128, 1, 1);
@@ -55,17 +65,23 @@ TALL_TILE_MIN_MEAN_ROWS = 32  # mean rows per expert from which 32-row tiles are
 # Tm = moe_route.max_tiles(P, E, BM); tiles past the used ones have row_count 0 and exit.
 GATE_UP = KernelSpec("moeg_gate_up", "moeg_gate_up",
                      ("x", "sorted_pairs", "tiles", "w_gate", "s_gate", "b_gate",
-                      "w_up", "s_up", "b_up"), ("h",))
+                      "w_up", "s_up", "b_up"), ("h",),
+                     shared_memory=CUDA_SHARED_MEMORY)
 DOWN = KernelSpec("moeg_down", "moeg_down", ("h", "tiles", "w_down", "s_down", "b_down"),
-                  ("y",))
+                  ("y",), shared_memory=CUDA_SHARED_MEMORY)
 COMBINE = KernelSpec("moeg_combine", "moeg_combine",
                      ("y_pairs", "pair_pos", "scores", "shared_out", "shared_gate"), ("out",))
 SPECS = (GATE_UP, DOWN, COMBINE)
 
 
-def choose_tile_rows(num_pairs: int, num_experts: int) -> int:
-    """Tile height for ``num_pairs`` (token, expert) pairs over ``num_experts``: 32 rows
-    when the mean load is at least ``TALL_TILE_MIN_MEAN_ROWS`` rows per expert, else 16."""
+def choose_tile_rows(num_pairs: int, num_experts: int, backend: str = "metal") -> int:
+    """Tile height for ``num_pairs`` (token, expert) pairs over ``num_experts`` on
+    ``backend``: 64 rows when the mean load is at least ``TALLER_TILE_MIN_MEAN_ROWS`` rows
+    per expert and the backend picks 64 (``AUTO_TILE_ROWS``), else 32 rows from
+    ``TALL_TILE_MIN_MEAN_ROWS``, else 16."""
+    if (num_pairs >= TALLER_TILE_MIN_MEAN_ROWS * num_experts
+            and 64 in AUTO_TILE_ROWS.get(backend, ())):
+        return 64
     return 32 if num_pairs >= TALL_TILE_MIN_MEAN_ROWS * num_experts else 16
 
 
@@ -207,7 +223,7 @@ def grouped_experts(x: mx.array, inds: mx.array, scores: mx.array, switch_mlp,
             group-64 experts (bf16 scales/biases); shared_expert: module
             ``[N, D] -> [N, D]`` or None; shared: ``[..., 1]`` gate (already sigmoid) or
             None.
-        tile_rows: 16 or 32 (rows per grouped-GEMM tile).
+        tile_rows: rows per grouped-GEMM tile, one of ``TILE_ROWS``.
         get_kernel: ``spec -> kernel object`` (``moe_route.kernel_getter(backend)``, or
             a builder around the Metal emulator in tests).
         route_kernels: False computes the routing with ``moe_route_reference``.
@@ -231,8 +247,8 @@ def try_grouped(x, inds, scores, switch_mlp, shared_expert, shared, *,
     bf16 scales/biases, optional shared expert and ``[..., 1]`` gate), equal within bf16
     tolerance. Returns None (the caller runs its own path) off Metal/CUDA, when the
     kernels are unavailable, for layouts or dtypes ``why_unsupported`` rejects, and for
-    fewer than ``min_pairs`` (token, expert) pairs. ``tile_rows`` (16 or 32) overrides
-    ``choose_tile_rows``. ``MLX_LILY_DISABLE=moe_grouped`` turns it off. The routing runs on the GPU unless ``moe_route`` is disabled
+    fewer than ``min_pairs`` (token, expert) pairs. ``tile_rows`` (one of ``TILE_ROWS``;
+    others decline) overrides ``choose_tile_rows``, as does ``MLX_LILY_MOE_TILE_ROWS``. ``MLX_LILY_DISABLE=moe_grouped`` turns it off. The routing runs on the GPU unless ``moe_route`` is disabled
     (``MLX_LILY_DISABLE=moe_route``), then by its reference.
     """
     backend = current_backend()
@@ -246,7 +262,10 @@ def try_grouped(x, inds, scores, switch_mlp, shared_expert, shared, *,
     if not has_kernel(backend):
         return None
     E = switch_mlp.gate_proj["weight"].shape[0]
-    tr = tile_rows if tile_rows is not None else choose_tile_rows(P, E)
+    if tile_rows is None:
+        raw = env_value(TILE_ROWS_ENV, "").strip()
+        tile_rows = int(raw) if raw.isdigit() else None
+    tr = tile_rows if tile_rows is not None else choose_tile_rows(P, E, backend)
     if tr not in TILE_ROWS:
         return None
     return grouped_experts(x, inds, scores, switch_mlp, shared_expert, shared,

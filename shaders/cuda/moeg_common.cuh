@@ -5,6 +5,11 @@
 // different 4-bank groups).
 #define MOEG_KS 128
 #define MOEG_LD (MOEG_KS + 8)
+// Dynamic shared memory of both grouped GEMMs (one size per kernel name): the x/h tile of
+// up to MOEG_MAX_BM rows and the 128 dequantized weight rows, bf16, row stride MOEG_LD.
+// Must equal moe_grouped.CUDA_SHARED_MEMORY.
+#define MOEG_MAX_BM 64
+#define MOEG_SMEM_BYTES ((MOEG_MAX_BM + 128) * MOEG_LD * 2)
 
 // Weight row (0..127 in the block) of load slot i for this lane: 8 lanes per row-octet,
 // lane >> 3 picks the 16-byte chunk of the row's 64 stage bytes, so one warp load reads

@@ -4,6 +4,7 @@
 // @template T=bfloat16 DM=2048 DI=512 BM=32
 // @grid (128*Tm, DM/128, 1)
 // @threadgroup (128, 1, 1)
+// @shared_memory 52224
 // Grouped GEMM, down projection. Block (tile, j): rows tiles[tile] of h (already in
 // expert-sorted order), output columns [128j, 128j+128) of expert tiles[tile].expert.
 // Each stage of MOEG_KS k (two quant groups; the last stage may hold one when DI is an
@@ -24,8 +25,11 @@
   constexpr int MT = BM / 16;
   constexpr int XR = BM / 8;
   static_assert(DI % 64 == 0, "moeg_down: DI must be a multiple of 64");
-  __shared__ __align__(16) __nv_bfloat16 sA[BM * LD];
-  __shared__ __align__(16) __nv_bfloat16 sB[128 * LD];
+  static_assert(BM == 16 || BM == 32 || BM == 64, "BM must be 16, 32 or 64");
+  static_assert((BM + 128) * LD * 2 <= MOEG_SMEM_BYTES, "shared memory budget");
+  extern __shared__ uint4 lily_smem[];
+  __nv_bfloat16* sA = reinterpret_cast<__nv_bfloat16*>(lily_smem);
+  __nv_bfloat16* sB = sA + BM * LD;
 
   const int tile = blockIdx.x;
   const int ex = tiles[3 * tile];

@@ -4,6 +4,7 @@
 // @template T=bfloat16 DM=2048 DI=512 TOPK=8 BM=32
 // @grid (128*Tm, DI/64, 1)
 // @threadgroup (128, 1, 1)
+// @shared_memory 52224
 // Grouped GEMM, gate and up projections with the SwiGLU epilogue. Block (tile, j): rows
 // tiles[tile] of the expert-sorted pairs (token rows of x gathered), output columns
 // [64j, 64j+64) of gate and up. Each stage of MOEG_KS k (two quant groups) loads the 128
@@ -23,8 +24,11 @@
   constexpr int MT = BM / 16;
   constexpr int XR = BM / 8;
   static_assert(DM % KS == 0, "moeg_gate_up: DM must be a multiple of MOEG_KS");
-  __shared__ __align__(16) __nv_bfloat16 sA[BM * LD];
-  __shared__ __align__(16) __nv_bfloat16 sB[128 * LD];
+  static_assert(BM == 16 || BM == 32 || BM == 64, "BM must be 16, 32 or 64");
+  static_assert((BM + 128) * LD * 2 <= MOEG_SMEM_BYTES, "shared memory budget");
+  extern __shared__ uint4 lily_smem[];
+  __nv_bfloat16* sA = reinterpret_cast<__nv_bfloat16*>(lily_smem);
+  __nv_bfloat16* sB = sA + BM * LD;
 
   const int tile = blockIdx.x;
   const int ex = tiles[3 * tile];
