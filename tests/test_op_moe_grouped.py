@@ -313,7 +313,8 @@ def test_choose_tile_rows():
     assert mg.choose_tile_rows(2048 * 8, 256) == 32
     assert mg.choose_tile_rows(8192 * 8, 256) == 32  # Metal: 64-row tiles not picked
     assert mg.choose_tile_rows(8192 * 8, 256, "metal") == 32
-    assert mg.choose_tile_rows(2048 * 8, 256, "cuda") == 32
+    assert mg.choose_tile_rows(1024 * 8, 256, "cuda") == 32
+    assert mg.choose_tile_rows(2048 * 8, 256, "cuda") == 64
     big = mg.TALLER_TILE_MIN_MEAN_ROWS * 256
     assert mg.choose_tile_rows(big - 1, 256, "cuda") == 32
     assert mg.choose_tile_rows(big, 256, "cuda") == 64

@@ -48,7 +48,7 @@ AUTO_TILE_ROWS = {"metal": (16, 32), "cuda": (16, 32, 64)}
 MIN_PAIRS = 64  # below this many (token, expert) pairs, try_grouped declines
 TALL_TILE_MIN_MEAN_ROWS = 32  # mean rows per expert from which 32-row tiles are used
 #: Mean rows per expert from which 64-row tiles are used where the backend has them.
-TALLER_TILE_MIN_MEAN_ROWS = 96
+TALLER_TILE_MIN_MEAN_ROWS = 64
 #: Benchmark sweeps: ``MLX_LILY_MOE_TILE_ROWS=16|32|64`` replaces ``choose_tile_rows``.
 TILE_ROWS_ENV = "MLX_LILY_MOE_TILE_ROWS"
 #: CUDA dynamic shared memory of both GEMMs (``MOEG_SMEM_BYTES`` in moeg_common.cuh): the
