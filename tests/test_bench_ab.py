@@ -111,6 +111,30 @@ def test_budget_marks_rows_not_run(tmp_path):
     assert r8k["arms"]["stock"]["rounds"] == [] and r8k["ratio"] is None
 
 
+def test_deadline_marks_later_rows_not_run(tmp_path, monkeypatch):
+    """--deadline-s: rows that would start after the deadline are not run (the clock is
+    faked: each prefill measurement takes 10 s), and the results are written."""
+    from mlx_lily.bench import ab
+
+    now = [0.0]
+    monkeypatch.setattr(ab.time, "perf_counter", lambda: now[0])
+
+    def fake_prefill(model, ids, step):
+        now[0] += 10.0
+        return {"seconds": 0.01, "tok_s": len(ids) / 0.01, "peak_memory_bytes": 1 << 20,
+                "first_token": 0}
+
+    monkeypatch.setattr(ab, "measure_prefill", fake_prefill)
+    code = ab.main([str(FIXTURE), "--sweeps", "prefill", "--lengths", "16,32,64",
+                    "--deadline-s", "35", "--warmup", "0", "--out", str(tmp_path)])
+    assert code == 0
+    res = json.loads((tmp_path / "ab.json").read_text())
+    ab.validate_result(res)
+    statuses = [r["status"] for r in res["rows"]]
+    assert statuses == ["ok", "not_run", "not_run"]  # 4 measurements (40 s) in row 1
+    assert "deadline" in res["rows"][1]["reason"]
+
+
 def test_lily_only_rows_over_budget(tmp_path, monkeypatch):
     """--lily-only-over-budget: where only stock is predicted over budget, Lily runs alone
     and the stock figure is a labelled linear prediction (timings faked: stock 10 ms/token,

@@ -737,10 +737,19 @@ def run_sweeps(target: Target, opts) -> list[dict]:
         log(f"warm-up done ({opts.warmup} x {wl}-token prefill + 4 decode steps per arm)")
 
     orders = round_orders(getattr(opts, "rounds", 2))
+    deadline = getattr(opts, "deadline_s", None)
+    t_begin = getattr(opts, "t_begin", None)
+    if t_begin is None:
+        t_begin = time.perf_counter()
     for sweep in opts.sweeps:
         for L in lengths:
             row = _new_row(sweep, L)
             rows.append(row)
+            if deadline is not None and time.perf_counter() - t_begin > deadline:
+                row["status"] = "not_run"
+                row["reason"] = f"deadline: {deadline:g}s after the start passed"
+                log(f"{sweep} L={fmt_len(L)}: not run ({row['reason']})")
+                continue
             if budget is not None:
                 over = []
                 for arm in ARMS:
@@ -1191,6 +1200,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "(status lily_only; the stock figure shown is a linear prediction)")
     p.add_argument("--budget-s", type=float, default=None,
                    help="per-arm, per-measurement time budget; rows predicted over it are not run")
+    p.add_argument("--deadline-s", type=float, default=None,
+                   help="rows not started this many seconds after the run began are not run "
+                        "(status not_run, reason 'deadline'): a run under an outer time limit "
+                        "still writes its results")
     p.add_argument("--warmup", type=int, default=1, help="untimed warm-up generations per arm")
     p.add_argument("--seed", type=int, default=0, help="seed of the synthetic prompt ids")
     p.add_argument("--ops", default=None, help="comma-separated Lily ops to enable (default all)")
@@ -1229,6 +1242,7 @@ def run(opts) -> tuple[dict, int]:
     opts.ops = [o.strip() for o in opts.ops.split(",")] if isinstance(opts.ops, str) else opts.ops
     inject = bool(opts.inject_wrong or os.environ.get(INJECT_ENV, "") not in ("", "0"))
 
+    opts.t_begin = time.perf_counter()
     log(f"loading {'synthetic ' + opts.synthetic if opts.synthetic else opts.model}")
     target = load_target(opts.model, opts.synthetic, opts.model_seed)
     env = environment(opts.ops)
