@@ -313,10 +313,11 @@ PREFILL_OPS = ("moe_grouped", "gated_delta", "attention")
 
 #: Decoder layers per ``mx.async_eval`` group inside a multi-token (prefill) call of a
 #: patched decoder stack, per backend: the GPU runs the first layers while Python builds
-#: the rest, instead of idling for the whole chunk's build (~12-25 ms a chunk on the H200
-#: host, session 14 timelines) and the start of its dispatch. Backends not listed: one
-#: group (mlx-lm's behaviour).
-PREFILL_EVAL_LAYERS = {"cuda": 4}
+#: the rest, instead of idling for the whole chunk's build and the start of its dispatch.
+#: H200, ``benchmarks/gpu/ttft_probe.py`` (session 15), a 4096-token prompt's time to
+#: first token, median of 5: groups of 2 / 4 / 8 layers 167.5 / 174.2 / 175.3 ms, one
+#: group 194.8 ms. Backends not listed: one group (mlx-lm's behaviour).
+PREFILL_EVAL_LAYERS = {"cuda": 2}
 PREFILL_EVAL_ENV = "MLX_LILY_PREFILL_EVAL_LAYERS"  # layers per group; "0": one group
 #: Fewest rows (batch x tokens) a call needs before ``PREFILL_EVAL_LAYERS`` applies: a
 #: short call builds in well under a millisecond and would only pay the extra evals.
@@ -517,6 +518,11 @@ def patch(model=None, *, ops=None) -> PatchHandle:
 def unpatch(handle: PatchHandle | None = None) -> bool:
     """Restore every patched attribute to its original object (by identity).
 
+    Each model's compiled decode steps stay on the model, unused while unpatched, and
+    serve the next patch with the same switches and weights (``_compile_key``, weight
+    signatures): a patch toggled around each call, as the A/B does, does not trace the
+    decode step again. ``mlx_lily.patches.qwen3_next.drop_compiled_steps()`` releases them.
+
     Args:
         handle: the handle to undo; None = whatever is active.
     Returns:
@@ -534,9 +540,9 @@ def unpatch(handle: PatchHandle | None = None) -> bool:
     _ACTIVE = None
     _stop_tracking()
     backend.select_ops(None)
-    from mlx_lily.patches.qwen3_next import drop_compiled_steps
+    from mlx_lily.patches.qwen3_next import drop_views
 
-    drop_compiled_steps()
+    drop_views()
     _restore_kernel_cache_env()
     return True
 

@@ -505,8 +505,9 @@ _MODELS_WITH_STEPS: dict = {}  # id -> weakref of models holding compiled steps
 
 
 def drop_compiled_steps() -> None:
-    """Forget every model's compiled decode functions and cached one-row views (``unpatch``
-    calls this)."""
+    """Forget every model's compiled decode functions and cached one-row views (they hold
+    traced graphs and weight views; ``unpatch`` keeps the compiled functions for the next
+    patch and drops only the views)."""
     drop_views()
     for ref in list(_MODELS_WITH_STEPS.values()):
         m = ref()

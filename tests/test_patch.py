@@ -248,23 +248,63 @@ def test_replaced_layer_drops_compiled_steps(monkeypatch):
     assert after and all(after[k] is not f for k, f in before.items() if k in after)
 
 
-def test_deepcopy_after_compiled_steps_and_unpatch_drops_them(monkeypatch):
+def test_deepcopy_after_compiled_steps_and_unpatch_keeps_them(monkeypatch):
+    """A deep copy starts without compiled steps. Unpatch keeps the model's (stock code
+    runs meanwhile); the next patch with the same switches reuses the same functions;
+    ``drop_compiled_steps`` releases them."""
+    from mlx_lily.patches.qwen3_next import drop_compiled_steps
+
     monkeypatch.setenv("MLX_LILY_COMPILE", "1")
     model = _models.build("qwen3_5_moe", seed=2)
     c = model.make_cache()
     with mlx_lily.patched(model):
         model(mx.array([PROMPT]), cache=c)
         model(mx.array([[5]]), cache=c)
-        assert _inner(model)._lily_steps.fns
+        kept = _inner(model)._lily_steps
+        fns = dict(kept.fns)
+        assert fns
         twin = copy.deepcopy(model)
         assert not _inner(twin)._lily_steps.fns
         c2 = twin.make_cache()
         twin(mx.array([PROMPT]), cache=c2)
         a = twin(mx.array([[5]]), cache=c2)
-    assert "_lily_steps" not in _inner(model).__dict__
+    assert _inner(model)._lily_steps is kept
     c3 = model.make_cache()
     model(mx.array([PROMPT]), cache=c3)
-    assert mx.array_equal(a, model(mx.array([[5]]), cache=c3)).item()
+    assert mx.array_equal(a, model(mx.array([[5]]), cache=c3)).item()  # stock code
+    with mlx_lily.patched(model):
+        c4 = model.make_cache()
+        model(mx.array([PROMPT]), cache=c4)
+        b = model(mx.array([[5]]), cache=c4)
+        assert _inner(model)._lily_steps is kept
+        assert all(kept.fns[k] is f for k, f in fns.items())
+    assert mx.array_equal(a, b).item()
+    drop_compiled_steps()
+    assert "_lily_steps" not in _inner(model).__dict__
+
+
+def test_weights_replaced_while_unpatched_rebuild_compiled_steps(monkeypatch):
+    """Compiled steps kept over an unpatch are traced again when a layer's weights were
+    replaced in the meantime; the answers follow the new weights (stock's)."""
+    monkeypatch.setenv("MLX_LILY_COMPILE", "1")
+    model = _models.build("qwen3_5_moe", seed=2)
+    with mlx_lily.patched(model):
+        c = model.make_cache()
+        model(mx.array([PROMPT]), cache=c)
+        model(mx.array([[5]]), cache=c)
+        before = dict(_inner(model)._lily_steps.fns)
+    donor = _models.build("qwen3_5_moe", seed=3)
+    _inner(model).layers[1].update(_inner(donor).layers[1].parameters())
+    c_ref = model.make_cache()
+    model(mx.array([PROMPT]), cache=c_ref)
+    want = model(mx.array([[5]]), cache=c_ref)
+    with mlx_lily.patched(model):
+        c = model.make_cache()
+        model(mx.array([PROMPT]), cache=c)
+        got = model(mx.array([[5]]), cache=c)
+        after = _inner(model)._lily_steps.fns
+    assert after and all(after[k] is not f for k, f in before.items() if k in after)
+    assert float(mx.abs(got - want).max()) <= 1e-4 * max(1.0, float(mx.abs(want).max()))
 
 
 def test_failed_prepare_leaves_nothing_patched(monkeypatch):

@@ -18,7 +18,7 @@ Variants (``--variants``, comma list; default all):
   step8192    prefill_step_size 8192 (Lily's CUDA default since session 14)
   nocache     base with ``mx.set_cache_limit(0)`` for the run (buffers freed as released,
               so ``mx.clear_cache`` between chunks has nothing to free)
-  evalN       default with ``MLX_LILY_PREFILL_EVAL_LAYERS=N`` (N = 0, 2, 8): the decoder
+  evalN       default with ``MLX_LILY_PREFILL_EVAL_LAYERS=N`` (N = 0, 4, 8): the decoder
               stack evaluated in groups of N layers inside each chunk (0: one group);
               Lily's CUDA default is ``mlx_lily.patching.PREFILL_EVAL_LAYERS``
   tile32      default with the grouped GEMMs' tiles fixed at 32 rows
@@ -51,7 +51,7 @@ VARIANTS = {
     "step8192": dict(step=8192, env={}, cache_limit=None),
     "nocache": dict(step=2048, env={}, cache_limit=0),
     "eval0": dict(step=None, env={"MLX_LILY_PREFILL_EVAL_LAYERS": "0"}, cache_limit=None),
-    "eval2": dict(step=None, env={"MLX_LILY_PREFILL_EVAL_LAYERS": "2"}, cache_limit=None),
+    "eval4": dict(step=None, env={"MLX_LILY_PREFILL_EVAL_LAYERS": "4"}, cache_limit=None),
     "eval8": dict(step=None, env={"MLX_LILY_PREFILL_EVAL_LAYERS": "8"}, cache_limit=None),
     "tile32": dict(step=None, env={"MLX_LILY_MOE_TILE_ROWS": "32"}, cache_limit=None),
 }
