@@ -235,7 +235,10 @@ def check_checkpoint(model_path) -> bool:
     return True
 
 
-WARMUP_RECORD_LENGTHS = (2048, 8192)  # 32- and 64-row grouped-GEMM tiles (CUDA)
+#: Prefill lengths whose graphs the CUDA warm-up records (besides its short prompt): at
+#: Qwen3.6-35B-A3B's 256 experts, top-8, 1024 tokens pick 32-row grouped-GEMM tiles, 2048
+#: and 8192 (Lily's CUDA chunk) 64-row ones.
+WARMUP_RECORD_LENGTHS = (1024, 2048, 8192)
 PRECOMPILE_ENV = "MLX_LILY_PRECOMPILE"  # "0": leave every CUDA kernel to MLX's own JIT
 last_warmup: dict = {}
 

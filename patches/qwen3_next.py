@@ -25,6 +25,7 @@ from mlx_lily.ops import norm_qgemv as norm_qgemv_ops
 from mlx_lily.ops import qmm_dequant
 from mlx_lily.ops.add_rms_norm import add_rms_norm
 from mlx_lily.ops import gated_delta as gdn_ops
+from mlx_lily.ops import moe_grouped as moe_grouped_ops
 from mlx_lily.ops.gated_delta import gated_delta, gated_delta_packed
 from mlx_lily.ops.moe_experts import (FUSED_COUNTERS, FUSED_RPW_ENV, drop_plans, moe_experts,
                                       moe_experts_routed)
@@ -517,8 +518,9 @@ def drop_compiled_steps() -> None:
 
 
 def _compile_key():
-    """What the traced functions depend on beyond shapes: backend, op selection, switches
-    (``unpatch`` drops every model's compiled functions, so a new patch starts afresh)."""
+    """What the traced functions depend on beyond shapes: backend, op selection, switches.
+    Compiled steps outlive ``unpatch``: a later patch reuses them only under an equal key
+    and unchanged weights (``_check_weights``)."""
     from mlx_lily import backend
 
     be = backend.current_backend()
@@ -528,7 +530,8 @@ def _compile_key():
             backend.env_value("MLX_LILY_KERNELS", ""),
             backend.env_value(attn_ops.DECODE_PF_ENV, ""),
             norm_qgemv_ops.split_requested(), gdn_ops.proj_split(be),
-            backend.env_value(FUSED_RPW_ENV, ""))
+            backend.env_value(FUSED_RPW_ENV, ""),
+            backend.env_value(moe_grouped_ops.TILE_ROWS_ENV, ""))
 
 
 def _layer_tail(layer, h, r, counters=None, after=None):

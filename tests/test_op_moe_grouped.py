@@ -284,7 +284,24 @@ def test_tile_rows_env_emulated(emulated_metal, monkeypatch):
     check(outs[0], x, inds, scores, sw, sh, sgate)
     assert all(mx.array_equal(outs[0], o).item() for o in outs[1:])
     monkeypatch.setenv(mg.TILE_ROWS_ENV, "48")
-    assert mg.try_grouped(x, inds, scores, sw, sh, sgate) is None
+    with pytest.warns(UserWarning, match="MLX_LILY_MOE_TILE_ROWS"):
+        auto = mg.try_grouped(x, inds, scores, sw, sh, sgate)
+    assert auto is not None and mx.array_equal(auto, outs[0]).item()
+
+
+def test_cuda_shared_memory_matches_header():
+    """The bytes the launch asks for equal the kernels' ``MOEG_SMEM_BYTES`` (the header's
+    ``#define``s), which their ``static_assert``s check the tiles against."""
+    import re
+
+    text = kernels.shader_source("cuda", "moeg_common.cuh")
+    d = dict(re.findall(r"#define (MOEG_\w+) (\d+)", text))
+    ks, max_bm = int(d["MOEG_KS"]), int(d["MOEG_MAX_BM"])
+    ld_pad = int(re.search(r"#define MOEG_LD \(MOEG_KS \+ (\d+)\)", text).group(1))
+    assert "#define MOEG_SMEM_BYTES ((MOEG_MAX_BM + 128) * MOEG_LD * 2)" in text
+    assert mg.CUDA_SHARED_MEMORY == (max_bm + 128) * (ks + ld_pad) * 2
+    assert max(mg.TILE_ROWS) == max_bm
+    assert mg.GATE_UP.shared_memory == mg.DOWN.shared_memory == mg.CUDA_SHARED_MEMORY
 
 
 def test_why_unsupported():
@@ -306,6 +323,16 @@ def test_why_unsupported():
     assert "quantized" in mg.why_unsupported(x, inds, scores, dense, None, None)
     assert "differ" in mg.why_unsupported(x, inds[:5], scores[:5], sw, sh, sgate)
     assert "integer" in mg.why_unsupported(x, inds.astype(mx.float32), scores, sw, sh, sgate)
+
+
+def test_warmup_records_every_cuda_tile_height():
+    """The CUDA warm-up's recorded prefill lengths pick every tile height above 16 at
+    Qwen3.6-35B-A3B's 256 experts, top-8 (16 comes with its short prompt)."""
+    from mlx_lily import patching
+
+    picked = {mg.choose_tile_rows(n * 8, 256, "cuda") for n in patching.WARMUP_RECORD_LENGTHS}
+    assert picked == set(mg.AUTO_TILE_ROWS["cuda"]) - {16}
+    assert mg.choose_tile_rows(8 * 8, 256, "cuda") == 16
 
 
 def test_choose_tile_rows():

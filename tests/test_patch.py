@@ -1037,8 +1037,8 @@ def test_prefill_eval_groups(tiny_models, kind, monkeypatch):
         mx.eval(b)
         return a, b, c, during_prefill
 
-    a0, b0, c0, k0 = run(0)
     monkeypatch.setattr(mx, "async_eval", spy)
+    a0, b0, c0, k0 = run(0)
     a1, b1, c1, k1 = run(1)
     monkeypatch.setattr(mx, "async_eval", real)
     assert k0 == 0

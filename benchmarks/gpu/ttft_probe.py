@@ -168,13 +168,17 @@ def main(argv=None) -> int:
         measure_prefill(model, ids, step)
         res["first_run_s"] = time.perf_counter() - t0
         res["eval"] = {}
+        user_eval = os.environ.get(patching.PREFILL_EVAL_ENV)
         for n in [x for x in a.eval_layers.split(",") if x]:
             os.environ[patching.PREFILL_EVAL_ENV] = n
             r = res["eval"][n] = ttft_runs(model, ids, step, a.rounds)
             print(f"eval layers {n}: ttft median {r['median_ms']:.1f} ms "
                   f"({r['tok_s_median']:.0f} tok/s) runs {[round(x, 1) for x in r['ms']]}", flush=True)
             dump()
-        os.environ.pop(patching.PREFILL_EVAL_ENV, None)
+        if user_eval is None:
+            os.environ.pop(patching.PREFILL_EVAL_ENV, None)
+        else:
+            os.environ[patching.PREFILL_EVAL_ENV] = user_eval
 
         try:
             pool = DriverPool()

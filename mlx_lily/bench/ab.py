@@ -628,9 +628,9 @@ def git_info() -> dict:
 
 
 def environment(ops=None) -> dict:
-    """Backend, device, versions, git, ``mlx_lily.backend_info()`` (taken while patched)
-    and MLX's launch settings (``MLX_USE_CUDA_GRAPHS`` and the graph limits: they apply to
-    both arms of a run, read once per process)."""
+    """Backend, device, versions, git, ``mlx_lily.backend_info()`` (taken while patched),
+    MLX's launch settings (``MLX_USE_CUDA_GRAPHS`` and the graph limits: they apply to
+    both arms of a run, read once per process) and every ``MLX_LILY*`` variable set."""
     import mlx.core as mx
     import mlx_lm
     import mlx_lily
@@ -654,6 +654,7 @@ def environment(ops=None) -> dict:
         "lily_backend_info": info,
         "mlx_env": {k: os.environ.get(k) for k in ("MLX_USE_CUDA_GRAPHS", "MLX_MAX_OPS_PER_BUFFER",
                                                    "MLX_MAX_MB_PER_BUFFER")},
+        "lily_env": {k: v for k, v in sorted(os.environ.items()) if k.startswith("MLX_LILY")},
         "cuda_launch_mode": cuda_launch_mode(),
     }
 
@@ -1281,6 +1282,7 @@ def run(opts) -> tuple[dict, int]:
             "prefill_step_size": opts.prefill_step_size,
             "prefill_step_by_arm": _steps_by_arm(target.model, opts),
             "budget_s": opts.budget_s,
+            "deadline_s": getattr(opts, "deadline_s", None),
             "lily_only_over_budget": bool(getattr(opts, "lily_only_over_budget", False)),
             "warmup": opts.warmup, "seed": opts.seed, "drift_flag": DRIFT_FLAG, "ops": opts.ops,
         },

@@ -52,10 +52,15 @@ TALL_TILE_MIN_MEAN_ROWS = 32  # mean rows per expert from which 32-row tiles are
 #: 64-row tiles: 2048 tokens (64 rows per expert) 1.477 / 1.458 ms, 4096 tokens 2.170 /
 #: 2.000 ms, 8192 tokens 3.865 / 2.971 ms.
 TALLER_TILE_MIN_MEAN_ROWS = 64
-#: Benchmark sweeps: ``MLX_LILY_MOE_TILE_ROWS=16|32|64`` replaces ``choose_tile_rows``.
+#: Benchmark sweeps: ``MLX_LILY_MOE_TILE_ROWS=16|32|64`` replaces ``choose_tile_rows``
+#: (another value: one warning, then the automatic choice).
 TILE_ROWS_ENV = "MLX_LILY_MOE_TILE_ROWS"
+_TILE_ENV_WARNED: set = set()
 #: CUDA dynamic shared memory of both GEMMs (``MOEG_SMEM_BYTES`` in moeg_common.cuh): the
-#: activation tile of up to 64 rows and 128 dequantized weight rows, bf16, stride 136.
+#: activation tile of up to 64 rows and 128 dequantized weight rows, bf16, stride 136. One
+#: size for every tile height (one kernel name): 16-row tiles (96 registers) fit 4 blocks
+#: per H200 SM instead of the 5 their 39 KB allowed; 32-row tiles (125 registers) were
+#: limited to 4 by registers already. Not timed before / after.
 CUDA_SHARED_MEMORY = (64 + 128) * 136 * 2
 
 # Kernel launch contracts (Metal and CUDA twins in shaders/*/moeg_*.*):
@@ -241,6 +246,21 @@ def grouped_experts(x: mx.array, inds: mx.array, scores: mx.array, switch_mlp,
     return out.reshape(x.shape)
 
 
+def _tile_rows_env() -> int | None:
+    raw = env_value(TILE_ROWS_ENV, "").strip()
+    if not raw:
+        return None
+    if raw.isdigit() and int(raw) in TILE_ROWS:
+        return int(raw)
+    if raw not in _TILE_ENV_WARNED:
+        import warnings
+
+        _TILE_ENV_WARNED.add(raw)
+        warnings.warn(f"mlx-lily: {TILE_ROWS_ENV}={raw!r} is not one of {TILE_ROWS}; the "
+                      "tile height is chosen from the expert load", stacklevel=3)
+    return None
+
+
 def try_grouped(x, inds, scores, switch_mlp, shared_expert, shared, *,
                 tile_rows: int | None = None, min_pairs: int = MIN_PAIRS):
     """The grouped-GEMM MoE for a many-row call, or None when it cannot serve.
@@ -266,8 +286,7 @@ def try_grouped(x, inds, scores, switch_mlp, shared_expert, shared, *,
         return None
     E = switch_mlp.gate_proj["weight"].shape[0]
     if tile_rows is None:
-        raw = env_value(TILE_ROWS_ENV, "").strip()
-        tile_rows = int(raw) if raw.isdigit() else None
+        tile_rows = _tile_rows_env()
     tr = tile_rows if tile_rows is not None else choose_tile_rows(P, E, backend)
     if tr not in TILE_ROWS:
         return None
