@@ -125,11 +125,15 @@ def test_deadline_marks_later_rows_not_run(tmp_path, monkeypatch):
                 "first_token": 0}
 
     monkeypatch.setattr(ab, "measure_prefill", fake_prefill)
+    monkeypatch.setenv("MLX_LILY_PREFILL_EVAL_LAYERS", "2")
     code = ab.main([str(FIXTURE), "--sweeps", "prefill", "--lengths", "16,32,64",
                     "--deadline-s", "35", "--warmup", "0", "--out", str(tmp_path)])
     assert code == 0
     res = json.loads((tmp_path / "ab.json").read_text())
     ab.validate_result(res)
+    assert res["settings"]["deadline_s"] == 35
+    assert res["lily_env"]["MLX_LILY_PREFILL_EVAL_LAYERS"] == "2"
+    assert "MLX_LILY_PREFILL_EVAL_LAYERS=2" in (tmp_path / "ab.md").read_text()
     statuses = [r["status"] for r in res["rows"]]
     assert statuses == ["ok", "not_run", "not_run"]  # 4 measurements (40 s) in row 1
     assert "deadline" in res["rows"][1]["reason"]

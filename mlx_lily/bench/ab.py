@@ -1033,6 +1033,8 @@ def render_markdown(result: dict) -> str:
         f"- Lily ops: " + ", ".join(f"{k}={v}" for k, v in result["lily_backend_info"].get("ops", {}).items()),
         *([f"- MLX CUDA launch mode (both arms, one process): {result['cuda_launch_mode']}"]
           if result.get("backend") == "cuda" and result.get("cuda_launch_mode") else []),
+        *([f"- Lily switches set: " + ", ".join(f"{k}={v}" for k, v in result["lily_env"].items())]
+          if result.get("lily_env") else []),
         f"- Method: {s['rounds']} rounds per row (odd rounds stock->lily, even rounds lily->stock; "
         f"each arm's figure the median over its rounds); prefill tok/s = prompt / "
         f"time to first token (generate_step, prefill_step_size "
