@@ -327,6 +327,18 @@ PREFILL_EVAL_ENV = "MLX_LILY_PREFILL_EVAL_LAYERS"  # layers per group; "0": one 
 PREFILL_EVAL_MIN_ROWS = 512
 
 
+def _env_count(name: str) -> int | None:
+    """A count switch: None when ``name`` is unset or empty, else its integer value, 0 when
+    it is not a positive integer."""
+    raw = backend.env_value(name, "").strip()
+    if not raw:
+        return None
+    try:
+        return max(int(raw), 0)
+    except ValueError:
+        return 0
+
+
 def _recording_launches() -> bool:
     cc = sys.modules.get("mlx_lily.cuda_cache")
     return cc is not None and cc.recording_active()
@@ -345,12 +357,9 @@ def prefill_eval_layers(rows: int) -> int:
     """
     if rows <= 1 or backend.tracing_active() or _recording_launches():
         return 0
-    raw = backend.env_value(PREFILL_EVAL_ENV, "").strip()
-    if raw:
-        try:
-            return max(int(raw), 0)
-        except ValueError:
-            return 0
+    n = _env_count(PREFILL_EVAL_ENV)
+    if n is not None:
+        return n
     if rows < PREFILL_EVAL_MIN_ROWS:
         return 0
     return PREFILL_EVAL_LAYERS.get(backend.current_backend(), 0)
@@ -381,12 +390,8 @@ def prefill_step_size(model, requested=None) -> int | None:
     if (_ACTIVE is None or not getattr(model, "_lily_prepared", False)
             or not any(backend.op_enabled(op) for op in PREFILL_OPS)):
         return requested
-    raw = backend.env_value(PREFILL_STEP_ENV, "").strip()
-    if raw:
-        try:
-            n = int(raw)
-        except ValueError:
-            n = 0
+    n = _env_count(PREFILL_STEP_ENV)
+    if n is not None:
         return n if n > 0 else requested
     return PREFILL_STEP_SIZE.get(backend.current_backend(), requested)
 

@@ -336,9 +336,9 @@ def test_warmup_records_every_cuda_tile_height():
 
 
 def test_choose_tile_rows():
-    assert mg.choose_tile_rows(512 * 8, 256) == 16
-    assert mg.choose_tile_rows(2048 * 8, 256) == 32
-    assert mg.choose_tile_rows(8192 * 8, 256) == 32  # Metal: 64-row tiles not picked
+    assert mg.choose_tile_rows(512 * 8, 256, "metal") == 16
+    assert mg.choose_tile_rows(2048 * 8, 256, "metal") == 32
+    assert mg.choose_tile_rows(8192 * 8, 256, "cpu") == 32  # no 64-row tiles off CUDA
     assert mg.choose_tile_rows(8192 * 8, 256, "metal") == 32
     assert mg.choose_tile_rows(1024 * 8, 256, "cuda") == 32
     assert mg.choose_tile_rows(2048 * 8, 256, "cuda") == 64

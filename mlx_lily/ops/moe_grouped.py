@@ -61,7 +61,7 @@ _TILE_ENV_WARNED: set = set()
 #: size for every tile height (one kernel name): 16-row tiles (96 registers) fit 4 blocks
 #: per H200 SM instead of the 5 their 39 KB allowed; 32-row tiles (125 registers) were
 #: limited to 4 by registers already. Not timed before / after.
-CUDA_SHARED_MEMORY = (64 + 128) * 136 * 2
+CUDA_SHARED_MEMORY = (max(TILE_ROWS) + 128) * 136 * 2
 
 # Kernel launch contracts (Metal and CUDA twins in shaders/*/moeg_*.*):
 #   gate_up: grid (128*Tm, I/64, 1), threadgroup (128, 1, 1);
@@ -82,11 +82,13 @@ COMBINE = KernelSpec("moeg_combine", "moeg_combine",
 SPECS = (GATE_UP, DOWN, COMBINE)
 
 
-def choose_tile_rows(num_pairs: int, num_experts: int, backend: str = "metal") -> int:
+def choose_tile_rows(num_pairs: int, num_experts: int, backend: str | None = None) -> int:
     """Tile height for ``num_pairs`` (token, expert) pairs over ``num_experts`` on
-    ``backend``: 64 rows when the mean load is at least ``TALLER_TILE_MIN_MEAN_ROWS`` rows
+    ``backend`` (None: ``current_backend()``): 64 rows when the mean load is at least ``TALLER_TILE_MIN_MEAN_ROWS`` rows
     per expert and the backend picks 64 (``AUTO_TILE_ROWS``), else 32 rows from
     ``TALL_TILE_MIN_MEAN_ROWS``, else 16."""
+    if backend is None:
+        backend = current_backend()
     if (num_pairs >= TALLER_TILE_MIN_MEAN_ROWS * num_experts
             and 64 in AUTO_TILE_ROWS.get(backend, ())):
         return 64

@@ -18,6 +18,16 @@ __device__ __forceinline__ int moeg_wrow(int i, int warp, int lane) {
   return ((i << 2) + warp) * 8 + (lane & 7);
 }
 
+// The dynamic shared memory as the BM x-or-h rows (sA) then the 128 weight rows (sB).
+template <int BM>
+__device__ __forceinline__ void moeg_shared_tiles(__nv_bfloat16*& sA, __nv_bfloat16*& sB) {
+  static_assert(BM == 16 || BM == 32 || BM == 64, "BM must be 16, 32 or 64");
+  static_assert((BM + 128) * MOEG_LD * 2 <= MOEG_SMEM_BYTES, "shared memory budget");
+  extern __shared__ uint4 lily_smem[];
+  sA = reinterpret_cast<__nv_bfloat16*>(lily_smem);
+  sB = sA + BM * MOEG_LD;
+}
+
 __device__ __forceinline__ void moeg_ldsm_x4(unsigned int (&r)[4], const void* p) {
   const unsigned int a = static_cast<unsigned int>(__cvta_generic_to_shared(p));
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"

@@ -24,11 +24,9 @@
   constexpr int MT = BM / 16;
   constexpr int XR = BM / 8;
   static_assert(DM % KS == 0, "moeg_gate_up: DM must be a multiple of MOEG_KS");
-  static_assert(BM == 16 || BM == 32 || BM == 64, "BM must be 16, 32 or 64");
-  static_assert((BM + 128) * LD * 2 <= MOEG_SMEM_BYTES, "shared memory budget");
-  extern __shared__ uint4 lily_smem[];
-  __nv_bfloat16* sA = reinterpret_cast<__nv_bfloat16*>(lily_smem);
-  __nv_bfloat16* sB = sA + BM * LD;
+  __nv_bfloat16* sA;
+  __nv_bfloat16* sB;
+  moeg_shared_tiles<BM>(sA, sB);
 
   const int tile = blockIdx.x;
   const int ex = tiles[3 * tile];
