@@ -86,7 +86,7 @@ if has tests; then
     op=$(basename "$f" .py); op=${op#test_op_}; op=${op#test_}
     if [ -n "${TEST_OPS:-}" ] && [[ ",$TEST_OPS," != *",$op,"* ]]; then continue; fi
     (cd /tmp && MLX_PTX_CACHE_DIR=/tmp/lily-ptx-$op timeout "${T_TESTS:-300}" python3 -m pytest -m gpu -q \
-       -p no:cacheprovider -rf --durations=5 "$REPO/$f" --junitxml="$W/junit-$op.xml") > "$W/gpu_tests-$op.log" 2>&1 &
+       -p no:cacheprovider -rfs --durations=5 "$REPO/$f" --junitxml="$W/junit-$op.xml") > "$W/gpu_tests-$op.log" 2>&1 &
     pids+=("$!:$op")
   done
   for pe in "${pids[@]}"; do
