@@ -365,7 +365,14 @@ def test_kernel_served_from_written_cache(tmp_path):
     from there. Both match the reference."""
     import json
 
-    env = dict(os.environ, MLX_PTX_CACHE_DIR=str(tmp_path), MLX_LILY_KERNELS="all")
+    # a fresh TMPDIR too: precompile also looks in MLX's default cache (<TMPDIR>/mlx/...),
+    # which an earlier run (or a restored kernel cache) may already hold this module in
+    fresh_tmp = tmp_path / "tmpdir"
+    fresh_tmp.mkdir()
+    env = dict(os.environ, MLX_PTX_CACHE_DIR=str(tmp_path / "ptx"), MLX_LILY_KERNELS="all")
+    for v in ("TMP", "TEMP", "TEMPDIR"):
+        env.pop(v, None)
+    env["TMPDIR"] = str(fresh_tmp)
     outs = []
     for mode in ("compile", "load"):
         p = subprocess.run([sys.executable, "-c", CHILD, mode], env=env, capture_output=True,
@@ -375,7 +382,7 @@ def test_kernel_served_from_written_cache(tmp_path):
     assert outs[0]["report"]["compiled"] == 1, outs[0]
     mod = outs[0]["modules"][0]
     assert outs[1]["modules"] == [mod]
-    assert cuda_cache.cache_paths(tmp_path, mod)[0].stat().st_size > 0
+    assert cuda_cache.cache_paths(tmp_path / "ptx", mod)[0].stat().st_size > 0
     for o in outs:
         assert o["err"] <= 0.05, o
 
