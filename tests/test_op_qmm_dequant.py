@@ -138,7 +138,7 @@ def test_call_sites(as_cuda):
     nn.quantize(mlp, 64, 4)
     del as_cuda[:]
     y3 = Q.mlp(mlp, x)
-    assert len(as_cuda) == 3  # gate, up, down
+    assert as_cuda == [(256, 32), (256, 16)]  # gate|up stacked, down
     ref = mlp(x)
     # fp32 truth of the MLP from fp32-dequantized weights
     from mlx_lm.models.activations import swiglu
@@ -151,6 +151,54 @@ def test_call_sites(as_cuda):
     Q.mlp(mlp, x[:, :1])
     P.one_row_linear(layer, x[:, :1])
     assert as_cuda == []
+
+
+def shared_expert(d, i, seed=5):
+    from mlx_lm.models import qwen3_next
+
+    mlp = qwen3_next.Qwen3NextMLP(d, i)
+    mx.random.seed(seed)
+    mlp.update({n: {"weight": (mx.random.normal(getattr(mlp, n).weight.shape) * d ** -0.5)
+                    .astype(mx.bfloat16)} for n in ("gate_proj", "up_proj", "down_proj")})
+    nn.quantize(mlp, 64, 4)
+    return mlp
+
+
+def test_shared_expert_production_widths_take_the_path(as_cuda, monkeypatch):
+    """Qwen3.6's shared expert (2048 -> 512 gate and up, 512 -> 2048 down) under the real
+    ``MIN_OUT``: gate|up as one stacked 1024-row weight, down alone; the stacked outputs
+    split back exactly as the layers' own path computes them one by one."""
+    monkeypatch.setattr(Q, "MIN_OUT", 1024)
+    mlp = shared_expert(2048, 512)
+    x = mx.random.normal((1, 300, 2048)).astype(mx.bfloat16)
+    assert Q.linear(mlp.gate_proj, x) is None  # 512 outputs alone: under MIN_OUT
+    del as_cuda[:]
+    y = Q.mlp(mlp, x)
+    assert as_cuda == [(1024, 256), (2048, 64)]
+    g, u = Q.stacked_linear((mlp.gate_proj, mlp.up_proj), x)
+    monkeypatch.setattr(Q, "MIN_OUT", 1)
+    assert mx.array_equal(g, Q.linear(mlp.gate_proj, x)).item()
+    assert mx.array_equal(u, Q.linear(mlp.up_proj, x)).item()
+    from mlx_lm.models.activations import swiglu
+    a = swiglu(truth(x, mlp.gate_proj), truth(x, mlp.up_proj))
+    t = truth(a.astype(mx.bfloat16), mlp.down_proj)
+    assert rel_err(y, t) <= max(3e-2, 1.5 * rel_err(mlp(x), t))
+
+
+def test_stacked_linear_refusals(as_cuda):
+    """Layers of different quantization, a biased layer, a non-quantized layer, one row,
+    no layers: None, and no dequantize built."""
+    x = mx.random.normal((1, 300, 256)).astype(mx.bfloat16)
+    a4, a8 = qlinear(64, 256, 4, seed=1), qlinear(64, 256, 8, seed=2)
+    g32 = qlinear(64, 256, 4, gs=32, seed=3)
+    biased = nn.QuantizedLinear(256, 64, bias=True, group_size=64, bits=4)
+    dense = nn.Linear(256, 64, bias=False)
+    for layers in ((a4, a8), (a4, g32), (a4, biased), (a4, dense), ()):
+        assert Q.stacked_linear(layers, x) is None
+    assert Q.stacked_linear((a4, a4), x[:, :1]) is None
+    assert as_cuda == []
+    one = Q.stacked_linear((a4,), x)
+    assert len(one) == 1 and mx.array_equal(one[0], Q.linear(a4, x)).item()
 
 
 @pytest.mark.gpu
@@ -172,3 +220,13 @@ def test_gpu_production_dims(monkeypatch):
         t = truth(x, layer)
         assert not mx.isnan(y).any().item()
         assert rel_err(y, t) <= max(1.5e-2, rel_err(ref, t)), (o, k, rel_err(y, t))
+    # the shared expert (2048 -> 512 -> 2048): gate|up stacked, down alone, 2048 rows
+    mlp = shared_expert(2048, 512)
+    x = mx.random.normal((1, 2048, 2048)).astype(mx.bfloat16)
+    assert Q.stacked_linear((mlp.gate_proj, mlp.up_proj), x) is not None
+    y = Q.mlp(mlp, x)
+    from mlx_lm.models.activations import swiglu
+    a = swiglu(truth(x, mlp.gate_proj), truth(x, mlp.up_proj))
+    t = truth(a.astype(mx.bfloat16), mlp.down_proj)
+    assert not mx.isnan(y).any().item()
+    assert rel_err(y, t) <= max(3e-2, 1.5 * rel_err(mlp(x), t)), rel_err(y, t)

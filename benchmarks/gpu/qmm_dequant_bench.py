@@ -61,6 +61,38 @@ def _time(fn, x, calls: int, reps: int) -> dict:
     return {"s": statistics.median(ts) / calls, "host_covered": None, "clock": "wall"}
 
 
+def shared_expert_row(rows_n: int, d: int, i: int, calls: int, reps: int) -> dict:
+    """The whole shared expert (mlx-lm's ``Qwen3NextMLP``, 4-bit group 64): the stock
+    module vs ``qmm_dequant.mlp`` (gate|up stacked, down; dequantize + matmul where the
+    switch serves), per call, and whether the outputs are bit-identical."""
+    import mlx.nn as nn
+    from mlx_lm.models import qwen3_next
+
+    from mlx_lily.ops import qmm_dequant as Q
+
+    mlp = qwen3_next.Qwen3NextMLP(d, i)
+    mlp.update({n: {"weight": (mx.random.normal(getattr(mlp, n).weight.shape) * d ** -0.5)
+                    .astype(mx.bfloat16)} for n in ("gate_proj", "up_proj", "down_proj")})
+    nn.quantize(mlp, 64, 4)
+    mx.eval(mlp.parameters())
+    x = (mx.random.normal((rows_n, d)) * 0.5).astype(mx.bfloat16)
+    mx.eval(x)
+    served = Q.stacked_linear((mlp.gate_proj, mlp.up_proj), x) is not None
+    row = {"shape": f"shared expert MLP {d}->{i}->{d}", "served": served}
+    for label, fn in (("stock", mlp), ("lily", lambda x0: Q.mlp(mlp, x0))):
+        r = _time(fn, x, calls, reps)
+        row[f"{label}_us"] = 1e6 * r["s"]
+        row["clock"] = r["clock"]
+    ref, got = mlp(x), Q.mlp(mlp, x)
+    row["bit_identical"] = bool(mx.array_equal(ref, got).item())
+    row["max_rel_err"] = (mx.abs(ref.astype(mx.float32) - got.astype(mx.float32)).max()
+                          / mx.abs(ref.astype(mx.float32)).max()).item()
+    print(f"{row['shape']}: stock {row['stock_us']:.1f} us, lily {row['lily_us']:.1f} us "
+          f"(path served: {served}), bit-identical {row['bit_identical']}, "
+          f"max rel err {row['max_rel_err']:.2g}")
+    return row
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].replace("\n", " "))
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
@@ -116,6 +148,8 @@ def main(argv=None) -> int:
         print(f"{name:30s} {k:5d} {o:6d} {bits:2d} {row['qmm_us']:9.1f} {row['deq_mm_us']:9.1f} "
               f"{row['deq_us']:8.1f} {row['mm_us']:8.1f} {row['qmm_tflops']:8.1f} "
               f"{row['deq_mm_tflops']:8.1f} {row['max_rel_err']:8.2g}")
+    out["shared_expert_mlp"] = shared_expert_row(rows_n, 256 if a.small else 2048,
+                                                 64 if a.small else 512, a.calls, a.reps)
     os.makedirs(a.out, exist_ok=True)
     path = os.path.join(a.out, "qmm_dequant_bench.json")
     with open(path, "w") as f:

@@ -19,6 +19,11 @@ device-side time per call, ``benchmarks/results/2026-11-30-cuda-h200-session9/``
 down (512 -> 2048), with bit-identical outputs at 4 bits; on the 8-bit router (2048 -> 257)
 it lost 354 us (the dense matmul with 257 outputs is slow), hence ``MIN_OUT``.
 
+The shared expert's gate and up (512 outputs each in Qwen3.6-35B-A3B, under ``MIN_OUT``
+alone) run as one stacked projection (``stacked_linear``); before session 16 the shared
+expert never took this path at production dims and ran as three ``qmm_sm80`` launches
+(Nsight Compute, session 16: 7.99 ms of a 4096-token chunk's 134.5 ms).
+
 The switch ``prefill_dequant`` (kill switch ``MLX_LILY_DISABLE=prefill_dequant``) serves
 only on CUDA, for at least ``MIN_ROWS`` activation rows and ``MIN_OUT`` outputs, affine
 mode with biases, and activations of the scales' dtype (bf16 or fp16), so the result dtype
@@ -79,11 +84,19 @@ def try_dequant(x, w, scales, biases, group_size, bits, mode="affine") -> mx.arr
     is on and ``supports`` holds on the current backend, else None (the caller runs
     ``quantized_matmul``)."""
     backend = current_backend()
-    if (backend not in MIN_ROWS or not op_enabled(NAME) or not has_kernel(backend)
+    if (not _path_open(x, backend)
             or not supports(x, w, scales, biases, group_size, bits, mode, backend)):
         return None
     wd = mx.dequantize(w, scales=scales, biases=biases, group_size=group_size, bits=bits)
     return mx.matmul(x, wd.T)
+
+
+def _path_open(x: mx.array, backend: str) -> bool:
+    """The switch is on for ``backend`` and ``x`` has ``MIN_ROWS`` rows (the checks that
+    need no weight)."""
+    rows = x.size // x.shape[-1] if x.ndim and x.shape[-1] else 0
+    return (backend in MIN_ROWS and rows >= MIN_ROWS[backend] and op_enabled(NAME)
+            and has_kernel(backend))
 
 
 def linear(layer, x: mx.array) -> mx.array | None:
@@ -96,6 +109,44 @@ def linear(layer, x: mx.array) -> mx.array | None:
                        layer.bits, getattr(layer, "mode", "affine"))
 
 
+def stacked_linear(layers, x: mx.array) -> list | None:
+    """``[layer(x) for layer in layers]`` as ONE ``try_dequant`` over the layers' stacked
+    rows, for bias-free ``nn.QuantizedLinear`` layers of one quantization (group size,
+    bits, mode, input width, dtypes) that read the same ``x [..., K]``: the packed
+    weights, scales and biases are concatenated per call (the shared expert's gate and
+    up: 1 MiB), so ``MIN_OUT`` applies to the stacked outputs and one dense matmul runs
+    instead of one per layer. Returns the outputs ``[..., O_i]`` split per layer, or None
+    where the layers do not qualify or ``try_dequant`` does not serve (nothing is built
+    then)."""
+    import mlx.nn as nn
+
+    if not layers or not _path_open(x, current_backend()):
+        return None
+
+    def quant(layer):
+        b = layer.get("biases")
+        return (layer.group_size, layer.bits, getattr(layer, "mode", "affine"),
+                layer.weight.shape[1], layer.weight.dtype, layer.scales.dtype,
+                None if b is None else b.dtype)
+
+    if any(type(l) is not nn.QuantizedLinear or "bias" in l or l.get("biases") is None
+           for l in layers) or len({quant(l) for l in layers}) != 1:
+        return None
+    first = layers[0]
+    cat = (lambda name: getattr(first, name)) if len(layers) == 1 else \
+        (lambda name: mx.concatenate([getattr(l, name) for l in layers], axis=0))
+    y = try_dequant(x, cat("weight"), cat("scales"), cat("biases"), first.group_size,
+                    first.bits, getattr(first, "mode", "affine"))
+    if y is None:
+        return None
+    if len(layers) == 1:
+        return [y]
+    cuts = []
+    for l in layers[:-1]:
+        cuts.append((cuts[-1] if cuts else 0) + int(l.weight.shape[0]))
+    return mx.split(y, cuts, axis=-1)
+
+
 def qmm_dequant(x, w, scales, biases, group_size, bits, mode="affine") -> mx.array:
     """Dispatcher: the dequantize + matmul path where it serves, else the reference."""
     y = try_dequant(x, w, scales, biases, group_size, bits, mode)
@@ -105,19 +156,19 @@ def qmm_dequant(x, w, scales, biases, group_size, bits, mode="affine") -> mx.arr
 
 def mlp(module, x: mx.array) -> mx.array:
     """``module(x)`` for mlx-lm's ``Qwen3NextMLP`` (the shared expert: ``down(swiglu(
-    gate(x), up(x)))``, mlx-lm's own ``swiglu``) with each projection through
-    ``try_dequant`` where it serves; any other module, or a call it does not serve:
-    ``module(x)``."""
+    gate(x), up(x)))``, mlx-lm's own ``swiglu``) with gate and up as one stacked
+    projection (``stacked_linear``: Qwen3.6's shared expert has 512 outputs each, under
+    ``MIN_OUT`` alone) and down through ``try_dequant`` where they serve; any other
+    module, or a call the stacked gate|up does not serve: ``module(x)``."""
     from mlx_lm.models import qwen3_next
     from mlx_lm.models.activations import swiglu
 
     if type(module) is not qwen3_next.Qwen3NextMLP:
         return module(x)
-    g = linear(module.gate_proj, x)
-    if g is None:
+    gu = stacked_linear((module.gate_proj, module.up_proj), x)
+    if gu is None:
         return module(x)
-    u = linear(module.up_proj, x)
-    u = module.up_proj(x) if u is None else u
+    g, u = gu
     a = swiglu(g, u)
     d = linear(module.down_proj, a)
     return module.down_proj(a) if d is None else d
