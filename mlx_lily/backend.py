@@ -30,6 +30,7 @@ OP_NAMES = (
     "moe_topk_in_experts",
     "qgemv_out",
     "prefill_dequant",
+    "shared_dequant",
     "gdn_proj",
     "gdn_out_proj",
     "moe_fused",

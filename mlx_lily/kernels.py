@@ -450,6 +450,7 @@ _STEM_OPS = (
 # 0.225 / 0.594 from fp32 vs stock's 0.213 / 0.672) and failed at (16,2,4) (0.246 / 0.531).
 # moe_grouped's CUDA GEMMs load 128-k stages with 64 contiguous bytes per weight row since
 # c703299: its GPU tests (37 passed with moe_route) and the gate (1180ee7) passed with them.
+# shared_dequant (session 16): GPU test and bit-identical output at 4096 rows, no gate yet.
 VERIFIED: dict = {
     "cuda": frozenset({"add_rms_norm", "moe_router_topk", "moe_route", "moe_experts",
                        "moe_grouped", "attention", "qgemv", "gated_delta", "norm_qgemv",

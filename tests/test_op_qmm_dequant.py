@@ -185,6 +185,28 @@ def test_shared_expert_production_widths_take_the_path(as_cuda, monkeypatch):
     assert rel_err(y, t) <= max(3e-2, 1.5 * rel_err(mlp(x), t))
 
 
+def test_shared_switch(as_cuda, monkeypatch):
+    """``shared_dequant`` is not verified yet: under the default ``MLX_LILY_KERNELS`` the
+    shared expert runs the stock module, as with its kill switch or ``prefill_dequant``'s;
+    named in ``MLX_LILY_KERNELS`` it takes the path."""
+    monkeypatch.setattr(Q, "MIN_OUT", 1024)
+    mlp = shared_expert(2048, 512)
+    x = mx.random.normal((1, 300, 2048)).astype(mx.bfloat16)
+    for env in ({"MLX_LILY_KERNELS": "verified"},
+                {"MLX_LILY_KERNELS": "all", "MLX_LILY_DISABLE": Q.SHARED_NAME},
+                {"MLX_LILY_KERNELS": "all", "MLX_LILY_DISABLE": Q.NAME}):
+        for k, v in env.items():
+            monkeypatch.setenv(k, v)
+        del as_cuda[:]
+        assert mx.array_equal(Q.mlp(mlp, x), mlp(x)).item()
+        assert as_cuda == [], env
+        monkeypatch.delenv("MLX_LILY_DISABLE", raising=False)
+    monkeypatch.setenv("MLX_LILY_KERNELS", "verified," + Q.SHARED_NAME)
+    del as_cuda[:]
+    Q.mlp(mlp, x)
+    assert as_cuda == [(1024, 256), (2048, 64)]
+
+
 def test_stacked_linear_refusals(as_cuda):
     """Layers of different quantization, a biased layer, a non-quantized layer, one row,
     no layers: None, and no dequantize built."""

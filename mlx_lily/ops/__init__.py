@@ -25,6 +25,7 @@ _MODULES = {
     "moe_topk_in_experts": "mlx_lily.ops.moe_experts:has_routed_kernel",
     "qgemv_out": "mlx_lily.ops.qgemv:has_out_proj_kernel",
     "prefill_dequant": "mlx_lily.ops.qmm_dequant",
+    "shared_dequant": "mlx_lily.ops.qmm_dequant:has_shared_kernel",
     "gdn_proj": "mlx_lily.ops.gated_delta:has_proj_kernel",
     "gdn_out_proj": "mlx_lily.ops.gated_delta:has_out_kernel",
     "moe_fused": "mlx_lily.ops.moe_experts:has_fused_kernel",

@@ -19,10 +19,14 @@ device-side time per call, ``benchmarks/results/2026-11-30-cuda-h200-session9/``
 down (512 -> 2048), with bit-identical outputs at 4 bits; on the 8-bit router (2048 -> 257)
 it lost 354 us (the dense matmul with 257 outputs is slow), hence ``MIN_OUT``.
 
-The shared expert's gate and up (512 outputs each in Qwen3.6-35B-A3B, under ``MIN_OUT``
-alone) run as one stacked projection (``stacked_linear``); before session 16 the shared
-expert never took this path at production dims and ran as three ``qmm_sm80`` launches
-(Nsight Compute, session 16: 7.99 ms of a 4096-token chunk's 134.5 ms).
+The shared expert (``mlp``, switch ``shared_dequant``): its gate and up (512 outputs each
+in Qwen3.6-35B-A3B, under ``MIN_OUT`` alone) run as one stacked projection
+(``stacked_linear``), then down through the same path. Before session 16 the shared expert
+never took this path at production widths and ran as three ``qmm_sm80`` launches (Nsight
+Compute, session 16: 7.99 ms of a 4096-token chunk's 134.5 ms). On the H200 its output was
+bit-identical to the stock module's at 4096 rows, and a 4096-token chunk's GPU time went
+from 131.6 to 127.5 ms; not in ``kernels.VERIFIED`` until the A/B gate has run with it
+(on with ``MLX_LILY_KERNELS=all`` or ``=verified,shared_dequant``).
 
 The switch ``prefill_dequant`` (kill switch ``MLX_LILY_DISABLE=prefill_dequant``) serves
 only on CUDA, for at least ``MIN_ROWS`` activation rows and ``MIN_OUT`` outputs, affine
@@ -39,6 +43,8 @@ from .. import kernels
 from ..backend import current_backend, op_enabled
 
 NAME = "prefill_dequant"
+#: The shared expert's stacked gate|up + down through this path (``mlp``).
+SHARED_NAME = "shared_dequant"
 
 #: Fewest activation rows (tokens) for which the dequantize pass pays, per backend.
 MIN_ROWS = {"cuda": 256}
@@ -63,6 +69,12 @@ def qmm_dequant_reference(x: mx.array, w: mx.array, scales: mx.array, biases: mx
 def has_kernel(backend: str) -> bool:
     """True when the dequantize + matmul path may serve on ``backend``."""
     return backend in MIN_ROWS and kernels.kernels_allowed(NAME, backend)
+
+
+def has_shared_kernel(backend: str) -> bool:
+    """True when ``mlp`` may run the shared expert through this path on ``backend`` (both
+    switches allowed)."""
+    return has_kernel(backend) and kernels.kernels_allowed(SHARED_NAME, backend)
 
 
 def supports(x: mx.array, w: mx.array, scales, biases, group_size, bits, mode,
@@ -158,12 +170,14 @@ def mlp(module, x: mx.array) -> mx.array:
     """``module(x)`` for mlx-lm's ``Qwen3NextMLP`` (the shared expert: ``down(swiglu(
     gate(x), up(x)))``, mlx-lm's own ``swiglu``) with gate and up as one stacked
     projection (``stacked_linear``: Qwen3.6's shared expert has 512 outputs each, under
-    ``MIN_OUT`` alone) and down through ``try_dequant`` where they serve; any other
-    module, or a call the stacked gate|up does not serve: ``module(x)``."""
+    ``MIN_OUT`` alone) and down through ``try_dequant`` where they serve (switches
+    ``shared_dequant`` and ``prefill_dequant``); any other module, or a call the stacked
+    gate|up does not serve: ``module(x)``."""
     from mlx_lm.models import qwen3_next
     from mlx_lm.models.activations import swiglu
 
-    if type(module) is not qwen3_next.Qwen3NextMLP:
+    if (type(module) is not qwen3_next.Qwen3NextMLP or not op_enabled(SHARED_NAME)
+            or not has_shared_kernel(current_backend())):
         return module(x)
     gu = stacked_linear((module.gate_proj, module.up_proj), x)
     if gu is None:
