@@ -32,3 +32,6 @@ def test_qmm_dequant_bench_small(tmp_path):
     for row in rows:
         assert all(row[f"{k}_us"] > 0 for k in ("qmm", "deq_mm", "deq", "mm"))
         assert row["max_rel_err"] < 0.1  # bf16-rounded dequantized weights vs qmm
+    se = res["shared_expert_mlp"]
+    assert se["served"] is False  # CPU: the stock module on both sides
+    assert se["bit_identical"] is True and se["stock_us"] > 0 and se["lily_us"] > 0
