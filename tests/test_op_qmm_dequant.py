@@ -177,8 +177,9 @@ def test_shared_expert_production_widths_take_the_path(as_cuda, monkeypatch):
     assert as_cuda == [(1024, 256), (2048, 64)]
     g, u = Q.stacked_linear((mlp.gate_proj, mlp.up_proj), x)
     monkeypatch.setattr(Q, "MIN_OUT", 1)
-    assert mx.array_equal(g, Q.linear(mlp.gate_proj, x)).item()
-    assert mx.array_equal(u, Q.linear(mlp.up_proj, x)).item()
+    for got, layer in ((g, mlp.gate_proj), (u, mlp.up_proj)):  # split in the right place
+        alone = Q.linear(layer, x).astype(mx.float32)
+        assert rel_err(got, alone) <= 1e-2
     from mlx_lm.models.activations import swiglu
     a = swiglu(truth(x, mlp.gate_proj), truth(x, mlp.up_proj))
     t = truth(a.astype(mx.bfloat16), mlp.down_proj)
@@ -186,13 +187,15 @@ def test_shared_expert_production_widths_take_the_path(as_cuda, monkeypatch):
 
 
 def test_shared_switch(as_cuda, monkeypatch):
-    """``shared_dequant`` is not verified yet: under the default ``MLX_LILY_KERNELS`` the
-    shared expert runs the stock module, as with its kill switch or ``prefill_dequant``'s;
-    named in ``MLX_LILY_KERNELS`` it takes the path."""
+    """``shared_dequant`` is not verified yet: under the default ``MLX_LILY_KERNELS``, with
+    its kill switch, or without ``prefill_dequant``, Qwen3.6's shared expert (gate 512 wide,
+    under ``MIN_OUT``) runs the stock module; named next to ``verified`` it takes the
+    stacked path. A wider shared expert keeps ``prefill_dequant``'s per-projection path
+    with the switch off."""
     monkeypatch.setattr(Q, "MIN_OUT", 1024)
     mlp = shared_expert(2048, 512)
     x = mx.random.normal((1, 300, 2048)).astype(mx.bfloat16)
-    for env in ({"MLX_LILY_KERNELS": "verified"},
+    for env in ({"MLX_LILY_KERNELS": "verified"}, {"MLX_LILY_KERNELS": "shared_dequant"},
                 {"MLX_LILY_KERNELS": "all", "MLX_LILY_DISABLE": Q.SHARED_NAME},
                 {"MLX_LILY_KERNELS": "all", "MLX_LILY_DISABLE": Q.NAME}):
         for k, v in env.items():
@@ -205,6 +208,11 @@ def test_shared_switch(as_cuda, monkeypatch):
     del as_cuda[:]
     Q.mlp(mlp, x)
     assert as_cuda == [(1024, 256), (2048, 64)]
+    wide = shared_expert(2048, 1024, seed=6)
+    monkeypatch.setenv("MLX_LILY_KERNELS", "verified")
+    del as_cuda[:]
+    Q.mlp(wide, x)
+    assert as_cuda == [(1024, 256), (1024, 256), (2048, 128)]  # gate, up, down one by one
 
 
 def test_stacked_linear_refusals(as_cuda):
@@ -215,7 +223,8 @@ def test_stacked_linear_refusals(as_cuda):
     g32 = qlinear(64, 256, 4, gs=32, seed=3)
     biased = nn.QuantizedLinear(256, 64, bias=True, group_size=64, bits=4)
     dense = nn.Linear(256, 64, bias=False)
-    for layers in ((a4, a8), (a4, g32), (a4, biased), (a4, dense), ()):
+    f16 = qlinear(64, 256, 4, dtype=mx.float16, seed=4)  # fp16 scales/biases
+    for layers in ((a4, a8), (a4, g32), (a4, biased), (a4, dense), (a4, f16), ()):
         assert Q.stacked_linear(layers, x) is None
     assert Q.stacked_linear((a4, a4), x[:, :1]) is None
     assert as_cuda == []
@@ -245,8 +254,16 @@ def test_gpu_production_dims(monkeypatch):
     # the shared expert (2048 -> 512 -> 2048): gate|up stacked, down alone, 2048 rows
     mlp = shared_expert(2048, 512)
     x = mx.random.normal((1, 2048, 2048)).astype(mx.bfloat16)
-    assert Q.stacked_linear((mlp.gate_proj, mlp.up_proj), x) is not None
+    calls = []
+    real = mx.dequantize
+
+    def counting(*a, **k):
+        calls.append(a[0].shape)
+        return real(*a, **k)
+
+    monkeypatch.setattr(Q.mx, "dequantize", counting)
     y = Q.mlp(mlp, x)
+    assert calls == [(1024, 256), (2048, 64)]  # gate|up stacked, down: the path ran
     from mlx_lm.models.activations import swiglu
     a = swiglu(truth(x, mlp.gate_proj), truth(x, mlp.up_proj))
     t = truth(a.astype(mx.bfloat16), mlp.down_proj)

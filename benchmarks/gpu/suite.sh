@@ -96,7 +96,8 @@ if has tests; then
     grep -E "^FAILED" "$W/gpu_tests-$op.log" | head -5 | tee -a "$S"
     if [ $rc -ne 0 ] && [ $rc -ne 124 ] && [ $rc -ne 5 ]; then
       case $op in qgemv|norm_qgemv|attention|gated_delta|add_rms_norm|moe_router_topk|moe_experts|moe_route|moe_grouped)
-        echo -n "$op," >> /tmp/lily-disable;; esac
+        echo -n "$op," >> /tmp/lily-disable;;
+      qmm_dequant) echo -n "prefill_dequant,shared_dequant," >> /tmp/lily-disable;; esac
     fi
   done
   for p in "${bg[@]}"; do wait "$p"; done

@@ -24,9 +24,11 @@ in Qwen3.6-35B-A3B, under ``MIN_OUT`` alone) run as one stacked projection
 (``stacked_linear``), then down through the same path. Before session 16 the shared expert
 never took this path at production widths and ran as three ``qmm_sm80`` launches (Nsight
 Compute, session 16: 7.99 ms of a 4096-token chunk's 134.5 ms). On the H200 its output was
-bit-identical to the stock module's at 4096 rows, and a 4096-token chunk's GPU time went
-from 131.6 to 127.5 ms; not in ``kernels.VERIFIED`` until the A/B gate has run with it
-(on with ``MLX_LILY_KERNELS=all`` or ``=verified,shared_dequant``).
+bit-identical to the stock module's at 4096 rows, and a 4096-token chunk's GPU time read
+127.5 ms in ``prefill_bench`` with it (131.1 ms in session 15's ``prefill_bench`` without
+it, 131.6 in session 16's A/B timeline; no same-process comparison). Not in
+``kernels.VERIFIED`` until the A/B gate has run with it: on with ``MLX_LILY_KERNELS=all``
+or ``=verified,shared_dequant`` (``prefill_dequant`` must be allowed too).
 
 The switch ``prefill_dequant`` (kill switch ``MLX_LILY_DISABLE=prefill_dequant``) serves
 only on CUDA, for at least ``MIN_ROWS`` activation rows and ``MIN_OUT`` outputs, affine
@@ -127,9 +129,10 @@ def stacked_linear(layers, x: mx.array) -> list | None:
     bits, mode, input width, dtypes) that read the same ``x [..., K]``: the packed
     weights, scales and biases are concatenated per call (the shared expert's gate and
     up: 1 MiB), so ``MIN_OUT`` applies to the stacked outputs and one dense matmul runs
-    instead of one per layer. Returns the outputs ``[..., O_i]`` split per layer, or None
-    where the layers do not qualify or ``try_dequant`` does not serve (nothing is built
-    then)."""
+    instead of one per layer. Returns the outputs ``[..., O_i]`` split per layer, in
+    ``x``'s dtype (``try_dequant``'s), or None where the layers do not qualify or
+    ``try_dequant`` does not serve (any concatenation built then is never evaluated).
+    Raises nothing of its own."""
     import mlx.nn as nn
 
     if not layers or not _path_open(x, current_backend()):
@@ -168,20 +171,27 @@ def qmm_dequant(x, w, scales, biases, group_size, bits, mode="affine") -> mx.arr
 
 def mlp(module, x: mx.array) -> mx.array:
     """``module(x)`` for mlx-lm's ``Qwen3NextMLP`` (the shared expert: ``down(swiglu(
-    gate(x), up(x)))``, mlx-lm's own ``swiglu``) with gate and up as one stacked
+    gate(x), up(x)))``, mlx-lm's own ``swiglu``), ``x [..., D]`` -> ``[..., D]`` in
+    ``x``'s dtype. With ``shared_dequant`` allowed, gate and up run as one stacked
     projection (``stacked_linear``: Qwen3.6's shared expert has 512 outputs each, under
-    ``MIN_OUT`` alone) and down through ``try_dequant`` where they serve (switches
-    ``shared_dequant`` and ``prefill_dequant``); any other module, or a call the stacked
-    gate|up does not serve: ``module(x)``."""
+    ``MIN_OUT`` alone); otherwise, or where the stack does not serve, each projection goes
+    through ``try_dequant`` on its own (``prefill_dequant``: gate must serve, else the
+    whole call is ``module(x)``); down through ``try_dequant`` where it serves. Any other
+    module: ``module(x)``."""
     from mlx_lm.models import qwen3_next
     from mlx_lm.models.activations import swiglu
 
-    if (type(module) is not qwen3_next.Qwen3NextMLP or not op_enabled(SHARED_NAME)
-            or not has_shared_kernel(current_backend())):
+    if type(module) is not qwen3_next.Qwen3NextMLP:
         return module(x)
-    gu = stacked_linear((module.gate_proj, module.up_proj), x)
+    gu = None
+    if op_enabled(SHARED_NAME) and has_shared_kernel(current_backend()):
+        gu = stacked_linear((module.gate_proj, module.up_proj), x)
     if gu is None:
-        return module(x)
+        g = linear(module.gate_proj, x)
+        if g is None:
+            return module(x)
+        u = linear(module.up_proj, x)
+        gu = (g, module.up_proj(x) if u is None else u)
     g, u = gu
     a = swiglu(g, u)
     d = linear(module.down_proj, a)
