@@ -11,6 +11,8 @@
 # PROFILE_ENVS adds runs under other MLX settings, one process each). With tests, prims and
 # numerics run alongside the test processes (they count nodes / measure accuracy, not time).
 # jitsave (last) / jitload (first) carry the machine's kernel caches to the next lease.
+# install also writes CUDA's crt/ headers (MLX's own qmm_sm90 JIT needs crt/mma.h) from
+# .devcache/crt when carried: `python3 benchmarks/gpu/crt_headers.py prepare .devcache/crt`.
 # The device tool allows 10 min per command: split stages over calls on the warm machine.
 # Everything lands in one archive, $OUT/results.tgz, rewritten after each stage (the device
 # tool returns at most 8 files), plus $OUT/summary.txt.
@@ -55,6 +57,10 @@ fi
 if has install; then
   python3 -m pip install -q --no-deps --no-build-isolation --force-reinstall . > "$W/install.log" 2>&1 \
     || { say "install failed"; tail -20 "$W/install.log" | tee -a "$S"; }
+  # CUDA's crt/ headers for MLX's own qmm_sm90 JIT, when carried (crt_headers.py prepare)
+  if ls .devcache/crt/nvidia_cuda_crt-*.whl > /dev/null 2>&1; then
+    python3 benchmarks/gpu/crt_headers.py install .devcache/crt 2>&1 | tee -a "$S"
+  fi
 fi
 say "MLX_LILY_DISABLE=${MLX_LILY_DISABLE:-} tree=${MLX_LILY_TREE_REV:-unknown}"
 (cd /tmp && python3 - <<'PY') 2>&1 | tee "$W/env.txt" | tee -a "$S"
