@@ -327,15 +327,24 @@ PREFILL_EVAL_ENV = "MLX_LILY_PREFILL_EVAL_LAYERS"  # layers per group; "0": one 
 PREFILL_EVAL_MIN_ROWS = 512
 
 
+_ENV_COUNT_WARNED: set = set()
+
+
 def _env_count(name: str) -> int | None:
     """A count switch: None when ``name`` is unset or empty, else its integer value, 0 when
-    it is not a positive integer."""
+    it is not a positive integer (a value that is not an integer at all warns once)."""
     raw = backend.env_value(name, "").strip()
     if not raw:
         return None
     try:
         return max(int(raw), 0)
     except ValueError:
+        if (name, raw) not in _ENV_COUNT_WARNED:
+            _ENV_COUNT_WARNED.add((name, raw))
+            import warnings
+
+            warnings.warn(f"mlx-lily: {name}={raw!r} is not an integer; read as 0 "
+                          "(the switch's off / default setting)", stacklevel=3)
         return 0
 
 

@@ -381,3 +381,15 @@ def test_decode_timeline_off_cuda_is_none():
     if gpu_clock.available():
         pytest.skip("CUDA backend present")
     assert ab._decode_timeline(None, [], 0) is None
+
+
+def test_missing_local_checkpoint_is_named(tmp_path):
+    """A checkpoint written as a local path that does not exist fails with the folder's
+    name, before mlx-lm would turn it into a hub lookup; hub ids stay hub ids."""
+    from mlx_lily.bench import ab as abm
+
+    for p in (str(tmp_path / "no_such_ckpt"), "./no_such_ckpt", "../x/no_such_ckpt", "a/b/c"):
+        with pytest.raises(FileNotFoundError, match="does not exist"):
+            abm.load_target(p)
+    assert not abm._looks_local("mlx-community/Qwen3.6-35B-A3B-4bit")
+    assert not abm._looks_local("tiny")

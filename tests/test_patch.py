@@ -900,10 +900,15 @@ def test_prefill_step_default(tiny_models, monkeypatch):
         gen.generate_step(mx.array([1]), Other(), prefill_step_size=marked)
         assert seen == ["unset", marked]
         seen.clear()
+        patching._ENV_COUNT_WARNED.clear()
         for raw, want in (("32", 32), ("0", "unset"), ("many", "unset")):
             monkeypatch.setenv(patching.PREFILL_STEP_ENV, raw)
-            mlx_lm.cache_prompt.generate_step(mx.array([1]), model)
+            with warnings.catch_warnings(record=True) as got:
+                warnings.simplefilter("always")
+                mlx_lm.cache_prompt.generate_step(mx.array([1]), model)
             assert seen.pop() == want, raw
+            named = [w for w in got if patching.PREFILL_STEP_ENV in str(w.message)]
+            assert len(named) == (raw == "many"), (raw, [str(w.message) for w in got])
         monkeypatch.delenv(patching.PREFILL_STEP_ENV)
     assert gen.generate_step is spy and mlx_lm.cache_prompt.generate_step is spy
     assert gen.DEFAULT_PREFILL_STEP_SIZE is default_before
@@ -1082,6 +1087,10 @@ def test_prefill_eval_layers_policy(monkeypatch):
     with cuda_cache.recording():
         assert patching.prefill_eval_layers(big) == 0
     assert patching.prefill_eval_layers(big) == 3
+    patching._ENV_COUNT_WARNED.clear()
     for raw in ("0", "-2", "four"):
         monkeypatch.setenv(patching.PREFILL_EVAL_ENV, raw)
-        assert patching.prefill_eval_layers(big) == 0
+        with warnings.catch_warnings(record=True) as got:
+            warnings.simplefilter("always")
+            assert patching.prefill_eval_layers(big) == 0
+        assert len(got) == (raw == "four"), (raw, [str(w.message) for w in got])

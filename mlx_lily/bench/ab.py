@@ -140,11 +140,22 @@ def tensor_signature_hash(model) -> tuple[str, int]:
     return h.hexdigest(), len(items)
 
 
+def _looks_local(path: str) -> bool:
+    """Whether ``path`` can only be a local path, not a hub repo id ``owner/name``."""
+    return (path.startswith(("/", "./", "../", "~", ".\\")) or path in (".", "..")
+            or path.count("/") > 1)
+
+
 def load_target(path: str | None = None, synthetic: str | None = None, model_seed: int = 0) -> Target:
     """Load a checkpoint directory (``mlx_lm.load``) or build ``--synthetic`` in memory.
 
     Must run while mlx-lily is NOT patched (the model is loaded as stock mlx-lm loads it;
     the Lily arm prepares it on entry to ``mlx_lily.patched``).
+
+    Raises:
+        FileNotFoundError: ``path`` is written as a local path (absolute, ``./``, ``../``,
+            ``~``, or more than ``owner/name``) and does not exist (mlx-lm would otherwise
+            look it up on the Hugging Face hub and fail with a network error).
     """
     import mlx_lily
 
@@ -162,7 +173,10 @@ def load_target(path: str | None = None, synthetic: str | None = None, model_see
         import mlx_lm
         from mlx_lm.utils import load_config
 
-        p = Path(path)
+        p = Path(path).expanduser()
+        if not p.exists() and _looks_local(str(path)):
+            raise FileNotFoundError(f"checkpoint folder {str(path)!r} does not exist "
+                                    f"(resolved: {p.resolve()})")
         model, tokenizer = mlx_lm.load(str(p))
         config = load_config(p) if p.is_dir() else {}
         ident = {"kind": "path", "path": str(p.resolve()) if p.exists() else str(path),
