@@ -67,6 +67,8 @@ def main(argv=None) -> int:
     for name, r in (("stock", stock), ("lily", lily)):
         print(f"{name:10s}{r.prompt_tps:15.1f}{r.generation_tps:15.1f}")
     print(f"device: {mx.default_device()}  peak memory: {mx.get_peak_memory() / 1e9:.2f} GB")
+    print("(one short run per engine: its speeds are noisy; benchmarks/ab.py alternates "
+          "rounds and reports medians)")
     return 0 if same else 1
 
 
