@@ -341,8 +341,6 @@ def _env_count(name: str) -> int | None:
     except ValueError:
         if (name, raw) not in _ENV_COUNT_WARNED:
             _ENV_COUNT_WARNED.add((name, raw))
-            import warnings
-
             warnings.warn(f"mlx-lily: {name}={raw!r} is not an integer; read as 0 "
                           "(the switch's off / default setting)", stacklevel=3)
         return 0

@@ -29,14 +29,8 @@ def rel_err(y, t):
     return (mx.abs(y.astype(mx.float32) - t).max() / mx.abs(t).max()).item()
 
 
-@pytest.fixture
-def as_cuda(monkeypatch):
-    """The current backend reads "cuda" in the op module (the arrays stay on the CPU) and
-    every kernel switch is allowed, small test weights pass ``MIN_OUT``; a counter of
-    ``mx.dequantize`` calls."""
-    monkeypatch.setattr(Q, "current_backend", lambda: "cuda")
-    monkeypatch.setattr(Q, "MIN_OUT", 1)
-    monkeypatch.setenv("MLX_LILY_KERNELS", "all")
+def count_dequantize(monkeypatch) -> list:
+    """The weight shapes of every ``mx.dequantize`` call from now on (the op module's)."""
     calls = []
     real = mx.dequantize
 
@@ -45,7 +39,18 @@ def as_cuda(monkeypatch):
         return real(*a, **k)
 
     monkeypatch.setattr(Q.mx, "dequantize", counting)
-    yield calls
+    return calls
+
+
+@pytest.fixture
+def as_cuda(monkeypatch):
+    """The current backend reads "cuda" in the op module (the arrays stay on the CPU) and
+    every kernel switch is allowed, small test weights pass ``MIN_OUT``; a counter of
+    ``mx.dequantize`` calls."""
+    monkeypatch.setattr(Q, "current_backend", lambda: "cuda")
+    monkeypatch.setattr(Q, "MIN_OUT", 1)
+    monkeypatch.setenv("MLX_LILY_KERNELS", "all")
+    yield count_dequantize(monkeypatch)
 
 
 @pytest.mark.parametrize("o,k,bits,gs,rows,dtype", [
@@ -115,8 +120,6 @@ def test_off_cuda_the_reference_runs():
 def test_call_sites(as_cuda):
     """QProj (many rows), one_row_linear (prefill out_proj / o_proj) and the shared
     expert run the path and agree with the stock layers."""
-    from mlx_lm.models import qwen3_next
-
     from mlx_lily.patches import qwen3_next as P
     from mlx_lily.qproj import QProj
 
@@ -131,11 +134,7 @@ def test_call_sites(as_cuda):
     t = truth(x, layer)
     for yy in (y, y2):
         assert rel_err(yy, t) <= max(1.5e-2, rel_err(want, t))
-    mlp = qwen3_next.Qwen3NextMLP(256, 128)
-    mx.random.seed(5)
-    mlp.update({n: {"weight": (mx.random.normal(getattr(mlp, n).weight.shape) * 0.06)
-                    .astype(mx.bfloat16)} for n in ("gate_proj", "up_proj", "down_proj")})
-    nn.quantize(mlp, 64, 4)
+    mlp = shared_expert(256, 128)
     del as_cuda[:]
     y3 = Q.mlp(mlp, x)
     assert as_cuda == [(256, 32), (256, 16)]  # gate|up stacked, down
@@ -254,14 +253,7 @@ def test_gpu_production_dims(monkeypatch):
     # the shared expert (2048 -> 512 -> 2048): gate|up stacked, down alone, 2048 rows
     mlp = shared_expert(2048, 512)
     x = mx.random.normal((1, 2048, 2048)).astype(mx.bfloat16)
-    calls = []
-    real = mx.dequantize
-
-    def counting(*a, **k):
-        calls.append(a[0].shape)
-        return real(*a, **k)
-
-    monkeypatch.setattr(Q.mx, "dequantize", counting)
+    calls = count_dequantize(monkeypatch)
     y = Q.mlp(mlp, x)
     assert calls == [(1024, 256), (2048, 64)]  # gate|up stacked, down: the path ran
     from mlx_lm.models.activations import swiglu

@@ -139,10 +139,9 @@ def stacked_linear(layers, x: mx.array) -> list | None:
         return None
 
     def quant(layer):
-        b = layer.get("biases")
         return (layer.group_size, layer.bits, getattr(layer, "mode", "affine"),
                 layer.weight.shape[1], layer.weight.dtype, layer.scales.dtype,
-                None if b is None else b.dtype)
+                layer.biases.dtype)
 
     if any(type(l) is not nn.QuantizedLinear or "bias" in l or l.get("biases") is None
            for l in layers) or len({quant(l) for l in layers}) != 1:
