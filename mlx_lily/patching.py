@@ -302,8 +302,8 @@ def _wrap_load_model(orig):
 
 
 #: Prompt tokens per prefill chunk for a model Lily serves, per backend, when the caller
-#: leaves ``prefill_step_size`` to mlx-lm's default. H200, ``benchmarks/gpu/prefill_bench.py``
-#: (session 14): a 4K prompt 16,783 / 21,969 / 21,898 tok/s with 2048 / 4096 / 8192-token
+#: leaves ``prefill_step_size`` to mlx-lm's default. H200, ``benchmarks/gpu/prefill_bench.py``:
+#: a 4K prompt 16,783 / 21,969 / 21,898 tok/s with 2048 / 4096 / 8192-token
 #: chunks, a 32K one 14,358 / 17,309 / 19,399 (peak 30.9 / 32.8 / 34.6 GB, weights
 #: included): each chunk pays a fixed ~13-18 ms host build and ~13-22 ms of mlx-lm's
 #: ``mx.clear_cache()`` besides its GPU work. Backends not listed keep mlx-lm's default.
@@ -317,7 +317,7 @@ PREFILL_OPS = ("moe_grouped", "gated_delta", "attention")
 #: Decoder layers per ``mx.async_eval`` group inside a multi-token (prefill) call of a
 #: patched decoder stack, per backend: the GPU runs the first layers while Python builds
 #: the rest, instead of idling for the whole chunk's build and the start of its dispatch.
-#: H200, ``benchmarks/gpu/ttft_probe.py`` (session 15), a 4096-token prompt's time to
+#: H200, ``benchmarks/gpu/ttft_probe.py``, a 4096-token prompt's time to
 #: first token, median of 5: groups of 2 / 4 / 8 layers 167.5 / 174.2 / 175.3 ms, one
 #: group 194.8 ms. Backends not listed: one group (mlx-lm's behaviour).
 PREFILL_EVAL_LAYERS = {"cuda": 2}
