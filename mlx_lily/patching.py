@@ -28,11 +28,14 @@ class PatchHandle:
     Attributes:
         targets: list of ``(owner, attribute, original, replacement)``.
         ops: the op selection given to ``patch`` (None = all).
+        announce: print ``backend.status_line`` to stderr once per model Lily prepares
+            (set by the ``--lily`` hook and the console scripts).
     """
 
     def __init__(self, targets, ops):
         self.targets = targets
         self.ops = ops
+        self.announce = False
 
     @property
     def active(self) -> bool:
@@ -189,6 +192,9 @@ def prepare_model(model, *, warn: bool = True) -> bool:
                     and not getattr(model, "_lily_warm", False)):
                 warmup(model)
                 model._lily_warm = True
+            if _ACTIVE is not None and _ACTIVE.announce and not getattr(model, "_lily_announced", False):
+                model._lily_announced = True
+                print(backend.status_line(mt), file=sys.stderr, flush=True)
             return True
     if warn and mt not in _WARNED_TYPES:
         _WARNED_TYPES.add(mt)
