@@ -16,7 +16,7 @@ from mlx_lily.testing.cuda_check import nvcc_path
 from mlx_lily.testing.cuda_emu import (
     HAS_EMU, KERNEL_BACKENDS, aligned_emu_buffers, kernel_for)
 
-from _close import assert_close, f64
+from _close import EPS, assert_close, f64
 from _models import moe_block
 
 
@@ -439,7 +439,7 @@ def test_routed_decode_matches_router_and_truth(backend, shape_of, case):
     assert inds.shape == r_inds.shape and mx.array_equal(inds, r_inds).item()
     assert_close(scores, r_scores, dtype=dtype, ulps=2, what="scores")
     assert shared.dtype == dtype
-    assert_close(shared, r_shared, rtol=2 ** -7 if dtype == mx.bfloat16 else 1e-3, atol=1e-8,
+    assert_close(shared, r_shared, rtol=EPS[mx.bfloat16] if dtype == mx.bfloat16 else 1e-3, atol=1e-8,
                  what="shared gate")
     t, mag = truth(x, r_inds, r_scores, shared, wts)
     check_close(y, t, mag, dtype)

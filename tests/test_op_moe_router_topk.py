@@ -19,7 +19,7 @@ from mlx_lily.testing.cuda_check import nvcc_path
 from mlx_lily.testing.cuda_emu import (
     HAS_EMU, KERNEL_BACKENDS, aligned_emu_buffers, kernel_for)
 
-from _close import assert_close, binade
+from _close import EPS, assert_close, binade
 from _models import moe_block
 
 
@@ -234,7 +234,7 @@ def test_kernel_random_router_production_width(backend):
     # same probability profile, up to one bf16 ulp where logits rounded differently
     assert_close(picked, best, dtype=mx.bfloat16, ulps=1, atol=1e-6, what="probabilities")
     assert_close(scores, ts, dtype=mx.bfloat16, ulps=2, atol=1e-6, what="scores")
-    assert_close(shared, th, atol=2 ** -7, what="shared gate")
+    assert_close(shared, th, atol=EPS[mx.bfloat16], what="shared gate")
 
 
 def _linear(d, o):

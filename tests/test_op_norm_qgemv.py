@@ -15,7 +15,7 @@ from mlx_lily.testing.cuda_check import nvcc_path
 from mlx_lily.testing.cuda_emu import (
     BACKENDS, KERNEL_BACKENDS, aligned_emu_buffers, kernel_for)
 
-from _close import assert_close, f64
+from _close import EPS, assert_close, f64
 
 
 @pytest.fixture(autouse=True)
@@ -47,7 +47,7 @@ def check(y, h, h0, res, nw, eps, q, s, b, gs, bits, dtype):
         xf = x.astype(mx.float32)
         t = xf @ wf.T
         mag = mx.abs(xf) @ mx.abs(wf).T
-        flip = 2 ** -7 * mx.abs(xf).max(axis=-1, keepdims=True) * mx.abs(wf).max(axis=1)
+        flip = EPS[mx.bfloat16] * mx.abs(xf).max(axis=-1, keepdims=True) * mx.abs(wf).max(axis=1)
     assert y.dtype == dtype
     assert_close(y, t, dtype=dtype, ulps=0.5, rtol=1e-5, scale=mag, atol=f64(flip) + 1e-6)
 
