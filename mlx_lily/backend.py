@@ -196,11 +196,14 @@ def backend_info() -> dict:
     """Describe what a call would use now.
 
     Returns:
-        ``{"backend": "metal"|"cuda"|"cpu", "device": str, "ops": {op: mode}}`` where
-        mode is ``"kernel"`` (a custom GPU kernel serves at least its main form on this
-        backend), ``"reference"`` (the pure-MLX reference runs) or ``"disabled"`` (the
-        kill switch sends the op to stock mlx-lm code).
+        ``{"backend": "metal"|"cuda"|"cpu", "device": str, "patched": bool,
+        "ops": {op: mode}}``: ``patched`` is whether a Lily patch is active now; mode is
+        ``"kernel"`` (a custom GPU kernel serves at least its main form on this backend),
+        ``"reference"`` (the pure-MLX reference runs) or ``"disabled"`` (the kill switch
+        sends the op to stock mlx-lm code).
     """
+    import sys
+
     from .ops import kernel_status
 
     backend = current_backend()
@@ -210,7 +213,47 @@ def backend_info() -> dict:
             ops[name] = "disabled"
         else:
             ops[name] = "kernel" if kernel_status(name, backend) else "reference"
-    return {"backend": backend, "device": str(mx.default_device()), "ops": ops}
+    patching = sys.modules.get("mlx_lily.patching")  # never imported (mlx-lm) just for this
+    patched = bool(patching is not None and patching.is_patched())
+    return {"backend": backend, "device": str(mx.default_device()), "patched": patched,
+            "ops": ops}
+
+
+def _reference_reason(op: str, backend: str) -> str:
+    """Why ``op`` runs its pure-MLX reference on ``backend`` (short, for ``status_line``)."""
+    from .kernels import KERNELS_ENV, VERIFIED, kernels_allowed
+
+    if backend == "cpu":
+        return "no GPU backend"
+    if not kernels_allowed(op, backend):
+        if env_value(KERNELS_ENV, "verified") == "verified" and op not in VERIFIED.get(backend, ()):
+            return f"not verified on {backend}"
+        return f"not in {KERNELS_ENV}"
+    return "no kernel for this backend here"
+
+
+def status_line(model_type: str | None = None) -> str:
+    """The one line ``mlx_lm.* --lily`` prints when Lily patches a supported model: the
+    backend, how many ops run kernels, why the others do not, where the full list is.
+
+    Example: ``[mlx-lily] qwen3_5_moe on cuda: 18 of 19 ops run kernels; shared_dequant:
+    not verified on cuda (every op: mlx_lily.backend_info())``.
+    """
+    info = backend_info()
+    be, ops = info["backend"], info["ops"]
+    why: dict = {}
+    for op, mode in ops.items():
+        if mode == "disabled":
+            why.setdefault(f"disabled by {DISABLE_ENV} or patch(ops=...)", []).append(op)
+        elif mode == "reference":
+            why.setdefault(_reference_reason(op, be), []).append(op)
+    n = sum(mode == "kernel" for mode in ops.values())
+    parts = [f"{', '.join(names) if len(names) <= 3 else f'{len(names)} ops'}: {reason}"
+             for reason, names in why.items()]
+    what = f"{model_type} on {be}" if model_type else be
+    tail = "; " + "; ".join(parts) if parts else ""
+    return (f"[mlx-lily] {what}: {n} of {len(ops)} ops run kernels{tail} "
+            f"(every op: mlx_lily.backend_info())")
 
 
 COMPILE_ENV = "MLX_LILY_COMPILE"  # "0" off, "1" on everywhere, default: on GPU backends

@@ -301,7 +301,7 @@ _F32_SCALARS: dict = {}
 #: Elements of the small constant arrays kernels read (epsilons, scales, lengths): MLX's
 #: CUDA allocator (0.32, ``allocator.cpp``) serves arrays of at most 8 bytes from a pool
 #: of managed host memory advised as accessed-by the GPU (read across the bus, not
-#: migrated), and every threadgroup of a kernel reads them. On the H200 (session 9) the
+#: migrated), and every threadgroup of a kernel reads them. On the H200 the
 #: add+RMSNorm-fused GEMVs, which read a 4-byte eps, took ~22 us per call however small
 #: the matrix once they had >= 128 threadgroups, vs 8 us for the same GEMV without it.
 #: Four 4-byte elements (16 bytes) are allocated like any other array.
@@ -406,51 +406,12 @@ _STEM_OPS = (
     ("qgemv", "qgemv"), ("norm_qgemv", "norm_qgemv"),
 )
 
-# Ops whose kernels were verified on that backend's hardware (their per-op parity tests
-# passed on the device AND the A/B correctness gate on the full-size model passed with them
-# running): on by default there.
-# CUDA, H200: the seven ops of session 3 (benchmarks/results/2026-11-30-cuda-h200-session3/),
-# and gated_delta in session 4 (benchmarks/results/2026-11-30-cuda-h200-session4/: its 28
-# GPU tests passed against the CPU-evaluated reference, and the A/B gate passed with every
-# kernel on, compiled decode steps included); session 5's decode fusions norm_qgemv,
-# gdn_packed, attn_packed, moe_router_norm (GPU tests: session 5 calls 5 and 7; the A/B
-# gate with them on passed in session 6, benchmarks/results/2026-11-30-cuda-h200-session6/,
-# ab/). Metal: no kernel has run on Apple hardware (the emulator proves semantics only).
-# moe_topk_in_experts (routing inside the gate+up kernel): GPU tests (moe_experts 14 passed,
-# decode_step 1 passed: session 7 call 2) and two gates with it on passed (session 7 calls
-# 3 and 9, benchmarks/results/2026-11-30-cuda-h200-session7/). qgemv_out and
-# prefill_dequant: GPU tests (qgemv, qmm_dequant: sessions 8-10) and the ten-length A/B
-# gate with both on (session 10 lease 2, benchmarks/results/2026-11-30-cuda-h200-session10/).
-# gdn_proj and gdn_out_proj: GPU tests (gated_delta 51 / 53 / 55 / 55 passed at trees
-# 4c7ce95, bad0961, 46079bd, 070a68c; decode_step passed at the first three) and the A/B gate
-# with them on (gdn_proj at bad0961, both at 46079bd: session 11 leases 2 and 3,
-# benchmarks/results/2026-11-30-cuda-h200-session11/); 070a68c changed only the width of
-# OUTP's loads in its head sum (same summation order); the cleanup after it (a shared
-# last-to-arrive helper, LilyRowTile taking a column slice) left every CUDA kernel's SASS
-# as nvcc 13 -arch=sm_90a built it before, but for the order of one address computation.
-# Session 12's helper cleanup (LilyRowTile::dot_each, lily_swiglu_rows) left the SASS of
-# qgemv, norm_qgemv, moe_router_topk and every gdn kernel identical (nvcc 13, sm_90a, the
-# compile tests' instantiations) and moe_gate_up's floating-point instructions identical
-# (same count; a few integer address instructions differ).
-# moe_fused (the MoE block in one launch): GPU tests passed at 573e475, a6d633e and a660dda
-# and the A/B gate at a6d633e (session 12); a review then found two steps built before one
-# evaluation could run a layer's launches concurrently on the same counters, fixed by
-# `after` (each launch takes the previous one's output as an unread input); at a97b3d2
-# (session 13, benchmarks/results/2026-11-30-cuda-h200-session13/) moe_experts 30 passed
-# (fused tests included), decode_step 3 passed and the four-length A/B gate passed with it;
-# at 66bb231 (one scratch output, gate+up tiles copying the row the first router tile
-# normalised) the fused and decode_step GPU tests (8 passed) and the gate passed again.
-# Since 66bb231 every CUDA source reaches MLX pruned of unused helpers and of blanks
-# (prune_header, squeeze_spaces): nvcc 13 gives identical SASS for every kernel at the
-# compile tests' instantiations, and the lease-3 GPU tests and gate ran on it.
-# gated_delta's CUDA scan stages q/k in shared memory since e2c4016: its GPU tests at every
-# test case's shape and the production-dims tests passed on the H200 (17, session 13 lease
-# 4; 18 at 6d919d7, session 14), nine shapes matched the reference at production dims
-# over 2048 tokens; the A/B gate passed with it at its default (8,1,4) (session 14, 1180ee7:
-# 0.225 / 0.594 from fp32 vs stock's 0.213 / 0.672) and failed at (16,2,4) (0.246 / 0.531).
-# moe_grouped's CUDA GEMMs load 128-k stages with 64 contiguous bytes per weight row since
-# c703299: its GPU tests (37 passed with moe_route) and the gate (1180ee7) passed with them.
-# shared_dequant (session 16): GPU test and bit-identical output at 4096 rows, no gate yet.
+# Ops whose kernels are on by default on a backend (``MLX_LILY_KERNELS=verified``): their
+# per-op parity tests passed on that backend's hardware AND the A/B correctness gate on
+# the full-size model passed with them running. CUDA: verified on an NVIDIA H200.
+# Metal: no kernel has run on Apple hardware yet (the emulator proves semantics only).
+# shared_dequant is not in the CUDA set: its GPU test passed, the A/B gate has not run
+# with it. The record of each verification (commands, commits): docs/results.md.
 VERIFIED: dict = {
     "cuda": frozenset({"add_rms_norm", "moe_router_topk", "moe_route", "moe_experts",
                        "moe_grouped", "attention", "qgemv", "gated_delta", "norm_qgemv",

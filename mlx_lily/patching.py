@@ -28,11 +28,14 @@ class PatchHandle:
     Attributes:
         targets: list of ``(owner, attribute, original, replacement)``.
         ops: the op selection given to ``patch`` (None = all).
+        announce: print ``backend.status_line`` to stderr once per model Lily prepares
+            (set by the ``--lily`` hook and the console scripts).
     """
 
     def __init__(self, targets, ops):
         self.targets = targets
         self.ops = ops
+        self.announce = False
 
     @property
     def active(self) -> bool:
@@ -189,6 +192,9 @@ def prepare_model(model, *, warn: bool = True) -> bool:
                     and not getattr(model, "_lily_warm", False)):
                 warmup(model)
                 model._lily_warm = True
+            if _ACTIVE is not None and _ACTIVE.announce and not getattr(model, "_lily_announced", False):
+                model._lily_announced = True
+                print(backend.status_line(mt), file=sys.stderr, flush=True)
             return True
     if warn and mt not in _WARNED_TYPES:
         _WARNED_TYPES.add(mt)
@@ -302,8 +308,8 @@ def _wrap_load_model(orig):
 
 
 #: Prompt tokens per prefill chunk for a model Lily serves, per backend, when the caller
-#: leaves ``prefill_step_size`` to mlx-lm's default. H200, ``benchmarks/gpu/prefill_bench.py``
-#: (session 14): a 4K prompt 16,783 / 21,969 / 21,898 tok/s with 2048 / 4096 / 8192-token
+#: leaves ``prefill_step_size`` to mlx-lm's default. H200, ``benchmarks/gpu/prefill_bench.py``:
+#: a 4K prompt 16,783 / 21,969 / 21,898 tok/s with 2048 / 4096 / 8192-token
 #: chunks, a 32K one 14,358 / 17,309 / 19,399 (peak 30.9 / 32.8 / 34.6 GB, weights
 #: included): each chunk pays a fixed ~13-18 ms host build and ~13-22 ms of mlx-lm's
 #: ``mx.clear_cache()`` besides its GPU work. Backends not listed keep mlx-lm's default.
@@ -317,7 +323,7 @@ PREFILL_OPS = ("moe_grouped", "gated_delta", "attention")
 #: Decoder layers per ``mx.async_eval`` group inside a multi-token (prefill) call of a
 #: patched decoder stack, per backend: the GPU runs the first layers while Python builds
 #: the rest, instead of idling for the whole chunk's build and the start of its dispatch.
-#: H200, ``benchmarks/gpu/ttft_probe.py`` (session 15), a 4096-token prompt's time to
+#: H200, ``benchmarks/gpu/ttft_probe.py``, a 4096-token prompt's time to
 #: first token, median of 5: groups of 2 / 4 / 8 layers 167.5 / 174.2 / 175.3 ms, one
 #: group 194.8 ms. Backends not listed: one group (mlx-lm's behaviour).
 PREFILL_EVAL_LAYERS = {"cuda": 2}

@@ -914,7 +914,7 @@ RESULT_SCHEMA: dict = {
     "lily_backend_info": {"backend": str, "ops": dict},
     "mlx_env": dict, "cuda_launch_mode": str,
     "settings": {"lengths": list, "sweeps": list, "rounds": int, "order": list, "decode_steps": int,
-                 "prefill_step_size": (int, type(None)),  # + prefill_step_by_arm (since session 14)
+                 "prefill_step_size": (int, type(None)),  # + prefill_step_by_arm in newer files
                  "budget_s": _OPT_NUM, "warmup": int, "seed": int,
                  "drift_flag": _NUM, "ops": (list, type(None))},
     "gate": {"passed": bool, "checks": dict, "injected_wrong": bool},
