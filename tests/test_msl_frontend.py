@@ -1,0 +1,172 @@
+"""The Metal front-end check (``mlx_lily.testing.msl_frontend``): every ``metal_kernel``
+instantiation a production-width forward makes, rendered as MLX renders it from the
+arrays passed and compiled with Metal's address spaces kept apart, must compile; a planted
+``constant``-vs-``device`` mistake must not."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import pytest
+
+from mlx_lily import kernels
+from mlx_lily.ops import gated_delta as G
+from mlx_lily.testing import msl_frontend as F
+
+try:
+    from mlx_lily.testing.metal_emu import _build
+
+    _build.compiler_version()
+    HAS_CLANG = True
+except Exception:  # pragma: no cover - toolchain missing
+    HAS_CLANG = False
+
+pytestmark = pytest.mark.skipif(not HAS_CLANG, reason="clang (ziglang) unavailable")
+
+# A helper that takes its buffer as `const device float*`, as qgemv_common.h's do.
+HELPER = """
+inline float first_of(const device float* p) { return p[0]; }
+"""
+BODY = """
+uint i = thread_position_in_grid.x;
+if (USE) {
+  out[i] = first_of(x) + x[i];
+} else {
+  out[i] = 0.0f;
+}
+"""
+
+
+def _planted_calls(n_elements: int) -> list:
+    k = F.RecordingKernel(name="planted", input_names=["x"], output_names=["out"],
+                          source=BODY, header=HELPER)
+    with F.recording() as rec:
+        k(inputs=[mx.zeros((n_elements,))], output_shapes=[(n_elements,)],
+          output_dtypes=[mx.float32], grid=(n_elements, 1, 1), threadgroup=(32, 1, 1),
+          template=[("USE", False)])
+    return rec
+
+
+def test_planted_constant_input_to_device_helper_fails():
+    """A 4-element input is `const constant float*` in MLX's signature: handing it to a
+    `const device float*` helper fails, even in a branch the template switches off;
+    with 8 elements (`device`) the same kernel passes."""
+    (bad,) = F.instantiations(_planted_calls(4))
+    assert "const constant float* x [[buffer(0)]]" in bad.msl
+    r = F.check_instantiation(bad, use_cache=False)
+    assert not r.ok
+    assert "no matching function for call to 'first_of'" in r.errors[0]
+    (good,) = F.instantiations(_planted_calls(8))
+    assert "const device float* x [[buffer(0)]]" in good.msl
+    assert F.check_instantiation(good, use_cache=False).ok
+
+
+def test_render_follows_the_arrays_passed():
+    """0-d input: `const constant T&`; < 8 elements: `constant T*`; MLX's name (its
+    template hash keeps the leading `_` of `<`: `r__3`) and the template line."""
+    k = F.RecordingKernel(name="r", input_names=["s", "c", "d"], output_names=["o"],
+                          source="o[0] = s + c[0] + d[0] + float(d_shape[0]);")
+    with F.recording() as rec:
+        k(inputs=[mx.array(1.0), mx.zeros((7,)), mx.zeros((2, 4))], output_shapes=[(1,)],
+          output_dtypes=[mx.float32], grid=(1, 1, 1), threadgroup=(1, 1, 1),
+          template=[("N", 3)])
+    (c,) = rec
+    assert [a.space for a in c.inputs] == ["constant", "constant", "device"]
+    kname, msl = c.render()
+    assert kname == "custom_kernel_r__3_floats_floatc_float_float"
+    assert "const constant float& s [[buffer(0)]]" in msl
+    assert "const constant float* c [[buffer(1)]]" in msl
+    assert "const device float* d [[buffer(2)]]" in msl
+    assert "const constant int* d_shape [[buffer(3)]]" in msl
+    assert f'template [[host_name("{kname}")]] [[kernel]] decltype({kname}<3>) {kname}<3>;' in msl
+    assert F.check_instantiation(F.instantiations(rec)[0], use_cache=False).ok
+
+
+def _gdn_decode_calls():
+    """One unpacked GDN decode step (no PROJ) through the op, recorded."""
+    Hk, Hv, D, KS, B = 2, 4, 128, 4, 1
+    C = 2 * Hk * D + Hv * D
+    bf = mx.bfloat16
+    with F.recording() as rec:
+        G.gated_delta_fused(
+            mx.zeros((B, 1, C), bf), mx.zeros((B, 1, Hv, D), bf), mx.zeros((B, 1, Hv), bf),
+            mx.zeros((B, 1, Hv), bf), mx.zeros((C, KS, 1), bf), mx.zeros((B, KS - 1, C), bf),
+            mx.zeros((Hv,), mx.float32), mx.zeros((Hv,), bf),
+            mx.zeros((B, Hv, D, D), mx.float32), mx.zeros((D,), bf),
+            num_k_heads=Hk, head_k_dim=D, num_v_heads=Hv, head_v_dim=D, eps=1e-6,
+            get_kernel=lambda spec: kernels.build(spec, "metal"))
+    return rec
+
+
+def test_gdn_decode_with_a_four_element_stand_in_fails(monkeypatch):
+    """The bug this check found: the unread stand-in `w` of gdn_decode without PROJ had 4
+    elements (so `constant`) and reached `lily_qgemv_gather(const device uint32_t* w)`."""
+    monkeypatch.setattr(G, "_DUMMY", {})
+    monkeypatch.setattr(kernels, "DEVICE_MIN_ELEMS", 4)
+    (bad,) = F.instantiations(_gdn_decode_calls())
+    r = F.check_instantiation(bad, use_cache=False)
+    assert not r.ok and "lily_qgemv_gather" in r.errors[0]
+    monkeypatch.setattr(G, "_DUMMY", {})
+    monkeypatch.undo()
+    (good,) = F.instantiations(_gdn_decode_calls())
+    assert "const device uint32_t* w " in good.msl
+    r = F.check_instantiation(good, use_cache=False)
+    assert r.ok, r.errors
+    assert not r.warnings, r.warnings  # no out-of-range constant index into ps / xs
+
+
+def test_attn_prefill_without_gate_passes():
+    from mlx_lily.ops import attention as A
+
+    bf = mx.bfloat16
+    with F.recording() as rec:
+        A.prefill_attention(mx.zeros((1, 16, 8, 256), bf), mx.zeros((1, 2, 8, 256), bf),
+                            mx.zeros((1, 2, 8, 256), bf), 0.0625, gate=None, backend="metal")
+    (inst,) = F.instantiations(rec)
+    assert dict(inst.first.template)["GATED"] is False
+    r = F.check_instantiation(inst)
+    assert r.ok, r.errors
+
+
+def test_threadgroup_size_over_the_limit_fails():
+    k = F.RecordingKernel(name="big", input_names=["x"], output_names=["o"],
+                          source="o[thread_position_in_grid.x] = x[0];")
+    with F.recording() as rec:
+        k(inputs=[mx.zeros((8,))], output_shapes=[(2048,)], output_dtypes=[mx.float32],
+          grid=(2048, 1, 1), threadgroup=(2048, 1, 1))
+    r = F.check_instantiation(F.instantiations(rec)[0], use_cache=False)
+    assert not r.ok and "2048 threads" in r.errors[0]
+
+
+@pytest.fixture(scope="module")
+def production_calls():
+    return {fam: F.record_model(fam) for fam in F.FAMILIES}
+
+
+def test_production_forwards_record_every_kernel(production_calls):
+    names = {c.name for calls in production_calls.values() for c in calls}
+    assert {"lily_gdn_prep", "lily_gdn_scan", "lily_gdn_norm", "lily_gdn_decode",
+            "lily_attn_prefill", "lily_attn_qk_norm_rope", "lily_attn_decode_partial",
+            "lily_attn_decode_combine", "lily_add_rms_norm", "lily_qgemv", "lily_norm_qgemv",
+            "lily_moe_router_topk", "lily_moe_gate_up", "lily_moe_down", "moeg_gate_up",
+            "moeg_down", "moeg_combine"} <= names
+    moe = production_calls["qwen3_5_moe"]
+    contexts = {c.context.split("@")[0] for c in moe}
+    assert {"prefill-8", "prefill-2048", "decode-whole", "decode-per-layer",
+            "decode-eager", "prefill-2x8", "decode-eager-2x"} <= contexts
+    # the production widths reached the kernels
+    dec = [c for c in moe if c.name == "lily_moe_router_topk"]
+    assert any(dict(c.template).get("E") == 256 and dict(c.template).get("D") == 2048
+               for c in dec)
+
+
+def test_every_production_instantiation_compiles(production_calls):
+    """The check itself: every recorded instantiation of the three families compiles as
+    MLX renders it (the count is printed; `-s` shows it)."""
+    calls = [c for fam in production_calls.values() for c in fam]
+    insts = F.instantiations(calls)
+    results = F.check_all(insts)
+    failed = [(r.instantiation.describe(), r.errors[0]) for r in results if not r.ok]
+    print(f"\nMetal front-end check: {len(insts)} instantiations, {len(insts) - len(failed)} "
+          f"passed, {len(failed)} failed")
+    assert len(insts) >= 50
+    assert not failed, failed
