@@ -81,19 +81,23 @@ def test_render_follows_the_arrays_passed():
     assert F.check_instantiation(F.instantiations(rec)[0], use_cache=False).ok
 
 
-def _gdn_decode_calls():
-    """One unpacked GDN decode step (no PROJ) through the op, recorded."""
+def _gdn_decode(get_kernel):
+    """One unpacked GDN decode step (no PROJ) through the op."""
     Hk, Hv, D, KS, B = 2, 4, 128, 4, 1
     C = 2 * Hk * D + Hv * D
     bf = mx.bfloat16
+    return G.gated_delta_fused(
+        mx.zeros((B, 1, C), bf), mx.zeros((B, 1, Hv, D), bf), mx.zeros((B, 1, Hv), bf),
+        mx.zeros((B, 1, Hv), bf), mx.zeros((C, KS, 1), bf), mx.zeros((B, KS - 1, C), bf),
+        mx.zeros((Hv,), mx.float32), mx.zeros((Hv,), bf),
+        mx.zeros((B, Hv, D, D), mx.float32), mx.zeros((D,), bf),
+        num_k_heads=Hk, head_k_dim=D, num_v_heads=Hv, head_v_dim=D, eps=1e-6,
+        get_kernel=get_kernel)
+
+
+def _gdn_decode_calls():
     with F.recording() as rec:
-        G.gated_delta_fused(
-            mx.zeros((B, 1, C), bf), mx.zeros((B, 1, Hv, D), bf), mx.zeros((B, 1, Hv), bf),
-            mx.zeros((B, 1, Hv), bf), mx.zeros((C, KS, 1), bf), mx.zeros((B, KS - 1, C), bf),
-            mx.zeros((Hv,), mx.float32), mx.zeros((Hv,), bf),
-            mx.zeros((B, Hv, D, D), mx.float32), mx.zeros((D,), bf),
-            num_k_heads=Hk, head_k_dim=D, num_v_heads=Hv, head_v_dim=D, eps=1e-6,
-            get_kernel=lambda spec: kernels.build(spec, "metal"))
+        _gdn_decode(lambda spec: kernels.build(spec, "metal"))
     return rec
 
 
@@ -105,6 +109,13 @@ def test_gdn_decode_with_a_four_element_stand_in_fails(monkeypatch):
     (bad,) = F.instantiations(_gdn_decode_calls())
     r = F.check_instantiation(bad, use_cache=False)
     assert not r.ok and "lily_qgemv_gather" in r.errors[0]
+    try:  # the emulator keeps address spaces too: the emulated run fails the same way
+        from mlx_lily.testing import metal_emu
+    except ImportError:  # pragma: no cover
+        metal_emu = None
+    if metal_emu is not None and metal_emu.available():
+        with pytest.raises(metal_emu.MetalEmuCompileError, match="lily_qgemv_gather"):
+            _gdn_decode(lambda spec: kernels.build(spec, "metal", factory=metal_emu.metal_kernel))
     monkeypatch.setattr(G, "_DUMMY", {})
     monkeypatch.undo()
     (good,) = F.instantiations(_gdn_decode_calls())
