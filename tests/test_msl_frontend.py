@@ -181,3 +181,21 @@ def test_every_production_instantiation_compiles(production_calls):
           f"passed, {len(failed)} failed")
     assert len(insts) >= 50
     assert not failed, failed
+
+
+def test_header_redefining_a_preamble_name_fails():
+    """MLX puts its utils.h in front of every custom kernel: a header that defines one of
+    its global names (`Limits`, `ceildiv`, a macro) would not build on a Mac."""
+    if not F.preamble_names():
+        pytest.skip("this MLX build ships no Metal kernel headers")
+    assert {"Limits", "ceildiv", "elem_to_loc", "MTL_CONST"} <= F.preamble_names()
+    k = F.RecordingKernel(name="clash", input_names=["x"], output_names=["o"],
+                          source="o[0] = lily_twice(x[0]);",
+                          header="inline float lily_twice(float v) { return 2.0f * v; }\n"
+                                 "template <typename T> inline T ceildiv(T a, T b) {\n"
+                                 "  return (a + b - 1) / b;\n}\n")
+    with F.recording() as rec:
+        k(inputs=[mx.zeros((8,))], output_shapes=[(1,)], output_dtypes=[mx.float32],
+          grid=(1, 1, 1), threadgroup=(1, 1, 1))
+    r = F.check_instantiation(F.instantiations(rec)[0], use_cache=False)
+    assert not r.ok and "'ceildiv'" in r.errors[0] and "lily_twice" not in " ".join(r.errors)

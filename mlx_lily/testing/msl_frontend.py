@@ -397,6 +397,107 @@ def _launch_errors(inst: Instantiation) -> list[str]:
     return errs
 
 
+# --------------------------------------------------------------------------- MLX's preamble
+_PREAMBLE_FILES = ("utils.h", "bf16.h", "bf16_math.h", "complex.h", "defines.h", "logging.h")
+_KEYWORDS = frozenset("""if for while switch return sizeof static_assert operator template
+    typename struct class union enum using typedef namespace inline static constexpr const
+    constant device thread threadgroup METAL_FUNC decltype alignas""".split())
+
+
+def preamble_dir():
+    """The installed MLX's Metal kernel headers (``mlx/include/.../metal/kernels``), or
+    None when this MLX build does not ship them."""
+    import mlx
+
+    for root in getattr(mlx, "__path__", []):
+        d = os.path.join(root, "include", "mlx", "backend", "metal", "kernels")
+        if os.path.isfile(os.path.join(d, "utils.h")):
+            return d
+    return None
+
+
+def top_level_names(text: str) -> set:
+    """Names a C++/MSL text defines at global scope: macros, structs/classes, typedefs,
+    ``using`` aliases, functions and variables outside any namespace or brace (a text
+    scan on comment-free code; enough for kernel headers, not a C++ parser)."""
+    import re
+
+    from .metal_emu import _rewrite
+
+    masked = _rewrite.mask_code(text).replace("\\\n", " ")  # join macro continuations
+    names = set(re.findall(r"^\s*#\s*define\s+([A-Za-z_]\w*)", masked, re.M))
+    flat, depth, buf = [], 0, []
+    for line in masked.splitlines():
+        if line.lstrip().startswith("#"):
+            continue
+        for ch in line + "\n":
+            if ch == "{":
+                if depth == 0:
+                    flat.append("".join(buf) + "{")
+                    buf = []
+                depth += 1
+            elif ch == "}":
+                depth -= 1
+            elif depth == 0:
+                buf.append(ch)
+    flat.append("".join(buf))
+    for chunk in flat:
+        for stmt in re.split(r"[;]", chunk):
+            st = " ".join(stmt.split())
+            if not st or st.startswith("namespace"):
+                continue
+            st = re.sub(r"^template\s*<[^{]*?>\s*", "", st)
+            m = re.match(r"(?:struct|class|union|enum(?:\s+class)?)\s+([A-Za-z_]\w*)", st)
+            if m:
+                names.add(m.group(1))
+                continue
+            m = re.match(r"typedef\b.*?\b([A-Za-z_]\w*)\s*$", st)
+            if m:
+                names.add(m.group(1))
+                continue
+            m = re.match(r"using\s+([A-Za-z_]\w*)\s*=", st)
+            if m:
+                names.add(m.group(1))
+                continue
+            if st.startswith(("using", "static_assert")):
+                continue
+            m = re.search(r"\b([A-Za-z_]\w*)\s*\(", st)  # function declaration/definition
+            if m and m.group(1) not in _KEYWORDS and "=" not in st[: m.start()]:
+                names.add(m.group(1))
+                continue
+            m = re.search(r"\b([A-Za-z_]\w*)\s*(?:\[[^\]]*\]\s*)*=", st)  # variable
+            if m and m.group(1) not in _KEYWORDS:
+                names.add(m.group(1))
+    return names
+
+
+_PREAMBLE_NAMES: list = []
+
+
+def preamble_names() -> frozenset:
+    """Global names MLX's Metal preamble (``utils.h`` and what it includes, as installed)
+    defines in front of every custom kernel; empty when the headers are not installed."""
+    if not _PREAMBLE_NAMES:
+        d = preamble_dir()
+        names = set()
+        if d is not None:
+            for f in _PREAMBLE_FILES:
+                p = os.path.join(d, f)
+                if os.path.isfile(p):
+                    names |= top_level_names(open(p).read())
+        names.discard("mlx")
+        _PREAMBLE_NAMES.append(frozenset(names))
+    return _PREAMBLE_NAMES[0]
+
+
+def preamble_collisions(header: str) -> list[str]:
+    """Errors for names ``header`` defines at global scope that MLX's preamble defines too
+    (a redefinition, or an overload set other than the one the shim gives, on a Mac)."""
+    clash = sorted(top_level_names(header) & preamble_names())
+    return [f"header: error: defines '{n}', which MLX's Metal preamble (kernels/utils.h and "
+            "its includes) already defines in front of every custom kernel" for n in clash]
+
+
 def _cache_key(c: Call) -> str:
     h = hashlib.sha256()
     h.update(_build.compiler_version().encode())
@@ -421,7 +522,8 @@ def check_instantiation(inst: Instantiation, *, use_cache: bool = True) -> Check
             c.source, c.header, c.input_names, [a.render_info() for a in c.inputs],
             c.output_names, c.output_dtypes, c.template, name=c.name,
             atomic_outputs=c.atomic_outputs)
-        errors = [str(i) for i in r.issues if i.severity == "error"]
+        errors = preamble_collisions(c.header) + [str(i) for i in r.issues
+                                                  if i.severity == "error"]
         warns = [str(i) for i in r.issues if i.severity != "error"]
         if use_cache:
             path.parent.mkdir(parents=True, exist_ok=True)
