@@ -208,14 +208,19 @@ DECODE_MODES = (("decode-whole", None, None), ("decode-per-layer", None, "0"),
                 ("decode-eager", "0", None))
 
 
-def record_forward(model, prompt_len: int = 8, chunk: int = 2048, batch: int = 2) -> list:
+def record_forward(model, prompt_len: int = 8, chunk: int = 2048, batches=(2, 8)) -> list:
     """Record the ``metal_kernel`` calls of ``model``'s forward, patched by Lily with every
     kernel allowed, without running anything: the warm-up's ``prompt_len``-token prefill
     and a decode step in each of :data:`DECODE_MODES` after it; then a ``chunk``-token
     prefill (mlx-lm's prefill step on Metal), a second chunk after it and decode steps at
-    that context; then (``batch`` > 1) a ``batch``-row prefill and decode steps. The model
+    that context; then for each ``batch`` in ``batches`` a ``batch``-row prefill and decode
+    steps (inputs of fewer than 8 elements per row change address space at 8 rows), and the same
+    as ``mlx_lm.server`` batches requests (merged per-request caches, right-padded prompts
+    of different lengths). The model
     must be an mlx-lm ``qwen3_5``/``qwen3_5_moe``/``qwen3_next`` model (its weights may
     be lazy). Returns the :class:`Call` list in call order."""
+    from mlx_lm.generate import _merge_caches
+
     import mlx_lily
     from .. import patching
 
@@ -245,13 +250,27 @@ def record_forward(model, prompt_len: int = 8, chunk: int = 2048, batch: int = 2
             with _context(f"prefill-{chunk}@ctx{chunk}"):
                 model(mx.zeros((1, chunk), dtype=mx.int32), cache=cache)
             decode_steps(cache, f"ctx{2 * chunk}")
-            if batch > 1:
+            for batch in batches:
                 cache = model.make_cache()
                 with _context(f"prefill-{batch}x{prompt_len}"):
                     model(mx.zeros((batch, prompt_len), dtype=mx.int32), cache=cache)
                 for label, comp, whole in DECODE_MODES:
                     with _env(MLX_LILY_COMPILE=comp, MLX_LILY_COMPILE_WHOLE=whole), \
                             _context(f"{label}-{batch}x@ctx{prompt_len}"):
+                        model(mx.zeros((batch, 1), dtype=mx.int32), cache=cache)
+                # mlx_lm.server's batches: per-request caches merged, right-padded prompts
+                # of different lengths (ArraysCache lengths, BatchKVCache padding)
+                cache = _merge_caches([model.make_cache() for _ in range(batch)])
+                lengths = [prompt_len - i for i in range(batch)]
+                for c in cache:
+                    c.prepare(lengths=lengths, right_padding=[prompt_len - n for n in lengths])
+                with _context(f"server-prefill-{batch}x{prompt_len}"):
+                    model(mx.zeros((batch, prompt_len), dtype=mx.int32), cache=cache)
+                for c in cache:
+                    c.finalize()
+                for label, comp, whole in DECODE_MODES:
+                    with _env(MLX_LILY_COMPILE=comp, MLX_LILY_COMPILE_WHOLE=whole), \
+                            _context(f"server-{label}-{batch}x@ctx{prompt_len}"):
                         model(mx.zeros((batch, 1), dtype=mx.int32), cache=cache)
         finally:
             if not was_patched:
