@@ -81,48 +81,96 @@ def test_render_follows_the_arrays_passed():
     assert F.check_instantiation(F.instantiations(rec)[0], use_cache=False).ok
 
 
-def _gdn_decode(get_kernel):
+def _gdn_decode(get_kernel, dtype=mx.bfloat16):
     """One unpacked GDN decode step (no PROJ) through the op."""
     Hk, Hv, D, KS, B = 2, 4, 128, 4, 1
     C = 2 * Hk * D + Hv * D
-    bf = mx.bfloat16
+    t = dtype
     return G.gated_delta_fused(
-        mx.zeros((B, 1, C), bf), mx.zeros((B, 1, Hv, D), bf), mx.zeros((B, 1, Hv), bf),
-        mx.zeros((B, 1, Hv), bf), mx.zeros((C, KS, 1), bf), mx.zeros((B, KS - 1, C), bf),
-        mx.zeros((Hv,), mx.float32), mx.zeros((Hv,), bf),
-        mx.zeros((B, Hv, D, D), mx.float32), mx.zeros((D,), bf),
+        mx.zeros((B, 1, C), t), mx.zeros((B, 1, Hv, D), t), mx.zeros((B, 1, Hv), t),
+        mx.zeros((B, 1, Hv), t), mx.zeros((C, KS, 1), t), mx.zeros((B, KS - 1, C), t),
+        mx.zeros((Hv,), mx.float32), mx.zeros((Hv,), t),
+        mx.zeros((B, Hv, D, D), mx.float32), mx.zeros((D,), t),
         num_k_heads=Hk, head_k_dim=D, num_v_heads=Hv, head_v_dim=D, eps=1e-6,
         get_kernel=get_kernel)
 
 
-def _gdn_decode_calls():
+def _gdn_decode_calls(dtype=mx.bfloat16):
     with F.recording() as rec:
-        _gdn_decode(lambda spec: kernels.build(spec, "metal"))
+        _gdn_decode(lambda spec: kernels.build(spec, "metal"), dtype)
     return rec
 
 
-def test_gdn_decode_with_a_four_element_stand_in_fails(monkeypatch):
-    """The bug this check found: the unread stand-in `w` of gdn_decode without PROJ had 4
-    elements (so `constant`) and reached `lily_qgemv_gather(const device uint32_t* w)`."""
+# qgemv_common.h's GEMV helper as it was when this check found the bug: w, scales and
+# biases typed `const device`
+_OLD_GATHER = ("inline void lily_qgemv_gather(XP xr, const device uint32_t* w, "
+               "const device S* scales, const device S* biases, thread const int* rows, "
+               "int sl, thread float* acc) {\n")
+
+
+def _with_old_gather(call):
+    import dataclasses
+    import re
+
+    head, n = re.subn(r"inline void lily_qgemv_gather\(XP xr, WP w, SP scales, SP biases,"
+                      r"[^{]*\{\n", _OLD_GATHER, call.header)
+    assert n == 1
+    head = head.replace("typename XP, typename WP,\n          typename SP>\n"
+                        "inline void lily_qgemv_gather", "typename XP>\n"
+                        "inline void lily_qgemv_gather")
+    head = head.replace("typedef typename lily_word4_ptr<WP>::type W4P;\n  W4P w4 = "
+                        "reinterpret_cast<W4P>(w);",
+                        "const device uint4* w4 = reinterpret_cast<const device uint4*>(w);")
+    return dataclasses.replace(call, header=head)
+
+
+def test_gdn_decode_old_helper_with_a_four_element_stand_in_fails(monkeypatch):
+    """The bug this check found, on a copy of the real kernel: gdn_decode without PROJ
+    passed its unread 4-element stand-in `w` (MLX: `constant`) to the device-only
+    `lily_qgemv_gather`, inside a plain `if (PROJ)`. Either fix alone makes it compile:
+    the stand-in's 8 elements (`device`) or today's address-space generic helper."""
     monkeypatch.setattr(G, "_DUMMY", {})
     monkeypatch.setattr(kernels, "DEVICE_MIN_ELEMS", 4)
-    (bad,) = F.instantiations(_gdn_decode_calls())
+    (call,) = _gdn_decode_calls()
+    assert [a for n, a in zip(call.input_names, call.inputs) if n == "w"][0].space == "constant"
+    (bad,) = F.instantiations([_with_old_gather(call)])
     r = F.check_instantiation(bad, use_cache=False)
-    assert not r.ok and "lily_qgemv_gather" in r.errors[0]
+    assert not r.ok and "no matching function for call to 'lily_qgemv_gather'" in r.errors[0]
+    (generic,) = F.instantiations([call])  # today's helper takes the constant stand-in
+    assert F.check_instantiation(generic, use_cache=False).ok
+    monkeypatch.setattr(G, "_DUMMY", {})
+    monkeypatch.undo()
+    (call,) = _gdn_decode_calls()
+    assert [a for n, a in zip(call.input_names, call.inputs) if n == "w"][0].space == "device"
+    (good,) = F.instantiations([_with_old_gather(call)])  # today's stand-in: device
+    r = F.check_instantiation(good, use_cache=False)
+    assert r.ok, r.errors
+    assert not r.warnings, r.warnings  # no out-of-range constant index into ps / xs
+
+
+def test_gdn_decode_fp32_with_four_element_stand_ins_fails(monkeypatch):
+    """fp32 activations: a 4-element stand-in of T (16 bytes) is `constant` and reaches
+    `lily_gdn_pending_norm(const device T* hin, ...)`; the check and the emulator both
+    reject it; with today's 8-element stand-ins both accept it."""
+    monkeypatch.setattr(G, "_DUMMY", {})
+    monkeypatch.setattr(kernels, "DEVICE_MIN_ELEMS", 4)
+    (bad,) = F.instantiations(_gdn_decode_calls(mx.float32))
+    r = F.check_instantiation(bad, use_cache=False)
+    assert not r.ok and "lily_gdn_pending_norm" in r.errors[0]
     try:  # the emulator keeps address spaces too: the emulated run fails the same way
         from mlx_lily.testing import metal_emu
     except ImportError:  # pragma: no cover
         metal_emu = None
-    if metal_emu is not None and metal_emu.available():
-        with pytest.raises(metal_emu.MetalEmuCompileError, match="lily_qgemv_gather"):
-            _gdn_decode(lambda spec: kernels.build(spec, "metal", factory=metal_emu.metal_kernel))
+    emu = metal_emu is not None and metal_emu.available()
+    if emu:
+        with pytest.raises(metal_emu.MetalEmuCompileError, match="lily_gdn_pending_norm"):
+            _gdn_decode(lambda s: kernels.build(s, "metal", factory=metal_emu.metal_kernel),
+                        mx.float32)
     monkeypatch.setattr(G, "_DUMMY", {})
     monkeypatch.undo()
-    (good,) = F.instantiations(_gdn_decode_calls())
-    assert "const device uint32_t* w " in good.msl
+    (good,) = F.instantiations(_gdn_decode_calls(mx.float32))
     r = F.check_instantiation(good, use_cache=False)
     assert r.ok, r.errors
-    assert not r.warnings, r.warnings  # no out-of-range constant index into ps / xs
 
 
 def test_attn_prefill_without_gate_passes():
@@ -199,3 +247,24 @@ def test_header_redefining_a_preamble_name_fails():
           grid=(1, 1, 1), threadgroup=(1, 1, 1))
     r = F.check_instantiation(F.instantiations(rec)[0], use_cache=False)
     assert not r.ok and "'ceildiv'" in r.errors[0] and "lily_twice" not in " ".join(r.errors)
+
+
+def test_command_reports_counts_and_first_errors(monkeypatch, capsys, tmp_path):
+    """`python -m mlx_lily.testing.msl_frontend`: counts per family and in all, then each
+    failure with its first compiler error; exit status 1; `--json` keeps the calls."""
+    import json
+
+    planted = {"qwen3_5_moe": _planted_calls(4) + _planted_calls(8)}
+    monkeypatch.setattr(F, "record_model", lambda fam, layers=4: planted[fam])
+    out = tmp_path / "r.json"
+    rc = F.main(["--family", "qwen3_5_moe", "--json", str(out), "--no-cache"])
+    text = capsys.readouterr().out
+    assert rc == 1
+    assert "qwen3_5_moe: 2 metal_kernel calls, 2 instantiations" in text
+    assert "instantiations recorded: 2" in text and "passed: 1" in text and "failed: 1" in text
+    assert "FAIL planted<USE=0>(x=float32[4](constant*))" in text
+    assert "first error: source:" in text and "first_of" in text
+    data = json.loads(out.read_text())
+    assert [d["ok"] for d in data] == [False, True]
+    assert data[0]["calls"][0]["inputs"][0] == {"name": "x", "shape": [4], "dtype": "float32",
+                                                "size": 4, "space": "constant"}

@@ -32,7 +32,8 @@ How:
 
 ``python -m mlx_lily.testing.msl_frontend --report`` records every family, checks every
 instantiation and prints: instantiations recorded, passed, failed with the first
-compiler error of each (exit status 1 when any failed).
+compiler error of each (exit status 1 when any failed); ``--json PATH`` also writes every
+instantiation with its calls (arrays passed, grid, threadgroup, template) and verdict.
 """
 
 from __future__ import annotations
@@ -577,6 +578,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--warnings", action="store_true", help="print compiler warnings too")
     p.add_argument("--no-cache", action="store_true")
+    p.add_argument("--json", metavar="PATH", default=None,
+                   help="write every instantiation (its calls, verdict, errors) as JSON")
     a = p.parse_args(argv)
     families = a.family or list(FAMILIES)
     mx.set_default_device(mx.cpu)
@@ -602,7 +605,36 @@ def main(argv: Sequence[str] | None = None) -> int:
             if a.warnings:
                 for w in r.warnings:
                     print(f"       warning: {w.splitlines()[0]}")
+    if a.json:
+        with open(a.json, "w") as fh:
+            json.dump([_result_json(r) for r in results], fh, indent=1)
     return 1 if failed else 0
+
+
+def _call_json(c: Call) -> dict:
+    def dt(d):
+        return str(d).replace("mlx.core.", "")
+
+    def tv(v):
+        return dt(v) if isinstance(v, mx.Dtype) else v
+
+    return {"context": c.context, "grid": list(c.grid), "threadgroup": list(c.threadgroup),
+            "inputs": [{"name": n, "shape": list(a.shape), "dtype": dt(a.dtype),
+                        "size": a.size, "space": a.space}
+                       for n, a in zip(c.input_names, c.inputs)],
+            "outputs": [{"name": n, "shape": list(s), "dtype": dt(d)}
+                        for n, s, d in zip(c.output_names, c.output_shapes, c.output_dtypes)],
+            "template": [[k, tv(v)] for k, v in c.template],
+            "atomic_outputs": c.atomic_outputs,
+            "ensure_row_contiguous": c.ensure_row_contiguous, "init_value": c.init_value}
+
+
+def _result_json(r: CheckResult) -> dict:
+    inst = r.instantiation
+    return {"name": inst.first.name, "kernel_name": inst.kernel_name, "ok": r.ok,
+            "errors": r.errors, "warnings": r.warnings,
+            "source_sha256": hashlib.sha256(inst.msl.encode()).hexdigest(),
+            "calls": [_call_json(c) for c in inst.calls]}
 
 
 if __name__ == "__main__":

@@ -64,6 +64,10 @@ comment block of directives describes the kernel::
 * ``@atomic_outputs``: the kernel is built with ``atomic_outputs=True``.
 * ``@ensure_row_contiguous false``: the kernel is built with that flag.
 
+:func:`lint_call` lints one instantiation from the arrays a real call passes (their
+dtype, ndim and size decide each input's address space, as in MLX):
+:mod:`mlx_lily.testing.msl_frontend` uses it for every call a model's forward makes.
+
 :func:`parse_body_file` returns a :class:`MetalBodySpec` that both the lint
 and op tests use (``spec.kernel(factory)`` builds the kernel with
 ``mx.fast.metal_kernel`` or the emulator's).
@@ -87,6 +91,7 @@ __all__ = [
     "LintIssue",
     "LintResult",
     "MetalBodySpec",
+    "lint_call",
     "lint_file",
     "lint_metal_source",
     "parse_body_file",
