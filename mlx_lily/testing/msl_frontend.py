@@ -43,7 +43,6 @@ import contextlib
 import hashlib
 import json
 import os
-import sys
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -280,9 +279,11 @@ def record_forward(model, prompt_len: int = 8, chunk: int = 2048, batches=(2, 8)
     return list(rec)
 
 
-# Production per-layer widths. qwen3_5_moe: Qwen3.6-35B-A3B (the shared config); qwen3_5:
-# a Qwen3.5 dense model (Qwen3.5-27B's widths); qwen3_next: Qwen3-Next-80B-A3B. Layers are
-# cut to ``layers`` (3 GDN + 1 attention at 4); expert counts are the real ones.
+# Production per-layer widths. qwen3_5_moe: Qwen3.6-35B-A3B (its config.json). qwen3_5: a
+# dense model of Qwen3.5-27B's model-card widths (hidden 5120, 24 q / 4 kv heads of 256,
+# MLP 17408; its 16 k / 48 v GDN heads are assumed). qwen3_next: Qwen3-Next-80B-A3B's
+# (hidden 2048, 16 / 2 heads, GDN 16 / 32, 512 experts top-10 of 512). Layers are cut to
+# ``layers`` (3 GDN + 1 attention at 4); expert counts are the real ones.
 _QWEN36 = dict(hidden_size=2048, num_attention_heads=16, num_key_value_heads=2, head_dim=256,
                linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128,
                linear_value_head_dim=128, linear_conv_kernel_dim=4, full_attention_interval=4,
@@ -340,10 +341,9 @@ def build_model(family: str, layers: int = 4):
             return {"group_size": 64, "bits": 8}
         return True
 
-    import contextlib as _c
     import io
 
-    with _c.redirect_stdout(io.StringIO()):
+    with contextlib.redirect_stdout(io.StringIO()):  # quantize_model prints bits per weight
         model, _ = quantize_model(model, dict(cfg), group_size=64, bits=4, mode="affine",
                                   quant_predicate=router_bits)
     return model
