@@ -172,7 +172,7 @@ def _dummy_gate(dtype):
     key = ("gate", dtype)
     a = _CONST_CACHE.get(key)
     if a is None:
-        a = mx.zeros((1, 1, 1, kernels.DEVICE_MIN_ELEMS), dtype=dtype)
+        a = mx.array([[[[0.0] * kernels.DEVICE_MIN_ELEMS]]], dtype=dtype)  # data, no graph
         _CONST_CACHE[key] = a
     return a
 
