@@ -12,17 +12,18 @@ from mlx_lily import kernels
 from mlx_lily.ops import gated_delta as G
 from mlx_lily.testing import msl_frontend as F
 
-try:
-    from mlx_lily.testing.metal_emu import _build
+from mlx_lily.testing.metal_emu import CompilerUnavailable, _build
 
+try:
     _build.compiler_version()
     HAS_CLANG = True
-except Exception:  # pragma: no cover - toolchain missing
+except CompilerUnavailable:  # pragma: no cover - no clang >= 15 (ziglang) here
     HAS_CLANG = False
 
 pytestmark = pytest.mark.skipif(not HAS_CLANG, reason="clang (ziglang) unavailable")
 
-# A helper that takes its buffer as `const device float*`, as qgemv_common.h's do.
+# A helper that takes its buffer as `const device float*` (as qgemv_common.h's GEMV helper
+# did when this check found gdn_decode's bug).
 HELPER = """
 inline float first_of(const device float* p) { return p[0]; }
 """
@@ -157,12 +158,9 @@ def test_gdn_decode_fp32_with_four_element_stand_ins_fails(monkeypatch):
     (bad,) = F.instantiations(_gdn_decode_calls(mx.float32))
     r = F.check_instantiation(bad, use_cache=False)
     assert not r.ok and "lily_gdn_pending_norm" in r.errors[0]
-    try:  # the emulator keeps address spaces too: the emulated run fails the same way
-        from mlx_lily.testing import metal_emu
-    except ImportError:  # pragma: no cover
-        metal_emu = None
-    emu = metal_emu is not None and metal_emu.available()
-    if emu:
+    from mlx_lily.testing import metal_emu
+
+    if metal_emu.available():  # the emulator keeps address spaces too: it fails the same way
         with pytest.raises(metal_emu.MetalEmuCompileError, match="lily_gdn_pending_norm"):
             _gdn_decode(lambda s: kernels.build(s, "metal", factory=metal_emu.metal_kernel),
                         mx.float32)
