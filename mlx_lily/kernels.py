@@ -312,6 +312,12 @@ SCALAR_ELEMS = 4
 ROW_PAD = 8
 
 
+#: Fewest elements of an input that MLX's Metal ``write_signature`` passes as
+#: ``const device T*`` (fewer: ``const constant T*``; MLX 0.32 ``max_constant_array_size``).
+#: Stand-ins for absent buffers have this many, so they take the real buffer's address space.
+DEVICE_MIN_ELEMS = 8
+
+
 def const_array(values, dtype) -> mx.array:
     """``values`` (a list) as a new evaluated ``dtype`` array padded with copies of its
     last element to at least ``SCALAR_ELEMS`` elements and 16 bytes (kernels read the

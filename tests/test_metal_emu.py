@@ -676,3 +676,45 @@ def test_buffers_are_aligned_for_vector_loads():
         out = np.array(run1(k, [x], (8,), mx.float32, (8, 1, 1), (8, 1, 1)))
         xs = np.array(x).reshape(8, 4)
         np.testing.assert_array_equal(out, xs.sum(1) + 11000)
+
+
+# --------------------------------------------------------------------------- address spaces
+_AS_HELPER = "inline float first_of(const device float* p) { return p[0]; }\n"
+_AS_BODY = """uint i = thread_position_in_grid.x;
+if (USE) {
+  out[i] = first_of(x);
+} else {
+  out[i] = x[i];
+}
+"""
+
+
+def test_constant_input_to_device_helper_does_not_compile():
+    """Address spaces are kept in the emulator's types: a 4-element input (MLX passes it
+    as `const constant float*`) handed to a `const device float*` helper fails to compile,
+    even in a branch the template switches off, as on a Mac; with 8 elements (`device`)
+    the same kernel runs."""
+    k = metal_kernel("as_planted", ["x"], ["out"], _AS_BODY, header=_AS_HELPER)
+    with pytest.raises(MetalEmuCompileError, match="no matching function for call to 'first_of'"):
+        run1(k, [mx.arange(4, dtype=mx.float32)], (4,), mx.float32, (4, 1, 1), (4, 1, 1),
+             template=[("USE", False)])
+    out = run1(k, [mx.arange(8, dtype=mx.float32)], (8,), mx.float32, (8, 1, 1), (8, 1, 1),
+               template=[("USE", False)])
+    np.testing.assert_array_equal(f32(out), np.arange(8, dtype=np.float32))
+
+
+def test_threadgroup_and_device_pointers_do_not_mix():
+    """A threadgroup array's address is a `threadgroup` pointer: storing it in a
+    `device` one is an error, as in Metal."""
+    body = """threadgroup float buf[32];
+buf[thread_position_in_threadgroup.x] = x[thread_position_in_grid.x];
+threadgroup_barrier(mem_flags::mem_threadgroup);
+device float* p = buf;
+out[thread_position_in_grid.x] = p[0];
+"""
+    k = metal_kernel("as_tg", ["x"], ["out"], body)
+    with pytest.raises(MetalEmuCompileError, match=r"cannot initialize a variable of type 'device float \*'"):
+        run1(k, [mx.zeros((32,))], (32,), mx.float32, (32, 1, 1), (32, 1, 1))
+    ok = metal_kernel("as_tg_ok", ["x"], ["out"], body.replace("device float* p", "threadgroup float* p"))
+    out = run1(ok, [mx.arange(32, dtype=mx.float32)], (32,), mx.float32, (32, 1, 1), (32, 1, 1))
+    np.testing.assert_array_equal(f32(out), np.zeros(32, np.float32))

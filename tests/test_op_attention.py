@@ -201,6 +201,7 @@ def cuda_emu_kernel(spec, **emu_options):
                   body)
     body = body.replace("__shared__", "threadgroup")
     opts = dict(emu_options)
+    opts.setdefault("address_spaces", False)  # a CUDA body: no Metal address spaces
     if spec.shared_memory:
         opts.setdefault("threadgroup_memory_limit", spec.shared_memory + 8192)
     return metal_emu.metal_kernel(

@@ -167,10 +167,12 @@ def _dummy_len():
 
 
 def _dummy_gate(dtype):
+    """Stand-in for an absent gate (GATED false: never read), ``[1, 1, 1, 8]``: as many
+    elements as MLX needs to pass it as ``const device T*``, the real gate's space."""
     key = ("gate", dtype)
     a = _CONST_CACHE.get(key)
     if a is None:
-        a = mx.array([[[[0.0]]]], dtype=dtype)
+        a = mx.array([[[[0.0] * kernels.DEVICE_MIN_ELEMS]]], dtype=dtype)  # data, no graph
         _CONST_CACHE[key] = a
     return a
 

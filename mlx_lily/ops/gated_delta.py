@@ -201,15 +201,20 @@ _DUMMY: dict = {}
 
 def _dummy(name, dtype=None):
     """Stand-in for an absent input (never read: HAS_MASK / HAS_LEN / PROJ false): mask,
-    lengths, or a one-element array of ``dtype``."""
+    lengths, an epsilon (``"eps"``: ``SCALAR_ELEMS`` elements, Metal ``constant`` like
+    the real one), or a buffer of ``dtype`` with ``DEVICE_MIN_ELEMS`` elements, so that
+    MLX renders it ``const device T*`` as it renders the real buffer (a Metal helper
+    taking ``const device T*`` rejects a ``constant`` pointer even in an untaken branch)."""
     a = _DUMMY.get((name, dtype))
     if a is None:
         if name == "mask":
             a = _k.const_array([True], mx.bool_)
         elif name == "lengths":
             a = _k.const_array([0], mx.int32)
-        else:
+        elif name == "eps":
             a = _k.const_array([0], dtype)
+        else:
+            a = _k.const_array([0] * _k.DEVICE_MIN_ELEMS, dtype)
         _DUMMY[(name, dtype)] = a
     return a
 
