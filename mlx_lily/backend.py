@@ -217,12 +217,28 @@ COMPILE_ENV = "MLX_LILY_COMPILE"  # "0" off, "1" on everywhere, default: on GPU 
 COMPILE_WHOLE_ENV = "MLX_LILY_COMPILE_WHOLE"  # "0": one compiled function per layer
 
 
+_COMPILE_SUSPENDED = [0]
+
+
+@contextlib.contextmanager
+def compile_suspended():
+    """Within this block ``compile_mode`` is ``"off"`` (first contact and qualification
+    evaluate each kernel launch eagerly, which ``mx.compile`` tracing forbids)."""
+    _COMPILE_SUSPENDED[0] += 1
+    try:
+        yield
+    finally:
+        _COMPILE_SUSPENDED[0] -= 1
+
+
 def compile_mode(backend: str | None = None) -> str:
     """How decode steps run now: ``"whole"`` (the decoder stack as one compiled function),
     ``"per-layer"`` or ``"off"``, from ``MLX_LILY_COMPILE`` / ``MLX_LILY_COMPILE_WHOLE``
     and the backend (compiled by default on GPU backends only). ``"whole"`` is the
     setting: a step where some layer cannot run compiled (its kernels do not serve, a
     cache must grow) runs layer by layer."""
+    if _COMPILE_SUSPENDED[0]:
+        return "off"
     be = backend or current_backend()
     mode = env_value(COMPILE_ENV, "")
     if mode == "0" or (mode != "1" and be not in ("cuda", "metal")):

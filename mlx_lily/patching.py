@@ -244,45 +244,45 @@ last_warmup: dict = {}
 
 
 def warmup(model, prompt_len: int = 8, record_lengths=WARMUP_RECORD_LENGTHS) -> float:
-    """Compile every kernel the model's forward uses, so the first real token pays no JIT
-    cost: a short prefill and one decode step on a throw-away cache. Returns seconds spent.
+    """Build, launch and check every kernel the model's forward uses
+    (``mlx_lily.first_contact.check``: a short prefill, one decode step and a
+    ``first_contact.PREFILL_LEN``-token prefill on throw-away caches, every launch
+    evaluated at once and the logits compared with the references), so the first real
+    token pays no JIT cost and a kernel that fails to build, to launch or to give a
+    sane result is turned off for the process (one warning naming the op) instead of
+    failing the load or a generation. Returns seconds spent.
 
     On CUDA the graphs of those calls, and of prefills of ``record_lengths`` tokens (built,
     never evaluated: they pick the long-prompt kernel variants), are recorded first and
     their kernels compiled concurrently into MLX's on-disk cache
     (``mlx_lily.cuda_cache.precompile``); a later process finds them there. The report
-    lands in ``last_warmup``. Runs at prepare time on GPU backends only.
+    (``first_contact``: the check's report) lands in ``last_warmup``. Runs at prepare
+    time on GPU backends only.
     """
     import time
 
-    import mlx.core as mx
+    from . import first_contact
 
     t = time.perf_counter()
     precompile = backend.env_value(PRECOMPILE_ENV, "1") != "0"
+    report: dict = {} if precompile else {"skipped": f"{PRECOMPILE_ENV}=0"}
     if backend.current_backend() == "cuda" and precompile:
         from . import cuda_cache
 
-        outs, launches = cuda_cache.record_forward(model, prompt_len, record_lengths)
-        t_rec = time.perf_counter()
         try:
+            outs, launches = cuda_cache.record_forward(model, prompt_len, record_lengths)
+            del outs
+            t_rec = time.perf_counter()
             report = cuda_cache.precompile(launches)
+            report["record_s"] = t_rec - t
         except Exception as e:  # noqa: BLE001  (MLX's own JIT still compiles them)
-            import warnings
-
             warnings.warn(f"mlx-lily: compiling CUDA kernels ahead of time failed ({e!r}); "
                           "MLX compiles them at first use", stacklevel=2)
             report = {"skipped": repr(e)}
-        report["record_s"] = t_rec - t
-        t_eval = time.perf_counter()
-        mx.eval(outs)
-        report["first_eval_s"] = time.perf_counter() - t_eval
-    else:
-        cache = model.make_cache() if hasattr(model, "make_cache") else None
-        tokens = mx.zeros((1, prompt_len), dtype=mx.int32)
-        mx.eval(model(tokens, cache=cache))
-        mx.eval(model(tokens[:, :1], cache=cache))
-        report = {} if precompile else {"skipped": f"{PRECOMPILE_ENV}=0"}
-        report["first_eval_s"] = time.perf_counter() - t
+    t_eval = time.perf_counter()
+    if not backend.tracing_active():  # a traced backend records graphs, runs nothing
+        report["first_contact"] = first_contact.check(model, prompt_len)
+    report["first_eval_s"] = time.perf_counter() - t_eval
     last_warmup.clear()
     last_warmup.update(report)
     return time.perf_counter() - t

@@ -21,6 +21,9 @@ def _no_leaked_patch():
     yield
     if mlx_lily.is_patched():
         mlx_lily.unpatch()
+    from mlx_lily import kernels
+
+    kernels.clear_runtime_disabled()  # first-contact failures are per process
 
 
 @pytest.fixture(scope="session")
