@@ -196,21 +196,48 @@ def backend_info() -> dict:
     """Describe what a call would use now.
 
     Returns:
-        ``{"backend": "metal"|"cuda"|"cpu", "device": str, "ops": {op: mode}}`` where
-        mode is ``"kernel"`` (a custom GPU kernel serves at least its main form on this
-        backend), ``"reference"`` (the pure-MLX reference runs) or ``"disabled"`` (the
-        kill switch sends the op to stock mlx-lm code).
+        ``{"backend": "metal"|"cuda"|"cpu", "device": str, "ops": {op: mode},
+        "patch": "patched"|"stepped-aside"|"unpatched", "stepped_aside": reason or None,
+        "runtime_disabled": {op: reason}, "qualification": record status}``. Mode is
+        ``"kernel"`` (a custom GPU kernel serves at least its main form on this backend),
+        ``"reference"`` (the pure-MLX reference runs), ``"disabled"`` (the kill switch
+        sends the op to stock mlx-lm code) or, while the patch stepped aside
+        (``mlx_lily.patch``), ``"stock"`` for every op. ``runtime_disabled``: ops whose
+        kernels failed their first contact in this process
+        (``mlx_lily.first_contact``). ``qualification``: ``"valid"``, ``"stale"``
+        (versions or kernel sources changed: re-qualify), ``"none"`` or ``"off"``
+        (``mlx_lily.qualify.record_status``; ``"n/a"`` on the CPU).
     """
+    import sys
+
+    from . import kernels
     from .ops import kernel_status
 
     backend = current_backend()
+    patching = sys.modules.get("mlx_lily.patching")
+    handle = patching._ACTIVE if patching is not None else None
+    aside = handle.stepped_aside if handle is not None else None
     ops = {}
     for name in OP_NAMES:
-        if not op_enabled(name):
+        if aside is not None:
+            ops[name] = "stock"
+        elif not op_enabled(name):
             ops[name] = "disabled"
         else:
             ops[name] = "kernel" if kernel_status(name, backend) else "reference"
-    return {"backend": backend, "device": str(mx.default_device()), "ops": ops}
+    qual = "n/a"
+    if backend in ("metal", "cuda"):
+        try:
+            from . import qualify
+
+            qual = qualify.record_status(backend)
+        except Exception as e:  # noqa: BLE001  (a description must not fail)
+            qual = f"unreadable ({e!r})"
+    return {"backend": backend, "device": str(mx.default_device()), "ops": ops,
+            "patch": ("unpatched" if handle is None else
+                      "stepped-aside" if aside is not None else "patched"),
+            "stepped_aside": aside, "runtime_disabled": kernels.runtime_disabled(),
+            "qualification": qual}
 
 
 COMPILE_ENV = "MLX_LILY_COMPILE"  # "0" off, "1" on everywhere, default: on GPU backends

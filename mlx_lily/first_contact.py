@@ -164,6 +164,9 @@ def launch(gk, kw: dict):
     gets here."""
     fault = gk.fault
     if fault == "hang":
+        import sys
+
+        print(f"[mlx-lily] injected hang in kernel {gk.spec.name}", file=sys.stderr, flush=True)
         while True:
             time.sleep(3600)
     if fault == "threadgroup":
