@@ -197,7 +197,8 @@ def backend_info() -> dict:
 
     Returns:
         ``{"backend": "metal"|"cuda"|"cpu", "device": str, "ops": {op: mode},
-        "patch": "patched"|"stepped-aside"|"unpatched", "stepped_aside": reason or None,
+        "patch": "patched"|"stepped-aside"|"qualify-pending"|"unpatched",
+        "stepped_aside": reason or None,
         "runtime_disabled": {op: reason}, "qualification": record status}``. Mode is
         ``"kernel"`` (a custom GPU kernel serves at least its main form on this backend),
         ``"reference"`` (the pure-MLX reference runs), ``"disabled"`` (the kill switch
@@ -235,6 +236,7 @@ def backend_info() -> dict:
             qual = f"unreadable ({e!r})"
     return {"backend": backend, "device": str(mx.default_device()), "ops": ops,
             "patch": ("unpatched" if handle is None else
+                      "qualify-pending" if getattr(handle, "qualify_pending", False) else
                       "stepped-aside" if aside is not None else "patched"),
             "stepped_aside": aside, "runtime_disabled": kernels.runtime_disabled(),
             "qualification": qual}
@@ -276,6 +278,9 @@ def compile_mode(backend: str | None = None) -> str:
 def describe() -> str:
     """One line for stderr: backend, compiled decode steps, and active ops."""
     info = backend_info()
+    if info["patch"] in ("stepped-aside", "qualify-pending"):
+        return (f"[mlx-lily] backend={info['backend']} patch={info['patch']}: "
+                f"{info['stepped_aside']}")
     parts = ", ".join(f"{k}={v}" for k, v in info["ops"].items())
     graphs = ""
     if info["backend"] == "cuda":

@@ -626,7 +626,12 @@ def verified_ops(backend: str) -> frozenset:
     """The ops ``MLX_LILY_KERNELS=verified`` (the default) runs on ``backend`` here: the
     qualified ops of this device's valid qualification record when there is one
     (``mlx_lily.qualify.record_ops``; ignored with ``MLX_LILY_QUALIFY=0``), else
-    ``VERIFIED[backend]`` when ``shipped_matches(backend)``, else none."""
+    ``VERIFIED[backend]`` when ``shipped_matches(backend)``, else none. Cached per
+    backend until ``forget_record`` (or ``VERIFIED[backend]`` is replaced)."""
+    shipped = VERIFIED.get(backend, frozenset())
+    hit = _VERIFIED_NOW.get(backend)
+    if hit is not None and hit[0] is shipped:
+        return hit[1]
     if backend not in _RECORD_OPS:
         _RECORD_OPS[backend] = None
         if backend in ("metal", "cuda") and _real_backend() == backend:
@@ -640,9 +645,12 @@ def verified_ops(backend: str) -> frozenset:
                 warnings.warn(f"mlx-lily: qualification record unreadable ({e!r}); ignored",
                               stacklevel=2)
     rec = _RECORD_OPS[backend]
-    if rec is not None:
-        return rec
-    return VERIFIED.get(backend, frozenset()) if shipped_matches(backend) else frozenset()
+    out = rec if rec is not None else (shipped if shipped_matches(backend) else frozenset())
+    _VERIFIED_NOW[backend] = (shipped, out)
+    return out
+
+
+_VERIFIED_NOW: dict = {}  # backend -> (the VERIFIED value it was computed with, result)
 
 
 def allowed_key() -> tuple:
@@ -652,8 +660,10 @@ def allowed_key() -> tuple:
 
 
 def forget_record() -> None:
-    """Read the qualification record again at the next ``verified_ops`` call."""
+    """Read the qualification record (and the device) again at the next
+    ``verified_ops`` call."""
     _RECORD_OPS.clear()
+    _VERIFIED_NOW.clear()
 
 
 def get(spec: KernelSpec, backend: str):

@@ -578,7 +578,7 @@ def auto_qualify(model: str | None = None, synthetic: str | None = None) -> dict
     n = len(rec.get("qualified", {}))
     print(f"[mlx-lily] qualification {rec['status']} in {rec['wall_s']:.0f} s: {n} of "
           f"{len(rec.get('ops', {}))} ops use their kernels (report: python -m "
-          f"mlx_lily.qualify --report; record: {record_path(be)})", file=sys.stderr,
+          f"mlx_lily.qualify --report-only; record: {record_path(be)})", file=sys.stderr,
           flush=True)
     return rec
 

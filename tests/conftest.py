@@ -27,6 +27,7 @@ def _no_leaked_patch():
     from mlx_lily import kernels
 
     kernels.clear_runtime_disabled()  # first-contact failures are per process
+    kernels.forget_record()
 
 
 @pytest.fixture(scope="session")

@@ -98,3 +98,29 @@ def test_injected_failure_turns_only_that_op_off(model, monkeypatch, kind):
         with mlx_lily.patched(model, ops=[op for op in OPS if op != bad]):
             want = _logits(model)
     np.testing.assert_array_equal(got, want)
+
+
+@needs_emu
+def test_load_with_a_broken_kernel_does_not_fail(model, monkeypatch):
+    """``patch(model)`` runs the real warm-up (first contact, with its longer prefill):
+    a kernel that fails to build turns its op off with one warning; the patch stands."""
+    from mlx_lily import patching
+
+    warm = patching.warmup
+    monkeypatch.setenv(first_contact.INJECT_ENV, "moe_router_topk:build")
+    monkeypatch.setattr(first_contact, "PREFILL_LEN", 40)
+    with emulated_metal():
+        monkeypatch.setattr(patching, "warmup", warm)
+        model.__dict__.pop("_lily_warm", None)
+        with pytest.warns(UserWarning, match="moe_router_topk kernels turned off") as w:
+            with mlx_lily.patched(model, ops=OPS) as h:
+                assert h.stepped_aside is None
+                rep = patching.last_warmup["first_contact"]
+                info = mlx_lily.backend_info()
+    assert len([x for x in w if "turned off" in str(x.message)]) == 1
+    assert set(rep["failed"]) == {"moe_router_topk"}, rep
+    assert rep["failed"]["moe_router_topk"].startswith("MetalEmuCompileError"), rep
+    assert rep["active"] == ["add_rms_norm", "qgemv"]
+    assert info["runtime_disabled"].keys() == {"moe_router_topk"}
+    assert info["ops"]["moe_router_topk"] == "reference" and info["ops"]["qgemv"] == "kernel"
+    model.__dict__.pop("_lily_warm", None)

@@ -117,6 +117,7 @@ def test_shipped_record_matches_the_device_name(monkeypatch):
     monkeypatch.setattr(kernels, "device_name", lambda: "NVIDIA H200")
     assert kernels.verified_ops("cuda") == kernels.VERIFIED["cuda"]
     monkeypatch.setattr(kernels, "device_name", lambda: "NVIDIA GeForce RTX 4090")
+    kernels.forget_record()
     assert kernels.verified_ops("cuda") == frozenset()
     kernels.forget_record()
 
