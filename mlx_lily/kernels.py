@@ -719,6 +719,23 @@ class GuardedKernel:
         return first_contact.launch(self, kw)
 
 
+class RecordedCudaKernel:
+    """A ``mx.fast.cuda_kernel`` object that reports each launch to an open
+    ``mlx_lily.cuda_cache.recording()`` (for compiling ahead of time), then launches."""
+
+    __slots__ = ("kernel", "spec", "header", "body")
+
+    def __init__(self, kernel, spec: KernelSpec):
+        self.kernel = kernel
+        self.spec = spec
+        self.header, self.body = cuda_parts(spec.stem)
+
+    def __call__(self, **kw):
+        if cuda_cache._RECORDER is not None:
+            cuda_cache.record(self.spec, self.header, self.body, kw)
+        return self.kernel(**kw)
+
+
 def _metal_ok() -> bool:
     from . import backend
 
