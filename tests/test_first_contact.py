@@ -110,13 +110,16 @@ def test_load_with_a_broken_kernel_does_not_fail(model, monkeypatch):
     monkeypatch.setenv(first_contact.INJECT_ENV, "moe_router_topk:build")
     monkeypatch.setattr(first_contact, "PREFILL_LEN", 40)
     with emulated_metal():
-        monkeypatch.setattr(patching, "warmup", warm)
-        model.__dict__.pop("_lily_warm", None)
-        with pytest.warns(UserWarning, match="moe_router_topk kernels turned off") as w:
-            with mlx_lily.patched(model, ops=OPS) as h:
-                assert h.stepped_aside is None
-                rep = patching.last_warmup["first_contact"]
-                info = mlx_lily.backend_info()
+        stub, patching.warmup = patching.warmup, warm  # emulated_metal() restores the real
+        try:
+            model.__dict__.pop("_lily_warm", None)
+            with pytest.warns(UserWarning, match="moe_router_topk kernels turned off") as w:
+                with mlx_lily.patched(model, ops=OPS) as h:
+                    assert h.stepped_aside is None
+                    rep = patching.last_warmup["first_contact"]
+                    info = mlx_lily.backend_info()
+        finally:
+            patching.warmup = stub
     assert len([x for x in w if "turned off" in str(x.message)]) == 1
     assert set(rep["failed"]) == {"moe_router_topk"}, rep
     assert rep["failed"]["moe_router_topk"].startswith("MetalEmuCompileError"), rep
