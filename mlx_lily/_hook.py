@@ -53,7 +53,9 @@ def _apply():
         from mlx_lily.backend import describe
 
         mlx_lily.patch()
-        print(describe(), file=sys.stderr)
+        line = describe()  # empty when patch() stepped aside (it said so)
+        if line:
+            print(line, file=sys.stderr)
     except Exception as e:  # never break the user's command
         print(f"[mlx-lily] patch not applied ({type(e).__name__}: {e}); running stock mlx-lm",
               file=sys.stderr)

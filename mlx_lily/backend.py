@@ -276,11 +276,11 @@ def compile_mode(backend: str | None = None) -> str:
 
 
 def describe() -> str:
-    """One line for stderr: backend, compiled decode steps, and active ops."""
+    """One line for stderr: backend, compiled decode steps, and active ops; "" while the
+    patch stepped aside or waits to qualify (``patch`` printed its own line)."""
     info = backend_info()
     if info["patch"] in ("stepped-aside", "qualify-pending"):
-        return (f"[mlx-lily] backend={info['backend']} patch={info['patch']}: "
-                f"{info['stepped_aside']}")
+        return ""  # patch() printed its own line
     parts = ", ".join(f"{k}={v}" for k, v in info["ops"].items())
     graphs = ""
     if info["backend"] == "cuda":

@@ -15,7 +15,9 @@ def _run(main_module: str):
     from mlx_lily.backend import describe
 
     mlx_lily.patch()
-    print(describe(), file=sys.stderr)
+    line = describe()  # empty when patch() stepped aside (it said so)
+    if line:
+        print(line, file=sys.stderr)
     import importlib
 
     return importlib.import_module(main_module).main()

@@ -530,8 +530,7 @@ def kernel_plan(force: bool = False) -> tuple:
     dev = f"{kernels.device_name() or 'this GPU'} ({be})"
     status = qualify.record_status(be)
     if status == "valid":
-        return "aside", (f"qualification on {dev} passed no kernel faster than stock "
-                         f"(report: {qualify.record_path(be)})")
+        return "aside", qualify.why_none(be)
     if qualify.auto_enabled():
         return "qualify", f"no qualification record for {dev}"
     return "aside", (f"no Lily kernel is verified for {dev} (no qualification record; "
@@ -618,10 +617,10 @@ def _qualify_then_serve(model_path) -> None:
     be = backend.current_backend()
     if first_contact.active_ops(be):
         _serve(handle)
+        _announce(backend.describe())
     else:
-        handle.stepped_aside = "qualification passed no kernel faster than stock"
-        _announce(_aside_line(f"qualification on {qualify.device_label(be)} passed no "
-                              f"kernel faster than stock (report: {qualify.record_path(be)})"))
+        handle.stepped_aside = qualify.why_none(be)
+        _announce(_aside_line(handle.stepped_aside))
 
 
 def patch(model=None, *, ops=None, force: bool = False) -> PatchHandle:

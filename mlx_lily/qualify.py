@@ -180,6 +180,16 @@ def record_status(backend: str) -> str:
     return "valid" if rec.get("identity") == identity(backend) else "stale"
 
 
+def why_none(backend: str) -> str:
+    """Why this device's record qualifies no op, for the step-aside line:
+    ``qualification on <device> passed no kernel faster than stock`` or, for a run that
+    did not finish, its status and error; with the record's path."""
+    rec = read_record(backend) or {}
+    what = ("passed no kernel faster than stock" if rec.get("status", "ok") == "ok"
+            else f"ended with status {rec.get('status')!r} ({rec.get('error')})")
+    return f"qualification on {device_label(backend)} {what} (record: {record_path(backend)})"
+
+
 def record_ops(backend: str) -> frozenset | None:
     """The ops this device's valid record qualified (each in its chosen variant), or None
     when there is no valid record or qualification is off (``kernels.verified_ops``)."""
