@@ -137,7 +137,8 @@ def probing(poison: bool = False):
     (``launched``: launches per (op, kernel name))."""
     prev, _PROBE[0] = _PROBE[0], _Probe(poison)
     try:
-        yield _PROBE[0]
+        with _backend.compile_suspended():
+            yield _PROBE[0]
     finally:
         _PROBE[0] = prev
 

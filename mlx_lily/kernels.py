@@ -702,21 +702,22 @@ class GuardedKernel:
     becomes ``first_contact.KernelFault`` naming the op. ``fault`` is a test-only
     injected failure (``first_contact.INJECT_ENV``), None in production."""
 
-    __slots__ = ("kernel", "spec", "backend", "op", "fault")
+    __slots__ = ("kernel", "spec", "backend", "op", "fault", "_fc")
 
     def __init__(self, kernel, spec: KernelSpec, backend: str, fault=None):
+        from . import first_contact
+
         self.kernel = kernel
         self.spec = spec
         self.backend = backend
         self.op = op_of(spec)
         self.fault = fault
+        self._fc = first_contact
 
     def __call__(self, **kw):
-        from . import first_contact
-
-        if self.fault is None and first_contact._PROBE[0] is None:
+        if self.fault is None and self._fc._PROBE[0] is None:
             return self.kernel(**kw)
-        return first_contact.launch(self, kw)
+        return self._fc.launch(self, kw)
 
 
 class RecordedCudaKernel:
