@@ -654,9 +654,10 @@ _VERIFIED_NOW: dict = {}  # backend -> (the VERIFIED value it was computed with,
 
 
 def allowed_key() -> tuple:
-    """What ``kernels_allowed`` depends on beyond ``MLX_LILY_KERNELS`` and the backend
-    (compiled decode steps are keyed by it)."""
-    return (_RUNTIME_OFF_SET[0], _OVERRIDE[0], tuple(sorted(_RECORD_OPS.items(), key=str)))
+    """What ``kernels_allowed`` depends on beyond ``MLX_LILY_KERNELS``, the backend and
+    the qualification record (read once per process) (compiled decode steps are keyed by
+    it)."""
+    return (_RUNTIME_OFF_SET[0], _OVERRIDE[0])
 
 
 def forget_record() -> None:
