@@ -629,10 +629,12 @@ def render_markdown(record: dict) -> str:
              f"kernel sources sha256 {str(ident.get('sources_sha256'))[:16]}",
              f"model: {record.get('model')}", "",
              "Times: median ms of a decode step / a prefill chunk of the model with the op's "
-             "kernels on (kernel) vs the same step with the op's reference (stock math) and "
-             "the ops qualified before it (stock).", "",
-             "| op | variant | passed | qualified | kernel decode ms | stock decode ms | "
-             "decode x | kernel prefill ms | stock prefill ms | prefill x | error |",
+             "kernels on (kernel) vs the same step with the op's reference, i.e. mlx-lm's "
+             "math for that op (stock math); the ops kept before it run their kernels in "
+             "both. x = stock math / kernel. The overall line compares the qualified set "
+             "with unpatched mlx-lm.", "",
+             "| op | variant | passed | qualified | kernel decode ms | stock-math decode ms | "
+             "decode x | kernel prefill ms | stock-math prefill ms | prefill x | error |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in report_rows(record):
         sp = (lambda v: "-" if v is None else f"{v:.3f}")
