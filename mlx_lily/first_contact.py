@@ -19,6 +19,13 @@ warm-up forwards eagerly instead:
    only if the logits still agree with the reference; an op that breaks them is turned
    off for the process.
 
+Coverage: the instantiations the warm-up's shapes reach (``PROMPT_LEN`` and
+``PREFILL_LEN`` tokens, one decode step, batch 1). Kernel variants picked only by longer
+prompts (the grouped MoE GEMMs' 32/64-row tiles from ~1024 tokens at 256 experts) or by
+batches are first launched during a generation, unprobed; on CUDA the warm-up compiles
+them ahead of time (``cuda_cache``), on Metal a failure there still surfaces at that
+evaluation.
+
 Tolerances (``agree``): kernels round differently from the references (bf16 everywhere,
 fp32 accumulators in other orders), and a model's top-k expert routing turns a rounding
 difference at a near-tie into an O(1) change of that token's logits. On the tiny
