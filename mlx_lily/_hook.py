@@ -52,7 +52,7 @@ def _apply():
         sys.meta_path[:] = [f for f in sys.meta_path if not isinstance(f, _PatchAfterMlxLm)]
         import mlx_lily
 
-        mlx_lily.patch().announce = True
+        mlx_lily.patch(announce=True)
     except Exception as e:  # never break the user's command
         print(f"[mlx-lily] patch not applied ({type(e).__name__}: {e}); running stock mlx-lm",
               file=sys.stderr)

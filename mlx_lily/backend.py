@@ -197,26 +197,51 @@ def backend_info() -> dict:
 
     Returns:
         ``{"backend": "metal"|"cuda"|"cpu", "device": str, "patched": bool,
-        "ops": {op: mode}}``: ``patched`` is whether a Lily patch is active now; mode is
-        ``"kernel"`` (a custom GPU kernel serves at least its main form on this backend),
-        ``"reference"`` (the pure-MLX reference runs) or ``"disabled"`` (the kill switch
-        sends the op to stock mlx-lm code).
+        "ops": {op: mode}, "patch": "patched"|"stepped-aside"|"qualify-pending"|"unpatched",
+        "stepped_aside": reason or None, "runtime_disabled": {op: reason},
+        "qualification": record status}``. ``patched``: a Lily patch is active now (its
+        forwards installed, or stepped aside: see ``patch``). Mode is ``"kernel"`` (a
+        custom GPU kernel serves at least its main form on this backend),
+        ``"reference"`` (the pure-MLX reference runs), ``"disabled"`` (the kill switch
+        sends the op to stock mlx-lm code) or, while the patch stepped aside
+        (``mlx_lily.patch``), ``"stock"`` for every op. ``runtime_disabled``: ops whose
+        kernels failed their first contact in this process
+        (``mlx_lily.first_contact``). ``qualification``: ``"valid"``, ``"stale"``
+        (versions or kernel sources changed: re-qualify), ``"none"`` or ``"off"``
+        (``mlx_lily.qualify.record_status``; ``"n/a"`` on the CPU).
     """
     import sys
 
+    from . import kernels
     from .ops import kernel_status
 
     backend = current_backend()
+    patching = sys.modules.get("mlx_lily.patching")
+    handle = patching._ACTIVE if patching is not None else None
+    aside = handle.stepped_aside if handle is not None else None
     ops = {}
     for name in OP_NAMES:
-        if not op_enabled(name):
+        if aside is not None:
+            ops[name] = "stock"
+        elif not op_enabled(name):
             ops[name] = "disabled"
         else:
             ops[name] = "kernel" if kernel_status(name, backend) else "reference"
-    patching = sys.modules.get("mlx_lily.patching")  # never imported (mlx-lm) just for this
-    patched = bool(patching is not None and patching.is_patched())
-    return {"backend": backend, "device": str(mx.default_device()), "patched": patched,
-            "ops": ops}
+    qual = "n/a"
+    if backend in ("metal", "cuda"):
+        try:
+            from . import qualify
+
+            qual = qualify.record_status(backend)
+        except Exception as e:  # noqa: BLE001  (a description must not fail)
+            qual = f"unreadable ({e!r})"
+    return {"backend": backend, "device": str(mx.default_device()),
+            "patched": handle is not None, "ops": ops,
+            "patch": ("unpatched" if handle is None else
+                      "qualify-pending" if getattr(handle, "qualify_pending", False) else
+                      "stepped-aside" if aside is not None else "patched"),
+            "stepped_aside": aside, "runtime_disabled": kernels.runtime_disabled(),
+            "qualification": qual}
 
 
 def _reference_reason(op: str, backend: str) -> str:
@@ -260,12 +285,28 @@ COMPILE_ENV = "MLX_LILY_COMPILE"  # "0" off, "1" on everywhere, default: on GPU 
 COMPILE_WHOLE_ENV = "MLX_LILY_COMPILE_WHOLE"  # "0": one compiled function per layer
 
 
+_COMPILE_SUSPENDED = [0]
+
+
+@contextlib.contextmanager
+def compile_suspended():
+    """Within this block ``compile_mode`` is ``"off"`` (first contact and qualification
+    evaluate each kernel launch eagerly, which ``mx.compile`` tracing forbids)."""
+    _COMPILE_SUSPENDED[0] += 1
+    try:
+        yield
+    finally:
+        _COMPILE_SUSPENDED[0] -= 1
+
+
 def compile_mode(backend: str | None = None) -> str:
     """How decode steps run now: ``"whole"`` (the decoder stack as one compiled function),
     ``"per-layer"`` or ``"off"``, from ``MLX_LILY_COMPILE`` / ``MLX_LILY_COMPILE_WHOLE``
     and the backend (compiled by default on GPU backends only). ``"whole"`` is the
     setting: a step where some layer cannot run compiled (its kernels do not serve, a
     cache must grow) runs layer by layer."""
+    if _COMPILE_SUSPENDED[0]:
+        return "off"
     be = backend or current_backend()
     mode = env_value(COMPILE_ENV, "")
     if mode == "0" or (mode != "1" and be not in ("cuda", "metal")):
@@ -274,8 +315,11 @@ def compile_mode(backend: str | None = None) -> str:
 
 
 def describe() -> str:
-    """One line for stderr: backend, compiled decode steps, and active ops."""
+    """One line for stderr: backend, compiled decode steps, and active ops; "" while the
+    patch stepped aside or waits to qualify (``patch`` printed its own line)."""
     info = backend_info()
+    if info["patch"] in ("stepped-aside", "qualify-pending"):
+        return ""  # patch() printed its own line
     parts = ", ".join(f"{k}={v}" for k, v in info["ops"].items())
     graphs = ""
     if info["backend"] == "cuda":

@@ -13,7 +13,7 @@ def _run(main_module: str):
         sys.argv.remove("--lily")
     import mlx_lily
 
-    mlx_lily.patch().announce = True  # one status line once a supported model is loaded
+    mlx_lily.patch(announce=True)  # one status line once a supported model is loaded
     import importlib
 
     return importlib.import_module(main_module).main()

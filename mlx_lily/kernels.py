@@ -7,6 +7,7 @@ per (name, backend) and reused for every call; MLX re-renders only the launch.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.resources
 import re
@@ -480,17 +481,24 @@ def kernels_allowed(op: str | None, backend: str) -> bool:
     """Whether op's custom kernels may run on ``backend``.
 
     ``MLX_LILY_KERNELS`` (read at call time, once per model forward: ``backend.env_value``):
-    ``verified`` (default: only ops in
-    ``VERIFIED[backend]``), ``all`` (every kernel, including those verified only by
-    per-op parity tests or the Metal emulator), or a comma list of op names (``verified``
-    may be one of them). Ops not allowed run their pure-MLX reference.
+    ``verified`` (default: only the ops ``verified_ops(backend)`` names: those this
+    device's qualification record passed, else the shipped ``VERIFIED[backend]`` where
+    the device matches ``SHIPPED_DEVICES``), ``all`` (every kernel, including those
+    verified only by per-op parity tests or the Metal emulator), or a comma list of op
+    names (``verified`` may be one of them). An op that failed its first contact in this
+    process (``runtime_disabled()``) never runs its kernels, whatever the setting. Ops
+    not allowed run their pure-MLX reference.
     """
+    if _OVERRIDE[0] is not None:
+        return op in _OVERRIDE[0] and op not in _RUNTIME_OFF
     return _allowed(op, backend, _env_value(KERNELS_ENV, "verified"),
-                    VERIFIED.get(backend, frozenset()))
+                    verified_ops(backend), _RUNTIME_OFF_SET[0])
 
 
 @functools.lru_cache(maxsize=1024)
-def _allowed(op, backend: str, raw: str, verified: frozenset) -> bool:
+def _allowed(op, backend: str, raw: str, verified: frozenset, off: frozenset) -> bool:
+    if op in off:
+        return False
     names = _parse_allowed(raw)
     if "all" in names:
         return True
@@ -499,10 +507,139 @@ def _allowed(op, backend: str, raw: str, verified: frozenset) -> bool:
     return op in names
 
 
+#: Device names (substrings of ``mx.device_info()["device_name"]``) on which the shipped
+#: ``VERIFIED[backend]`` set was measured; on another device of that backend only a
+#: qualification record (``mlx_lily.qualify``) or ``MLX_LILY_KERNELS`` turns kernels on.
+SHIPPED_DEVICES: dict = {"cuda": ("H200",), "metal": ()}
+
+#: op -> reason, for ops whose kernels failed at first contact in this process.
+_RUNTIME_OFF: dict = {}
+_RUNTIME_OFF_SET = [frozenset()]
+#: When not None, the exact set of ops allowed (first contact's reference pass, and
+#: qualification's one-op-at-a-time runs), ahead of ``MLX_LILY_KERNELS``.
+_OVERRIDE: list = [None]
+_RECORD_OPS: dict = {}  # backend -> frozenset | None, from the qualification record
+
+
+def runtime_disabled() -> dict:
+    """``{op: reason}`` for the ops turned off in this process by a failed first contact
+    (``disable_for_process``)."""
+    return dict(_RUNTIME_OFF)
+
+
+def disable_for_process(op: str, reason: str) -> bool:
+    """Turn ``op``'s kernels off for the rest of this process (its reference runs), with
+    one warning naming the op and ``reason``. Returns False when it was already off."""
+    if op in _RUNTIME_OFF:
+        return False
+    _RUNTIME_OFF[op] = reason
+    _RUNTIME_OFF_SET[0] = frozenset(_RUNTIME_OFF)
+    import warnings
+
+    warnings.warn(f"mlx-lily: {op} kernels turned off for this process (its reference "
+                  f"runs): {reason}", stacklevel=2)
+    return True
+
+
+def clear_runtime_disabled() -> None:
+    """Forget every first-contact failure of this process (tests, re-qualification)."""
+    _RUNTIME_OFF.clear()
+    _RUNTIME_OFF_SET[0] = frozenset()
+
+
+@contextlib.contextmanager
+def only_ops(ops):
+    """Within this block exactly ``ops`` (an iterable of op names) may run kernels (minus
+    ``runtime_disabled``), whatever ``MLX_LILY_KERNELS`` says; kernel objects are built
+    as usual."""
+    prev, _OVERRIDE[0] = _OVERRIDE[0], frozenset(ops)
+    try:
+        yield
+    finally:
+        _OVERRIDE[0] = prev
+
+
+@functools.lru_cache(maxsize=None)
+def device_name() -> str:
+    """``mx.device_info()["device_name"]`` of this machine's default GPU ("" when MLX
+    reports none)."""
+    try:
+        return str(mx.device_info().get("device_name", ""))
+    except Exception:  # noqa: BLE001  (older MLX / no device)
+        return ""
+
+
+def _real_backend() -> str:
+    from . import backend
+
+    if backend._metal_available():
+        return "metal"
+    if backend._cuda_available():
+        return "cuda"
+    return "cpu"
+
+
+def shipped_matches(backend: str) -> bool:
+    """Whether the shipped ``VERIFIED[backend]`` applies here: this machine's device
+    name contains one of ``SHIPPED_DEVICES[backend]``, or this machine has no
+    ``backend`` device at all (graph tracing for another backend)."""
+    if _real_backend() != backend:
+        return True
+    name = device_name()
+    return any(d in name for d in SHIPPED_DEVICES.get(backend, ()))
+
+
+def verified_ops(backend: str) -> frozenset:
+    """The ops ``MLX_LILY_KERNELS=verified`` (the default) runs on ``backend`` here: the
+    qualified ops of this device's valid qualification record when there is one
+    (``mlx_lily.qualify.record_ops``; ignored with ``MLX_LILY_QUALIFY=0``), else
+    ``VERIFIED[backend]`` when ``shipped_matches(backend)``, else none. Cached per
+    backend until ``forget_record`` (or ``VERIFIED[backend]`` is replaced)."""
+    shipped = VERIFIED.get(backend, frozenset())
+    hit = _VERIFIED_NOW.get(backend)
+    if hit is not None and hit[0] is shipped:
+        return hit[1]
+    if backend not in _RECORD_OPS:
+        _RECORD_OPS[backend] = None
+        if backend in ("metal", "cuda") and _real_backend() == backend:
+            try:
+                from . import qualify
+
+                _RECORD_OPS[backend] = qualify.record_ops(backend)
+            except Exception as e:  # noqa: BLE001  (an unreadable record is no record)
+                import warnings
+
+                warnings.warn(f"mlx-lily: qualification record unreadable ({e!r}); ignored",
+                              stacklevel=2)
+    rec = _RECORD_OPS[backend]
+    out = rec if rec is not None else (shipped if shipped_matches(backend) else frozenset())
+    _VERIFIED_NOW[backend] = (shipped, out)
+    return out
+
+
+_VERIFIED_NOW: dict = {}  # backend -> (the VERIFIED value it was computed with, result)
+
+
+def allowed_key() -> tuple:
+    """What ``kernels_allowed`` depends on beyond ``MLX_LILY_KERNELS``, the backend and
+    the qualification record (read once per process) (compiled decode steps are keyed by
+    it)."""
+    return (_RUNTIME_OFF_SET[0], _OVERRIDE[0])
+
+
+def forget_record() -> None:
+    """Read the qualification record (and the device) again at the next
+    ``verified_ops`` call."""
+    _RECORD_OPS.clear()
+    _VERIFIED_NOW.clear()
+
+
 def get(spec: KernelSpec, backend: str):
     """The process-wide kernel object for ``spec`` on ``backend``, built on first use;
     None when that backend is not available here or ``kernels_allowed`` says no for the
-    spec's op (callers then use the reference)."""
+    spec's op (callers then use the reference). The object is a ``GuardedKernel``:
+    inside ``mlx_lily.first_contact.probing()`` each launch is built, run and checked
+    at once."""
     if not kernels_allowed(op_of(spec), backend):
         return None
     key = (spec, backend)
@@ -514,11 +651,41 @@ def get(spec: KernelSpec, backend: str):
             return None
         if backend not in ("metal", "cuda"):
             return None
-        k = build(spec, backend)
+        from . import first_contact
+
+        fault = first_contact.injected_fault(op_of(spec))
+        k = (first_contact.build_broken(spec, backend) if fault == "build"
+             else build(spec, backend))
         if backend == "cuda":
             k = RecordedCudaKernel(k, spec)
+        k = GuardedKernel(k, spec, backend, fault)
         _CACHE[key] = k
     return k
+
+
+class GuardedKernel:
+    """A kernel object that launches as it is, except while first contact or
+    qualification probes (``first_contact._PROBE``): then the launch's inputs are
+    evaluated, the kernel runs and its outputs are evaluated at once, and an exception
+    becomes ``first_contact.KernelFault`` naming the op. ``fault`` is a test-only
+    injected failure (``first_contact.INJECT_ENV``), None in production."""
+
+    __slots__ = ("kernel", "spec", "backend", "op", "fault", "_fc")
+
+    def __init__(self, kernel, spec: KernelSpec, backend: str, fault=None):
+        from . import first_contact
+
+        self.kernel = kernel
+        self.spec = spec
+        self.backend = backend
+        self.op = op_of(spec)
+        self.fault = fault
+        self._fc = first_contact
+
+    def __call__(self, **kw):
+        if self.fault is None and self._fc._PROBE[0] is None:
+            return self.kernel(**kw)
+        return self._fc.launch(self, kw)
 
 
 class RecordedCudaKernel:

@@ -521,12 +521,12 @@ def _compile_key():
     """What the traced functions depend on beyond shapes: backend, op selection, switches.
     Compiled steps outlive ``unpatch``: a later patch reuses them only under an equal key
     and unchanged weights (``_check_weights``)."""
-    from mlx_lily import backend
+    from mlx_lily import backend, kernels
 
     be = backend.current_backend()
     if backend.compile_mode(be) == "off":
         return None
-    return (be, backend.disabled_ops(), backend._selected_ops,
+    return (be, backend.disabled_ops(), backend._selected_ops, kernels.allowed_key(),
             backend.env_value("MLX_LILY_KERNELS", ""),
             backend.env_value(attn_ops.DECODE_PF_ENV, ""),
             norm_qgemv_ops.split_requested(), gdn_ops.proj_split(be),

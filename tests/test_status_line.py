@@ -55,7 +55,7 @@ def test_printed_once_for_a_supported_model_only_when_asked(tiny_models, capsys)
     assert "[mlx-lily]" not in capsys.readouterr().err
     mlx_lily.unpatch()
     model.__dict__.pop("_lily_announced", None)
-    mlx_lily.patch().announce = True  # what ``--lily`` does
+    mlx_lily.patch(announce=True)  # what ``--lily`` does
     mlx_lily.prepare_model(model)
     mlx_lily.prepare_model(model)
     err = capsys.readouterr().err
@@ -68,7 +68,7 @@ def test_not_printed_for_an_unsupported_model(capsys):
     m = llama.Model(llama.ModelArgs(
         model_type="llama", hidden_size=64, num_hidden_layers=1, intermediate_size=128,
         num_attention_heads=2, rms_norm_eps=1e-6, vocab_size=100, num_key_value_heads=2))
-    mlx_lily.patch().announce = True
+    mlx_lily.patch(announce=True)
     with warnings.catch_warnings(record=True):
         warnings.simplefilter("always")
         assert mlx_lily.prepare_model(m) is False
