@@ -516,6 +516,7 @@ def patch(model=None, *, ops=None) -> PatchHandle:
             applied.append((owner, name, orig, repl))
         _ACTIVE = PatchHandle(applied, ops)
         _start_tracking()
+        importlib.import_module("mlx_lily.prefix_cache").install_if_enabled()
         fresh = True
     else:
         _ACTIVE.ops = ops
@@ -554,6 +555,7 @@ def unpatch(handle: PatchHandle | None = None) -> bool:
         _ORIGINALS.pop((owner, name), None)
     _ACTIVE = None
     _stop_tracking()
+    importlib.import_module("mlx_lily.prefix_cache").uninstall()
     backend.select_ops(None)
     from mlx_lily.patches.qwen3_next import drop_views
 
