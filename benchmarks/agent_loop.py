@@ -132,12 +132,15 @@ class Server:
         py = sys.executable
         self.port = _free_port()
         head = {"stock": [py, "-m", "mlx_lm.server"], "lily": [py, "-c", LILY_SERVER],
+                "lily-nocache": [py, "-c", LILY_SERVER],
                 "lily-main": [py, "-c", LILY_SERVER_MAIN]}[mode]
         cmd = head + ["--model", str(model), "--host", "127.0.0.1", "--port", str(self.port),
                       *extra]
         e = dict(os.environ, PYTHONUNBUFFERED="1")
         e.pop("MLX_LILY", None)
         e.update(env or {})
+        if mode == "lily-nocache":
+            e["MLX_LILY_PREFIX_CACHE"] = "0"
         log_dir.mkdir(parents=True, exist_ok=True)
         self.log_path = log_dir / f"server-{mode}-{self.port}.log"
         self.log = open(self.log_path, "w+")
@@ -238,7 +241,7 @@ def snapshot_bytes_from_config(config: dict) -> dict:
 def markdown(result: dict) -> str:
     lines = [f"# Agent loop: {result['steps']} steps, target {result['target_tokens']} tokens",
              "", f"Model: `{result['model']}`", f"Command: `{result['command']}`", ""]
-    modes = [m for m in ("stock", "lily", "lily-main") if m in result["modes"]]
+    modes = [m for m in ("stock", "lily-nocache", "lily", "lily-main") if m in result["modes"]]
     head = "| step | prompt | new | expected |"
     sep = "|---:|---:|---:|---:|"
     for m in modes:
@@ -262,9 +265,21 @@ def markdown(result: dict) -> str:
         lines += ["", f"Snapshot bytes at this model's config: {s['snapshot_bytes']} "
                       f"({s['gdn_layers']} GDN layers x ({s['recurrent_bytes_per_layer']} "
                       f"recurrent + {s['conv_bytes_per_layer']} conv))"]
+    if "snapshot_measured_bytes" in result:
+        lines += [f"Snapshot bytes measured on the loaded model: "
+                  f"{result['snapshot_measured_bytes']}"]
     same = result.get("same_text")
     if same is not None:
         lines += ["", f"Greedy text identical across modes at every step: {same}"]
+    if "same_text_lily_vs_nocache" in result:
+        lines += [f"Greedy text of lily identical to lily-nocache at every step: "
+                  f"{result['same_text_lily_vs_nocache']}"]
+    ttft = {m: [r["ttft_s"] or 0 for r in result["modes"][m][1:]] for m in modes}
+    if "stock" in ttft and "lily" in ttft and ttft["stock"]:
+        ratios = [a / b for a, b in zip(ttft["lily"], ttft["stock"]) if b]
+        if ratios:
+            lines += [f"Lily TTFT / stock TTFT after step 0: max {max(ratios):.3f}, "
+                      f"last step {ratios[-1]:.3f}"]
     return "\n".join(lines) + "\n"
 
 
@@ -274,7 +289,9 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--target-tokens", type=int, default=16384)
     ap.add_argument("--max-tokens", type=int, default=8)
-    ap.add_argument("--modes", default="stock,lily", help="comma list of stock, lily, lily-main")
+    ap.add_argument("--modes", default="stock,lily",
+                    help="comma list of stock, lily, lily-nocache (Lily with "
+                         "MLX_LILY_PREFIX_CACHE=0), lily-main (python -m mlx_lm.server)")
     ap.add_argument("--out", required=True)
     ap.add_argument("--server-arg", action="append", default=[],
                     help="extra mlx_lm.server argument (repeat), e.g. --server-arg=--prompt-cache-bytes=8G")
@@ -301,12 +318,21 @@ def main(argv=None) -> int:
             result["snapshot"] = snapshot_bytes_from_config(json.loads(cfg_path.read_text()))
         except KeyError:
             pass
+    weights = sum(f.stat().st_size for f in Path(args.model).glob("*.safetensors"))
+    if weights < (1 << 30):  # small enough to load here: measure a snapshot's bytes
+        from mlx_lm import load
+
+        from mlx_lily.prefix_cache import snapshot_nbytes
+
+        result["snapshot_measured_bytes"] = snapshot_nbytes(load(args.model)[0])
     req = {"seed": 0} if args.seed_requests else None
     for mode in args.modes.split(","):
         result["modes"][mode] = run_mode(mode, args.model, convs, args.max_tokens, out,
                                          args.server_arg, request_extra=req)
-    texts = [[r["text"] for r in rows] for rows in result["modes"].values()]
-    result["same_text"] = all(t == texts[0] for t in texts)
+    texts = {m: [r["text"] for r in rows] for m, rows in result["modes"].items()}
+    result["same_text"] = all(t == next(iter(texts.values())) for t in texts.values())
+    if "lily" in texts and "lily-nocache" in texts:
+        result["same_text_lily_vs_nocache"] = texts["lily"] == texts["lily-nocache"]
     (out / "agent_loop.json").write_text(json.dumps(result, indent=1))
     md = markdown(result)
     (out / "agent_loop.md").write_text(md)

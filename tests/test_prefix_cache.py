@@ -266,6 +266,24 @@ def test_patch_installs_and_unpatch_restores(monkeypatch):
     mlx_lily.unpatch()
 
 
+def test_server_hooks_reversible():
+    import mlx_lm.server as srv
+
+    import mlx_lily
+    from mlx_lily.prefix_cache import PrefixCache
+
+    tokenize, stream_generate, lru = (srv.ResponseGenerator.__dict__["_tokenize"],
+                                      srv.stream_generate, srv.LRUPromptCache)
+    mlx_lily.patch()
+    assert srv.LRUPromptCache is PrefixCache
+    PrefixCache()  # what mlx_lm.server.run builds: hooks the server module
+    assert srv.ResponseGenerator._tokenize.__wrapped__ is tokenize
+    assert srv.stream_generate.__wrapped__ is stream_generate
+    mlx_lily.unpatch()
+    assert srv.ResponseGenerator.__dict__["_tokenize"] is tokenize
+    assert srv.stream_generate is stream_generate and srv.LRUPromptCache is lru
+
+
 def test_settings_parse(monkeypatch):
     from mlx_lily.prefix_cache import DEFAULT_EVERY, settings
 

@@ -27,7 +27,7 @@ EVERY_ENV = "MLX_LILY_PREFIX_CACHE_EVERY"  # tokens between periodic snapshots; 
 SNAPSHOTS_ENV = "MLX_LILY_PREFIX_CACHE_SNAPSHOTS"  # most snapshots held by one store
 #: Default tokens between periodic snapshots of a long prefill (see docs/prefix-cache.md
 #: for the measurement behind it).
-DEFAULT_EVERY = 4096
+DEFAULT_EVERY = 8192
 #: Default most snapshots one store holds (besides its byte limit): 32 snapshots of
 #: Qwen3.6-35B-A3B's 63 MB GDN state are 2 GB.
 DEFAULT_MAX_SNAPSHOTS = 32

@@ -34,9 +34,10 @@ def _offset(c):
 
 
 def _layer_kind(c) -> str | None:
-    """"state" for a single-sequence ``ArraysCache``, "kv" for a trimmable cache with an
-    integer ``offset``, None for anything else."""
-    if isinstance(c, ArraysCache):
+    """"state" for a single-sequence ``ArraysCache`` (not a subclass: a restore builds an
+    ``ArraysCache``), "kv" for a trimmable cache with an integer ``offset``, None for
+    anything else."""
+    if type(c) is ArraysCache:
         if c.left_padding is not None or c.lengths is not None:
             return None
         if any(a is not None and a.shape[0] != 1 for a in c.cache):
