@@ -248,6 +248,38 @@ def test_store_snapshot_state_is_copied_fp32(mini):
     assert store.fetch_nearest_cache("m", tokens + [5, 6])[0] is None
 
 
+def test_store_end_of_prefill_donor_then_snapshot(mini):
+    """The server stores the end of a prefill as a full cache: the donor of that prompt's
+    snapshots while it generates; the final cache turns it into a snapshot."""
+    import copy
+
+    from mlx_lm.models.cache import make_prompt_cache
+
+    import mlx_lily
+    from mlx_lily.prefix_cache import PrefixCache, message_boundaries, snapshot_points
+    from mlx_lily.prefix_cache.plan import prefill_points
+
+    mlx_lily.patch()
+    model, tok = mini
+    p = render(tok, conversation()[0])
+    pts = snapshot_points(len(p), boundaries=message_boundaries(tok, p))
+    store = PrefixCache()
+    cache = make_prompt_cache(model)
+    prefill_points(model, cache, p, 0, pts, store, "m", step=64)
+    store.insert_cache("m", p[:-1], copy.deepcopy(cache), cache_type="assistant")
+    assert store.stats_by_type()["assistant"]["n_sequences"] == 1
+    other = p[:pts[-3]] + tok.encode("Different question?")
+    c2, rest = store.fetch_nearest_cache("m", other)
+    assert len(other) - len(rest) == pts[-3] and store.counters["snapshot_hits"] == 1
+    assert greedy(model, rest, c2) == cold(model, other)
+    before = store.nbytes
+    gen = greedy(model, p[-1:], cache)
+    store.insert_cache("m", p + gen, cache)
+    stats = store.stats_by_type()
+    assert stats["assistant"]["n_sequences"] == 1 and stats["snapshot"]["n_sequences"] == len(pts)
+    assert store.nbytes < before + sum(c.nbytes for c in cache)
+
+
 def test_patch_installs_and_unpatch_restores(monkeypatch):
     import mlx_lm.models.cache as mc
 
@@ -403,9 +435,16 @@ def test_server_eviction_small_byte_limit(mini_ckpt, mini, tmp_path):
         log = srv.output()
     finally:
         srv.stop()
-    sizes = [float(line.rsplit(",", 1)[1].split()[0]) * 1e9
-             for line in log.splitlines() if "Prompt Cache:" in line]
-    assert sizes and max(sizes) <= limit
+    # mlx-lm logs the cache (count, GB with two decimals) before each request
+    counts = [int(line.split("snapshot:")[1].split()[0])
+              for line in log.splitlines() if "- snapshot:" in line]
+    assert len(counts) == len(msgs) and counts[-1] > 0
+    from mlx_lily.prefix_cache import message_boundaries, snapshot_points
+
+    unbounded = sum(len(snapshot_points(len(p), start=expected_cached(tok, prompts[:i], p),
+                                        boundaries=message_boundaries(tok, p)))
+                    for i, p in enumerate(prompts[:2]))
+    assert max(counts) <= limit // snapshot_nbytes(model) < unbounded
 
 
 def test_agent_loop_benchmark_token_counts(mini_ckpt, tmp_path):

@@ -11,7 +11,8 @@ Hook points (each where mlx-lm looks the name up, each restored by ``uninstall``
   the prompt is split into segments ending at every snapshot point. The batched path
   (``BatchGenerator``) then stops its prefill there and stores each segment end through
   ``insert_cache``; segments carry the ``"snapshot"`` type, so the store keeps them as
-  snapshots.
+  snapshots, except the last (the end of the prefill), kept as a full cache until the
+  request's final cache replaces it.
 - ``stream_generate`` in the server module: the sequential path (``_serve_single``:
   requests with a seed, KV quantization) prefills up to the last snapshot point itself,
   storing snapshots, before mlx-lm's ``stream_generate`` runs the rest.
@@ -152,7 +153,12 @@ def _wrap_tokenize(orig):
         cuts = [0] + points + [len(prompt)]
         segs = [prompt[a:b] for a, b in zip(cuts, cuts[1:])]
         _LOCAL.plan = (prompt, points, store, provider.model_key)
-        return prompt, segs, [SNAPSHOT] * len(segs), initial_state, vision
+        # the end of the prefill is stored as a full cache: the KV donor of this prompt's
+        # snapshots while it generates (a concurrent request can use them at once); the
+        # request's final cache turns it into a snapshot
+        types = [SNAPSHOT] * len(segs)
+        types[-2] = "assistant"
+        return prompt, segs, types, initial_state, vision
 
     _tokenize.__wrapped__ = orig
     _tokenize.__doc__ = orig.__doc__

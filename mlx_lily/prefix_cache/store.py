@@ -207,11 +207,11 @@ class PrefixCache(LRUPromptCache):
         if not self._roots[model]:
             del self._roots[model]
 
-    def _add(self, model, entry: _Entry):
+    def _add(self, model, entry: _Entry, replace_full: bool = False):
         node = self._node(model, entry.tokens, create=True)
         prev = node.get(_VALUE)
         if prev is not None:
-            if prev.kind == "full" and entry.kind == SNAPSHOT:
+            if prev.kind == "full" and entry.kind == SNAPSHOT and not replace_full:
                 self._entries.move_to_end((model, entry.tokens))
                 return False
             self._entries.pop((model, prev.tokens))
@@ -358,7 +358,9 @@ class PrefixCache(LRUPromptCache):
                            list(prompt_cache))
             self._add(model, entry)
             self._trimmable[model] = can_trim_prompt_cache(prompt_cache)
-            if self._trimmable[model]:
+            if snapshot_capable(prompt_cache):
+                self._shrink_prefixes(model, tokens)
+            elif self._trimmable[model]:
                 node = self._roots[model]
                 for t in tokens:
                     e = node.get(_VALUE)
@@ -367,6 +369,20 @@ class PrefixCache(LRUPromptCache):
                         node = self._node(model, e.tokens)
                     node = node[t]
         self._enforce()
+
+    def _shrink_prefixes(self, model, tokens):
+        """Full entries on the path of the new full entry ``tokens`` become snapshots: it is
+        their KV donor from now on."""
+        node = self._roots[model]
+        for depth, t in enumerate(tokens):
+            e = node.get(_VALUE)
+            if e is not None and e.kind == "full" and depth > 0:
+                snap = capture(e.cache, depth)
+                if snap is not None:
+                    layers, kv_length, nbytes = snap
+                    self._add(model, _Entry(e.tokens, SNAPSHOT, SNAPSHOT, nbytes, layers,
+                                            kv_length), replace_full=True)
+            node = node[t]
 
     def trim_to(self, *, n_sequences=None, n_bytes=None):
         """Evict least recently used entries until at most ``n_sequences`` entries and
