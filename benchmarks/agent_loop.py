@@ -329,6 +329,8 @@ def main(argv=None) -> int:
     for mode in args.modes.split(","):
         result["modes"][mode] = run_mode(mode, args.model, convs, args.max_tokens, out,
                                          args.server_arg, request_extra=req)
+        # written after each mode: a run cut short keeps what finished
+        (out / "agent_loop.json").write_text(json.dumps(result, indent=1))
     texts = {m: [r["text"] for r in rows] for m, rows in result["modes"].items()}
     result["same_text"] = all(t == next(iter(texts.values())) for t in texts.values())
     if "lily" in texts and "lily-nocache" in texts:

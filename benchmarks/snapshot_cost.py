@@ -5,7 +5,8 @@ time of one snapshot copy and its bytes.
     python benchmarks/snapshot_cost.py --model DIR --tokens 2048 --every 0,1024,512,256
 
 Prints a table and writes JSON (``--out``). Each arm is timed ``--reps`` times, arms
-interleaved, the median reported.
+interleaved, the median reported; the first arm (0: only the end-of-prefill snapshot) is
+the baseline the extra time per snapshot is taken against.
 """
 
 import argparse
