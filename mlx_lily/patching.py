@@ -487,6 +487,17 @@ def _restore_kernel_cache_env() -> None:
     _SET_CACHE_ENV = None
 
 
+def _prefix_cache(on: bool) -> None:
+    """Install (``on``) or remove ``mlx_lily.prefix_cache`` in mlx-lm; a failure warns and
+    leaves mlx-lm's own prompt cache."""
+    try:
+        pc = importlib.import_module("mlx_lily.prefix_cache")
+        pc.install_if_enabled() if on else pc.uninstall()
+    except Exception as e:  # noqa: BLE001  (the kernels' patch stands without it)
+        warnings.warn(f"mlx-lily: prefix cache not {'installed' if on else 'removed'} "
+                      f"({type(e).__name__}: {e}); mlx-lm's prompt cache serves", stacklevel=3)
+
+
 def patch(model=None, *, ops=None) -> PatchHandle:
     """Patch mlx-lm so Qwen3.5/3.6 and Qwen3-Next models run through Lily's ops.
 
@@ -516,7 +527,7 @@ def patch(model=None, *, ops=None) -> PatchHandle:
             applied.append((owner, name, orig, repl))
         _ACTIVE = PatchHandle(applied, ops)
         _start_tracking()
-        importlib.import_module("mlx_lily.prefix_cache").install_if_enabled()
+        _prefix_cache(True)
         fresh = True
     else:
         _ACTIVE.ops = ops
@@ -555,7 +566,7 @@ def unpatch(handle: PatchHandle | None = None) -> bool:
         _ORIGINALS.pop((owner, name), None)
     _ACTIVE = None
     _stop_tracking()
-    importlib.import_module("mlx_lily.prefix_cache").uninstall()
+    _prefix_cache(False)
     backend.select_ops(None)
     from mlx_lily.patches.qwen3_next import drop_views
 

@@ -291,6 +291,24 @@ def test_patch_installs_and_unpatch_restores(monkeypatch):
     mlx_lily.unpatch()
 
 
+def test_patch_survives_prefix_cache_failure(monkeypatch):
+    import mlx_lm.models.cache as mc
+
+    import mlx_lily
+    import mlx_lily.prefix_cache as pc
+
+    orig = mc.LRUPromptCache
+
+    def broken():
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(pc, "install_if_enabled", broken)
+    with pytest.warns(UserWarning, match="prefix cache not installed.*boom"):
+        mlx_lily.patch()
+    assert mlx_lily.is_patched() and mc.LRUPromptCache is orig
+    mlx_lily.unpatch()
+
+
 def test_server_hooks_reversible():
     import mlx_lm.server as srv
 

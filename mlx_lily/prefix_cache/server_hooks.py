@@ -23,12 +23,14 @@ from __future__ import annotations
 import importlib
 import sys
 import threading
+import warnings
 
 _PATCHED: list = []  # (owner, name, original, replacement)
 _ACTIVE = [False]
 _LOCAL = threading.local()
 _CAPABLE: dict = {}  # id(model) -> (model, snapshot_capable(model's cache))
 _ORIG_LRU: list = []  # mlx-lm's LRUPromptCache while installed
+_WARNED: list = []  # server modules warned about
 
 
 def installed() -> bool:
@@ -108,6 +110,14 @@ def _hook_server(mod) -> None:
             and not _patched(mod, "LRUPromptCache")):
         _set(mod, "LRUPromptCache", PrefixCache)
     rg = mod.ResponseGenerator
+    if "_tokenize" not in rg.__dict__ or not callable(getattr(mod, "stream_generate", None)):
+        if mod not in _WARNED:
+            _WARNED.append(mod)
+            warnings.warn(f"mlx-lily: {mod.__name__} has no ResponseGenerator._tokenize or "
+                          "stream_generate (an mlx-lm version this prefix cache does not "
+                          "know): the server keeps mlx-lm's segments, no snapshots",
+                          stacklevel=3)
+        return
     if not _patched(rg, "_tokenize"):
         _set(rg, "_tokenize", _wrap_tokenize(rg.__dict__["_tokenize"]))
     if not _patched(mod, "stream_generate"):
