@@ -509,6 +509,17 @@ def _restore_kernel_cache_env() -> None:
     _SET_CACHE_ENV = None
 
 
+def _prefix_cache(on: bool) -> None:
+    """Install (``on``) or remove ``mlx_lily.prefix_cache`` in mlx-lm; a failure warns and
+    leaves mlx-lm's own prompt cache."""
+    try:
+        pc = importlib.import_module("mlx_lily.prefix_cache")
+        pc.install_if_enabled() if on else pc.uninstall()
+    except Exception as e:  # noqa: BLE001  (the kernels' patch stands without it)
+        warnings.warn(f"mlx-lily: prefix cache not {'installed' if on else 'removed'} "
+                      f"({type(e).__name__}: {e}); mlx-lm's prompt cache serves", stacklevel=3)
+
+
 STEP_ASIDE_ENV = "MLX_LILY_STEP_ASIDE"
 
 
@@ -567,7 +578,7 @@ def _aside_line(reason: str) -> str:
 #: ``(install, uninstall)`` pairs, run in order by ``patch`` / in reverse by ``unpatch``,
 #: also when Lily steps aside. Each ``install()`` returns an opaque token handed back to
 #: its ``uninstall(token)``.
-INDEPENDENT_FEATURES: list = []
+INDEPENDENT_FEATURES: list = [(lambda: _prefix_cache(True), lambda _token: _prefix_cache(False))]
 
 
 def _install_independent(handle: PatchHandle) -> None:
