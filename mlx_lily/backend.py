@@ -10,67 +10,16 @@ import contextlib
 import functools
 import os
 import re
-import threading
 
 import mlx.core as mx
 
-OP_NAMES = (
-    "add_rms_norm",
-    "moe_router_topk",
-    "moe_route",
-    "moe_experts",
-    "moe_grouped",
-    "gated_delta",
-    "attention",
-    "qgemv",
-    "norm_qgemv",
-    "gdn_packed",
-    "attn_packed",
-    "moe_router_norm",
-    "moe_topk_in_experts",
-    "qgemv_out",
-    "prefill_dequant",
-    "shared_dequant",
-    "gdn_proj",
-    "gdn_out_proj",
-    "moe_fused",
-)
+from . import config, registry
+from .config import env_frozen, env_value  # noqa: F401  (the settings' environment reads)
 
-DISABLE_ENV = "MLX_LILY_DISABLE"
+#: Every op and fusion switch (``mlx_lily.registry.OPS`` names, in table order).
+OP_NAMES = registry.NAMES
 
-class _EnvSnapshot(threading.local):
-    values: dict | None = None
-
-
-_ENV = _EnvSnapshot()
-
-
-def env_value(name: str, default: str = "") -> str:
-    """The switch ``name`` as the environment holds it (``os.environ.get``): read at every
-    call, or once per forward of a patched decoder stack (``env_frozen``), so a change
-    made while a model runs applies from the next forward."""
-    snap = _ENV.values
-    if snap is None:
-        return os.environ.get(name, default)
-    if name not in snap:
-        snap[name] = os.environ.get(name)
-    v = snap[name]
-    return default if v is None else v
-
-
-@contextlib.contextmanager
-def env_frozen():
-    """Within this block ``env_value`` reads each variable from the environment once (a
-    decode step reads the switches hundreds of times). Nested blocks share the outer
-    snapshot."""
-    if _ENV.values is not None:
-        yield
-        return
-    _ENV.values = {}
-    try:
-        yield
-    finally:
-        _ENV.values = None
+DISABLE_ENV = config.SETTINGS["disable"].env
 
 
 @functools.lru_cache(maxsize=None)
@@ -141,27 +90,24 @@ def warn_unknown_ops(env: str, names, extra=()) -> None:
     """One warning naming what an environment variable lists that is no op."""
     unknown = sorted(set(names) - set(OP_NAMES) - set(extra))
     if unknown:
-        import warnings
-
-        warnings.warn(f"mlx-lily: unknown op(s) in {env}: {unknown}; known: {list(OP_NAMES)}",
-                      stacklevel=3)
+        config.warn_bad(env, ",".join(sorted(names)), f"op names {list(OP_NAMES)}",
+                        f"unknown op(s) {unknown}")
 
 
 @functools.lru_cache(maxsize=16)
-def _parse_disabled(raw: str) -> frozenset:
-    names = frozenset(t.strip() for t in raw.split(",") if t.strip())
-    warn_unknown_ops(DISABLE_ENV, names, ("all",))
+def _expand_disabled(names: frozenset) -> frozenset:
     if "all" in names:
         return frozenset(OP_NAMES) | {"all"}
     return names
 
 
 def disabled_ops() -> frozenset:
-    """Names of ops turned off by ``MLX_LILY_DISABLE=<op>[,<op>...]`` or ``=all``.
+    """Names of ops turned off by ``MLX_LILY_DISABLE=<op>[,<op>...]`` or ``=all``
+    (``config.disable``).
 
     A disabled op takes the stock mlx-lm code path for every call.
     """
-    return _parse_disabled(env_value(DISABLE_ENV, ""))
+    return _expand_disabled(config.disable)
 
 
 _selected_ops: frozenset | None = None
@@ -196,25 +142,29 @@ def backend_info() -> dict:
     """Describe what a call would use now.
 
     Returns:
-        ``{"backend": "metal"|"cuda"|"cpu", "device": str, "ops": {op: mode}}`` where
-        mode is ``"kernel"`` (a custom GPU kernel serves at least its main form on this
-        backend), ``"reference"`` (the pure-MLX reference runs) or ``"disabled"`` (the
-        kill switch sends the op to stock mlx-lm code).
+        ``{"backend": "metal"|"cuda"|"cpu", "device": str, "ops": {op: mode},
+        "reasons": {op: why}}`` where mode is ``"kernel"`` (a custom GPU kernel serves at
+        least its main form on this backend), ``"reference"`` (the pure-MLX reference or
+        the stock form runs) or ``"disabled"`` (the kill switch sends the op to stock
+        mlx-lm code), and ``reasons`` holds ``registry.why_not``'s answer for every op
+        that is not ``"kernel"``.
     """
-    from .ops import kernel_status
-
     backend = current_backend()
-    ops = {}
+    ops, reasons = {}, {}
     for name in OP_NAMES:
+        why = registry.why_not(name, backend)
+        if why is not None:
+            reasons[name] = why
         if not op_enabled(name):
             ops[name] = "disabled"
         else:
-            ops[name] = "kernel" if kernel_status(name, backend) else "reference"
-    return {"backend": backend, "device": str(mx.default_device()), "ops": ops}
+            ops[name] = "kernel" if why is None else "reference"
+    return {"backend": backend, "device": str(mx.default_device()), "ops": ops,
+            "reasons": reasons}
 
 
-COMPILE_ENV = "MLX_LILY_COMPILE"  # "0" off, "1" on everywhere, default: on GPU backends
-COMPILE_WHOLE_ENV = "MLX_LILY_COMPILE_WHOLE"  # "0": one compiled function per layer
+COMPILE_ENV = config.SETTINGS["compile"].env
+COMPILE_WHOLE_ENV = "MLX_LILY_COMPILE_WHOLE"  # tuning.compile_whole
 
 
 def compile_mode(backend: str | None = None) -> str:
@@ -223,11 +173,13 @@ def compile_mode(backend: str | None = None) -> str:
     and the backend (compiled by default on GPU backends only). ``"whole"`` is the
     setting: a step where some layer cannot run compiled (its kernels do not serve, a
     cache must grow) runs layer by layer."""
+    from . import tuning
+
     be = backend or current_backend()
-    mode = env_value(COMPILE_ENV, "")
-    if mode == "0" or (mode != "1" and be not in ("cuda", "metal")):
+    on = config.compile
+    if on is False or (on is None and be not in ("cuda", "metal")):
         return "off"
-    return "per-layer" if env_value(COMPILE_WHOLE_ENV, "1") == "0" else "whole"
+    return "whole" if tuning.compile_whole else "per-layer"
 
 
 def describe() -> str:

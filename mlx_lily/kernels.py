@@ -15,8 +15,7 @@ from typing import NamedTuple
 
 import mlx.core as mx
 
-from . import cuda_cache
-from .backend import env_value as _env_value
+from . import config, cuda_cache, registry
 
 _REPO_SHADERS = Path(__file__).resolve().parent.parent / "shaders"
 
@@ -397,14 +396,8 @@ def build(spec: KernelSpec, backend: str, factory=None):
 
 _CACHE: dict = {}
 
-# Which op a kernel serves, by shader stem prefix (first match wins).
-_STEM_OPS = (
-    ("gdn_", "gated_delta"), ("add_rms_norm", "add_rms_norm"), ("attn_", "attention"),
-    ("moe_router_topk", "moe_router_topk"), ("moe_gate_up", "moe_experts"),
-    ("moe_down", "moe_experts"), ("moe_decode", "moe_fused"), ("moeg_route_", "moe_route"),
-    ("moeg_", "moe_grouped"),
-    ("qgemv", "qgemv"), ("norm_qgemv", "norm_qgemv"),
-)
+# Which op a kernel serves, by shader stem prefix (longest first: first match wins).
+_STEM_OPS = registry.stem_ops()
 
 # Ops whose kernels were verified on that backend's hardware (their per-op parity tests
 # passed on the device AND the A/B correctness gate on the full-size model passed with them
@@ -451,14 +444,7 @@ _STEM_OPS = (
 # moe_grouped's CUDA GEMMs load 128-k stages with 64 contiguous bytes per weight row since
 # c703299: its GPU tests (37 passed with moe_route) and the gate (1180ee7) passed with them.
 # shared_dequant (session 16): GPU test and bit-identical output at 4096 rows, no gate yet.
-VERIFIED: dict = {
-    "cuda": frozenset({"add_rms_norm", "moe_router_topk", "moe_route", "moe_experts",
-                       "moe_grouped", "attention", "qgemv", "gated_delta", "norm_qgemv",
-                       "gdn_packed", "attn_packed", "moe_router_norm",
-                       "moe_topk_in_experts", "qgemv_out", "prefill_dequant", "gdn_proj",
-                       "gdn_out_proj", "moe_fused"}),
-    "metal": frozenset(),
-}
+VERIFIED: dict = registry.verified_by_backend()
 
 
 class PlanCache(dict):
@@ -487,7 +473,7 @@ def stock_result_dtype(x_dtype, scales_dtype) -> bool:
     return scales_dtype == x_dtype or x_dtype == mx.float32
 
 
-KERNELS_ENV = "MLX_LILY_KERNELS"
+KERNELS_ENV = config.SETTINGS["kernels"].env
 
 
 @functools.lru_cache(maxsize=None)
@@ -500,15 +486,6 @@ def op_of(spec: KernelSpec) -> str | None:
     return None
 
 
-@functools.lru_cache(maxsize=16)
-def _parse_allowed(raw: str):
-    names = {t.strip() for t in raw.split(",") if t.strip()}
-    from .backend import warn_unknown_ops
-
-    warn_unknown_ops(KERNELS_ENV, names, ("all", "verified"))
-    return names or {"verified"}
-
-
 def kernels_allowed(op: str | None, backend: str) -> bool:
     """Whether op's custom kernels may run on ``backend``.
 
@@ -518,13 +495,11 @@ def kernels_allowed(op: str | None, backend: str) -> bool:
     per-op parity tests or the Metal emulator), or a comma list of op names (``verified``
     may be one of them). Ops not allowed run their pure-MLX reference.
     """
-    return _allowed(op, backend, _env_value(KERNELS_ENV, "verified"),
-                    VERIFIED.get(backend, frozenset()))
+    return _allowed(op, config.kernels, VERIFIED.get(backend, frozenset()))
 
 
 @functools.lru_cache(maxsize=1024)
-def _allowed(op, backend: str, raw: str, verified: frozenset) -> bool:
-    names = _parse_allowed(raw)
+def _allowed(op, names: frozenset, verified: frozenset) -> bool:
     if "all" in names:
         return True
     if "verified" in names and op in verified:

@@ -25,10 +25,8 @@ from mlx_lily.ops import norm_qgemv as norm_qgemv_ops
 from mlx_lily.ops import qmm_dequant
 from mlx_lily.ops.add_rms_norm import add_rms_norm
 from mlx_lily.ops import gated_delta as gdn_ops
-from mlx_lily.ops import moe_grouped as moe_grouped_ops
 from mlx_lily.ops.gated_delta import gated_delta, gated_delta_packed
-from mlx_lily.ops.moe_experts import (FUSED_COUNTERS, FUSED_RPW_ENV, drop_plans, moe_experts,
-                                      moe_experts_routed)
+from mlx_lily.ops.moe_experts import FUSED_COUNTERS, drop_plans, moe_experts, moe_experts_routed
 from mlx_lily.ops.moe_router_topk import PRE_NORM_OP, moe_router_topk, moe_router_topk_pending
 from mlx_lily.qproj import PendingNorm, QProj, resolve
 
@@ -526,12 +524,11 @@ def _compile_key():
     be = backend.current_backend()
     if backend.compile_mode(be) == "off":
         return None
-    return (be, backend.disabled_ops(), backend._selected_ops,
-            backend.env_value("MLX_LILY_KERNELS", ""),
-            backend.env_value(attn_ops.DECODE_PF_ENV, ""),
-            norm_qgemv_ops.split_requested(), gdn_ops.proj_split(be),
-            backend.env_value(FUSED_RPW_ENV, ""),
-            backend.env_value(moe_grouped_ops.TILE_ROWS_ENV, ""))
+    from mlx_lily import config, tuning
+
+    return (be, backend.disabled_ops(), backend._selected_ops, config.kernels,
+            tuning.decode_pf, norm_qgemv_ops.split_requested(), gdn_ops.proj_split(be),
+            tuning.moe_fused_rpw, tuning.moe_tile_rows)
 
 
 def _layer_tail(layer, h, r, counters=None, after=None):
@@ -597,7 +594,7 @@ def _gdn_step(layer, pending):
     return mx.compile(_gdn_step_fn(layer, pending))
 
 
-COMPILE_ATTN_ENV = "MLX_LILY_COMPILE_ATTN"  # "0": attention layers' decode steps run eagerly
+COMPILE_ATTN_ENV = "MLX_LILY_COMPILE_ATTN"  # tuning.compile_attn
 
 
 def _attn_step_ok(layer, c, x) -> bool:
@@ -622,7 +619,9 @@ def _attn_static_head_dim(layer, dtype):
     modules, dtype): the head size when the compiled attention step serves, else None."""
     from mlx_lily import backend
 
-    if backend.env_value(COMPILE_ATTN_ENV, "1") == "0":
+    from mlx_lily import tuning
+
+    if not tuning.compile_attn:
         return None
     attn = layer.self_attn
     if not (op_enabled(attn_ops.NAME) and op_enabled(attn_ops.PACKED_OP)
@@ -742,7 +741,7 @@ def _whole_step_fn(text_model, layers):
 #: Compiled whole-stack decode steps kept per model, one per KV-cache capacity.
 RECENT_WHOLE_STEPS = 4
 
-KV_STEP_ENV = "MLX_LILY_KV_STEP"
+KV_STEP_ENV = "MLX_LILY_KV_STEP"  # tuning.kv_step
 #: KV-cache capacity growth (tokens) for plain ``KVCache`` objects a patched forward sees.
 #: mlx-lm grows by 256; each growth changes the compiled decode step's shapes, so the step
 #: that grows runs layer by layer and the next one traces the whole stack again
@@ -751,30 +750,15 @@ KV_STEP_ENV = "MLX_LILY_KV_STEP"
 #: in all, against a 0.32 ms median). 2048 (the prefill chunk) cuts those events 8x for at most 2047 unused cache rows per attention layer (4 MiB per layer for
 #: Qwen3.6-35B-A3B's 2 KV heads x 256 dims, bf16 K and V).
 DEFAULT_KV_STEP = 2048
-_KV_STEP_WARNED: set = set()
 
 
 def _kv_step() -> int:
-    """``MLX_LILY_KV_STEP`` (an integer >= 1; a bad value warns once and keeps mlx-lm's
-    growth), else ``DEFAULT_KV_STEP``."""
-    from mlx_lily.backend import env_value
+    """``MLX_LILY_KV_STEP`` (``tuning.kv_step``: an integer >= 1; a bad value warns once
+    and keeps the default), else ``DEFAULT_KV_STEP``."""
+    from mlx_lily import tuning
 
-    raw = env_value(KV_STEP_ENV, "")
-    if not raw:
-        return DEFAULT_KV_STEP
-    try:
-        v = int(raw)
-        if v >= 1:
-            return v
-    except ValueError:
-        pass
-    if raw not in _KV_STEP_WARNED:
-        import warnings
-
-        _KV_STEP_WARNED.add(raw)
-        warnings.warn(f"mlx-lily: {KV_STEP_ENV}={raw!r} is not an integer >= 1; KV caches "
-                      "keep mlx-lm's growth step", stacklevel=3)
-    return 0
+    v = tuning.kv_step
+    return DEFAULT_KV_STEP if v is None else v
 
 
 def _widen_kv_steps(cache) -> None:
@@ -803,7 +787,9 @@ def _run_whole_step(text_model, cs, layers, cache, h):
     if backend.compile_mode() != "whole":
         return None
     # what holds for every step (switches, modules, dtype): once per compile key
-    skey = ("whole-ok", h.dtype, backend.env_value(COMPILE_ATTN_ENV, "1"))
+    from mlx_lily import tuning
+
+    skey = ("whole-ok", h.dtype, tuning.compile_attn)
     dims = cs.static.get(skey)
     if dims is None:
         dims = [0 if l.is_linear and gdn_supported(l.linear_attn) else

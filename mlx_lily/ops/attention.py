@@ -195,13 +195,12 @@ def _rope_params(eps, base, scale):
 
 def decode_prefetch(backend: str) -> int:
     """``PF`` of ``lily_attn_decode_partial`` on ``backend``: ``DECODE_PREFETCH``, or
-    ``MLX_LILY_DECODE_PF`` (1 or 2; anything else is ignored)."""
-    from mlx_lily.backend import env_value
+    ``MLX_LILY_DECODE_PF`` (``tuning.decode_pf``: 1 or 2; another value warns once and
+    keeps the table's)."""
+    from .. import tuning
 
-    raw = env_value(DECODE_PF_ENV, "")
-    if raw in ("1", "2"):
-        return int(raw)
-    return DECODE_PREFETCH.get(backend, 1)
+    pf = tuning.decode_pf
+    return DECODE_PREFETCH.get(backend, 1) if pf is None else pf
 
 
 def decode_block(T: int, B: int, Hkv: int, backend: str) -> int:

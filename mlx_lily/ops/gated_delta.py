@@ -174,17 +174,11 @@ SCAN_ENV = "MLX_LILY_GDN_SCAN"
 
 def scan_config(backend: str) -> tuple:
     """``(LPR, RPL, WPB)`` for ``lily_gdn_scan`` on ``backend``; ``MLX_LILY_GDN_SCAN=8,2,4``
-    overrides (benchmark sweeps)."""
-    from ..backend import env_value
+    overrides (benchmark sweeps: ``tuning.gdn_scan``)."""
+    from .. import tuning
 
-    raw = env_value(SCAN_ENV, "")
-    if raw:
-        try:
-            lpr, rpl, wpb = (int(v) for v in raw.split(","))
-            return lpr, rpl, wpb
-        except ValueError:
-            pass
-    return SCAN_CONFIG.get(backend, (8, 1, 4))
+    cfg = tuning.gdn_scan
+    return cfg if cfg is not None else SCAN_CONFIG.get(backend, (8, 1, 4))
 
 
 def _scan_ok(cfg, Dk, Dv) -> bool:
@@ -544,9 +538,9 @@ def prefill_scan(backend: str) -> str:
     """``"chunked"`` when ``MLX_LILY_GDN_PREFILL=chunked`` (``scan_chunked`` between the
     prep and norm kernels) and fp32 matmuls are fp32 (``tf32_matmuls`` False), else
     ``"kernel"`` (``lily_gdn_scan``, the default)."""
-    from ..backend import env_value
+    from .. import tuning
 
-    if env_value(PREFILL_ENV, "") != "chunked":
+    if tuning.gdn_prefill != "chunked":
         return "kernel"
     if tf32_matmuls(backend):
         import warnings
@@ -756,20 +750,12 @@ PROJ_SPLIT_ENV = "MLX_LILY_GDN_PROJ_SPLIT"  # CUDA: blocks per head, overriding 
 
 def proj_split(backend: str) -> int:
     """Blocks per (batch, v-head) of the PROJ launch on ``backend``: ``PROJ_SPLIT``, or on
-    CUDA ``MLX_LILY_GDN_PROJ_SPLIT`` (an integer 1..16). Raises ValueError for another
-    value."""
-    from ..backend import env_value
+    CUDA ``MLX_LILY_GDN_PROJ_SPLIT`` (``tuning.gdn_proj_split``: an integer 1..16; another
+    value warns once and keeps ``PROJ_SPLIT``)."""
+    from .. import tuning
 
-    raw = env_value(PROJ_SPLIT_ENV, "") if backend == "cuda" else ""
-    if not raw:
-        return PROJ_SPLIT.get(backend, 1)
-    try:
-        v = int(raw)
-    except ValueError:
-        v = 0
-    if not 1 <= v <= 16:
-        raise ValueError(f"{PROJ_SPLIT_ENV} must be an integer 1..16, got {raw!r}")
-    return v
+    v = tuning.gdn_proj_split if backend == "cuda" else None
+    return PROJ_SPLIT.get(backend, 1) if v is None else v
 
 
 def gated_delta_proj_reference(p: DecodeProj, conv_weight, conv_state, A_log, dt_bias, state,

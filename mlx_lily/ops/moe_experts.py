@@ -99,24 +99,12 @@ FUSED_RPW_ENV = "MLX_LILY_MOE_FUSED_RPW"
 
 
 def fused_rpw() -> tuple:
-    """``FUSED_RPW``, or ``MLX_LILY_MOE_FUSED_RPW`` (three integers 1..8, comma-separated).
+    """``FUSED_RPW``, or ``MLX_LILY_MOE_FUSED_RPW`` (``tuning.moe_fused_rpw``: three
+    integers 1..8, comma-separated; another value warns once and keeps ``FUSED_RPW``)."""
+    from .. import tuning
 
-    Raises:
-        ValueError: the variable is set to anything else.
-    """
-    from ..backend import env_value
-
-    raw = env_value(FUSED_RPW_ENV, "")
-    if not raw:
-        return FUSED_RPW
-    try:
-        v = tuple(int(t) for t in raw.split(","))
-    except ValueError:
-        v = ()
-    if len(v) != 3 or not all(1 <= x <= 8 for x in v):
-        raise ValueError(f"{FUSED_RPW_ENV} must be three integers 1..8 like '2,4,2', "
-                         f"got {raw!r}")
-    return v
+    v = tuning.moe_fused_rpw
+    return FUSED_RPW if v is None else v
 #: Threads per block of the fused kernel (4 warps in every phase).
 FUSED_THREADS = 128
 

@@ -97,14 +97,11 @@ SPLIT_ENV = "MLX_LILY_NORM_GEMV"
 
 
 def split_requested() -> bool:
-    """True when ``MLX_LILY_NORM_GEMV=split``. Raises ValueError for other values than
-    ``fused`` / ``split``."""
-    from ..backend import env_value
+    """True when ``MLX_LILY_NORM_GEMV=split`` (``tuning.norm_gemv``; a value other than
+    ``fused`` / ``split`` warns once and reads as ``fused``)."""
+    from .. import tuning
 
-    v = env_value(SPLIT_ENV, "fused")
-    if v not in ("fused", "split"):
-        raise ValueError(f"{SPLIT_ENV} must be 'fused' or 'split', got {v!r}")
-    return v == "split"
+    return tuning.norm_gemv == "split"
 
 
 def for_qproj(h0, res, norm_w, eps, proj):
