@@ -497,9 +497,9 @@ def routed_supported(router, k: int, wts: DecodeWeights | None, x_shape, x_dtype
     that fits in threadgroup memory (the in-kernel norm stages it), at most
     ``MAX_ROUTED_EXPERTS`` experts, and a quantized router whose scales have x's dtype
     (so its logits come out in that dtype from ``qgemv`` and ``quantized_matmul`` alike)."""
-    from ..qproj import QProj
+    from .proj import Proj
 
-    if wts is None or not isinstance(router, QProj) or x_dtype not in _FLOATS:
+    if wts is None or not isinstance(router, Proj) or x_dtype not in _FLOATS:
         return False
     if not router.quantized or router.scales.dtype != x_dtype:
         return False  # logits must come out in x's dtype (the kernel reads them as T)
@@ -541,7 +541,7 @@ def moe_experts_routed(x, router, k: int, norm_topk_prob: bool, switch_mlp, shar
         cannot fold into the router GEMV); nothing was launched then.
     """
     from ..backend import op_enabled
-    from ..qproj import PendingNorm
+    from .proj import PendingNorm
 
     backend = current_backend()
     if (backend not in ("metal", "cuda") or not op_enabled(TOPK_OP)
