@@ -1114,9 +1114,9 @@ def one_row_linear(layer, x, attr="_lily_view", owner=None, op=OUT_PROJ_OP):
     if type(layer) is not nn.QuantizedLinear or "bias" in layer:
         return layer(x)
     if op is not None:
-        from mlx_lily import backend, kernels
+        from mlx_lily import backend, registry
 
-        if not (op_enabled(op) and kernels.kernels_allowed(op, backend.current_backend())):
+        if not registry.switch_on(op, backend.current_backend()):
             return layer(x)
     owner = layer if owner is None else owner
     cached = owner.__dict__.get(attr)

@@ -827,12 +827,11 @@ def out_proj_unsupported(p: DecodeProj, out_proj: OutProj, *, num_v_heads, head_
 def out_enabled(backend: str) -> bool:
     """Whether OUTP may run on ``backend`` now: CUDA, ``proj_enabled``, the
     ``gdn_out_proj`` switch and that of the launch it replaces (``qgemv_out``)."""
-    from ..backend import op_enabled
+    from ..registry import switch_on
     from . import qgemv as _qg
 
-    return (backend == "cuda" and proj_enabled(backend) and op_enabled(OUT_OP)
-            and _k.kernels_allowed(OUT_OP, backend) and op_enabled(_qg.OUT_PROJ_OP)
-            and _k.kernels_allowed(_qg.OUT_PROJ_OP, backend))
+    return (backend == "cuda" and proj_enabled(backend) and switch_on(OUT_OP, backend)
+            and switch_on(_qg.OUT_PROJ_OP, backend))
 
 
 def has_out_kernel(backend: str) -> bool:
@@ -884,15 +883,15 @@ def proj_enabled(backend: str) -> bool:
     (``gdn_proj``) and those of the two launches it replaces (``norm_qgemv`` with
     ``qgemv``, ``gdn_packed``) allow it, and ``MLX_LILY_NORM_GEMV`` is not ``split``."""
     from ..backend import op_enabled
+    from ..registry import switch_on
     from . import norm_qgemv as _nq
     from . import qgemv as _qg
 
     if backend not in ("metal", "cuda"):
         return False
-    return (op_enabled(PROJ_OP) and op_enabled(PACKED_OP) and op_enabled(_nq.NAME)
-            and op_enabled(_qg.NAME) and _qg.USE_FOR_QPROJ.get(backend, False)
-            and _k.kernels_allowed(PROJ_OP, backend) and _k.kernels_allowed(PACKED_OP, backend)
-            and _k.kernels_allowed(_nq.NAME, backend) and not _nq.split_requested())
+    return (switch_on(PROJ_OP, backend) and switch_on(PACKED_OP, backend)
+            and switch_on(_nq.NAME, backend) and op_enabled(_qg.NAME)
+            and _qg.USE_FOR_QPROJ.get(backend, False) and not _nq.split_requested())
 
 
 def has_proj_kernel(backend: str) -> bool:
@@ -918,13 +917,12 @@ def gated_delta_proj(p: DecodeProj, conv_weight, conv_state, A_log, dt_bias, sta
             norm_weight, get_kernel=lambda spec: _k.get(spec, backend), proj=p,
             proj_split=proj_split(backend), out_proj=out_proj, **dims)
     if out_proj is not None:
-        from ..backend import op_enabled
+        from ..registry import switch_on
         from . import qgemv as _qg
 
         res = gated_delta_proj(p, conv_weight, conv_state, A_log, dt_bias, state,
                                norm_weight, **dims)
-        gemv = (_qg.qgemv if op_enabled(_qg.OUT_PROJ_OP)
-                and _k.kernels_allowed(_qg.OUT_PROJ_OP, backend) else _qg.qgemv_reference)
+        gemv = _qg.qgemv if switch_on(_qg.OUT_PROJ_OP, backend) else _qg.qgemv_reference
         return (*res, gemv(res[0], out_proj.w, out_proj.scales, out_proj.biases,
                            p.group_size, p.bits))
     if served:

@@ -540,12 +540,11 @@ def moe_experts_routed(x, router, k: int, norm_topk_prob: bool, switch_mlp, shar
         ``routed_supported`` says no, or ``x`` is a ``PendingNorm`` that ``norm_qgemv``
         cannot fold into the router GEMV); nothing was launched then.
     """
-    from ..backend import op_enabled
+    from ..registry import switch_on
     from .proj import PendingNorm
 
     backend = current_backend()
-    if (backend not in ("metal", "cuda") or not op_enabled(TOPK_OP)
-            or not kernels.kernels_allowed(TOPK_OP, backend)
+    if (backend not in ("metal", "cuda") or not switch_on(TOPK_OP, backend)
             or not kernels.kernels_allowed(NAME, backend)):
         return None
     pending = isinstance(x, PendingNorm)
@@ -700,9 +699,11 @@ def _fused_call(x, router, k, norm_topk_prob, switch_mlp, shared_expert, backend
     from ..backend import op_enabled
 
     ctr, off, after = x.counters
-    if (backend != "cuda" or not op_enabled(FUSED_OP) or not op_enabled("norm_qgemv")
-            or not op_enabled("qgemv") or not kernels.kernels_allowed(FUSED_OP, backend)
-            or ctr.dtype != mx.int32 or ctr.ndim != 1 or ctr.size < off + FUSED_COUNTERS):
+    from ..registry import switch_on
+
+    if (backend != "cuda" or not switch_on(FUSED_OP, backend) or not op_enabled("norm_qgemv")
+            or not op_enabled("qgemv") or ctr.dtype != mx.int32 or ctr.ndim != 1
+            or ctr.size < off + FUSED_COUNTERS):
         return None
     row = x.h0
 

@@ -31,7 +31,8 @@ from __future__ import annotations
 import mlx.core as mx
 
 from .. import kernels
-from ..backend import current_backend, op_enabled
+from ..backend import current_backend
+from ..registry import switch_on
 from .proj import Proj
 from . import qgemv
 
@@ -248,8 +249,8 @@ def moe_router_topk_pending(pending, router, k, norm_topk_prob):
     experts' input); ``pending.h`` holds the residual sum afterwards."""
     backend = current_backend()
     h0, res, nw_ = pending.h0, pending.res, pending.weight
-    if (backend in ("metal", "cuda") and isinstance(router, Proj) and op_enabled(PRE_NORM_OP)
-            and kernels.kernels_allowed(PRE_NORM_OP, backend)):
+    if (backend in ("metal", "cuda") and isinstance(router, Proj)
+            and switch_on(PRE_NORM_OP, backend)):
         plans = kernels.plan_cache(router, "_lily_router_plans")
         key = (backend, h0.shape, h0.dtype, k, bool(norm_topk_prob), "pre_norm")
         run = plans.get(key, False)

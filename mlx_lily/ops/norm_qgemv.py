@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from .. import kernels
 from ..backend import current_backend, op_enabled
+from ..registry import switch_on
 from . import qgemv as _qgemv
 from .add_rms_norm import add_rms_norm_reference
 
@@ -113,9 +114,8 @@ def for_qproj(h0, res, norm_w, eps, proj):
         return None
     backend = current_backend()
     # the GEMV half is qgemv's: its switches apply too
-    if (backend not in ("metal", "cuda") or not op_enabled(NAME) or not op_enabled(_qgemv.NAME)
-            or not _qgemv.USE_FOR_QPROJ.get(backend, False)
-            or not kernels.kernels_allowed(NAME, backend)
+    if (backend not in ("metal", "cuda") or not switch_on(NAME, backend)
+            or not op_enabled(_qgemv.NAME) or not _qgemv.USE_FOR_QPROJ.get(backend, False)
             or not kernels.stock_result_dtype(h0.dtype, proj.scales.dtype)):
         return None
     plans = kernels.plan_cache(proj, "_lily_norm_qgemv_plans")
