@@ -130,6 +130,11 @@ def select_ops(ops) -> None:
     _selected_ops = ops
 
 
+def selected_ops() -> frozenset | None:
+    """The op selection of ``patch(ops=...)`` in force (None: every op)."""
+    return _selected_ops
+
+
 def op_enabled(name: str) -> bool:
     """True unless the kill switch names this op (or ``all``) or ``patch(ops=...)`` left
     it out."""

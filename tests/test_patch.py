@@ -186,7 +186,7 @@ def test_compiled_decode_failure_falls_back(tiny_models, monkeypatch):
             raise RuntimeError("trace failed")
         return fn
 
-    monkeypatch.setattr(nxt, "_gdn_step", broken)
+    monkeypatch.setattr(nxt.decode_graph, "_gdn_step", broken)
     monkeypatch.setenv("MLX_LILY_COMPILE", "1")
     with mlx_lily.patched(model):
         c = model.make_cache()

@@ -75,7 +75,8 @@ PREFILL_MIN_BLOCKS = {"cuda": 64, "metal": 16}
 PREFILL_SMALL_T = 8192
 
 _DTYPES = (mx.bfloat16, mx.float16)
-_HEAD_DIMS = (128, 256)
+HEAD_DIMS = (128, 256)
+_HEAD_DIMS = HEAD_DIMS
 _LOG2E = 1.4426950408889634
 
 QK_NORM_ROPE = KernelSpec(
@@ -360,7 +361,7 @@ def _sdpa_route(q, k, v, mask, gate, backend="cuda"):
         return None
     B, Hq, L, D = q.shape
     Bk, Hkv, T, Dk = k.shape
-    if Bk != B or v.shape != k.shape or Dk != D or D not in _HEAD_DIMS:
+    if Bk != B or v.shape != k.shape or Dk != D or D not in HEAD_DIMS:
         return None
     dt = q.dtype
     if dt not in _DTYPES or k.dtype != dt or v.dtype != dt:
