@@ -169,8 +169,25 @@ def test_tuning_doc_lists_every_knob():
     if not doc.exists():
         pytest.skip("docs/tuning.md is not in this tree")
     text = doc.read_text()
-    missing = [k.env for k in tuning.KNOBS.values() if k.env not in text]
+    missing = [k.env for k in tuning.KNOBS.values() if not re.search(rf"\b{k.env}\b", text)]
     assert missing == []
+
+
+def test_readme_settings_table_lists_user_settings_only():
+    """The README's settings section names every user setting of ``config`` (the hook
+    ``MLX_LILY`` may be described elsewhere) and none of the benchmarking knobs."""
+    text = (ROOT / "README.md").read_text()
+    m = re.search(r"^## Settings\b.*?(?=^## |\Z)", text, flags=re.M | re.S)
+    if m is None:
+        pytest.skip("README.md has no '## Settings' section")
+    section = m.group(0)
+
+    def named(env):
+        return re.search(rf"\b{env}\b", section) is not None
+
+    missing = [s.env for s in config.SETTINGS.values() if s.attr != "hook" and not named(s.env)]
+    knobs = [k.env for k in tuning.KNOBS.values() if named(k.env)]
+    assert missing == [] and knobs == []
 
 
 # ---------------------------------------------------------------- registry
