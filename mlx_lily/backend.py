@@ -13,7 +13,7 @@ import re
 
 import mlx.core as mx
 
-from . import config, registry
+from . import config, registry, tuning
 from .config import env_frozen, env_value  # noqa: F401  (the settings' environment reads)
 
 #: Every op and fusion switch (``mlx_lily.registry.OPS`` names, in table order).
@@ -94,20 +94,13 @@ def warn_unknown_ops(env: str, names, extra=()) -> None:
                         f"unknown op(s) {unknown}")
 
 
-@functools.lru_cache(maxsize=16)
-def _expand_disabled(names: frozenset) -> frozenset:
-    if "all" in names:
-        return frozenset(OP_NAMES) | {"all"}
-    return names
-
-
 def disabled_ops() -> frozenset:
     """Names of ops turned off by ``MLX_LILY_DISABLE=<op>[,<op>...]`` or ``=all``
     (``config.disable``).
 
     A disabled op takes the stock mlx-lm code path for every call.
     """
-    return _expand_disabled(config.disable)
+    return config.value("disable")
 
 
 _selected_ops: frozenset | None = None
@@ -140,7 +133,7 @@ def op_enabled(name: str) -> bool:
     it out."""
     if _selected_ops is not None and name not in _selected_ops:
         return False
-    return name not in disabled_ops()
+    return name not in config.value("disable")
 
 
 def backend_info() -> dict:
@@ -178,8 +171,6 @@ def compile_mode(backend: str | None = None) -> str:
     and the backend (compiled by default on GPU backends only). ``"whole"`` is the
     setting: a step where some layer cannot run compiled (its kernels do not serve, a
     cache must grow) runs layer by layer."""
-    from . import tuning
-
     be = backend or current_backend()
     on = config.compile
     if on is False or (on is None and be not in ("cuda", "metal")):

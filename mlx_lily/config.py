@@ -12,7 +12,7 @@ attribute                 variable                      values (default first)
 ``hook``                  ``MLX_LILY``                  ``0`` | ``1`` (patch every mlx-lm command)
 ========================  ============================  =====================================
 
-Code reads ``config.kernels`` and so on (``current()`` returns all of them as one
+Code reads ``config.kernels`` and so on (module properties; ``current()`` returns all as one
 ``Settings``). A value is read when it is used: from the environment at that moment, or,
 inside ``env_frozen()`` (one forward of a patched decoder stack), as the environment held
 it at the block's first read; a keyword argument of ``patch(...)`` replaces the variable
@@ -39,7 +39,8 @@ from typing import Any, Callable, NamedTuple
 
 
 class _EnvSnapshot(threading.local):
-    values: dict | None = None
+    values: dict | None = None  # variable -> raw value, inside env_frozen
+    parsed: dict | None = None  # setting -> parsed value, inside env_frozen
 
 
 _ENV = _EnvSnapshot()
@@ -67,10 +68,12 @@ def env_frozen():
         yield
         return
     _ENV.values = {}
+    _ENV.parsed = {}
     try:
         yield
     finally:
         _ENV.values = None
+        _ENV.parsed = None
 
 
 class BadValue(ValueError):
@@ -112,21 +115,24 @@ def warn_bad(env: str, raw: str, accepted: str, detail: str = "", default_text: 
                   stacklevel=4)
 
 
+def _parse(s: Setting, raw: str) -> tuple:
+    raw_s = raw.strip()
+    if not raw_s:
+        return s.default, None
+    try:
+        return s.parse(raw_s), None
+    except BadValue as e:
+        return (s.default if e.value is None else e.value), e.detail
+
+
 def read(s: Setting, raw: str | None = None) -> Any:
     """The parsed value of setting ``s`` (the environment now, or ``raw``)."""
     if raw is None:
         raw = env_value(s.env, "")
-    raw_s = raw.strip()
-    if not raw_s:
-        return s.default
     key = (s.env, raw)
     hit = _PARSED.get(key)
     if hit is None:
-        try:
-            hit = (s.parse(raw_s), None)
-        except BadValue as e:
-            hit = (s.default if e.value is None else e.value, e.detail)
-        _PARSED[key] = hit
+        hit = _PARSED[key] = _parse(s, raw)
     value, detail = hit
     if detail is not None:
         warn_bad(s.env, raw, s.accepted, detail,
@@ -193,15 +199,18 @@ def int_tuple(n: int, lo: int, hi: int) -> Callable[[str], tuple]:
     return parse
 
 
-def op_list(extra: tuple) -> Callable[[str], frozenset]:
-    """A parser for a comma list of op names from ``mlx_lily.registry`` (and ``extra``).
-    Unknown names: ``BadValue`` carrying the known ones (None when there are none)."""
+def op_list(extra: tuple, expand_all: bool = False) -> Callable[[str], frozenset]:
+    """A parser for a comma list of op names from ``mlx_lily.registry`` (and ``extra``);
+    with ``expand_all``, ``all`` adds every op name. Unknown names: ``BadValue`` carrying
+    the known ones (None when there are none)."""
 
     def parse(raw: str) -> frozenset:
         from .registry import NAMES
 
         names = frozenset(t.strip() for t in raw.split(",") if t.strip())
         unknown = sorted(names - set(NAMES) - set(extra))
+        if expand_all and "all" in names:
+            names = names | frozenset(NAMES)
         if unknown:
             known = names - set(unknown)
             raise BadValue(f"unknown op(s) {unknown}", frozenset(known) if known else None)
@@ -224,7 +233,7 @@ SETTINGS: dict = {s.attr: s for s in (
             op_list(("all", "verified")), f"'verified', 'all', or a comma list of {_OPS_TEXT}",
             "which custom kernels may run: those verified on this backend (default), all, "
             "or the listed ops ('verified' may be one of them); others run the reference"),
-    Setting("disable", "MLX_LILY_DISABLE", frozenset(), op_list(("all",)),
+    Setting("disable", "MLX_LILY_DISABLE", frozenset(), op_list(("all",), expand_all=True),
             f"'all' or a comma list of {_OPS_TEXT}",
             "ops sent to stock mlx-lm code for every call (the kill switch)"),
     Setting("compile", "MLX_LILY_COMPILE", None, flag, "'0', '1'",
@@ -257,6 +266,31 @@ class Settings:
 
 
 _OVERRIDES: dict = {}
+_NONE = object()
+
+
+def cached(table: dict, attr: str, where: str, overrides: dict | None = None) -> Any:
+    """``overrides[attr]`` or ``read(table[attr])``, kept for the rest of an ``env_frozen``
+    block (a decode step reads the settings hundreds of times).
+
+    Raises:
+        AttributeError: ``table`` has no ``attr``.
+    """
+    parsed = _ENV.parsed
+    if parsed is not None:
+        v = parsed.get(attr, _NONE)
+        if v is not _NONE:
+            return v
+    if overrides and attr in overrides:
+        v = overrides[attr]
+    else:
+        s = table.get(attr)
+        if s is None:
+            raise AttributeError(f"module {where!r} has no attribute {attr!r}")
+        v = read(s)
+    if parsed is not None:
+        parsed[attr] = v
+    return v
 
 
 def value(attr: str) -> Any:
@@ -265,12 +299,7 @@ def value(attr: str) -> Any:
     Raises:
         AttributeError: no setting has that name.
     """
-    if attr in _OVERRIDES:
-        return _OVERRIDES[attr]
-    s = SETTINGS.get(attr)
-    if s is None:
-        raise AttributeError(f"module 'mlx_lily.config' has no attribute {attr!r}")
-    return read(s)
+    return cached(SETTINGS, attr, "mlx_lily.config", _OVERRIDES)
 
 
 def current() -> Settings:
@@ -317,11 +346,15 @@ def set_overrides(**kw) -> None:
     parsed = {a: parse_keyword(a, v) for a, v in kw.items()}
     _OVERRIDES.clear()
     _OVERRIDES.update(parsed)
+    if _ENV.parsed is not None:
+        _ENV.parsed.clear()
 
 
 def clear_overrides() -> None:
     """Back to the environment for every setting (``unpatch()``)."""
     _OVERRIDES.clear()
+    if _ENV.parsed is not None:
+        _ENV.parsed.clear()
 
 
 def overrides() -> dict:
@@ -329,9 +362,15 @@ def overrides() -> dict:
     return dict(_OVERRIDES)
 
 
-def __getattr__(attr: str):
-    return value(attr)
+def install_properties(module_name: str, table: dict, get: Callable[[str], Any]) -> None:
+    """Make ``<module>.<attr>`` read ``get(attr)`` for every entry of ``table`` (properties on
+    the module's class: an attribute read, no ``__getattr__`` fallback)."""
+    import sys
+    import types
+
+    mod = sys.modules[module_name]
+    ns = {a: property(lambda _m, _a=a: get(_a), doc=e.doc) for a, e in table.items()}
+    mod.__class__ = type(f"{module_name}.module", (types.ModuleType,), ns)
 
 
-def __dir__():
-    return sorted(set(globals()) | set(SETTINGS))
+install_properties(__name__, SETTINGS, value)

@@ -495,7 +495,7 @@ def kernels_allowed(op: str | None, backend: str) -> bool:
     per-op parity tests or the Metal emulator), or a comma list of op names (``verified``
     may be one of them). Ops not allowed run their pure-MLX reference.
     """
-    return _allowed(op, config.kernels, VERIFIED.get(backend, frozenset()))
+    return _allowed(op, config.value("kernels"), VERIFIED.get(backend, frozenset()))
 
 
 @functools.lru_cache(maxsize=1024)

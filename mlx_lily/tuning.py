@@ -11,7 +11,8 @@ This module imports neither MLX nor mlx-lm.
 
 from __future__ import annotations
 
-from .config import BadValue, Setting, count, flag, int_range, int_tuple, one_of, read
+from .config import (BadValue, Setting, cached, count, flag, install_properties, int_range,
+                     int_tuple, one_of)
 
 
 def _library(raw: str) -> str:
@@ -70,15 +71,7 @@ def value(attr: str):
     Raises:
         AttributeError: no knob has that name.
     """
-    k = KNOBS.get(attr)
-    if k is None:
-        raise AttributeError(f"module 'mlx_lily.tuning' has no attribute {attr!r}")
-    return read(k)
+    return cached(KNOBS, attr, "mlx_lily.tuning")
 
 
-def __getattr__(attr: str):
-    return value(attr)
-
-
-def __dir__():
-    return sorted(set(globals()) | set(KNOBS))
+install_properties(__name__, KNOBS, value)

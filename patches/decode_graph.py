@@ -12,6 +12,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import ArraysCache, KVCache
 
+from mlx_lily import backend, config, tuning
 from mlx_lily.backend import op_enabled
 from mlx_lily.kernels import device_scalars
 from mlx_lily.ops import (
@@ -97,13 +98,9 @@ def _compile_key():
     """What the traced functions depend on beyond shapes: backend, op selection, switches.
     Compiled steps outlive ``unpatch``: a later patch reuses them only under an equal key
     and unchanged weights (``_check_weights``)."""
-    from mlx_lily import backend
-
     be = backend.current_backend()
     if backend.compile_mode(be) == "off":
         return None
-    from mlx_lily import config, tuning
-
     return (be, backend.disabled_ops(), backend.selected_ops(), config.kernels,
             tuning.decode_pf, norm_qgemv_ops.split_requested(), gdn_ops.proj_split(be),
             tuning.moe_fused_rpw, tuning.moe_tile_rows)
@@ -156,10 +153,6 @@ def _attn_cache_ok(c, x, head_dim) -> bool:
 def _attn_static_head_dim(layer, dtype):
     """The part of ``_attn_step_ok`` that holds for every step of a forward (switches,
     modules, dtype): the head size when the compiled attention step serves, else None."""
-    from mlx_lily import backend
-
-    from mlx_lily import tuning
-
     if not tuning.compile_attn:
         return None
     attn = layer.self_attn
@@ -275,13 +268,9 @@ def _run_whole_step(text_model, cs, layers, cache, h):
     ``_attn_step_ok``) with one common KV offset; the caches are updated. None when it
     does not serve this step (the per-layer path then runs; nothing was changed); a
     tracing failure marks it off for this model (one warning)."""
-    from mlx_lily import backend
-
     if backend.compile_mode() != "whole":
         return None
     # what holds for every step (switches, modules, dtype): once per compile key
-    from mlx_lily import tuning
-
     skey = ("whole-ok", h.dtype, tuning.compile_attn)
     dims = cs.static.get(skey)
     if dims is None:

@@ -60,6 +60,7 @@ def test_tables_cover_the_same_settings():
     assert set(BAD_KNOBS) == set(tuning.KNOBS)
     envs = [s.env for s in (*config.SETTINGS.values(), *tuning.KNOBS.values())]
     assert len(envs) == len(set(envs))
+    assert not set(config.SETTINGS) & set(tuning.KNOBS)  # one env_frozen cache holds both
 
 
 @pytest.mark.parametrize("attr", sorted(BAD_SETTINGS))
@@ -79,7 +80,7 @@ def test_bad_knob_warns_once_and_uses_default(monkeypatch, attr):
 def test_good_values_parse(monkeypatch, tmp_path):
     for env, raw, attr, want in (
             ("MLX_LILY_KERNELS", "qgemv, attention", "kernels", {"qgemv", "attention"}),
-            ("MLX_LILY_DISABLE", "all", "disable", {"all"}),
+            ("MLX_LILY_DISABLE", "all", "disable", {"all", *registry.NAMES}),
             ("MLX_LILY_COMPILE", "0", "compile", False),
             ("MLX_LILY_CACHE_DIR", str(tmp_path), "cache_dir", tmp_path),
             ("MLX_LILY_PRECOMPILE", "0", "precompile", False),
