@@ -28,6 +28,10 @@ _LAZY = {
 __all__ = ["__version__", *_LAZY]
 
 
+def __dir__():
+    return sorted(set(__all__) | {n for n in globals() if not n.startswith("_")})
+
+
 def __getattr__(name):
     mod = _LAZY.get(name)
     if mod is None:

@@ -3,7 +3,8 @@
 It runs in every Python process of the environment, so it imports nothing heavy, never
 raises, and acts only when an mlx-lm entry point runs with ``--lily`` (or ``MLX_LILY=1``):
 then it removes the flag from ``sys.argv`` and applies ``mlx_lily.patch()`` right after
-the ``mlx_lm`` package (imported by every mlx-lm command) has loaded.
+the ``mlx_lm`` package (imported by every mlx-lm command) has loaded. It prints nothing
+itself: the patch prints one status line when it prepares a model it serves.
 """
 
 import os
@@ -50,10 +51,8 @@ def _apply():
     try:
         sys.meta_path[:] = [f for f in sys.meta_path if not isinstance(f, _PatchAfterMlxLm)]
         import mlx_lily
-        from mlx_lily.backend import describe
 
-        mlx_lily.patch()
-        print(describe(), file=sys.stderr)
+        mlx_lily.patch(announce=True)
     except Exception as e:  # never break the user's command
         print(f"[mlx-lily] patch not applied ({type(e).__name__}: {e}); running stock mlx-lm",
               file=sys.stderr)

@@ -140,29 +140,110 @@ def backend_info() -> dict:
     """Describe what a call would use now.
 
     Returns:
-        ``{"backend": "metal"|"cuda"|"cpu", "device": str, "ops": {op: mode},
-        "reasons": {op: why}}`` where mode is ``"kernel"`` (a custom GPU kernel serves at
-        least its main form on this backend), ``"reference"`` (the pure-MLX reference or
-        the stock form runs) or ``"disabled"`` (the kill switch sends the op to stock
-        mlx-lm code), and ``reasons`` holds ``registry.why_not``'s answer for every op
-        that is not ``"kernel"``.
+        ``{"backend": "metal"|"cuda"|"cpu", "device": str, "patched": bool,
+        "ops": {op: mode}, "patch": "patched"|"stepped-aside"|"qualify-pending"|"unpatched",
+        "stepped_aside": reason or None, "runtime_disabled": {op: reason},
+        "qualification": record status}``. ``patched``: a Lily patch is active now (its
+        forwards installed, or stepped aside: see ``patch``). Mode is ``"kernel"`` (a
+        custom GPU kernel serves at least its main form on this backend),
+        ``"reference"`` (the pure-MLX reference runs), ``"disabled"`` (the kill switch
+        sends the op to stock mlx-lm code) or, while the patch stepped aside
+        (``mlx_lily.patch``), ``"stock"`` for every op. ``runtime_disabled``: ops whose
+        kernels failed their first contact in this process
+        (``mlx_lily.first_contact``). ``qualification``: ``"valid"``, ``"stale"``
+        (versions or kernel sources changed: re-qualify), ``"none"`` or ``"off"``
+        (``mlx_lily.qualify.record_status``; ``"n/a"`` on the CPU). ``reasons``:
+        ``registry.why_not``'s answer for every op that does not run its kernel.
     """
+    import sys
+
+    from . import kernels
+
     backend = current_backend()
+    patching = sys.modules.get("mlx_lily.patching")
+    handle = patching._ACTIVE if patching is not None else None
+    aside = handle.stepped_aside if handle is not None else None
     ops, reasons = {}, {}
     for name in OP_NAMES:
         why = registry.why_not(name, backend)
         if why is not None:
             reasons[name] = why
-        if not op_enabled(name):
+        if aside is not None:
+            ops[name] = "stock"
+        elif not op_enabled(name):
             ops[name] = "disabled"
         else:
             ops[name] = "kernel" if why is None else "reference"
-    return {"backend": backend, "device": str(mx.default_device()), "ops": ops,
-            "reasons": reasons}
+    qual = "n/a"
+    if backend in ("metal", "cuda"):
+        try:
+            from . import qualify
+
+            qual = qualify.record_status(backend)
+        except Exception as e:  # noqa: BLE001  (a description must not fail)
+            qual = f"unreadable ({e!r})"
+    return {"backend": backend, "device": str(mx.default_device()),
+            "patched": handle is not None, "ops": ops, "reasons": reasons,
+            "patch": ("unpatched" if handle is None else
+                      "qualify-pending" if getattr(handle, "qualify_pending", False) else
+                      "stepped-aside" if aside is not None else "patched"),
+            "stepped_aside": aside, "runtime_disabled": kernels.runtime_disabled(),
+            "qualification": qual}
+
+
+def _reference_reason(op: str, backend: str) -> str:
+    """Why ``op`` runs its pure-MLX reference on ``backend`` (short, for ``status_line``)."""
+    from .kernels import KERNELS_ENV, VERIFIED, kernels_allowed
+
+    if backend == "cpu":
+        return "no GPU backend"
+    if not kernels_allowed(op, backend):
+        if config.value("kernels") == {"verified"} and op not in VERIFIED.get(backend, ()):
+            return f"not verified on {backend}"
+        return f"not in {KERNELS_ENV}"
+    return "no kernel for this backend here"
+
+
+def status_line(model_type: str | None = None) -> str:
+    """The one line ``mlx_lm.* --lily`` prints when Lily patches a supported model: the
+    backend, how many ops run kernels, why the others do not, where the full list is.
+
+    Example: ``[mlx-lily] qwen3_5_moe on cuda: 18 of 19 ops run kernels; shared_dequant:
+    not verified on cuda (every op: mlx_lily.backend_info())``.
+    """
+    info = backend_info()
+    be, ops = info["backend"], info["ops"]
+    why: dict = {}
+    for op, mode in ops.items():
+        if mode == "disabled":
+            why.setdefault(f"disabled by {DISABLE_ENV} or patch(ops=...)", []).append(op)
+        elif mode == "reference":
+            why.setdefault(_reference_reason(op, be), []).append(op)
+    n = sum(mode == "kernel" for mode in ops.values())
+    parts = [f"{', '.join(names) if len(names) <= 3 else f'{len(names)} ops'}: {reason}"
+             for reason, names in why.items()]
+    what = f"{model_type} on {be}" if model_type else be
+    tail = "; " + "; ".join(parts) if parts else ""
+    return (f"[mlx-lily] {what}: {n} of {len(ops)} ops run kernels{tail} "
+            f"(every op: mlx_lily.backend_info())")
 
 
 COMPILE_ENV = config.SETTINGS["compile"].env
 COMPILE_WHOLE_ENV = "MLX_LILY_COMPILE_WHOLE"  # tuning.compile_whole
+
+
+_COMPILE_SUSPENDED = [0]
+
+
+@contextlib.contextmanager
+def compile_suspended():
+    """Within this block ``compile_mode`` is ``"off"`` (first contact and qualification
+    evaluate each kernel launch eagerly, which ``mx.compile`` tracing forbids)."""
+    _COMPILE_SUSPENDED[0] += 1
+    try:
+        yield
+    finally:
+        _COMPILE_SUSPENDED[0] -= 1
 
 
 def compile_mode(backend: str | None = None) -> str:
@@ -171,6 +252,8 @@ def compile_mode(backend: str | None = None) -> str:
     and the backend (compiled by default on GPU backends only). ``"whole"`` is the
     setting: a step where some layer cannot run compiled (its kernels do not serve, a
     cache must grow) runs layer by layer."""
+    if _COMPILE_SUSPENDED[0]:
+        return "off"
     be = backend or current_backend()
     on = config.compile
     if on is False or (on is None and be not in ("cuda", "metal")):
@@ -179,8 +262,11 @@ def compile_mode(backend: str | None = None) -> str:
 
 
 def describe() -> str:
-    """One line for stderr: backend, compiled decode steps, and active ops."""
+    """One line for stderr: backend, compiled decode steps, and active ops; "" while the
+    patch stepped aside or waits to qualify (``patch`` printed its own line)."""
     info = backend_info()
+    if info["patch"] in ("stepped-aside", "qualify-pending"):
+        return ""  # patch() printed its own line
     parts = ", ".join(f"{k}={v}" for k, v in info["ops"].items())
     graphs = ""
     if info["backend"] == "cuda":

@@ -12,10 +12,8 @@ def _run(main_module: str):
     while "--lily" in sys.argv:
         sys.argv.remove("--lily")
     import mlx_lily
-    from mlx_lily.backend import describe
 
-    mlx_lily.patch()
-    print(describe(), file=sys.stderr)
+    mlx_lily.patch(announce=True)  # one status line once a supported model is loaded
     import importlib
 
     return importlib.import_module(main_module).main()

@@ -7,6 +7,7 @@ per (name, backend) and reused for every call; MLX re-renders only the launch.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.resources
 import re
@@ -300,7 +301,7 @@ _F32_SCALARS: dict = {}
 #: Elements of the small constant arrays kernels read (epsilons, scales, lengths): MLX's
 #: CUDA allocator (0.32, ``allocator.cpp``) serves arrays of at most 8 bytes from a pool
 #: of managed host memory advised as accessed-by the GPU (read across the bus, not
-#: migrated), and every threadgroup of a kernel reads them. On the H200 (session 9) the
+#: migrated), and every threadgroup of a kernel reads them. On the H200 the
 #: add+RMSNorm-fused GEMVs, which read a 4-byte eps, took ~22 us per call however small
 #: the matrix once they had >= 128 threadgroups, vs 8 us for the same GEMV without it.
 #: Four 4-byte elements (16 bytes) are allocated like any other array.
@@ -309,6 +310,12 @@ SCALAR_ELEMS = 4
 #: kernels read in every threadgroup (the shared-expert gate): the kernel writes value n
 #: at index n of an (n * ROW_PAD,) buffer, so n values are never an array of <= 8 bytes.
 ROW_PAD = 8
+
+
+#: Fewest elements of an input that MLX's Metal ``write_signature`` passes as
+#: ``const device T*`` (fewer: ``const constant T*``; MLX 0.32 ``max_constant_array_size``).
+#: Stand-ins for absent buffers have this many, so they take the real buffer's address space.
+DEVICE_MIN_ELEMS = 8
 
 
 def const_array(values, dtype) -> mx.array:
@@ -399,51 +406,12 @@ _CACHE: dict = {}
 # Which op a kernel serves, by shader stem prefix (longest first: first match wins).
 _STEM_OPS = registry.stem_ops()
 
-# Ops whose kernels were verified on that backend's hardware (their per-op parity tests
-# passed on the device AND the A/B correctness gate on the full-size model passed with them
-# running): on by default there.
-# CUDA, H200: the seven ops of session 3 (benchmarks/results/2026-11-30-cuda-h200-session3/),
-# and gated_delta in session 4 (benchmarks/results/2026-11-30-cuda-h200-session4/: its 28
-# GPU tests passed against the CPU-evaluated reference, and the A/B gate passed with every
-# kernel on, compiled decode steps included); session 5's decode fusions norm_qgemv,
-# gdn_packed, attn_packed, moe_router_norm (GPU tests: session 5 calls 5 and 7; the A/B
-# gate with them on passed in session 6, benchmarks/results/2026-11-30-cuda-h200-session6/,
-# ab/). Metal: no kernel has run on Apple hardware (the emulator proves semantics only).
-# moe_topk_in_experts (routing inside the gate+up kernel): GPU tests (moe_experts 14 passed,
-# decode_step 1 passed: session 7 call 2) and two gates with it on passed (session 7 calls
-# 3 and 9, benchmarks/results/2026-11-30-cuda-h200-session7/). qgemv_out and
-# prefill_dequant: GPU tests (qgemv, qmm_dequant: sessions 8-10) and the ten-length A/B
-# gate with both on (session 10 lease 2, benchmarks/results/2026-11-30-cuda-h200-session10/).
-# gdn_proj and gdn_out_proj: GPU tests (gated_delta 51 / 53 / 55 / 55 passed at trees
-# 4c7ce95, bad0961, 46079bd, 070a68c; decode_step passed at the first three) and the A/B gate
-# with them on (gdn_proj at bad0961, both at 46079bd: session 11 leases 2 and 3,
-# benchmarks/results/2026-11-30-cuda-h200-session11/); 070a68c changed only the width of
-# OUTP's loads in its head sum (same summation order); the cleanup after it (a shared
-# last-to-arrive helper, LilyRowTile taking a column slice) left every CUDA kernel's SASS
-# as nvcc 13 -arch=sm_90a built it before, but for the order of one address computation.
-# Session 12's helper cleanup (LilyRowTile::dot_each, lily_swiglu_rows) left the SASS of
-# qgemv, norm_qgemv, moe_router_topk and every gdn kernel identical (nvcc 13, sm_90a, the
-# compile tests' instantiations) and moe_gate_up's floating-point instructions identical
-# (same count; a few integer address instructions differ).
-# moe_fused (the MoE block in one launch): GPU tests passed at 573e475, a6d633e and a660dda
-# and the A/B gate at a6d633e (session 12); a review then found two steps built before one
-# evaluation could run a layer's launches concurrently on the same counters, fixed by
-# `after` (each launch takes the previous one's output as an unread input); at a97b3d2
-# (session 13, benchmarks/results/2026-11-30-cuda-h200-session13/) moe_experts 30 passed
-# (fused tests included), decode_step 3 passed and the four-length A/B gate passed with it;
-# at 66bb231 (one scratch output, gate+up tiles copying the row the first router tile
-# normalised) the fused and decode_step GPU tests (8 passed) and the gate passed again.
-# Since 66bb231 every CUDA source reaches MLX pruned of unused helpers and of blanks
-# (prune_header, squeeze_spaces): nvcc 13 gives identical SASS for every kernel at the
-# compile tests' instantiations, and the lease-3 GPU tests and gate ran on it.
-# gated_delta's CUDA scan stages q/k in shared memory since e2c4016: its GPU tests at every
-# test case's shape and the production-dims tests passed on the H200 (17, session 13 lease
-# 4; 18 at 6d919d7, session 14), nine shapes matched the reference at production dims
-# over 2048 tokens; the A/B gate passed with it at its default (8,1,4) (session 14, 1180ee7:
-# 0.225 / 0.594 from fp32 vs stock's 0.213 / 0.672) and failed at (16,2,4) (0.246 / 0.531).
-# moe_grouped's CUDA GEMMs load 128-k stages with 64 contiguous bytes per weight row since
-# c703299: its GPU tests (37 passed with moe_route) and the gate (1180ee7) passed with them.
-# shared_dequant (session 16): GPU test and bit-identical output at 4096 rows, no gate yet.
+# Ops whose kernels are on by default on a backend (``MLX_LILY_KERNELS=verified``): their
+# per-op parity tests passed on that backend's hardware AND the A/B correctness gate on
+# the full-size model passed with them running. CUDA: verified on an NVIDIA H200.
+# Metal: no kernel has run on Apple hardware yet (the emulator proves semantics only).
+# shared_dequant is not in the CUDA set: its GPU test passed, the A/B gate has not run
+# with it. The record of each verification (commands, commits): docs/results.md.
 VERIFIED: dict = registry.verified_by_backend()
 
 
@@ -490,16 +458,23 @@ def kernels_allowed(op: str | None, backend: str) -> bool:
     """Whether op's custom kernels may run on ``backend``.
 
     ``MLX_LILY_KERNELS`` (read at call time, once per model forward: ``backend.env_value``):
-    ``verified`` (default: only ops in
-    ``VERIFIED[backend]``), ``all`` (every kernel, including those verified only by
-    per-op parity tests or the Metal emulator), or a comma list of op names (``verified``
-    may be one of them). Ops not allowed run their pure-MLX reference.
+    ``verified`` (default: only the ops ``verified_ops(backend)`` names: those this
+    device's qualification record passed, else the shipped ``VERIFIED[backend]`` where
+    the device matches ``SHIPPED_DEVICES``), ``all`` (every kernel, including those
+    verified only by per-op parity tests or the Metal emulator), or a comma list of op
+    names (``verified`` may be one of them). An op that failed its first contact in this
+    process (``runtime_disabled()``) never runs its kernels, whatever the setting. Ops
+    not allowed run their pure-MLX reference.
     """
-    return _allowed(op, config.value("kernels"), VERIFIED.get(backend, frozenset()))
+    if _OVERRIDE[0] is not None:
+        return op in _OVERRIDE[0] and op not in _RUNTIME_OFF
+    return _allowed(op, config.value("kernels"), verified_ops(backend), _RUNTIME_OFF_SET[0])
 
 
 @functools.lru_cache(maxsize=1024)
-def _allowed(op, names: frozenset, verified: frozenset) -> bool:
+def _allowed(op, names: frozenset, verified: frozenset, off: frozenset) -> bool:
+    if op in off:
+        return False
     if "all" in names:
         return True
     if "verified" in names and op in verified:
@@ -507,10 +482,139 @@ def _allowed(op, names: frozenset, verified: frozenset) -> bool:
     return op in names
 
 
+#: Device names (substrings of ``mx.device_info()["device_name"]``) on which the shipped
+#: ``VERIFIED[backend]`` set was measured; on another device of that backend only a
+#: qualification record (``mlx_lily.qualify``) or ``MLX_LILY_KERNELS`` turns kernels on.
+SHIPPED_DEVICES: dict = {"cuda": ("H200",), "metal": ()}
+
+#: op -> reason, for ops whose kernels failed at first contact in this process.
+_RUNTIME_OFF: dict = {}
+_RUNTIME_OFF_SET = [frozenset()]
+#: When not None, the exact set of ops allowed (first contact's reference pass, and
+#: qualification's one-op-at-a-time runs), ahead of ``MLX_LILY_KERNELS``.
+_OVERRIDE: list = [None]
+_RECORD_OPS: dict = {}  # backend -> frozenset | None, from the qualification record
+
+
+def runtime_disabled() -> dict:
+    """``{op: reason}`` for the ops turned off in this process by a failed first contact
+    (``disable_for_process``)."""
+    return dict(_RUNTIME_OFF)
+
+
+def disable_for_process(op: str, reason: str) -> bool:
+    """Turn ``op``'s kernels off for the rest of this process (its reference runs), with
+    one warning naming the op and ``reason``. Returns False when it was already off."""
+    if op in _RUNTIME_OFF:
+        return False
+    _RUNTIME_OFF[op] = reason
+    _RUNTIME_OFF_SET[0] = frozenset(_RUNTIME_OFF)
+    import warnings
+
+    warnings.warn(f"mlx-lily: {op} kernels turned off for this process (its reference "
+                  f"runs): {reason}", stacklevel=2)
+    return True
+
+
+def clear_runtime_disabled() -> None:
+    """Forget every first-contact failure of this process (tests, re-qualification)."""
+    _RUNTIME_OFF.clear()
+    _RUNTIME_OFF_SET[0] = frozenset()
+
+
+@contextlib.contextmanager
+def only_ops(ops):
+    """Within this block exactly ``ops`` (an iterable of op names) may run kernels (minus
+    ``runtime_disabled``), whatever ``MLX_LILY_KERNELS`` says; kernel objects are built
+    as usual."""
+    prev, _OVERRIDE[0] = _OVERRIDE[0], frozenset(ops)
+    try:
+        yield
+    finally:
+        _OVERRIDE[0] = prev
+
+
+@functools.lru_cache(maxsize=None)
+def device_name() -> str:
+    """``mx.device_info()["device_name"]`` of this machine's default GPU ("" when MLX
+    reports none)."""
+    try:
+        return str(mx.device_info().get("device_name", ""))
+    except Exception:  # noqa: BLE001  (older MLX / no device)
+        return ""
+
+
+def _real_backend() -> str:
+    from . import backend
+
+    if backend._metal_available():
+        return "metal"
+    if backend._cuda_available():
+        return "cuda"
+    return "cpu"
+
+
+def shipped_matches(backend: str) -> bool:
+    """Whether the shipped ``VERIFIED[backend]`` applies here: this machine's device
+    name contains one of ``SHIPPED_DEVICES[backend]``, or this machine has no
+    ``backend`` device at all (graph tracing for another backend)."""
+    if _real_backend() != backend:
+        return True
+    name = device_name()
+    return any(d in name for d in SHIPPED_DEVICES.get(backend, ()))
+
+
+def verified_ops(backend: str) -> frozenset:
+    """The ops ``MLX_LILY_KERNELS=verified`` (the default) runs on ``backend`` here: the
+    qualified ops of this device's valid qualification record when there is one
+    (``mlx_lily.qualify.record_ops``; ignored with ``MLX_LILY_QUALIFY=0``), else
+    ``VERIFIED[backend]`` when ``shipped_matches(backend)``, else none. Cached per
+    backend until ``forget_record`` (or ``VERIFIED[backend]`` is replaced)."""
+    shipped = VERIFIED.get(backend, frozenset())
+    hit = _VERIFIED_NOW.get(backend)
+    if hit is not None and hit[0] is shipped:
+        return hit[1]
+    if backend not in _RECORD_OPS:
+        _RECORD_OPS[backend] = None
+        if backend in ("metal", "cuda") and _real_backend() == backend:
+            try:
+                from . import qualify
+
+                _RECORD_OPS[backend] = qualify.record_ops(backend)
+            except Exception as e:  # noqa: BLE001  (an unreadable record is no record)
+                import warnings
+
+                warnings.warn(f"mlx-lily: qualification record unreadable ({e!r}); ignored",
+                              stacklevel=2)
+    rec = _RECORD_OPS[backend]
+    out = rec if rec is not None else (shipped if shipped_matches(backend) else frozenset())
+    _VERIFIED_NOW[backend] = (shipped, out)
+    return out
+
+
+_VERIFIED_NOW: dict = {}  # backend -> (the VERIFIED value it was computed with, result)
+
+
+def allowed_key() -> tuple:
+    """What ``kernels_allowed`` depends on beyond ``MLX_LILY_KERNELS``, the backend and
+    the qualification record (read once per process) (compiled decode steps are keyed by
+    it)."""
+    return (_RUNTIME_OFF_SET[0], _OVERRIDE[0])
+
+
+def forget_record() -> None:
+    """Read the qualification record (and the device) again at the next
+    ``verified_ops`` call."""
+    _RECORD_OPS.clear()
+    _VERIFIED_NOW.clear()
+
+
 def get(spec: KernelSpec, backend: str):
     """The process-wide kernel object for ``spec`` on ``backend``, built on first use;
     None when that backend is not available here or ``kernels_allowed`` says no for the
-    spec's op (callers then use the reference)."""
+    spec's op (callers then use the reference). The object is a ``GuardedKernel``:
+    inside ``mlx_lily.first_contact.probing()`` each launch is built, run and checked
+    at once."""
     if not kernels_allowed(op_of(spec), backend):
         return None
     key = (spec, backend)
@@ -522,11 +626,41 @@ def get(spec: KernelSpec, backend: str):
             return None
         if backend not in ("metal", "cuda"):
             return None
-        k = build(spec, backend)
+        from . import first_contact
+
+        fault = first_contact.injected_fault(op_of(spec))
+        k = (first_contact.build_broken(spec, backend) if fault == "build"
+             else build(spec, backend))
         if backend == "cuda":
             k = RecordedCudaKernel(k, spec)
+        k = GuardedKernel(k, spec, backend, fault)
         _CACHE[key] = k
     return k
+
+
+class GuardedKernel:
+    """A kernel object that launches as it is, except while first contact or
+    qualification probes (``first_contact._PROBE``): then the launch's inputs are
+    evaluated, the kernel runs and its outputs are evaluated at once, and an exception
+    becomes ``first_contact.KernelFault`` naming the op. ``fault`` is a test-only
+    injected failure (``first_contact.INJECT_ENV``), None in production."""
+
+    __slots__ = ("kernel", "spec", "backend", "op", "fault", "_fc")
+
+    def __init__(self, kernel, spec: KernelSpec, backend: str, fault=None):
+        from . import first_contact
+
+        self.kernel = kernel
+        self.spec = spec
+        self.backend = backend
+        self.op = op_of(spec)
+        self.fault = fault
+        self._fc = first_contact
+
+    def __call__(self, **kw):
+        if self.fault is None and self._fc._PROBE[0] is None:
+            return self.kernel(**kw)
+        return self._fc.launch(self, kw)
 
 
 class RecordedCudaKernel:

@@ -28,18 +28,31 @@ class PatchHandle:
     Attributes:
         targets: list of ``(owner, attribute, original, replacement)``.
         ops: the op selection given to ``patch`` (None = all).
+        announce: print ``backend.status_line`` to stderr once per model Lily prepares
+            (set by the ``--lily`` hook and the console scripts).
     """
 
     def __init__(self, targets, ops):
         self.targets = targets
         self.ops = ops
+        self.announce = False
+        #: None while Lily's forwards are installed; else the reason it stepped aside
+        #: (mlx-lm's own code runs: ``patch``)
+        self.stepped_aside: str | None = None
+        #: True while a model loaded through ``mlx_lm.load`` is to be qualified first
+        self.qualify_pending = False
+        #: with ``announce``: the step-aside / qualify line, printed when a supported
+        #: model is loaded (never before ``--help`` output or for another model type)
+        self.deferred_line: str | None = None
 
     @property
     def active(self) -> bool:
         return _ACTIVE is self
 
     def __repr__(self):
-        return f"<mlx_lily.PatchHandle {len(self.targets)} targets active={self.active}>"
+        aside = f" stepped_aside={self.stepped_aside!r}" if self.stepped_aside else ""
+        return (f"<mlx_lily.PatchHandle {len(self.targets)} targets "
+                f"active={self.active}{aside}>")
 
 
 #: Count of item mutations of ``mlx.nn.Module`` objects (``module[k] = v``, ``del``, ``pop``,
@@ -189,6 +202,9 @@ def prepare_model(model, *, warn: bool = True) -> bool:
                     and not getattr(model, "_lily_warm", False)):
                 warmup(model)
                 model._lily_warm = True
+            if _ACTIVE is not None and _ACTIVE.announce and not getattr(model, "_lily_announced", False):
+                model._lily_announced = True
+                print(backend.status_line(mt), file=sys.stderr, flush=True)
             return True
     if warn and mt not in _WARNED_TYPES:
         _WARNED_TYPES.add(mt)
@@ -244,45 +260,45 @@ last_warmup: dict = {}
 
 
 def warmup(model, prompt_len: int = 8, record_lengths=WARMUP_RECORD_LENGTHS) -> float:
-    """Compile every kernel the model's forward uses, so the first real token pays no JIT
-    cost: a short prefill and one decode step on a throw-away cache. Returns seconds spent.
+    """Build, launch and check every kernel the model's forward uses
+    (``mlx_lily.first_contact.check``: a short prefill, one decode step and a
+    ``first_contact.PREFILL_LEN``-token prefill on throw-away caches, every launch
+    evaluated at once and the logits compared with the references), so the first real
+    token pays no JIT cost and a kernel that fails to build, to launch or to give a
+    sane result is turned off for the process (one warning naming the op) instead of
+    failing the load or a generation. Returns seconds spent.
 
     On CUDA the graphs of those calls, and of prefills of ``record_lengths`` tokens (built,
     never evaluated: they pick the long-prompt kernel variants), are recorded first and
     their kernels compiled concurrently into MLX's on-disk cache
     (``mlx_lily.cuda_cache.precompile``); a later process finds them there. The report
-    lands in ``last_warmup``. Runs at prepare time on GPU backends only.
+    (``first_contact``: the check's report) lands in ``last_warmup``. Runs at prepare
+    time on GPU backends only.
     """
     import time
 
-    import mlx.core as mx
+    from . import first_contact
 
     t = time.perf_counter()
     precompile = config.precompile
+    report: dict = {} if precompile else {"skipped": f"{PRECOMPILE_ENV}=0"}
     if backend.current_backend() == "cuda" and precompile:
         from . import cuda_cache
 
-        outs, launches = cuda_cache.record_forward(model, prompt_len, record_lengths)
-        t_rec = time.perf_counter()
         try:
+            outs, launches = cuda_cache.record_forward(model, prompt_len, record_lengths)
+            del outs
+            t_rec = time.perf_counter()
             report = cuda_cache.precompile(launches)
+            report["record_s"] = t_rec - t
         except Exception as e:  # noqa: BLE001  (MLX's own JIT still compiles them)
-            import warnings
-
             warnings.warn(f"mlx-lily: compiling CUDA kernels ahead of time failed ({e!r}); "
                           "MLX compiles them at first use", stacklevel=2)
             report = {"skipped": repr(e)}
-        report["record_s"] = t_rec - t
-        t_eval = time.perf_counter()
-        mx.eval(outs)
-        report["first_eval_s"] = time.perf_counter() - t_eval
-    else:
-        cache = model.make_cache() if hasattr(model, "make_cache") else None
-        tokens = mx.zeros((1, prompt_len), dtype=mx.int32)
-        mx.eval(model(tokens, cache=cache))
-        mx.eval(model(tokens[:, :1], cache=cache))
-        report = {} if precompile else {"skipped": f"{PRECOMPILE_ENV}=0"}
-        report["first_eval_s"] = time.perf_counter() - t
+    t_eval = time.perf_counter()
+    if not backend.tracing_active():  # a traced backend records graphs, runs nothing
+        report["first_contact"] = first_contact.check(model, prompt_len)
+    report["first_eval_s"] = time.perf_counter() - t_eval
     last_warmup.clear()
     last_warmup.update(report)
     return time.perf_counter() - t
@@ -291,6 +307,12 @@ def warmup(model, prompt_len: int = 8, record_lengths=WARMUP_RECORD_LENGTHS) -> 
 def _wrap_load_model(orig):
     def load_model(model_path, *args, **kwargs):
         lily = _ACTIVE is not None and check_checkpoint(model_path)
+        if lily and _ACTIVE.deferred_line:
+            _announce(_ACTIVE.deferred_line)
+            _ACTIVE.deferred_line = None
+        if lily and _ACTIVE.qualify_pending:
+            _qualify_then_serve(model_path)
+        lily = lily and _ACTIVE is not None and _ACTIVE.stepped_aside is None
         model, config = orig(model_path, *args, **kwargs)
         if lily:
             prepare_model(model)
@@ -302,8 +324,8 @@ def _wrap_load_model(orig):
 
 
 #: Prompt tokens per prefill chunk for a model Lily serves, per backend, when the caller
-#: leaves ``prefill_step_size`` to mlx-lm's default. H200, ``benchmarks/gpu/prefill_bench.py``
-#: (session 14): a 4K prompt 16,783 / 21,969 / 21,898 tok/s with 2048 / 4096 / 8192-token
+#: leaves ``prefill_step_size`` to mlx-lm's default. H200, ``benchmarks/gpu/prefill_bench.py``:
+#: a 4K prompt 16,783 / 21,969 / 21,898 tok/s with 2048 / 4096 / 8192-token
 #: chunks, a 32K one 14,358 / 17,309 / 19,399 (peak 30.9 / 32.8 / 34.6 GB, weights
 #: included): each chunk pays a fixed ~13-18 ms host build and ~13-22 ms of mlx-lm's
 #: ``mx.clear_cache()`` besides its GPU work. Backends not listed keep mlx-lm's default.
@@ -317,7 +339,7 @@ PREFILL_OPS = ("moe_grouped", "gated_delta", "attention")
 #: Decoder layers per ``mx.async_eval`` group inside a multi-token (prefill) call of a
 #: patched decoder stack, per backend: the GPU runs the first layers while Python builds
 #: the rest, instead of idling for the whole chunk's build and the start of its dispatch.
-#: H200, ``benchmarks/gpu/ttft_probe.py`` (session 15), a 4096-token prompt's time to
+#: H200, ``benchmarks/gpu/ttft_probe.py``, a 4096-token prompt's time to
 #: first token, median of 5: groups of 2 / 4 / 8 layers 167.5 / 174.2 / 175.3 ms, one
 #: group 194.8 ms. Backends not listed: one group (mlx-lm's behaviour).
 PREFILL_EVAL_LAYERS = {"cuda": 2}
@@ -471,8 +493,144 @@ def _restore_kernel_cache_env() -> None:
     _SET_CACHE_ENV = None
 
 
-def patch(model=None, *, ops=None, **settings) -> PatchHandle:
+STEP_ASIDE_ENV = "MLX_LILY_STEP_ASIDE"
+
+
+def step_aside_enabled() -> bool:
+    """``MLX_LILY_STEP_ASIDE``: ``0`` (also ``off``, ``no``, ``false``) keeps Lily's
+    forwards installed where no kernel would run (the ops' references then run through
+    them: the test suite's parity runs on the CPU); anything else, or unset, lets
+    ``patch`` step aside."""
+    return tuning.step_aside
+
+
+def kernel_plan(force: bool = False) -> tuple:
+    """What ``patch`` does on this device now: ``("serve", "")`` (install Lily's
+    forwards), ``("qualify", reason)`` (a GPU with no qualification record, auto
+    qualification on: install only the load hook, which qualifies the first Lily model
+    loaded and then serves or steps aside) or ``("aside", reason)`` (no op would run a
+    kernel here: mlx-lm's own code stays). ``force`` (or ``MLX_LILY_STEP_ASIDE=0``)
+    always serves."""
+    from . import first_contact, kernels
+
+    if force or not step_aside_enabled():
+        return "serve", ""
+    be = backend.current_backend()
+    if be == "cpu":
+        return "aside", "the CPU backend runs no Lily kernels"
+    if first_contact.active_ops(be):
+        return "serve", ""
+    from . import qualify
+
+    dev = f"{kernels.device_name() or 'this GPU'} ({be})"
+    status = qualify.record_status(be)
+    if status == "valid":
+        return "aside", qualify.why_none(be)
+    if qualify.auto_enabled():
+        return "qualify", f"no qualification record for {dev}"
+    return "aside", (f"no Lily kernel is verified for {dev} (no qualification record; "
+                     f"{qualify.QUALIFY_ENV}=0)")
+
+
+_ANNOUNCED: set = set()
+
+
+def _announce(line: str) -> None:
+    """Print ``line`` to stderr once per process."""
+    if line not in _ANNOUNCED:
+        _ANNOUNCED.add(line)
+        print(line, file=sys.stderr, flush=True)
+
+
+def _aside_line(reason: str) -> str:
+    return f"[mlx-lily] stepping aside: {reason}; mlx-lm runs its own code."
+
+
+#: Features ``patch`` installs whatever the kernels do (pure cache logic, no kernels):
+#: ``(install, uninstall)`` pairs, run in order by ``patch`` / in reverse by ``unpatch``,
+#: also when Lily steps aside. Each ``install()`` returns an opaque token handed back to
+#: its ``uninstall(token)``.
+INDEPENDENT_FEATURES: list = []
+
+
+def _install_independent(handle: PatchHandle) -> None:
+    handle.features = []
+    for install, uninstall in INDEPENDENT_FEATURES:
+        handle.features.append((uninstall, install()))
+
+
+def _uninstall_independent(handle: PatchHandle) -> None:
+    for uninstall, token in reversed(getattr(handle, "features", [])):
+        uninstall(token)
+    handle.features = []
+
+
+def _apply_targets(triples) -> list:
+    applied = []
+    for owner, name, repl in triples:
+        orig = _get_raw(owner, name)
+        if orig is None:
+            for o, n, og, _ in reversed(applied):
+                setattr(o, n, og)
+                _ORIGINALS.pop((o, n), None)
+            raise RuntimeError(f"mlx-lily: {owner!r} has no attribute {name!r} of its own; "
+                               "this mlx-lm version is not supported")
+        _ORIGINALS[(owner, name)] = orig
+        setattr(owner, name, repl)
+        applied.append((owner, name, orig, repl))
+    return applied
+
+
+def _serve(handle: PatchHandle) -> None:
+    """Install Lily's forwards on ``handle`` (stepped aside before: the load hook only)."""
+    for owner, name, orig, repl in reversed(handle.targets):
+        setattr(owner, name, orig)
+        _ORIGINALS.pop((owner, name), None)
+    handle.targets = _apply_targets(_collect_targets())
+    handle.stepped_aside = None
+    handle.qualify_pending = False
+    _start_tracking()
+
+
+def _load_hook_targets():
+    utils = importlib.import_module("mlx_lm.utils")
+    return [(utils, "load_model", _wrap_load_model(utils.load_model))]
+
+
+def _qualify_then_serve(model_path) -> None:
+    """The first Lily checkpoint loaded while qualification is pending: qualify this
+    device at its shapes (``mlx_lily.qualify.auto_qualify``, a child process), then serve
+    if some op qualified, else step aside for good."""
+    from . import first_contact, qualify
+
+    handle = _ACTIVE
+    handle.qualify_pending = False
+    try:
+        qualify.auto_qualify(model=str(model_path))
+    except Exception as e:  # noqa: BLE001  (qualification must never fail a load)
+        warnings.warn(f"mlx-lily: qualification failed ({e!r})", stacklevel=3)
+    be = backend.current_backend()
+    if first_contact.active_ops(be):
+        _serve(handle)
+        if not handle.announce:  # with announce, prepare_model prints the status line
+            _announce(backend.describe())
+    else:
+        handle.stepped_aside = qualify.why_none(be)
+        _announce(_aside_line(handle.stepped_aside))
+
+
+def patch(model=None, *, ops=None, force: bool = False, announce: bool = False,
+          **settings) -> PatchHandle:
     """Patch mlx-lm so Qwen3.5/3.6 and Qwen3-Next models run through Lily's ops.
+
+    Where no op would run a kernel on this device (the CPU backend; a GPU whose
+    qualification record passed nothing; no record, no shipped record for the device and
+    ``MLX_LILY_QUALIFY=0``), Lily steps aside: mlx-lm's own code stays in place, one
+    line on stderr says so and ``backend_info()["patch"]`` is ``"stepped-aside"``. On a
+    GPU with no record (auto qualification on) only the load hook is installed: the
+    first Lily checkpoint loaded through ``mlx_lm.load`` qualifies the device first
+    (``mlx_lily.qualify``), then Lily serves or steps aside. ``INDEPENDENT_FEATURES``
+    are installed either way.
 
     Args:
         model: optionally a loaded mlx-lm model to prepare now (fused projections);
@@ -480,6 +638,11 @@ def patch(model=None, *, ops=None, **settings) -> PatchHandle:
             model of an unsupported type gets one warning and stays stock.
         ops: iterable of op names to use (see ``mlx_lily.registry``); None = all.
             ``MLX_LILY_DISABLE`` still applies on top.
+        force: install Lily's forwards even where no kernel would run (the references
+            then run through them); ``MLX_LILY_STEP_ASIDE=0`` does the same.
+        announce: print one line to stderr when a supported model is loaded (the
+            status line, or why Lily stepped aside) instead of at this call (the
+            ``--lily`` hook and the console scripts use it).
         **settings: user settings replacing their environment variables until
             ``unpatch()`` (``mlx_lily.config``): ``kernels`` (``"verified"``, ``"all"`` or
             op names), ``disable`` (op names or ``"all"``), ``compile`` (bool),
@@ -500,22 +663,43 @@ def patch(model=None, *, ops=None, **settings) -> PatchHandle:
         raise
     _default_kernel_cache_dir()
     if _ACTIVE is None:
-        applied = []
-        for owner, name, repl in _collect_targets():
-            orig = _get_raw(owner, name)
-            if orig is None:
-                raise RuntimeError(f"mlx-lily: {owner!r} has no attribute {name!r} of its own; "
-                                   "this mlx-lm version is not supported")
-            _ORIGINALS[(owner, name)] = orig
-            setattr(owner, name, repl)
-            applied.append((owner, name, orig, repl))
-        _ACTIVE = PatchHandle(applied, ops)
-        _start_tracking()
+        handle = PatchHandle([], ops)
+        handle.announce = announce
+        _install_independent(handle)
+        try:
+            decision, reason = kernel_plan(force)
+        except Exception as e:  # noqa: BLE001  (deciding must not break the caller)
+            decision, reason = "aside", f"could not decide ({e!r})"
+        try:
+            if decision == "serve":
+                handle.targets = _apply_targets(_collect_targets())
+                _start_tracking()
+            else:
+                handle.stepped_aside = reason
+                if decision == "qualify":
+                    handle.qualify_pending = True
+                    line = (f"[mlx-lily] {reason}: the first Lily model loaded is "
+                            "qualified first (about a minute; MLX_LILY_QUALIFY=0 skips it).")
+                else:
+                    line = _aside_line(reason)
+                if decision == "qualify" or announce:
+                    handle.targets = _apply_targets(_load_hook_targets())
+                if announce:
+                    handle.deferred_line = line
+                else:
+                    _announce(line)
+        except BaseException:
+            _uninstall_independent(handle)
+            raise
+        _ACTIVE = handle
         fresh = True
     else:
         _ACTIVE.ops = ops
+        _ACTIVE.announce = _ACTIVE.announce or announce
         fresh = False
-    if model is not None:
+        if force and _ACTIVE.stepped_aside is not None:
+            _serve(_ACTIVE)
+    if model is not None and _ACTIVE.stepped_aside is None:
         try:
             prepare_model(model)
         except BaseException:
@@ -547,8 +731,10 @@ def unpatch(handle: PatchHandle | None = None) -> bool:
                           "patching; restoring the original anyway", stacklevel=2)
         setattr(owner, name, orig)
         _ORIGINALS.pop((owner, name), None)
+    handle = _ACTIVE
     _ACTIVE = None
     _stop_tracking()
+    _uninstall_independent(handle)
     backend.select_ops(None)
     config.clear_overrides()
     from mlx_lily.patches.qwen3_next import drop_views
@@ -564,9 +750,10 @@ def is_patched() -> bool:
 
 
 @contextlib.contextmanager
-def patched(model=None, *, ops=None, **settings):
-    """Context manager: patch on entry (``patch(model, ops=ops, **settings)``), restore on
-    exit (only if this call patched; else the previous op selection and settings).
+def patched(model=None, *, ops=None, force: bool = False, **settings):
+    """Context manager: patch on entry (``patch(model, ops=ops, force=force,
+    **settings)``), restore on exit (only if this call patched; else the previous op
+    selection and settings).
 
     Yields the ``PatchHandle``.
     """
@@ -574,7 +761,7 @@ def patched(model=None, *, ops=None, **settings):
     prev_ops = was.ops if was is not None else None
     prev_settings = config.overrides()
     try:
-        handle = patch(model, ops=ops, **settings)
+        handle = patch(model, ops=ops, force=force, **settings)
     except BaseException:
         if was is not None:
             patch(ops=prev_ops, **prev_settings)

@@ -15,6 +15,21 @@ from .config import (BadValue, Setting, cached, count, flag, install_properties,
                      int_tuple, one_of)
 
 
+_WORDS = {"0": False, "off": False, "no": False, "false": False,
+          "1": True, "on": True, "yes": True, "true": True}
+
+
+def _switch(raw: str) -> bool:
+    v = _WORDS.get(raw.lower())
+    if v is None:
+        raise BadValue()
+    return v
+
+
+def _text(raw: str) -> str:
+    return raw
+
+
 def _library(raw: str) -> str:
     from pathlib import Path
 
@@ -58,6 +73,17 @@ KNOBS: dict = {k.attr: k for k in (
             "three integers 1..8 'r,g,d' (e.g. '2,4,1')",
             "rows per lane group of the one-launch MoE kernel's phases (default: "
             "moe_experts.FUSED_RPW)"),
+    Setting("qualify", "MLX_LILY_QUALIFY", True, _switch, "'1', '0' (also on/off, yes/no)",
+            "0: ignore qualification records and never qualify a GPU on first use"),
+    Setting("step_aside", "MLX_LILY_STEP_ASIDE", True, _switch,
+            "'1', '0' (also on/off, yes/no)",
+            "0: keep Lily's forwards installed where no kernel would run (references run)"),
+    Setting("inject_fault", "MLX_LILY_INJECT_FAULT", "", _text,
+            "op:kind[,op:kind...] (mlx_lily.first_contact.FAULT_KINDS)",
+            "tests only: make an op's kernels fail at first contact"),
+    Setting("qualify_emulate", "MLX_LILY_QUALIFY_EMULATE", False,
+            one_of("0", "1", values={"0": False, "1": True}), "'0', '1'",
+            "tests only: qualification's child process runs the Metal kernels emulated"),
     Setting("decode_pf", "MLX_LILY_DECODE_PF", None,
             one_of("1", "2", values={"1": 1, "2": 2}), "'1', '2'",
             "load groups in flight per warp in the attention decode kernel (default: "

@@ -12,7 +12,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import ArraysCache, KVCache
 
-from mlx_lily import backend, config, tuning
+from mlx_lily import backend, config, kernels, tuning
 from mlx_lily.backend import op_enabled
 from mlx_lily.kernels import device_scalars
 from mlx_lily.ops import (
@@ -101,7 +101,8 @@ def _compile_key():
     be = backend.current_backend()
     if backend.compile_mode(be) == "off":
         return None
-    return (be, backend.disabled_ops(), backend.selected_ops(), config.kernels,
+    return (be, backend.disabled_ops(), backend.selected_ops(), kernels.allowed_key(),
+            config.kernels,
             tuning.decode_pf, norm_qgemv_ops.split_requested(), gdn_ops.proj_split(be),
             tuning.moe_fused_rpw, tuning.moe_tile_rows)
 

@@ -29,7 +29,7 @@ KV_STEP_ENV = "MLX_LILY_KV_STEP"  # tuning.kv_step
 #: mlx-lm grows by 256; each growth changes the compiled decode step's shapes, so the step
 #: that grows runs layer by layer and the next one traces the whole stack again
 #: (``benchmarks/build_time.py --layers 40 --growth-steps 1100`` on this repository's CPU
-#: box, stubbed kernels, commit f6a157a: at 256, 8 steps of 1100 over 5x the median, 37.4 ms
+#: box, stubbed kernels: at 256, 8 steps of 1100 over 5x the median, 37.4 ms
 #: in all, against a 0.32 ms median). 2048 (the prefill chunk) cuts those events 8x for at most 2047 unused cache rows per attention layer (4 MiB per layer for
 #: Qwen3.6-35B-A3B's 2 KV heads x 256 dims, bf16 K and V).
 DEFAULT_KV_STEP = 2048

@@ -82,3 +82,83 @@ def build(kind: str = "qwen3_5_moe", seed: int = 0, quantize: bool = True, **ove
     model.eval()
     mx.eval(model.parameters())
     return model
+
+
+def _moe_predicate(bits, gs):
+    def pred(path, m):
+        if not hasattr(m, "to_quantized"):
+            return False
+        if path.endswith("gate") or path.endswith("shared_expert_gate"):
+            return {"group_size": 64, "bits": 8}
+        return {"group_size": gs, "bits": bits}
+
+    return pred
+
+
+def moe_block(d=256, e=16, k=4, i=128, seed=0, bits=4, gs=64, dtype=mx.bfloat16, norm=True):
+    """A quantized mlx-lm ``Qwen3NextSparseMoeBlock``: hidden ``d``, ``e`` experts, top
+    ``k``, expert and shared-expert width ``i``; weights ~ N(0, 1/fan_in) in ``dtype``
+    (seeded by ``seed``); router and shared gate 8-bit group 64, experts and shared expert
+    at ``bits`` / ``gs``; ``norm``: ``norm_topk_prob``."""
+    from mlx.utils import tree_flatten, tree_unflatten
+    from mlx_lm.models import qwen3_next
+
+    args = qwen3_next.ModelArgs(
+        model_type="qwen3_next", hidden_size=d, num_hidden_layers=1, intermediate_size=256,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=64, rms_norm_eps=1e-6,
+        vocab_size=32, linear_num_value_heads=1, linear_num_key_heads=1,
+        linear_key_head_dim=32, linear_value_head_dim=32, linear_conv_kernel_dim=4,
+        num_experts=e, num_experts_per_tok=k, decoder_sparse_step=1,
+        shared_expert_intermediate_size=i, moe_intermediate_size=i, mlp_only_layers=[],
+        norm_topk_prob=norm, rope_theta=1e6, partial_rotary_factor=0.25,
+        max_position_embeddings=128, tie_word_embeddings=False, full_attention_interval=4)
+    mx.random.seed(seed)
+    blk = qwen3_next.Qwen3NextSparseMoeBlock(args)
+    blk.update(tree_unflatten([
+        (n, (mx.random.normal(p.shape) * p.shape[-1] ** -0.5).astype(dtype))
+        for n, p in tree_flatten(blk.parameters())]))
+    nn.quantize(blk, class_predicate=_moe_predicate(bits, gs))
+    return blk
+
+
+def shared_expert(d, i, seed=5):
+    """A 4-bit (group 64) mlx-lm ``Qwen3NextMLP`` of hidden ``d`` and width ``i``, bf16
+    weights ~ N(0, 1/d) seeded by ``seed``."""
+    from mlx_lm.models import qwen3_next
+
+    mlp = qwen3_next.Qwen3NextMLP(d, i)
+    mx.random.seed(seed)
+    mlp.update({n: {"weight": (mx.random.normal(getattr(mlp, n).weight.shape) * d ** -0.5)
+                    .astype(mx.bfloat16)} for n in ("gate_proj", "up_proj", "down_proj")})
+    nn.quantize(mlp, 64, 4)
+    return mlp
+
+
+def gated_delta_net(Hk=2, Hv=4, D=128, hidden=64, seed=0):
+    """An unquantized mlx-lm Qwen3.5 ``GatedDeltaNet`` mixer with ``Hk`` key and ``Hv``
+    value heads of dim ``D``: bf16 weights (norms near 1, conv ~0.3), fp32 ``A_log`` =
+    log U(1, 16), from numpy's generator seeded by ``seed``."""
+    import numpy as np
+    from mlx.utils import tree_flatten, tree_unflatten
+    from mlx_lm.models import qwen3_5
+
+    args = qwen3_5.TextModelArgs(
+        model_type="qwen3_5_text", hidden_size=hidden, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=1, rms_norm_eps=1e-6, vocab_size=32,
+        linear_num_value_heads=Hv, linear_num_key_heads=Hk, linear_key_head_dim=D,
+        linear_value_head_dim=D, linear_conv_kernel_dim=4, intermediate_size=32)
+    mx.random.seed(seed)
+    m = qwen3_5.GatedDeltaNet(args)
+    rng = np.random.default_rng(seed)
+    params = []
+    for name, p in tree_flatten(m.parameters()):
+        if name.endswith("A_log"):
+            v = mx.array(np.log(rng.uniform(1, 16, p.shape)).astype(np.float32))
+        else:
+            scale = 0.3 if "conv" in name else (p.shape[-1] ** -0.5 if p.ndim > 1 else 0.1)
+            off = 1.0 if p.ndim == 1 else 0.0
+            v = mx.array((off + scale * rng.standard_normal(p.shape)).astype(np.float32))
+            v = v.astype(mx.bfloat16)
+        params.append((name, v))
+    m.update(tree_unflatten(params))
+    return m

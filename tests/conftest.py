@@ -11,6 +11,9 @@ mx.set_default_device(mx.cpu) if not (mx.metal.is_available() or mx.cuda.is_avai
 
 # The tests exercise every kernel, not only those on by default (mlx_lily.kernels.VERIFIED).
 os.environ.setdefault("MLX_LILY_KERNELS", "all")
+# ... and the patched forwards even where no kernel runs (the CPU: references through
+# them), where patch() would otherwise step aside for mlx-lm's own code.
+os.environ.setdefault("MLX_LILY_STEP_ASIDE", "0")
 
 
 @pytest.fixture(autouse=True)
@@ -21,6 +24,10 @@ def _no_leaked_patch():
     yield
     if mlx_lily.is_patched():
         mlx_lily.unpatch()
+    from mlx_lily import kernels
+
+    kernels.clear_runtime_disabled()  # first-contact failures are per process
+    kernels.forget_record()
 
 
 @pytest.fixture(scope="session")

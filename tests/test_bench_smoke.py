@@ -1,5 +1,5 @@
 """GPU benchmark scripts that have a CPU smoke mode run end to end here (small dims, the
-Metal emulator posing as the GPU): their code paths do not rot between device leases."""
+Metal emulator posing as the GPU): their code paths do not rot between GPU runs."""
 import json
 import subprocess
 import sys

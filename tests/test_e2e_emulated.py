@@ -22,6 +22,7 @@ import pytest
 from mlx_lm.models.cache import make_prompt_cache
 
 import _models
+from _close import assert_close, rel_err
 import mlx_lily
 from mlx_lily import backend
 from mlx_lily.testing.dispatch import count_kernel_launches, emulated_metal
@@ -173,8 +174,7 @@ def test_decode_folds_layer_norms_into_projections(stock_run):
     assert counts[True][1] == 1, counts
     assert counts[False][0] == 0, counts
     assert counts[False][1] - counts[True][1] == n_layers - 1, counts
-    scale = float(np.abs(logits[False]).max())
-    assert float(np.abs(logits[True] - logits[False]).max()) <= 0.05 * scale
+    assert_close(logits[True], logits[False], rtol=0.05, scale="max")
 
 
 def test_decode_output_projections_run_qgemv(stock_run):
@@ -207,8 +207,7 @@ def test_decode_output_projections_run_qgemv(stock_run):
     assert counts[True] == n_layers + 2, counts
     assert counts[False] == 0, counts
     assert counts["no-out"] == 2, counts  # switch qgemv_out off: the output projections
-    scale = float(np.abs(logits[False]).max())
-    assert float(np.abs(logits[True] - logits[False]).max()) <= 0.05 * scale
+    assert_close(logits[True], logits[False], rtol=0.05, scale="max")
 
 
 def test_deepcopy_and_unpatch_after_kernel_decode(stock_run):
@@ -236,11 +235,6 @@ def _f32(x):
         mx.bfloat16, mx.float16) else x
 
 
-def _rel_err(a, t):
-    a, t = np.array(a.astype(mx.float32)), np.array(t.astype(mx.float32))
-    return float(np.abs(a - t).max() / (np.abs(t).max() or 1.0))
-
-
 def test_attention_kernels_on_model_tensors(monkeypatch):
     """Every attention kernel call of a patched forward (Qwen3.6's 16 q / 2 KV heads, a
     40-token prefill then decode steps over the KV cache) against the fp32 reference on
@@ -254,7 +248,7 @@ def test_attention_kernels_on_model_tensors(monkeypatch):
     seen, bad = [], []
 
     def check(what, out, ref32, ref16):
-        e, e16 = _rel_err(out, ref32), _rel_err(ref16, ref32)
+        e, e16 = rel_err(out, ref32), rel_err(ref16, ref32)
         seen.append(what)
         if e > max(2 * e16, 0.01):
             bad.append((what, e, e16))
@@ -329,9 +323,8 @@ def test_attention_decode_step_function_matches_eager_path():
             assert mx.array_equal(values[..., :n, :], c_eager.values[..., :n, :]).item()
             assert keys.shape == c.keys.shape  # capacity unchanged: static shapes
             for got, want in ((hs, he), (ms, me)):
-                scale = float(mx.abs(want.astype(mx.float32)).max().item()) or 1.0
-                err = float(mx.abs(got.astype(mx.float32) - want.astype(mx.float32)).max().item())
-                assert err <= 0.02 * scale, (i, err, scale)
+                assert_close(got, want, rtol=0.02, scale="max",
+                             what=f"layer {i}")
             checked += 1
     assert checked == len(idx)
 
@@ -352,10 +345,7 @@ def test_whole_decode_step_function_matches_eager_path():
     assert any(l.is_linear for l in layers) and any(not l.is_linear for l in layers)
 
     def close(got, want, what):
-        g, w = got.astype(mx.float32), want.astype(mx.float32)
-        scale = float(mx.abs(w).max().item()) or 1.0
-        err = float(mx.abs(g - w).max().item())
-        assert err <= 0.02 * scale, (what, err, scale)
+        assert_close(got, want, rtol=0.02, scale="max", what=what)
 
     with emulated_metal(), mlx_lily.patched(model):
         cache = make_prompt_cache(model)

@@ -47,6 +47,6 @@ def test_chain_time_grows_with_work():
 
     small = gpu_clock.time_chain(work(2), x, spin_ms=50.0)
     big = gpu_clock.time_chain(work(200), x, spin_ms=50.0)
-    # host_covered is not asserted: on the H200 (session 6) MLX's dispatch waited for the
+    # host_covered is not asserted: on the H200 MLX's dispatch waited for the
     # spinning GPU even for this short chain, so gpu_s is an upper bound there
     assert 0 < small["gpu_s"] < big["gpu_s"] < 0.05 + big["host_dispatch_s"]

@@ -14,6 +14,8 @@ import mlx.core as mx
 from mlx_lily.testing import metal_emu
 from mlx_lily.testing.metal_emu import MetalEmuCompileError, MetalEmuError, metal_kernel
 
+from _close import assert_close
+
 pytestmark = pytest.mark.skipif(not metal_emu.available(), reason="no clang >= 15 (ziglang) for the Metal emulator")
 
 
@@ -89,7 +91,7 @@ def gd_inputs():
 
 
 def _close(a, b, tol):
-    np.testing.assert_allclose(f32(a), f32(b), rtol=tol, atol=tol)
+    assert_close(a, b, rtol=tol, atol=tol)
 
 
 def test_gated_delta_plain_matches_ops(gd, gd_inputs):
@@ -146,7 +148,7 @@ def test_gated_delta_bf16_inputs(gd, gd_inputs):
     y, s = gd.gated_delta_kernel(qb, kb, vb, g, beta, state)
     assert y.dtype == mx.bfloat16 and s.dtype == mx.float32
     # one bf16 rounding of y apart at most
-    np.testing.assert_allclose(f32(y), f32(yr), rtol=1e-2, atol=2e-3)
+    assert_close(f32(y), f32(yr), rtol=1e-2, atol=2e-3)
     _close(s, sr, 1e-4)
 
 
@@ -180,7 +182,7 @@ def test_simd_reductions_match_numpy():
     for m in (1, 2, 4, 8, 16):
         v = v + v[:, np.arange(32) ^ m]
     np.testing.assert_array_equal(np.array(outs[0]).reshape(4, 32), v)
-    np.testing.assert_allclose(np.array(outs[0]).reshape(4, 32)[:, 0], xs.sum(1), rtol=1e-5)
+    assert_close(np.array(outs[0]).reshape(4, 32)[:, 0], xs.sum(1), rtol=1e-5)
     np.testing.assert_array_equal(np.array(outs[1]).reshape(4, 32), np.repeat(xs.max(1, keepdims=True), 32, 1))
     np.testing.assert_array_equal(np.array(outs[2]).reshape(4, 32), np.repeat(xs.min(1, keepdims=True), 32, 1))
     iv = (xs * 8).astype(np.int32)
@@ -314,7 +316,7 @@ def test_simdgroup_matrix_gemm(dtype):
         template=[("T", dtype), ("K", K), ("N", N)],
     )
     ref = np.array(mx.array(a).astype(dtype)).astype(np.float32) @ np.array(mx.array(b).astype(dtype)).astype(np.float32)
-    np.testing.assert_allclose(np.array(c), ref, rtol=1e-4, atol=1e-4)
+    assert_close(np.array(c), ref, rtol=1e-4, atol=1e-4)
     assert np.all(np.array(lay) == 1)
 
 
@@ -436,7 +438,7 @@ def test_vectors_swizzles_math_and_strides():
     out = np.array(run1(k, [x], (16,), mx.float32, (16, 1, 1), (16, 1, 1)))
     xv = np.arange(0, 32, 2, dtype=np.float32)
     expect = (xv + 2 + 3 + 4) + 1 + 4 + xv + 0 + 0 + 1 + 0 + 0.5 + 0.5
-    np.testing.assert_allclose(out, expect, rtol=1e-6)
+    assert_close(out, expect, rtol=1e-6)
 
 
 def test_mlx_lm_block_sum_header_kernel():
@@ -452,7 +454,7 @@ def test_mlx_lm_block_sum_header_kernel():
     k = metal_kernel("blocksum", ["x"], ["out"], src, header=BLOCK_SUM_HEADER)
     x = np.random.default_rng(8).standard_normal((3, 256)).astype(np.float32)
     out = run1(k, [mx.array(x)], (3,), mx.float32, (3 * 256, 1, 1), (256, 1, 1), template=[("TG", 256)])
-    np.testing.assert_allclose(np.array(out), x.sum(1), rtol=1e-5, atol=1e-5)
+    assert_close(np.array(out), x.sum(1), rtol=1e-5, atol=1e-5)
 
 
 def test_limits_and_elem_to_loc_preamble():
@@ -674,3 +676,45 @@ def test_buffers_are_aligned_for_vector_loads():
         out = np.array(run1(k, [x], (8,), mx.float32, (8, 1, 1), (8, 1, 1)))
         xs = np.array(x).reshape(8, 4)
         np.testing.assert_array_equal(out, xs.sum(1) + 11000)
+
+
+# --------------------------------------------------------------------------- address spaces
+_AS_HELPER = "inline float first_of(const device float* p) { return p[0]; }\n"
+_AS_BODY = """uint i = thread_position_in_grid.x;
+if (USE) {
+  out[i] = first_of(x);
+} else {
+  out[i] = x[i];
+}
+"""
+
+
+def test_constant_input_to_device_helper_does_not_compile():
+    """Address spaces are kept in the emulator's types: a 4-element input (MLX passes it
+    as `const constant float*`) handed to a `const device float*` helper fails to compile,
+    even in a branch the template switches off, as on a Mac; with 8 elements (`device`)
+    the same kernel runs."""
+    k = metal_kernel("as_planted", ["x"], ["out"], _AS_BODY, header=_AS_HELPER)
+    with pytest.raises(MetalEmuCompileError, match="no matching function for call to 'first_of'"):
+        run1(k, [mx.arange(4, dtype=mx.float32)], (4,), mx.float32, (4, 1, 1), (4, 1, 1),
+             template=[("USE", False)])
+    out = run1(k, [mx.arange(8, dtype=mx.float32)], (8,), mx.float32, (8, 1, 1), (8, 1, 1),
+               template=[("USE", False)])
+    np.testing.assert_array_equal(f32(out), np.arange(8, dtype=np.float32))
+
+
+def test_threadgroup_and_device_pointers_do_not_mix():
+    """A threadgroup array's address is a `threadgroup` pointer: storing it in a
+    `device` one is an error, as in Metal."""
+    body = """threadgroup float buf[32];
+buf[thread_position_in_threadgroup.x] = x[thread_position_in_grid.x];
+threadgroup_barrier(mem_flags::mem_threadgroup);
+device float* p = buf;
+out[thread_position_in_grid.x] = p[0];
+"""
+    k = metal_kernel("as_tg", ["x"], ["out"], body)
+    with pytest.raises(MetalEmuCompileError, match=r"cannot initialize a variable of type 'device float \*'"):
+        run1(k, [mx.zeros((32,))], (32,), mx.float32, (32, 1, 1), (32, 1, 1))
+    ok = metal_kernel("as_tg_ok", ["x"], ["out"], body.replace("device float* p", "threadgroup float* p"))
+    out = run1(ok, [mx.arange(32, dtype=mx.float32)], (32,), mx.float32, (32, 1, 1), (32, 1, 1))
+    np.testing.assert_array_equal(f32(out), np.zeros(32, np.float32))

@@ -24,8 +24,8 @@ STEPS = 12
 def small_model():
     """Qwen3.6-35B-A3B's dims with 4 layers (3 GDN + 1 attention): the kernels' production
     shapes. (The ``tiny`` preset's 64-wide projections make MLX's own CUDA build pick a
-    quantized-matmul kernel whose JIT needs CUDA's ``crt/mma.h``, absent from the lent
-    H200's install: session 6.)"""
+    quantized-matmul kernel whose JIT needs CUDA's ``crt/mma.h``, absent from the
+    H200 install it was run on.)"""
     from mlx_lily import synth
 
     model, _ = synth.build_model(synth._text_config(num_hidden_layers=4), seed=3)

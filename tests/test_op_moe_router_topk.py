@@ -13,47 +13,19 @@ from mlx_lily import kernels
 from mlx_lily.ops import moe_router_topk as R
 from mlx_lily.qproj import QProj
 from mlx_lily.testing.dispatch import count_kernel_launches, emulated_metal_dispatch
-from mlx_lily.testing.backends import parity_backends
+from mlx_lily.testing.backends import metal_emu_available, parity_backends
 from mlx_lily.testing.cuda_check import nvcc_path
 
 from mlx_lily.testing.cuda_emu import (
     HAS_EMU, KERNEL_BACKENDS, aligned_emu_buffers, kernel_for)
 
+from _close import EPS, assert_close, binade
+from _models import moe_block
+
 
 @pytest.fixture(autouse=True)
 def _aligned_emu_buffers(monkeypatch):
     yield from aligned_emu_buffers(monkeypatch)
-
-
-def _pred(path, m):
-    if not hasattr(m, "to_quantized"):
-        return False
-    if path.endswith("gate") or path.endswith("shared_expert_gate"):
-        return {"group_size": 64, "bits": 8}
-    return True
-
-
-def make_block(d=256, e=16, k=4, i=128, seed=0, norm=True):
-    """A quantized mlx-lm ``Qwen3NextSparseMoeBlock`` (8-bit router and shared gate)."""
-    from mlx.utils import tree_flatten, tree_unflatten
-    from mlx_lm.models import qwen3_next
-
-    args = qwen3_next.ModelArgs(
-        model_type="qwen3_next", hidden_size=d, num_hidden_layers=1, intermediate_size=256,
-        num_attention_heads=2, num_key_value_heads=1, head_dim=64, rms_norm_eps=1e-6,
-        vocab_size=32, linear_num_value_heads=1, linear_num_key_heads=1,
-        linear_key_head_dim=32, linear_value_head_dim=32, linear_conv_kernel_dim=4,
-        num_experts=e, num_experts_per_tok=k, decoder_sparse_step=1,
-        shared_expert_intermediate_size=i, moe_intermediate_size=i, mlp_only_layers=[],
-        norm_topk_prob=norm, rope_theta=1e6, partial_rotary_factor=0.25,
-        max_position_embeddings=128, tie_word_embeddings=False, full_attention_interval=4)
-    mx.random.seed(seed)
-    blk = qwen3_next.Qwen3NextSparseMoeBlock(args)
-    blk.update(tree_unflatten([
-        (n, (mx.random.normal(p.shape) * p.shape[-1] ** -0.5).astype(mx.bfloat16))
-        for n, p in tree_flatten(blk.parameters())]))
-    nn.quantize(blk, group_size=64, bits=4, class_predicate=_pred)
-    return blk
 
 
 def stock_routing(blk, x):
@@ -75,7 +47,7 @@ def test_reference_stock_tie_break_is_bit_identical_to_mlx_lm(norm):
 
 
 def _reference_stock(norm):
-    blk = make_block(seed=1, norm=norm)
+    blk = moe_block(seed=1, norm=norm)
     x = mx.random.normal((2, 3, 256)).astype(mx.bfloat16)
     want = stock_routing(blk, x)
     router = QProj.fuse([blk.gate, blk.shared_expert_gate])
@@ -89,7 +61,7 @@ def _reference_stock(norm):
 
 
 def test_lowest_id_agrees_with_stock_without_ties():
-    blk = make_block(seed=2)
+    blk = moe_block(seed=2)
     router = QProj.fuse([blk.gate, blk.shared_expert_gate])
     x = mx.random.normal((64, 256)).astype(mx.bfloat16)
     ia, sa, ha = R.moe_router_topk_reference(x, router, 4, True, tie_break="lowest_id")
@@ -115,7 +87,7 @@ def test_topk_lowest_id_ties():
 
 
 def test_bad_tie_break_raises():
-    blk = make_block(seed=0)
+    blk = moe_block(seed=0)
     router = QProj.fuse([blk.gate, blk.shared_expert_gate])
     with pytest.raises(ValueError):
         R.moe_router_topk_reference(mx.zeros((1, 256), mx.bfloat16), router, 4, True,
@@ -186,26 +158,19 @@ def grid_x(shape, dtype, seed, sign=None):
 
 
 def assert_routing_equal(got, want, dtype, ulps=1):
+    """Same expert ids; scores and shared gate within ``ulps`` ulps of ``dtype`` at each
+    value (its exact spacing there)."""
     gi, gs, gh = got
     wi, ws, wh = want
     assert gi.dtype == mx.uint32 and gi.shape == wi.shape
     assert gi.tolist() == wi.astype(mx.uint32).tolist()
-    assert gs.dtype == dtype and gs.shape == ws.shape
-    assert bool(mx.all(mx.isfinite(gs)).item())
-    eps = {mx.bfloat16: 2 ** -7, mx.float16: 2 ** -10, mx.float32: 2 ** -23}[dtype]
-
-    def one_ulp(x):  # spacing of dtype at |x| (machine epsilon scaled to x's binade)
-        a = mx.maximum(mx.abs(x.astype(mx.float32)), 1e-30)
-        return eps * mx.power(2.0, mx.floor(mx.log2(a)))
-
-    tol = ulps * one_ulp(ws) + 1e-7
-    assert bool(mx.all(mx.abs(gs.astype(mx.float32) - ws.astype(mx.float32)) <= tol).item())
+    assert gs.dtype == dtype
+    assert_close(gs, ws, dtype=dtype, ulps=ulps, ulp_of=binade(ws), atol=1e-7, what="scores")
     if wh is None:
         assert gh is None
     else:
-        assert gh.shape == wh.shape and bool(mx.all(mx.isfinite(gh)).item())
-        tol = ulps * one_ulp(wh) + 1e-7
-        assert bool(mx.all(mx.abs(gh.astype(mx.float32) - wh.astype(mx.float32)) <= tol).item())
+        assert_close(gh, wh, dtype=dtype, ulps=ulps, ulp_of=binade(wh), atol=1e-7,
+                     what="shared gate")
 
 
 EXACT = [  # (D, E, k, bits, has_shared, norm, rows, dtype)
@@ -267,11 +232,9 @@ def test_kernel_random_router_production_width(backend):
     best = mx.take_along_axis(probs, ti.astype(mx.int32), axis=-1)
     assert len(set(inds[0].tolist())) == k and len(set(inds[1].tolist())) == k
     # same probability profile, up to one bf16 ulp where logits rounded differently
-    assert bool(mx.all(mx.abs(picked - best) <= 2 ** -7 * best + 1e-6).item())
-    assert bool(mx.all(mx.abs(scores.astype(mx.float32) - ts.astype(mx.float32))
-                       <= 2 ** -6 * ts.astype(mx.float32) + 1e-6).item())
-    assert bool(mx.all(mx.abs(shared.astype(mx.float32) - th.astype(mx.float32))
-                       <= 2 ** -7).item())
+    assert_close(picked, best, dtype=mx.bfloat16, ulps=1, atol=1e-6, what="probabilities")
+    assert_close(scores, ts, dtype=mx.bfloat16, ulps=2, atol=1e-6, what="scores")
+    assert_close(shared, th, atol=EPS[mx.bfloat16], what="shared gate")
 
 
 def _linear(d, o):
@@ -282,7 +245,7 @@ def _linear(d, o):
 
 # ------------------------------------------------------------------ dispatch
 def test_supports():
-    blk = make_block(seed=0)
+    blk = moe_block(seed=0)
     router = QProj.fuse([blk.gate, blk.shared_expert_gate])
     x = mx.zeros((1, 1, 256), mx.bfloat16)
     assert R.supports(x, router, 4)
@@ -330,14 +293,11 @@ def test_cuda_twin_compiles():
                   ("RPW", R.router_rpw(257, 2048, 8, backend="cuda")), ("PRE_NORM", True)])
 
 
+@pytest.mark.skipif(not metal_emu_available(), reason="no clang >= 15 (ziglang) for the MSL lint")
 def test_metal_twin_lints_with_small_inputs():
     from mlx_lily.testing import msl_lint
 
-    try:
-        r = msl_lint.lint_file(kernels.shader_path("metal", "moe_router_topk.metal"))
-    except Exception as exc:  # clang missing
-        pytest.skip(f"lint unavailable: {exc}")
-    r.raise_for_issues()
+    msl_lint.lint_file(kernels.shader_path("metal", "moe_router_topk.metal")).raise_for_issues()
 
 
 @pytest.mark.gpu
@@ -385,10 +345,7 @@ def test_kernel_pre_norm(backend, case):
     with mx.stream(mx.cpu):
         h_ref, xn_ref = add_rms_norm_reference(h0, res, nw, 1e-6)
     assert mx.array_equal(h, h_ref).item()
-    ulp = 2.0 ** -7 if dtype == mx.bfloat16 else 2.0 ** -10
-    diff = mx.abs(xn.astype(mx.float32) - xn_ref.astype(mx.float32))
-    assert bool(mx.all(diff <= ulp * mx.abs(xn_ref.astype(mx.float32)) + 1e-6).item())
-    assert float((diff > 0).astype(mx.float32).mean().item()) < 0.01
+    assert_close(xn, xn_ref, dtype=dtype, ulps=1, atol=1e-6, max_diff_frac=0.01)
     want = R.launch(kern, xn, proj, k, norm, init_value=init)
     assert mx.array_equal(inds, want[0]).item() and mx.array_equal(scores, want[1]).item()
     if has_shared:
@@ -402,7 +359,7 @@ def test_pending_dispatch_on_cpu_resolves_the_norm():
     reference (stock's answer); ``pending.h`` is the residual sum."""
     from mlx_lily.qproj import PendingNorm
 
-    blk = make_block(seed=3)
+    blk = moe_block(seed=3)
     from mlx_lily.patches.qwen3_next import prepare_moe
 
     prepare_moe(blk)

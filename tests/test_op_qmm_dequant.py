@@ -9,6 +9,9 @@ import pytest
 
 from mlx_lily.ops import qmm_dequant as Q
 
+from _close import rel_err
+from _models import shared_expert
+
 
 def qlinear(o, k, bits=4, gs=64, dtype=mx.bfloat16, seed=0):
     mx.random.seed(seed)
@@ -23,10 +26,6 @@ def truth(x, layer):
                       biases=layer.biases.astype(mx.float32), group_size=layer.group_size,
                       bits=layer.bits)
     return mx.matmul(x.astype(mx.float32), w.T)
-
-
-def rel_err(y, t):
-    return (mx.abs(y.astype(mx.float32) - t).max() / mx.abs(t).max()).item()
 
 
 def count_dequantize(monkeypatch) -> list:
@@ -100,7 +99,7 @@ def test_switches(as_cuda, monkeypatch):
     monkeypatch.setenv("MLX_LILY_DISABLE", Q.NAME)
     assert Q.try_dequant(*args) is None
     monkeypatch.delenv("MLX_LILY_DISABLE")
-    monkeypatch.setenv("MLX_LILY_KERNELS", "verified")  # on by default since session 10
+    monkeypatch.setenv("MLX_LILY_KERNELS", "verified")  # on by default on CUDA
     assert Q.try_dequant(*args) is not None
     monkeypatch.setenv("MLX_LILY_KERNELS", "qgemv")  # a list without it
     assert Q.try_dequant(*args) is None
@@ -150,17 +149,6 @@ def test_call_sites(as_cuda):
     Q.mlp(mlp, x[:, :1])
     P.one_row_linear(layer, x[:, :1])
     assert as_cuda == []
-
-
-def shared_expert(d, i, seed=5):
-    from mlx_lm.models import qwen3_next
-
-    mlp = qwen3_next.Qwen3NextMLP(d, i)
-    mx.random.seed(seed)
-    mlp.update({n: {"weight": (mx.random.normal(getattr(mlp, n).weight.shape) * d ** -0.5)
-                    .astype(mx.bfloat16)} for n in ("gate_proj", "up_proj", "down_proj")})
-    nn.quantize(mlp, 64, 4)
-    return mlp
 
 
 def test_shared_expert_production_widths_take_the_path(as_cuda, monkeypatch):

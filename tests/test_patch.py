@@ -797,7 +797,7 @@ def test_mutation_tracking_installed_and_removed_with_the_patch():
 
 def test_cuda_default_kernel_set(monkeypatch):
     """What runs on CUDA by default: every op that passed its GPU tests and the A/B gate
-    (``kernels.VERIFIED``), including session 10's qgemv_out and prefill_dequant; Metal
+    (``kernels.VERIFIED``), including qgemv_out and prefill_dequant; Metal
     runs none by default (no Apple-hardware run yet)."""
     from mlx_lily import kernels
 

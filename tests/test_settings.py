@@ -35,6 +35,10 @@ BAD_KNOBS = {
     "gdn_proj_split": "17",
     "moe_fused_rpw": "2,4",
     "decode_pf": "3",
+    "qualify": "maybe",
+    "step_aside": "maybe",
+    "qualify_emulate": "2",
+    "inject_fault": None,  # raw text: mlx_lily.first_contact parses it (tests only)
 }
 
 
@@ -74,6 +78,8 @@ def test_bad_user_setting_warns_once_and_uses_default(monkeypatch, tmp_path, att
 
 @pytest.mark.parametrize("attr", sorted(BAD_KNOBS))
 def test_bad_knob_warns_once_and_uses_default(monkeypatch, attr):
+    if BAD_KNOBS[attr] is None:
+        pytest.skip(f"{attr}: passed on as text, parsed by the test tooling that reads it")
     _check_bad(monkeypatch, tuning.KNOBS[attr], BAD_KNOBS[attr], lambda: getattr(tuning, attr))
 
 

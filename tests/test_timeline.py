@@ -93,7 +93,7 @@ def test_prefill_run_chunks(host_clock):
     with pytest.raises(ValueError, match="empty"):
         timeline.prefill_run(t.model, [], 16)
     assert [c["tokens"] for c in _prefill_timeline(t.model, ids[:5], 16)["chunks"]] == [4, 1]
-    # the A/B hands over a list of numpy ints (session 11's H200 run failed on them)
+    # the A/B hands over a list of numpy ints (an H200 run once failed on them)
     np_ids = list(np.arange(5, 12, dtype=np.int32))
     assert [c["tokens"] for c in _prefill_timeline(t.model, np_ids, 16)["chunks"]] == [6, 1]
 

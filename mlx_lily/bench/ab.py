@@ -15,8 +15,10 @@ Method (see ``benchmarks/README`` in the result's markdown header too):
   and Lily's kernels compiled, a compiled step traced) does not move it; the drift flag
   still shows such a round (the spread counts every round).
 * Timing boundaries are those of mlx-lm's ``generate_step``: prefill tok/s = prompt
-  tokens / time to the first yielded token; decode tok/s from the intervals between
-  consecutive yielded tokens (``--decode-steps`` intervals; median and mean reported).
+  tokens / time to the first yielded token; decode tok/s = intervals over their total
+  time between consecutive yielded tokens (``--decode-steps`` intervals): the mean rate,
+  as mlx-lm's own commands report generation speed; the median interval's rate is kept
+  as ``tok_s_median``.
 * Decode rows: the context (prompt of the row's length) is prefilled ONCE with Lily
   (``context_built_by``), and each arm/round decodes from its own deep copy of those
   mlx-lm cache objects (every state array copied with ``mx.array``).
@@ -398,7 +400,9 @@ def copy_cache(cache: list) -> list:
 
 def measure_decode(model, cache: list, first_token: int, steps: int) -> dict:
     """Decode ``steps + 1`` tokens with ``generate_step`` from ``cache``; time the ``steps``
-    intervals between consecutive yielded tokens."""
+    intervals between consecutive yielded tokens. ``tok_s`` is the mean rate (intervals
+    over their summed time, as ``mlx_lm.benchmark`` reports generation); ``tok_s_median``
+    is 1 / the median interval."""
     import mlx.core as mx
     from mlx_lm.generate import generate_step
 
@@ -416,7 +420,7 @@ def measure_decode(model, cache: list, first_token: int, steps: int) -> dict:
     med = statistics.median(iv)
     return {
         "seconds": sum(iv),
-        "tok_s": 1.0 / med,
+        "tok_s": len(iv) / sum(iv),
         "tok_s_median": 1.0 / med,
         "tok_s_mean": len(iv) / sum(iv),
         "interval_s_median": med,
@@ -840,8 +844,8 @@ def run_sweeps(target: Target, opts) -> list[dict]:
                             m.update({"round": r, "position": order.index(arm)})
                             row["arms"][arm]["rounds"].append(m)
                             last[(sweep, arm)] = (L, m["seconds"])
-                            log(f"decode  L={fmt_len(L)} round {r + 1} {arm:5s}: {m['tok_s_median']:10.2f} tok/s "
-                                f"median, {m['tok_s_mean']:.2f} mean (peak {m['peak_memory_bytes'] / 2**20:.0f} MiB)")
+                            log(f"decode  L={fmt_len(L)} round {r + 1} {arm:5s}: {m['tok_s_mean']:10.2f} tok/s "
+                                f"mean, {m['tok_s_median']:.2f} median (peak {m['peak_memory_bytes'] / 2**20:.0f} MiB)")
                             if m.get("timeline_ms"):
                                 log("  timeline (ms): " + ", ".join(
                                     f"{k} {v:.3f}" for k, v in m["timeline_ms"].items()))
@@ -910,7 +914,7 @@ RESULT_SCHEMA: dict = {
     "lily_backend_info": {"backend": str, "ops": dict},
     "mlx_env": dict, "cuda_launch_mode": str,
     "settings": {"lengths": list, "sweeps": list, "rounds": int, "order": list, "decode_steps": int,
-                 "prefill_step_size": (int, type(None)),  # + prefill_step_by_arm (since session 14)
+                 "prefill_step_size": (int, type(None)),  # + prefill_step_by_arm in newer files
                  "budget_s": _OPT_NUM, "warmup": int, "seed": int,
                  "drift_flag": _NUM, "ops": (list, type(None))},
     "gate": {"passed": bool, "checks": dict, "injected_wrong": bool},
@@ -1053,7 +1057,8 @@ def render_markdown(result: dict) -> str:
         f"each arm's figure the median over its rounds); prefill tok/s = prompt / "
         f"time to first token (generate_step, prefill_step_size "
         f"{_fmt_steps(s)}); decode tok/s = "
-        f"1 / median of {s['decode_steps']} inter-token intervals (mean in brackets), from a context built "
+        f"{s['decode_steps']} inter-token intervals over their total time (the mean rate, as mlx-lm reports it; "
+        f"1 / median interval in brackets), from a context built "
         f"once by Lily and deep-copied per arm; rows whose rounds differ > {s['drift_flag']:.0%} are flagged",
         f"- Gate: {'PASSED' if g['passed'] else 'FAILED'} (rel max logit diff "
         f"{_fmt(g.get('rel_max_logit_diff'), '{:.2e}')}, top-1 {_fmt(g.get('top1_agreement'), '{:.3f}')}, "
@@ -1075,7 +1080,7 @@ def render_markdown(result: dict) -> str:
         for r in rows:
             if r["status"] == "lily_only":
                 a = r["arms"]["lily"]
-                li = (f"{a['tok_s']:.2f} ({a['tok_s_mean']:.2f})" if sweep == "decode"
+                li = (f"{a['tok_s']:.2f} ({a['tok_s_median']:.2f})" if sweep == "decode"
                       else f"{a['tok_s']:.1f}")
                 pred = r.get("stock_predicted_tok_s")
                 st = f"not run (predicted {pred:.1f})" if pred else "not run"
@@ -1090,8 +1095,8 @@ def render_markdown(result: dict) -> str:
                 continue
             a = r["arms"]
             if sweep == "decode":
-                st = f"{a['stock']['tok_s']:.2f} ({a['stock']['tok_s_mean']:.2f})"
-                li = f"{a['lily']['tok_s']:.2f} ({a['lily']['tok_s_mean']:.2f})"
+                st = f"{a['stock']['tok_s']:.2f} ({a['stock']['tok_s_median']:.2f})"
+                li = f"{a['lily']['tok_s']:.2f} ({a['lily']['tok_s_median']:.2f})"
             else:
                 st, li = f"{a['stock']['tok_s']:.1f}", f"{a['lily']['tok_s']:.1f}"
             mem = (f"{a['stock']['peak_memory_bytes'] / 2**20:.0f} / "

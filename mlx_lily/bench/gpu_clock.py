@@ -11,7 +11,7 @@ stalls (``host_covered`` says whether the dispatch indeed finished inside the sp
 
 MLX's CUDA graphs order nodes by data dependencies only, so the chain must hang off the
 spun copy of ``x`` and the stamp must take every output whose work should be counted.
-Caveat (measured on the lent H200, session 6): MLX's dispatch can wait for the spinning
+Caveat (measured on an H200): MLX's dispatch can wait for the spinning
 GPU (it blocks once more than 10 committed graphs are in flight, and it waited even for a
 short chain), so ``host_covered`` came out False and ``gpu_s`` then includes GPU time
 spent waiting for the host: an upper bound on the GPU's own time.

@@ -50,7 +50,7 @@ SPLIT_K_MIN_CONTEXT = 32768
 DECODE_SIMDGROUPS = 4
 DECODE_BLOCK_MIN = 32
 # Fixed block (keys per simdgroup) at T >= SPLIT_K_MIN_CONTEXT, per backend.
-# CUDA: attention_bench's block sweep on the H200 (session 8, 2 KV heads, D 256, G 8, us per
+# CUDA: attention_bench's block sweep on the H200 (2 KV heads, D 256, G 8, us per
 # call, chained): 128K 206/168/146/136/124 for blocks 32..512, 32K 84/77/68/64/65.
 FIXED_BLOCK = {"cuda": 512, "metal": 256}
 # Simdgroups the general rule aims for. CUDA: fewer, longer blocks won over filling every
@@ -168,10 +168,12 @@ def _dummy_len():
 
 
 def _dummy_gate(dtype):
+    """Stand-in for an absent gate (GATED false: never read), ``[1, 1, 1, 8]``: as many
+    elements as MLX needs to pass it as ``const device T*``, the real gate's space."""
     key = ("gate", dtype)
     a = _CONST_CACHE.get(key)
     if a is None:
-        a = mx.array([[[[0.0]]]], dtype=dtype)
+        a = mx.array([[[[0.0] * kernels.DEVICE_MIN_ELEMS]]], dtype=dtype)  # data, no graph
         _CONST_CACHE[key] = a
     return a
 

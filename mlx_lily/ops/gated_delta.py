@@ -157,17 +157,14 @@ _FLOATS = (mx.bfloat16, mx.float16, mx.float32)
 PREP_TT = 16
 NORM_RPB = 4
 # (lanes per state row, rows per lane group, warps per block) of the scan, per backend.
-# CUDA: gated_delta_bench's sweep at 2048 tokens on the H200 (ms per layer, sessions 4 / 8):
-# (32,4,1) 1.60 / 1.68, (16,1,4) 1.82 / 1.72, (16,4,2) 1.98 / 1.57, (8,2,4) 1.98 / 2.07
-# (the default before session 8); (32,4,1)'s parity passed on the H200 (session 8, call 2).
-# Session 13 (q/k staged in shared memory per block, lease 4 at e2c4016): (16,2,4) 1.00,
-# (8,1,4) 1.07, (8,2,4) 1.31, (16,4,2) 1.50, (8,1,8) 1.65, (16,1,8) 1.77, (32,4,1) 1.91,
-# (32,2,2) 1.95, (32,1,4) 2.43 (the unstaged kernel's best: (32,4,1) 1.50 in lease 2), every
-# configuration within the same error of the reference at production dims. Session 14: the
-# A/B gate's fp32 anchor (synthetic Qwen3.6-35B-A3B, 64 positions) put Lily at distance /
-# top-1 0.246 / 0.531 with (16,2,4) (failed: stock 0.213 / 0.672), 0.225 / 0.594 with
-# (8,1,4) and 0.224 / 0.609 with (32,4,1) (passed): (8,1,4) is the default until the
-# cause of (16,2,4)'s larger distance is known.
+# CUDA: gated_delta_bench's sweep at 2048 tokens on the H200 (ms per layer, q/k staged in
+# shared memory per block): (16,2,4) 1.00, (8,1,4) 1.07, (8,2,4) 1.31, (16,4,2) 1.50,
+# (8,1,8) 1.65, (16,1,8) 1.77, (32,4,1) 1.91, (32,2,2) 1.95, (32,1,4) 2.43, every
+# configuration within the same error of the reference at production dims. The A/B gate's
+# fp32 anchor (synthetic Qwen3.6-35B-A3B, 64 positions) put Lily at distance / top-1
+# 0.246 / 0.531 with (16,2,4) (failed: stock 0.213 / 0.672), 0.225 / 0.594 with (8,1,4)
+# and 0.224 / 0.609 with (32,4,1) (passed): (8,1,4) is the default until the cause of
+# (16,2,4)'s larger distance is known.
 SCAN_CONFIG = {"cuda": (8, 1, 4), "metal": (8, 1, 4)}
 SCAN_ENV = "MLX_LILY_GDN_SCAN"
 
@@ -198,15 +195,20 @@ _DUMMY: dict = {}
 
 def _dummy(name, dtype=None):
     """Stand-in for an absent input (never read: HAS_MASK / HAS_LEN / PROJ false): mask,
-    lengths, or a one-element array of ``dtype``."""
+    lengths, an epsilon (``"eps"``: ``SCALAR_ELEMS`` elements, Metal ``constant`` like
+    the real one), or a buffer of ``dtype`` with ``DEVICE_MIN_ELEMS`` elements, so that
+    MLX renders it ``const device T*`` as it renders the real buffer (a Metal helper
+    taking ``const device T*`` rejects a ``constant`` pointer even in an untaken branch)."""
     a = _DUMMY.get((name, dtype))
     if a is None:
         if name == "mask":
             a = _k.const_array([True], mx.bool_)
         elif name == "lengths":
             a = _k.const_array([0], mx.int32)
-        else:
+        elif name == "eps":
             a = _k.const_array([0], dtype)
+        else:
+            a = _k.const_array([0] * _k.DEVICE_MIN_ELEMS, dtype)
         _DUMMY[(name, dtype)] = a
     return a
 
@@ -742,7 +744,7 @@ PROJ_RPW = 4
 #: out_proj rows per lane group and pass under OUTP.
 OUT_RPW = 4
 #: Blocks per (batch, v-head) sharing the PROJ GEMV, per backend (CUDA: 32 heads on one
-#: block each kept 32 of the H200's 132 SMs busy, 49 us per layer under ncu, session 11;
+#: block each kept 32 of the H200's 132 SMs busy, 49 us per layer under ncu;
 #: Metal's twin takes 1 only).
 PROJ_SPLIT = {"cuda": 4, "metal": 1}
 PROJ_SPLIT_ENV = "MLX_LILY_GDN_PROJ_SPLIT"  # CUDA: blocks per head, overriding PROJ_SPLIT

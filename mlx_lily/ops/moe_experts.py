@@ -114,8 +114,8 @@ MAX_DECODE_ROWS = 8
 #: Launch shapes per kernel and backend: gate+up (warps per threadgroup NW, rows per lane
 #: group RPW), down (NW, RPW, slot groups SL: SL*NW warps per threadgroup, each serving
 #: every SL-th of the K+1 expert slots). The CUDA bodies hold every weight word of a
-#: lane's rows in registers before the math (session 9), so RPW sets registers: gate+up
-#: at RPW 8 needs 255 per thread, at 4 166. CUDA, H200, session 9 (``moe_decode_bench.py``,
+#: lane's rows in registers before the math, so RPW sets registers: gate+up
+#: at RPW 8 needs 255 per thread, at 4 166. CUDA, H200 (``moe_decode_bench.py``,
 #: routed path, 40 chained layers, device-side us per layer for gate+up + down (4,2,3)):
 #: gate+up (4,4) 30.9 and 25.0 in two runs, (4,2) 30.5, (8,2) 26.3, (8,1) 29.8, (4,1) 32.5,
 #: (2,4) 29.9, (4,8) 36.1; down at gate+up (4,4): (4,2,1) 35.0, (4,1,3) 30.6, (4,4,3)
@@ -141,7 +141,7 @@ def launch_shapes(backend: str) -> tuple[tuple[int, int], tuple[int, int, int]]:
 
 #: CUDA register estimate of the decode kernels, whose bodies hold every 16-byte weight
 #: word of a lane's rows in registers (``LilyRowTile``): registers per thread = BASE +
-#: PER_WORD * words, fitted to nvcc 13 (sm_90a) counts of session 9: gate+up 96 / 166 /
+#: PER_WORD * words, fitted to nvcc 13 (sm_90a) counts: gate+up 96 / 166 /
 #: 255 at 8 / 16 / 32 words, down 63 / 94 / 128 at 3 / 6 / 12 words; a launch may use at
 #: most min(255, 65536 / threads). Shapes over it lower RPW (``fit_launch_shapes``) or
 #: take the reference path: "too many resources requested for launch" otherwise.

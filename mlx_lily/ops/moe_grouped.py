@@ -48,7 +48,7 @@ AUTO_TILE_ROWS = {"metal": (16, 32), "cuda": (16, 32, 64)}
 MIN_PAIRS = 64  # below this many (token, expert) pairs, try_grouped declines
 TALL_TILE_MIN_MEAN_ROWS = 32  # mean rows per expert from which 32-row tiles are used
 #: Mean rows per expert from which 64-row tiles are used where the backend has them. H200,
-#: ``benchmarks/gpu/moe_prefill_bench.py`` (session 15), routed experts per layer with 32 /
+#: ``benchmarks/gpu/moe_prefill_bench.py``, routed experts per layer with 32 /
 #: 64-row tiles: 2048 tokens (64 rows per expert) 1.477 / 1.458 ms, 4096 tokens 2.170 /
 #: 2.000 ms, 8192 tokens 3.865 / 2.971 ms.
 TALLER_TILE_MIN_MEAN_ROWS = 64

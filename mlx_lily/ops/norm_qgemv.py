@@ -92,7 +92,7 @@ def has_kernel(backend: str) -> bool:
 
 #: ``MLX_LILY_NORM_GEMV=split``: one-row projections behind a pending add + RMSNorm run
 #: ``add_rms_norm`` and then ``qgemv`` (two launches) instead of this fused kernel; for
-#: benchmarking (ncu on the H200, session 8: the fused 2048 -> 12352 GEMV 30.6 us, the
+#: benchmarking (ncu on the H200: the fused 2048 -> 12352 GEMV 30.6 us, the
 #: plain one 11.7 us, ``add_rms_norm`` 4.6 us).
 SPLIT_ENV = "MLX_LILY_NORM_GEMV"
 

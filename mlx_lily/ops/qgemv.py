@@ -30,14 +30,14 @@ MAX_ROWS = 8
 NW = 4
 RPW = 4
 #: Fewest threadgroups ``launch_shape`` spreads a small-O GEMV over, per backend (none
-#: set). Measured against: ncu on the H200 (session 8) read 17.1 us per call for the
+#: set). Measured against: ncu on the H200 read 17.1 us per call for the
 #: 8-bit router + shared gate (2048 -> 257, ``norm_qgemv``) on 17 threadgroups (NW 4,
 #: RPW 4) and 23.3 us on 129 (NW 2, RPW 1, from MIN_BLOCKS 128): every threadgroup pays
 #: the norm prologue.
 MIN_BLOCKS: dict = {}
 #: Most 16-byte weight words a lane holds at once (the CUDA body loads all of a lane's
 #: words before its math): ``launch_shape`` lowers RPW to ``cap // steps`` per backend.
-#: H200, session 9 (``moe_decode_bench.py``, device-side us per call, dependent chains):
+#: H200 (``moe_decode_bench.py``, device-side us per call, dependent chains):
 #: out_proj 4096 -> 2048 (4 steps) NW 4 RPW 2 6.3 vs RPW 4 8.5; 8-bit router 2048 -> 257
 #: (4 steps) 6.2 vs 6.9; 2-step shapes (q|k|v, in_proj) best at RPW 4 (7.4, 8.4).
 MAX_WORDS_PER_LANE: dict = {"cuda": 8}

@@ -3,16 +3,15 @@
 Contract (``qmm_dequant_reference``): ``x @ dequantize(w)^T`` for MLX's affine-quantized
 ``w``, exactly what ``mx.quantized_matmul(..., transpose=True)`` computes. On CUDA, MLX
 runs that as its own quantized GEMM (``qmm_sm80`` / ``qmm_naive``); Nsight Compute on the
-H200 (session 8, ``benchmarks/results/2026-11-30-cuda-h200-session8/``) read those at
-73-139 TFLOP/s over a 2048-token prefill chunk (59.6 ms of 157.9, 38%), where the GPU's
+H200 read those at 73-139 TFLOP/s over a 2048-token prefill chunk (59.6 ms of 157.9, 38%), where the GPU's
 dense bf16 peak is ~790 TFLOP/s. This op instead dequantizes the weight once per call to
 the activation dtype (``mx.dequantize``: a memory-bound pass, 2 bytes written per weight)
 and hands the product to MLX's dense matmul (cuBLAS on CUDA). The dequantized weight is
 scratch of one projection (at most 50.6 MB for Qwen3.6's fused GDN input projection) that
 MLX frees or reuses after the call; nothing is kept.
 
-Measured on the H200 (session 9, ``benchmarks/gpu/qmm_dequant_bench.py``, 2048 rows,
-device-side time per call, ``benchmarks/results/2026-11-30-cuda-h200-session9/``): against
+Measured on the H200 (``benchmarks/gpu/qmm_dequant_bench.py``, 2048 rows, device-side
+time per call): against
 ``quantized_matmul`` the path saved 547 us on the fused GDN input projection (2048 ->
 12352), 433 us on attention q|k|v (2048 -> 9216), 232 us on ``out_proj``/``o_proj``
 (4096 -> 2048), 48 us on the shared expert's fused gate|up (2048 -> 1024) and 23 us on its
@@ -21,20 +20,19 @@ it lost 354 us (the dense matmul with 257 outputs is slow), hence ``MIN_OUT``.
 
 The shared expert (``mlp``, switch ``shared_dequant``): its gate and up (512 outputs each
 in Qwen3.6-35B-A3B, under ``MIN_OUT`` alone) run as one stacked projection
-(``stacked_linear``), then down through the same path. Before session 16 the shared expert
-never took this path at production widths and ran as three ``qmm_sm80`` launches (Nsight
-Compute, session 16: 7.99 ms of a 4096-token chunk's 134.5 ms). On the H200 its output was
-bit-identical to the stock module's at 4096 rows, and a 4096-token chunk's GPU time read
-127.5 ms in ``prefill_bench`` with it (131.1 ms in session 15's ``prefill_bench`` without
-it, 131.6 in session 16's A/B timeline; no same-process comparison). Not in
+(``stacked_linear``), then down through the same path. Without it the shared expert runs
+as three ``qmm_sm80`` launches at production widths (Nsight Compute: 7.99 ms of a
+4096-token chunk's 134.5 ms). On the H200 its output was bit-identical to the stock
+module's at 4096 rows, and a 4096-token chunk's GPU time read 127.5 ms in
+``prefill_bench`` with it (about 131 ms without it, in other processes). Not in
 ``kernels.VERIFIED`` until the A/B gate has run with it: on with ``MLX_LILY_KERNELS=all``
 or ``=verified,shared_dequant`` (``prefill_dequant`` must be allowed too).
 
 The switch ``prefill_dequant`` (kill switch ``MLX_LILY_DISABLE=prefill_dequant``) serves
 only on CUDA, for at least ``MIN_ROWS`` activation rows and ``MIN_OUT`` outputs, affine
 mode with biases, and activations of the scales' dtype (bf16 or fp16), so the result dtype
-is stock's. In ``kernels.VERIFIED["cuda"]`` since session 10's A/B gate on the H200 passed
-with it on (tree 7b90dbd).
+is stock's. In ``kernels.VERIFIED["cuda"]``: its GPU tests and the A/B gate on the H200
+passed with it on.
 """
 
 from __future__ import annotations

@@ -95,7 +95,8 @@ def cuda_on_emu(spec):
     return metal_emu.metal_kernel(name=spec.name + "_cu", input_names=list(spec.inputs),
                                   output_names=list(spec.outputs), source=body,
                                   header=CUDA_ON_EMU_HEADER + head,
-                                  ensure_row_contiguous=spec.ensure_row_contiguous)
+                                  ensure_row_contiguous=spec.ensure_row_contiguous,
+                                  address_spaces=False)  # CUDA bodies: no Metal spaces
 
 
 def kernel_for(spec, backend):

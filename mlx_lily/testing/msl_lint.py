@@ -64,6 +64,10 @@ comment block of directives describes the kernel::
 * ``@atomic_outputs``: the kernel is built with ``atomic_outputs=True``.
 * ``@ensure_row_contiguous false``: the kernel is built with that flag.
 
+:func:`lint_call` lints one instantiation from the arrays a real call passes (their
+dtype, ndim and size decide each input's address space, as in MLX):
+:mod:`mlx_lily.testing.msl_frontend` uses it for every call a model's forward makes.
+
 :func:`parse_body_file` returns a :class:`MetalBodySpec` that both the lint
 and op tests use (``spec.kernel(factory)`` builds the kernel with
 ``mx.fast.metal_kernel`` or the emulator's).
@@ -87,6 +91,7 @@ __all__ = [
     "LintIssue",
     "LintResult",
     "MetalBodySpec",
+    "lint_call",
     "lint_file",
     "lint_metal_source",
     "parse_body_file",
@@ -522,6 +527,30 @@ def lint_metal_source(
         _render.InputInfo(dt, 0 if k == "scalar" else 1, 1 if k in ("scalar", "small") else 1 << 20)
         for dt, k in zip(in_dt, kinds)
     ]
+    return lint_call(body, header, input_names, infos, output_names, out_dt, template, name=name,
+                     atomic_outputs=atomic_outputs,
+                     threadgroup_memory_limit=threadgroup_memory_limit)
+
+
+def lint_call(
+    body: str,
+    header: str,
+    input_names: Sequence[str],
+    inputs: Sequence[_render.InputInfo],
+    output_names: Sequence[str],
+    output_dtypes: Sequence[mx.Dtype],
+    template: Sequence[tuple[str, object]] = (),
+    *,
+    name: str = "kernel",
+    atomic_outputs: bool = False,
+    threadgroup_memory_limit: int = THREADGROUP_MEMORY_LIMIT,
+) -> LintResult:
+    """Lint one instantiation as a real call renders it: ``inputs`` give each input's
+    dtype, ndim and size (the arrays passed), which decide ``constant`` vs ``device`` and
+    ``*`` vs ``&`` exactly as MLX's ``write_signature`` does."""
+    template = list(template)
+    infos = list(inputs)
+    out_dt = list(output_dtypes)
     result = LintResult(name)
     result.issues += _textual_issues(body, "source")
     result.issues += _textual_issues(header, "header")

@@ -1,5 +1,5 @@
 // @kernel lily_attn_decode_combine
-// @inputs part_o[B,HQ,NS,D]:float32 part_ml[B,HQ,NS,2]:float32 gate[B,1,HQ,D] (gate read through gate_strides; a 1-element dummy when GATED=false)
+// @inputs part_o[B,HQ,NS,D]:float32 part_ml[B,HQ,NS,2]:float32 gate[B,1,HQ,D] (gate read through gate_strides; an 8-element stand-in when GATED=false)
 // @outputs out[B,1,HQ*D]:T
 // @template T=bfloat16 D=256 GATED=true GATE_PACKED=true
 // @grid (256*D/64, HQ, B)

@@ -1,5 +1,5 @@
 // @kernel lily_attn_prefill
-// @inputs q[B,HQ,L,D] k[B,HKV,T,D] v[B,HKV,T,D] gate[B,L,HQ,D] params[1]:float32 (all read through *_strides; gate is a 1-element dummy when GATED=false)
+// @inputs q[B,HQ,L,D] k[B,HKV,T,D] v[B,HKV,T,D] gate[B,L,HQ,D] params[1]:float32 (all read through *_strides; gate is an 8-element stand-in when GATED=false)
 // @outputs out[B,L,HQ,D]:T
 // @template T=bfloat16 D=256 G=8 BR=64 CAUSAL=true GATED=true
 // @grid (128*ceil(G*L/BR), HKV, B)

@@ -1,5 +1,5 @@
 // @kernel lily_attn_prefill
-// @inputs q[B,HQ,L,D] k[B,HKV,T,D] v[B,HKV,T,D] gate[B,L,HQ,D] params[1]:float32 (all read through *_strides; gate is a 1-element dummy when GATED=false)
+// @inputs q[B,HQ,L,D] k[B,HKV,T,D] v[B,HKV,T,D] gate[B,L,HQ,D] params[1]:float32 (all read through *_strides; gate is an 8-element stand-in when GATED=false)
 // @outputs out[B,L,HQ,D]:T
 // @template T=bfloat16 D=256 G=8 BR=32 CAUSAL=true GATED=true
 // @template T=float16 D=128 G=2 BR=32 CAUSAL=false GATED=false
@@ -159,7 +159,7 @@
     const int hq = kvh * G + row % G;
     const float inv = 1.0f / l_i;
     device T* dst = out + ((int64_t(b) * L + i) * HQ + hq) * D;
-    const device T* gp = gate + int64_t(b) * gate_strides[0] + int64_t(i) * gate_strides[1] +
+    auto gp = gate + int64_t(b) * gate_strides[0] + int64_t(i) * gate_strides[1] +
                          int64_t(hq) * gate_strides[2];
     for (int n = 0; n < NDT; ++n) {
       for (int e = 0; e < 2; ++e) {

@@ -242,10 +242,13 @@ inline void lily_gdn_pending_norm(const device T* hin, const device T* res,
 
   // 4. gates, all fp32
   const int64_t pk0 = int64_t(bi) * qkv_strides[0];
-  const float b_in = PROJ ? ps[NP - 2] : PACKED
+  // constant indices into ps are NP-2 / NP-1 only where ps has NP elements (PROJ)
+  constexpr int PB = PROJ ? NP - 2 : 0;
+  constexpr int PA = PROJ ? NP - 1 : 0;
+  const float b_in = PROJ ? ps[PB] : PACKED
       ? static_cast<float>(qkv[pk0 + int64_t(C + Hv * Dv + h) * qkv_strides[2]])
       : static_cast<float>(b[int64_t(bi) * b_strides[0] + int64_t(h) * b_strides[2]]);
-  const float a_in = PROJ ? ps[NP - 1] : PACKED
+  const float a_in = PROJ ? ps[PA] : PACKED
       ? static_cast<float>(qkv[pk0 + int64_t(C + Hv * Dv + Hv + h) * qkv_strides[2]])
       : static_cast<float>(a[int64_t(bi) * a_strides[0] + int64_t(h) * a_strides[2]]);
   const float beta = live ? lily_sigmoid(b_in) : 0.0f;

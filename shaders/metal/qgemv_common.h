@@ -36,6 +36,14 @@ inline float lily_qdot(uint4 w, thread const float* v) {
   return (a0 + a1) + (a2 + a3);
 }
 
+// The 16-byte word pointer type in the address space of the uint32 pointer WP (MLX
+// passes a weight of fewer than 8 words as `constant`, others as `device`).
+template <typename WP> struct lily_word4_ptr;
+template <> struct lily_word4_ptr<const device uint32_t*> { typedef const device uint4* type; };
+template <> struct lily_word4_ptr<const constant uint32_t*> {
+  typedef const constant uint4* type;
+};
+
 // Sum over aligned groups of L lanes (L a power of two <= 32); all lanes call it.
 template <int L>
 inline float lily_group_sum(float v) {
@@ -47,16 +55,18 @@ inline float lily_group_sum(float v) {
 // acc[r] = x . dequant(weight row rows[r]) for RPW rows anywhere in w, LPR lanes per
 // row (lane sl of the group; every lane of the group gets the sum), 16-byte weight
 // loads, scale*dot(q,x) + bias*sum(x) per quantization group in fp32; x may live in
-// device or threadgroup memory (XP).
-template <typename S, int K, int BITS, int GS, int RPW, int LPR, typename XP>
-inline void lily_qgemv_gather(XP xr, const device uint32_t* w, const device S* scales,
-                              const device S* biases, thread const int* rows, int sl,
-                              thread float* acc) {
+// device or threadgroup memory (XP), w / scales / biases in device or constant memory
+// (WP, SP: MLX passes arrays of fewer than 8 elements as constant).
+template <typename S, int K, int BITS, int GS, int RPW, int LPR, typename XP, typename WP,
+          typename SP>
+inline void lily_qgemv_gather(XP xr, WP w, SP scales, SP biases, thread const int* rows,
+                              int sl, thread float* acc) {
   constexpr int VPL = 128 / BITS;
   constexpr int KW = K / VPL;
   constexpr int STEPS = KW / LPR;
   constexpr int NG = K / GS;
-  const device uint4* w4 = reinterpret_cast<const device uint4*>(w);
+  typedef typename lily_word4_ptr<WP>::type W4P;
+  W4P w4 = reinterpret_cast<W4P>(w);
   for (int r = 0; r < RPW; ++r) {
     acc[r] = 0.0f;
   }
@@ -80,9 +90,9 @@ inline void lily_qgemv_gather(XP xr, const device uint32_t* w, const device S* s
 // row0 .. row0+RPW-1 of y = x @ dequant(w)^T (lily_qgemv_gather on consecutive rows,
 // clamped to the last).
 template <typename T, typename S, int K, int O, int BITS, int GS, int RPW, int LPR,
-          typename XP>
-inline void lily_qgemv_rows(XP xr, const device uint32_t* w, const device S* scales,
-                            const device S* biases, device T* yr, int row0, int sl) {
+          typename XP, typename WP, typename SP>
+inline void lily_qgemv_rows(XP xr, WP w, SP scales, SP biases, device T* yr, int row0,
+                            int sl) {
   int rows[RPW];
   for (int r = 0; r < RPW; ++r) {
     rows[r] = min(row0 + r, O - 1);

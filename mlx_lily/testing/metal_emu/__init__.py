@@ -24,6 +24,11 @@ How it works
   MLX's steel lane layout, and the parts of MLX's ``utils.h`` preamble kernels
   use (``Limits<T>``, ``elem_to_loc``, ``ceildiv``...). Unsuffixed floating
   literals are float (MSL has no double); FP contraction is off.
+* Metal's address spaces stay in the types: ``device``, ``constant`` and
+  ``threadgroup`` are distinct clang address spaces (``thread`` is the default one), each
+  buffer is cast into the space MLX's signature gives it, and ``threadgroup`` variables
+  live in the threadgroup space, so code that mixes them (a ``constant`` stand-in passed
+  to a ``const device T*`` helper) fails to compile here as it does on a Mac.
 * ``threadgroup T x[N];`` declarations are rewritten (keeping line numbers)
   into references to a per-threadgroup arena slot, poisoned with 0xFF bytes
   (NaN for floats) when first reached in each threadgroup.
@@ -76,7 +81,8 @@ What the emulator cannot show
 * That Apple's Metal compiler accepts the code: clang compiles it as C++17 with
   a permissive shim (e.g. ``std::``-free but C++17 features, implicit
   conversions MSL rejects, ``double``). Use :mod:`mlx_lily.testing.msl_lint`
-  for address-space typing and MSL language restrictions, and a real Mac.
+  for MSL language restrictions, :mod:`mlx_lily.testing.msl_frontend` for every
+  instantiation a model's forward makes, and a real Mac.
 * Speed, occupancy, register pressure, or the real pipeline thread maximum.
 * Memory-ordering races: fibers of a threadgroup interleave only at
   collectives, threadgroups on different workers do run in parallel, but a
@@ -140,7 +146,10 @@ def metal_kernel(
     a list of ``mx.array``. Emulator-only keyword options:
     ``max_threads_per_threadgroup``, ``threadgroup_memory_limit``,
     ``workers``, ``order`` ("forward", "reverse", "random"), ``seed``,
-    ``poison``, ``stack_kb``, ``catch_signals``.
+    ``poison``, ``stack_kb``, ``catch_signals``, ``address_spaces`` (default True:
+    ``device``/``constant``/``threadgroup`` are distinct clang address spaces, so a
+    ``constant`` input (fewer than 8 elements) handed to a ``const device T*`` parameter
+    fails to compile as on a Mac; False only for non-MSL bodies).
     """
     return EmulatedMetalKernel(
         name,

@@ -172,6 +172,7 @@ class EmulatedMetalKernel:
         poison: bool = True,
         stack_kb: int | None = None,
         catch_signals: bool = True,
+        address_spaces: bool = True,
     ):
         if not output_names:
             raise ValueError("[metal_kernel] Must specify at least one output.")
@@ -202,6 +203,7 @@ class EmulatedMetalKernel:
         self.poison = poison
         self.stack_kb = stack_kb or _env_int("MLX_LILY_EMU_STACK_KB", DEFAULT_STACK_KB)
         self.catch_signals = catch_signals
+        self.address_spaces = address_spaces
         self._cpp_header = _rewrite.to_cpp(header)
         self._cpp_source = _rewrite.to_cpp(source)
         self.last_msl: str | None = None
@@ -226,26 +228,33 @@ class EmulatedMetalKernel:
             output_dtypes, template, self.atomic_outputs, body=self._cpp_source, marks=marks,
         )
         hdr, sig, body = text[: marks["signature"]], text[marks["signature"] : marks["body"]], text[marks["body"] :]
-        parts = ['#include "metal_emu.h"\n', '#line 1 "header"\n', hdr]
+        # address_spaces: device / constant / threadgroup are distinct clang address spaces
+        # (a constant pointer passed where a device one is expected does not compile, as
+        # on a Mac); off only for bodies that are not MSL (the CUDA twins on the emulator)
+        prefix = "#define __EMU_ADDRSPACE 1\n" if self.address_spaces else ""
+        parts = [prefix + '#include "metal_emu.h"\n', '#line 1 "header"\n', hdr]
         if hdr and not hdr.endswith("\n"):
             parts.append("\n")
         parts += ['#line 1 "<signature>"\n', sig, '#line 1 "source"\n', body]
         parts.append('#line 1 "<entry>"\n')
         args = []
+        # buffers are cast into the address space MLX gives each parameter
         for k, p in enumerate(params):
             if p.kind == "input":
-                args.append(f"(const {p.ctype}*)__b[{k}]")
+                space = ("constant" if inputs[p.index].size < _render.MAX_CONSTANT_ARRAY_SIZE
+                         else "device")
+                args.append(f"(const {space} {p.ctype}*)__b[{k}]")
             elif p.kind == "scalar":
-                args.append(f"*(const {p.ctype}*)__b[{k}]")
+                args.append(f"*(const constant {p.ctype}*)__b[{k}]")
             elif p.kind == "shape":
-                args.append(f"(const int*)__b[{k}]")
+                args.append(f"(const constant int*)__b[{k}]")
             elif p.kind == "strides":
-                args.append(f"(const int64_t*)__b[{k}]")
+                args.append(f"(const constant int64_t*)__b[{k}]")
             elif p.kind == "ndim":
-                args.append(f"*(const int*)__b[{k}]")
+                args.append(f"*(const constant int*)__b[{k}]")
             elif p.kind == "output":
                 t = f"atomic<{p.ctype}>" if self.atomic_outputs else p.ctype
-                args.append(f"({t}*)__b[{k}]")
+                args.append(f"(device {t}*)__b[{k}]")
             else:
                 args.append(f"__a->{_render.ATTRIBUTE_FIELDS[p.name]}")
         targs = _render.write_template(template) if template else ""

@@ -856,9 +856,17 @@ inline simdgroup_matrix<T, R, C> make_filled_simdgroup_matrix(T v) {
   m.__e = vec<T, 2>{v, v};
   return m;
 }
+// Metal's simdgroup_load / simdgroup_store take device or threadgroup pointers only.
+template <class U> struct __in_constant_space : false_type {};
+#if defined(__EMU_LINT) || defined(__EMU_ADDRSPACE)
+template <class U> struct __in_constant_space<__attribute__((address_space(2))) U> : true_type {};
+template <class U> struct __in_constant_space<const __attribute__((address_space(2))) U> : true_type {};
+#endif
 template <class T, int R, int C, class U>
 inline void simdgroup_load(simdgroup_matrix<T, R, C>& d, const U* src, ulong elements_per_row = C,
                            vec<ulong, 2> origin = vec<ulong, 2>(0), bool transpose = false) {
+  static_assert(!__in_constant_space<const U>::value,
+                "simdgroup_load reads device or threadgroup memory, not constant");
   int r, c;
   __sg_coord(__emu_lane(), &r, &c);
   for (int j = 0; j < 2; ++j) {
@@ -939,10 +947,15 @@ inline void simdgroup_multiply(simdgroup_matrix<TD, 8, 8>& d, const simdgroup_ma
 // The emulator rewrites `threadgroup T name[N];` declarations into
 // `auto& name = __emu_tg_var<T[N], ID>("name", __LINE__, __FILE__);`: one
 // shared, poisoned slot per threadgroup in the worker's arena.
+#if defined(__EMU_LINT) || defined(__EMU_ADDRSPACE)
+#define __EMU_TG_SPACE __attribute__((address_space(3)))
+#else
+#define __EMU_TG_SPACE
+#endif
 template <class A, int ID>
-inline A& __emu_tg_var(const char* name, int line, const char* file) {
+inline __EMU_TG_SPACE A& __emu_tg_var(const char* name, int line, const char* file) {
   static const char key = 0;
-  return *(A*)__emu_tg_alloc(&key, sizeof(A), name, line, file);
+  return *(__EMU_TG_SPACE A*)__emu_tg_alloc(&key, sizeof(A), name, line, file);
 }
 
 using namespace metal;
@@ -1017,8 +1030,9 @@ inline bfloat16_t log1p(bfloat16_t x) {
 }
 
 // ------------------------------------------------------------------ MSL keywords and constructors
-#ifdef __EMU_LINT
-// The lint types Metal's address spaces as distinct clang address spaces.
+#if defined(__EMU_LINT) || defined(__EMU_ADDRSPACE)
+// The lint, and the emulator's builds, type Metal's address spaces as distinct clang
+// address spaces (no implicit conversion between them, as in Metal).
 #define device __attribute__((address_space(1)))
 #define constant __attribute__((address_space(2)))
 #define threadgroup __attribute__((address_space(3)))

@@ -1,0 +1,732 @@
+"""Per-device qualification: which Lily kernels pass and pay off on THIS GPU.
+
+``python -m mlx_lily.qualify [--model DIR | --synthetic PRESET] [--layers N] [--report]``
+
+For each op of ``backend.OP_NAMES`` with a kernel on this backend, and each candidate
+variant of it (``VARIANTS``: only ``"default"`` today; the record is laid out as
+op -> variant -> result so variants fit), at the model's shapes:
+
+1. Parity: the model's forward (a short prefill, a decode step, a longer prefill, every
+   kernel launch evaluated at once with its outputs pre-filled with NaN,
+   ``first_contact.probing(poison=True)``) on fresh random token ids, with the op's
+   kernels on (plus those qualified before it, in ``OP_NAMES`` order, so a fusion sees
+   the base op it needs), against the same forward with every kernel off (the
+   references). Passing needs finite logits, every position's logits correlated
+   >= ``first_contact.MIN_CORRELATION`` with the reference's, and either max |diff| <=
+   ``REL_TOL`` of the logit scale or (random-weight models, whose near-tied expert
+   routing turns rounding into O(1) logit moves) the fp32 anchor of the A/B gate: no
+   further from the fp32 evaluation than the references are, up to x1.5 + 0.05 (and top-1
+   within 0.1).
+2. Speed, measured at model level (per-op stock timing would need each op's stock
+   subgraph in isolation): the median wall time (synchronised: ``mx.eval`` each step)
+   of ``DECODE_STEPS`` decode steps after a ``DECODE_CONTEXT``-token context, and of a
+   ``PREFILL_LEN``-token prefill chunk, with the op on vs the same set without it (where
+   the op runs its reference: mlx-lm's math for that op). An op qualifies when it passed
+   and was faster: ``decide``. Finally the qualified set is timed against unpatched
+   mlx-lm; if it is slower than stock in either phase beyond ``SLOWER_TOL`` nothing
+   qualifies (Lily steps aside).
+
+The model is the checkpoint's first ``--layers`` decoder layers (default one
+full-attention cycle, ``full_attention_interval``: 3 GDN layers + 1 attention layer at the
+real widths), loaded lazily so only those layers occupy memory, or a synthetic model
+(``mlx_lily.synth``) of a preset's dims with that many layers.
+
+The run happens in a child process with a time limit (``--timeout-s``, default
+``TIMEOUT_S``): a kernel that crashes or hangs kills only the child; the parent then
+records the attempt as ``"timeout"`` / ``"error"`` with no op qualified. The record
+(``record_path``: ``$MLX_LILY_CACHE_DIR/qualify/<backend>-<device>.json``, default
+``~/.cache/mlx-lily``) is written atomically (a temporary file renamed into place) and
+names the GPU (``mx.device_info()``), OS, MLX / mlx-lm / mlx-lily versions and a SHA-256
+of the backend's kernel sources; a record whose identity differs from the running one
+is ignored (``record_status`` "stale": qualify again). ``kernels.verified_ops`` reads
+the record; ``MLX_LILY_QUALIFY=0`` ignores records and never qualifies automatically
+(the shipped ``kernels.VERIFIED`` for devices in ``kernels.SHIPPED_DEVICES`` applies).
+
+Test and tooling only: ``MLX_LILY_QUALIFY_EMULATE=1`` makes the child run its Metal
+kernels under the CPU emulator (``mlx_lily.testing.dispatch.emulated_metal``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import hashlib
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from . import backend as _backend
+from . import tuning
+
+SCHEMA = "mlx-lily-qualify"
+SCHEMA_VERSION = 1
+QUALIFY_ENV = "MLX_LILY_QUALIFY"
+EMULATE_ENV = "MLX_LILY_QUALIFY_EMULATE"
+#: Candidate variants per op: name -> settings (environment values) the variant runs
+#: under. Only the shipped default exists today.
+VARIANTS: dict = {}
+DEFAULT_VARIANT = "default"
+TIMEOUT_S = 600.0
+REL_TOL = 0.1
+ANCHOR_FACTOR, ANCHOR_SLACK, ANCHOR_TOP1_SLACK = 1.5, 0.05, 0.1
+#: An op is faster when its better phase (decode or prefill) gains >= FASTER_MARGIN and
+#: its other phase loses < SLOWER_TOL (timing noise of a synchronised step).
+FASTER_MARGIN = 0.01
+SLOWER_TOL = 0.02
+DECODE_CONTEXT = 64
+DECODE_STEPS = 16
+PREFILL_LEN = 512
+PARITY_PREFILL = 64
+
+
+# ----------------------------------------------------------------------------- settings
+def auto_enabled() -> bool:
+    """``MLX_LILY_QUALIFY``: ``0`` (also ``off``, ``no``, ``false``) ignores records and
+    never qualifies on its own; unset or anything else: records apply and a GPU without
+    one is qualified the first time Lily loads a model on it."""
+    return tuning.qualify
+
+
+def cache_root() -> Path:
+    """``$MLX_LILY_CACHE_DIR`` or ``~/.cache/mlx-lily``."""
+    from . import config
+
+    return Path(config.cache_dir)
+
+
+# ----------------------------------------------------------------------------- identity
+def shader_dir(backend: str) -> Path:
+    """The folder of ``backend``'s kernel sources (``kernels.shader_path``'s)."""
+    from . import kernels
+
+    probe = {"metal": "qgemv.metal", "cuda": "qgemv.cu"}.get(backend)
+    if probe is None:
+        raise ValueError(f"no kernel sources for backend {backend!r}")
+    return kernels.shader_path(backend, probe).parent
+
+
+def sources_sha256(backend: str) -> str:
+    """SHA-256 over the names and bytes of every kernel source file of ``backend``
+    (``shader_dir``), in name order: any edit of a kernel or helper changes it."""
+    h = hashlib.sha256()
+    for f in sorted(p for p in shader_dir(backend).iterdir() if p.is_file()):
+        h.update(f.name.encode() + b"\0" + f.read_bytes() + b"\0")
+    return h.hexdigest()
+
+
+def identity(backend: str) -> dict:
+    """What a record is valid for: backend, GPU (``mx.device_info()``: name and
+    architecture), OS, versions of MLX, mlx-lm and mlx-lily, and ``sources_sha256``."""
+    import mlx.core as mx
+
+    import mlx_lily
+
+    try:
+        info = mx.device_info()
+    except Exception:  # noqa: BLE001
+        info = {}
+    try:
+        import mlx_lm
+
+        lm = getattr(mlx_lm, "__version__", None)
+    except Exception:  # noqa: BLE001
+        lm = None
+    return {"backend": backend, "device_name": str(info.get("device_name", "")),
+            "architecture": str(info.get("architecture", "")),
+            "os": f"{platform.system()} {platform.release()}",
+            "mlx": mx.__version__, "mlx_lm": lm, "mlx_lily": mlx_lily.__version__,
+            "sources_sha256": sources_sha256(backend)}
+
+
+def device_label(backend: str) -> str:
+    from . import kernels
+
+    return f"{kernels.device_name() or 'this GPU'} ({backend})"
+
+
+def _slug(text: str) -> str:
+    out = "".join(c.lower() if c.isalnum() else "-" for c in text).strip("-")
+    return "-".join(p for p in out.split("-") if p) or "device"
+
+
+def record_path(backend: str) -> Path:
+    """Where this device's record lives: ``<cache_root>/qualify/<backend>-<device>.json``."""
+    from . import kernels
+
+    return cache_root() / "qualify" / f"{backend}-{_slug(kernels.device_name())}.json"
+
+
+def read_record(backend: str) -> dict | None:
+    """This device's record as stored (None when absent or not valid JSON)."""
+    p = record_path(backend)
+    try:
+        return json.loads(p.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def record_status(backend: str) -> str:
+    """``"off"`` (``MLX_LILY_QUALIFY=0``), ``"none"`` (no record), ``"stale"`` (a record
+    for another identity: versions or kernel sources changed) or ``"valid"``."""
+    if not auto_enabled():
+        return "off"
+    rec = read_record(backend)
+    if rec is None or rec.get("schema") != SCHEMA:
+        return "none"
+    return "valid" if rec.get("identity") == identity(backend) else "stale"
+
+
+def why_none(backend: str) -> str:
+    """Why this device's record qualifies no op, for the step-aside line:
+    ``qualification on <device> passed no kernel faster than stock`` or, for a run that
+    did not finish, its status and error; with the record's path."""
+    rec = read_record(backend) or {}
+    what = ("passed no kernel faster than stock" if rec.get("status", "ok") == "ok"
+            else f"ended with status {rec.get('status')!r} ({rec.get('error')})")
+    return f"qualification on {device_label(backend)} {what} (record: {record_path(backend)})"
+
+
+def record_ops(backend: str) -> frozenset | None:
+    """The ops this device's valid record qualified (each in its chosen variant), or None
+    when there is no valid record or qualification is off (``kernels.verified_ops``)."""
+    if record_status(backend) != "valid":
+        return None
+    return frozenset(read_record(backend).get("qualified", {}))
+
+
+def write_record(record: dict, path: Path) -> Path:
+    """Write ``record`` as JSON to ``path`` atomically (a temporary file in the same
+    folder, flushed, then renamed over ``path``)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(record, f, indent=1, sort_keys=True)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    return path
+
+
+# ----------------------------------------------------------------------------- decisions
+def faster(kernel_ms: dict, base_ms: dict) -> tuple[bool, dict]:
+    """Whether times ``kernel_ms`` (``{"decode": ms, "prefill": ms}``) beat ``base_ms``:
+    the better phase gains >= ``FASTER_MARGIN`` and neither loses more than
+    ``SLOWER_TOL``. Returns ``(faster, {phase: base / kernel})``."""
+    speed = {k: base_ms[k] / kernel_ms[k] for k in kernel_ms
+             if kernel_ms.get(k) and base_ms.get(k)}
+    if not speed:
+        return False, speed
+    return (max(speed.values()) >= 1 + FASTER_MARGIN
+            and min(speed.values()) >= 1 - SLOWER_TOL), speed
+
+
+def decide(results: dict) -> dict:
+    """``{op: variant}`` to run: for each op the fastest variant (best decode-plus-prefill
+    speed-up product) among those that ``passed`` and were ``faster``. ``results`` is
+    ``{op: {variant: {"passed", "faster", "speedup": {phase: x}}}}``."""
+    out = {}
+    for op, variants in results.items():
+        best, best_gain = None, 0.0
+        for name, r in variants.items():
+            if not (r.get("passed") and r.get("faster")):
+                continue
+            gain = 1.0
+            for v in (r.get("speedup") or {}).values():
+                gain *= v
+            if best is None or gain > best_gain:
+                best, best_gain = name, gain
+        if best is not None:
+            out[op] = best
+    return out
+
+
+def parity_ok(agreement: dict, rel_to_fp32: float | None = None,
+              ref_rel_to_fp32: float | None = None, top1_fp32: float | None = None,
+              ref_top1_fp32: float | None = None) -> bool:
+    """The parity rule (module docstring, step 1)."""
+    if not agreement.get("ok"):
+        return False
+    if agreement["rel"] <= REL_TOL:
+        return True
+    if rel_to_fp32 is None or ref_rel_to_fp32 is None:
+        return False
+    return (rel_to_fp32 <= ANCHOR_FACTOR * ref_rel_to_fp32 + ANCHOR_SLACK
+            and top1_fp32 >= ref_top1_fp32 - ANCHOR_TOP1_SLACK)
+
+
+# ----------------------------------------------------------------------------- models
+def truncate_layers(model, layers: int) -> int:
+    """Keep the first ``layers`` decoder layers of an mlx-lm Qwen3.5/3.6/Next model (0:
+    all). Returns the count kept."""
+    inner = getattr(model, "language_model", model)
+    inner = getattr(inner, "model", inner)
+    full = list(inner.layers)
+    if layers and layers < len(full):
+        inner.layers = full[:layers]
+    return len(inner.layers)
+
+
+def _text_args(model):
+    lm = getattr(model, "language_model", model)
+    return getattr(lm, "args", getattr(model, "args", None))
+
+
+def default_layers(model) -> int:
+    """One full-attention cycle: ``full_attention_interval`` layers (4 when unknown)."""
+    return int(getattr(_text_args(model), "full_attention_interval", 4) or 4)
+
+
+def load_model(model: str | None = None, synthetic: str | None = None, layers: int = -1,
+               seed: int = 0):
+    """``(model, description)``: the checkpoint ``model`` loaded lazily with only its
+    first ``layers`` layers evaluated (``-1``: ``default_layers``; 0: all), or a
+    ``synthetic`` preset's model with that many layers (built only for them)."""
+    import mlx.core as mx
+
+    if (model is None) == (synthetic is None):
+        raise ValueError("give exactly one of a checkpoint folder or a synthetic preset")
+    if synthetic is not None:
+        from . import synth
+
+        tc = dict(synth.PRESETS[synthetic]) if synthetic in synth.PRESETS else None
+        if tc is None:
+            raise ValueError(f"unknown preset {synthetic!r}; choose from {sorted(synth.PRESETS)}")
+        n = tc["full_attention_interval"] if layers < 0 else (layers or tc["num_hidden_layers"])
+        k = tc["full_attention_interval"]
+        tc["num_hidden_layers"] = n
+        tc["layer_types"] = ["linear_attention" if (i + 1) % k else "full_attention"
+                             for i in range(n)]
+        m, _ = synth.build_model(tc, seed=seed)
+        return m, {"kind": "synthetic", "preset": synthetic, "layers": n, "seed": seed}
+    from mlx_lm.utils import load_model as lm_load_model
+
+    m = lm_load_model(Path(model), lazy=True)[0]
+    n = truncate_layers(m, default_layers(m) if layers < 0 else layers)
+    mx.eval(m.parameters())
+    return m, {"kind": "path", "path": str(model), "layers": n}
+
+
+# ----------------------------------------------------------------------------- timing
+def _sync_eval(x):
+    import mlx.core as mx
+
+    mx.eval(x)
+
+
+def time_decode(model, steps: int = DECODE_STEPS, context: int = DECODE_CONTEXT) -> float:
+    """Median ms of one decode step (logits evaluated) after a ``context``-token prefill;
+    two untimed steps first (compiled steps are traced there)."""
+    from .first_contact import warmup_ids
+
+    cache = model.make_cache()
+    ids = warmup_ids(context, seed=5)
+    _sync_eval(model(ids, cache=cache))
+    tok = ids[:, -1:]
+    times = []
+    for i in range(steps + 2):
+        t0 = time.perf_counter()
+        _sync_eval(model(tok, cache=cache))
+        if i >= 2:
+            times.append(time.perf_counter() - t0)
+    return 1e3 * statistics.median(times)
+
+
+def time_prefill(model, length: int = PREFILL_LEN, reps: int = 3) -> float:
+    """Median ms of a ``length``-token prefill chunk on a fresh cache (one untimed)."""
+    from .first_contact import warmup_ids
+
+    ids = warmup_ids(length, seed=6)
+    times = []
+    for i in range(reps + 1):
+        cache = model.make_cache()
+        t0 = time.perf_counter()
+        _sync_eval(model(ids, cache=cache))
+        if i:
+            times.append(time.perf_counter() - t0)
+    return 1e3 * statistics.median(times)
+
+
+# ----------------------------------------------------------------------------- the run
+def _candidates(backend: str) -> list:
+    from . import first_contact, kernels
+
+    with kernels.only_ops(_backend.OP_NAMES):
+        return first_contact.active_ops(backend)
+
+
+def _fp32_logits(model, prompt_len, prefill_len, seed):
+    import mlx.core as mx
+    from mlx.utils import tree_flatten, tree_unflatten
+
+    from .first_contact import forward_logits
+
+    saved = tree_flatten(model.parameters())
+    try:
+        model.set_dtype(mx.float32)
+        return forward_logits(model, prompt_len, prefill_len, seed=seed)
+    finally:
+        model.update(tree_unflatten(saved))
+
+
+def _distance(ref, x):
+    import mlx.core as mx
+
+    scale = max(float(mx.abs(ref).max().item()), 1e-30)
+    return (float(mx.abs(x - ref).max().item()) / scale,
+            float((ref.argmax(-1) == x.argmax(-1)).astype(mx.float32).mean().item()))
+
+
+def qualify_model(model, *, ops=None, decode_steps: int = DECODE_STEPS,
+                  decode_context: int = DECODE_CONTEXT, prefill_len: int = PREFILL_LEN,
+                  parity_prefill: int = PARITY_PREFILL, seed: int | None = None,
+                  progress=None) -> dict:
+    """Qualify every op (or ``ops``) on the current backend with ``model`` (an unpatched
+    mlx-lm model; patched, forced, while this runs). Returns the result part of a record:
+    ``{"ops": {op: {variant: result}}, "qualified": {op: variant}, "overall": {...},
+    "first_contact": report, "method": str, "seconds": float}``."""
+    import mlx.core as mx
+
+    import mlx_lily
+
+    from . import first_contact, kernels
+
+    say = progress or (lambda msg: None)
+    t0 = time.perf_counter()
+    be = _backend.current_backend()
+    seed = int(time.time()) % 100000 if seed is None else seed
+    prompt_len = first_contact.PROMPT_LEN
+    if mlx_lily.is_patched():
+        raise RuntimeError("qualify_model needs an unpatched mlx-lm to time stock")
+    say("timing stock mlx-lm")
+    stock_ms = {"decode": time_decode(model, decode_steps, decode_context),
+                "prefill": time_prefill(model, prefill_len)}
+    truth = _fp32_logits(model, prompt_len, parity_prefill, seed)
+    results: dict = {}
+    kept: list = []
+    cands = [op for op in _candidates(be) if ops is None or op in ops]
+    with mlx_lily.patched(force=True):
+        from . import patching
+
+        with kernels.only_ops(ops or _backend.OP_NAMES):  # first contact of each kernel
+            model._lily_warm = True  # prepare only; the warm-up follows here
+            mlx_lily.prepare_model(model)  # fused projections
+            patching.last_warmup.clear()
+            patching.warmup(model)  # CUDA: compiled ahead of time; first contact
+            fc = patching.last_warmup.get("first_contact")
+            if fc is None:  # a warm-up that ran no first contact (tests stub it)
+                fc = first_contact.check(model, prefill_len=parity_prefill)
+        with kernels.only_ops(()):
+            ref = first_contact.forward_logits(model, prompt_len, parity_prefill, seed=seed)
+            base_ms = {"decode": time_decode(model, decode_steps, decode_context),
+                       "prefill": time_prefill(model, prefill_len)}
+        ref_d, ref_t = _distance(truth, ref)
+        reference_ms = dict(base_ms)
+        for i, op in enumerate(cands):
+            say(f"[{i + 1}/{len(cands)}] {op}")
+            r: dict = {"passed": False, "faster": False, "error": None, "agreement": None,
+                       "kernel_ms": None, "base_ms": dict(base_ms), "speedup": None}
+            results[op] = {DEFAULT_VARIANT: r}
+            if op in kernels.runtime_disabled():
+                r["error"] = kernels.runtime_disabled()[op]
+                continue
+            with kernels.only_ops(kept + [op]):
+                try:
+                    with first_contact.probing(poison=True):
+                        got = first_contact.forward_logits(model, prompt_len, parity_prefill,
+                                                           seed=seed)
+                except first_contact.KernelFault as f:
+                    r["error"] = str(f)
+                    continue
+                a = first_contact.agree(got, ref)
+                d, t = _distance(truth, got) if a["finite"] else (None, None)
+                a.update({"rel_to_fp32": d, "top1_vs_fp32": t,
+                          "reference_rel_to_fp32": ref_d, "reference_top1_vs_fp32": ref_t})
+                r["agreement"] = a
+                r["passed"] = parity_ok(a, d, ref_d, t, ref_t)
+                if not r["passed"]:
+                    continue
+                r["kernel_ms"] = {"decode": time_decode(model, decode_steps, decode_context),
+                                  "prefill": time_prefill(model, prefill_len)}
+            r["faster"], r["speedup"] = faster(r["kernel_ms"], base_ms)
+            if r["faster"]:
+                kept.append(op)
+                base_ms = dict(r["kernel_ms"])
+        qualified = decide(results)
+        overall = {"stock_ms": stock_ms, "reference_ms": reference_ms,
+                   "qualified_ms": base_ms if kept else None, "speedup_vs_stock": None}
+        if kept:
+            with kernels.only_ops(kept):
+                lily_ms = {"decode": time_decode(model, decode_steps, decode_context),
+                           "prefill": time_prefill(model, prefill_len)}
+            overall["qualified_ms"] = lily_ms
+            ok, overall["speedup_vs_stock"] = faster(lily_ms, stock_ms)
+            if min(overall["speedup_vs_stock"].values()) < 1 - SLOWER_TOL:
+                overall["dropped"] = sorted(qualified)
+                qualified = {}
+    mx.clear_cache()
+    return {"ops": results, "qualified": qualified, "overall": overall,
+            "first_contact": {k: v for k, v in fc.items() if k != "launched"},
+            "settings": {"decode_steps": decode_steps, "decode_context": decode_context,
+                         "prefill_len": prefill_len, "parity_prefill": parity_prefill,
+                         "seed": seed},
+            "method": ("model-level: parity of the forward with the op on vs every "
+                       "kernel off (NaN-poisoned outputs, fresh random ids); time of a "
+                       "decode step and a prefill chunk with the op on vs off"),
+            "seconds": time.perf_counter() - t0}
+
+
+# ----------------------------------------------------------------------------- child
+def _emulated():
+    if not tuning.qualify_emulate:
+        return contextlib.nullcontext()
+    from .testing.dispatch import emulated_metal
+
+    return emulated_metal()
+
+
+def _child(opts) -> int:
+    import mlx.core as mx
+
+    with _emulated():
+        be = _backend.current_backend()
+        print(f"[mlx-lily] qualify: loading {opts.model or opts.synthetic}", file=sys.stderr,
+              flush=True)
+        model, desc = load_model(opts.model, opts.synthetic, opts.layers, opts.model_seed)
+        res = qualify_model(
+            model, ops=opts.ops.split(",") if opts.ops else None,
+            decode_steps=opts.decode_steps, decode_context=opts.decode_context,
+            prefill_len=opts.prefill_len, parity_prefill=opts.parity_prefill,
+            progress=lambda m: print(f"[mlx-lily] qualify {m}", file=sys.stderr, flush=True))
+        res["model"] = desc
+        res["identity"] = identity(be)
+        res["peak_memory_bytes"] = int(mx.get_peak_memory())
+    Path(opts.child_out).write_text(json.dumps(res))
+    return 0
+
+
+def run(model: str | None = None, synthetic: str | None = None, *, layers: int = -1,
+        timeout_s: float = TIMEOUT_S, extra_args=(), env=None, write: bool = True,
+        backend: str | None = None) -> dict:
+    """Qualify this device in a child process (``python -m mlx_lily.qualify --child``)
+    killed after ``timeout_s`` seconds, then write the record (``write``) atomically.
+    A child that times out or fails gives a record of that status with nothing
+    qualified. Returns the record. The child's progress lines go to this stderr.
+    ``backend`` (default: the current one) names the record (tests: the emulated
+    ``"metal"``)."""
+    be = backend or _backend.current_backend()
+    t0 = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="mlx-lily-qualify-") as tmp:
+        out = Path(tmp) / "result.json"
+        cmd = [sys.executable, "-m", "mlx_lily.qualify", "--child", "--child-out", str(out),
+               "--layers", str(layers), *extra_args]
+        cmd += ["--model", str(model)] if model is not None else ["--synthetic", synthetic]
+        status, error, res = "ok", None, {}
+        proc = subprocess.Popen(cmd, env=env, start_new_session=True, stderr=subprocess.PIPE,
+                                text=True, errors="replace")
+        tail: list = []
+
+        def relay():
+            for line in proc.stderr:
+                sys.stderr.write(line)
+                tail.append(line.rstrip("\n"))
+                del tail[:-40]
+
+        import threading
+
+        relay_thread = threading.Thread(target=relay, daemon=True)
+        relay_thread.start()
+        try:
+            rc = proc.wait(timeout=timeout_s)
+            if rc != 0:
+                status, error = "error", f"qualification child exited with status {rc}"
+            elif not out.is_file():
+                status, error = "error", "qualification child wrote no result"
+            else:
+                res = json.loads(out.read_text())
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, 9)
+            proc.wait()
+            status, error = "timeout", f"qualification did not finish within {timeout_s:g} s"
+        relay_thread.join(timeout=5)
+    record = {"schema": SCHEMA, "schema_version": SCHEMA_VERSION,
+              "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "status": status,
+              "error": error, "identity": identity(be), "ops": {}, "qualified": {},
+              **{k: v for k, v in res.items() if k != "identity"},
+              "wall_s": time.perf_counter() - t0, "log_tail": tail}
+    if res.get("identity") not in (None, record["identity"]):
+        record["status"], record["qualified"] = "error", {}
+        record["error"] = "the child ran with another identity"
+    if status != "ok":
+        record["qualified"] = {}
+    if write:
+        write_record(record, record_path(be))
+        from . import kernels
+
+        kernels.forget_record()
+    return record
+
+
+def auto_qualify(model: str | None = None, synthetic: str | None = None) -> dict | None:
+    """The automatic first run on a GPU with no valid record (``mlx_lily.patch``): runs
+    ``run`` with progress on stderr; never on the CPU backend or with
+    ``MLX_LILY_QUALIFY=0``. Returns the record, or None when it did not run."""
+    be = _backend.current_backend()
+    if be == "cpu" or not auto_enabled() or record_status(be) == "valid":
+        return None
+    print(f"[mlx-lily] qualifying Lily's kernels on {device_label(be)} at this model's "
+          f"shapes (once per device and version; {QUALIFY_ENV}=0 skips it) ...",
+          file=sys.stderr, flush=True)
+    rec = run(model, synthetic)
+    n = len(rec.get("qualified", {}))
+    print(f"[mlx-lily] qualification {rec['status']} in {rec['wall_s']:.0f} s: {n} of "
+          f"{len(rec.get('ops', {}))} ops use their kernels (report: python -m "
+          f"mlx_lily.qualify --report-only; record: {record_path(be)})", file=sys.stderr,
+          flush=True)
+    return rec
+
+
+# ----------------------------------------------------------------------------- report
+def _ms(v) -> str:
+    return "-" if v is None else f"{v:.3f}"
+
+
+def report_rows(record: dict) -> list:
+    """One row per (op, variant): op, variant, passed, qualified, kernel / base ms and
+    speed-up per phase, error."""
+    rows = []
+    for op, variants in record.get("ops", {}).items():
+        for name, r in variants.items():
+            k, b, s = r.get("kernel_ms") or {}, r.get("base_ms") or {}, r.get("speedup") or {}
+            rows.append({"op": op, "variant": name, "passed": bool(r.get("passed")),
+                         "qualified": record.get("qualified", {}).get(op) == name,
+                         "kernel_decode_ms": k.get("decode"), "stock_decode_ms": b.get("decode"),
+                         "speedup_decode": s.get("decode"),
+                         "kernel_prefill_ms": k.get("prefill"),
+                         "stock_prefill_ms": b.get("prefill"),
+                         "speedup_prefill": s.get("prefill"), "error": r.get("error")})
+    return rows
+
+
+def render_markdown(record: dict) -> str:
+    """The shareable table (markdown)."""
+    ident = record.get("identity", {})
+    lines = [f"# mlx-lily qualification: {ident.get('device_name')} ({ident.get('backend')})",
+             "", f"status **{record.get('status')}**"
+             + (f" ({record['error']})" if record.get("error") else "")
+             + f"; {record.get('created')}; wall {record.get('wall_s', 0):.1f} s",
+             f"MLX {ident.get('mlx')}, mlx-lm {ident.get('mlx_lm')}, mlx-lily "
+             f"{ident.get('mlx_lily')}, {ident.get('os')}, {ident.get('architecture')}, "
+             f"kernel sources sha256 {str(ident.get('sources_sha256'))[:16]}",
+             f"model: {record.get('model')}", "",
+             "Times: median ms of a decode step / a prefill chunk of the model with the op's "
+             "kernels on (kernel) vs the same step with the op's reference, i.e. mlx-lm's "
+             "math for that op (stock math); the ops kept before it run their kernels in "
+             "both. x = stock math / kernel. The overall line compares the qualified set "
+             "with unpatched mlx-lm.", "",
+             "| op | variant | passed | qualified | kernel decode ms | stock-math decode ms | "
+             "decode x | kernel prefill ms | stock-math prefill ms | prefill x | error |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in report_rows(record):
+        sp = (lambda v: "-" if v is None else f"{v:.3f}")
+        lines.append(f"| {r['op']} | {r['variant']} | {'yes' if r['passed'] else 'no'} | "
+                     f"{'yes' if r['qualified'] else 'no'} | {_ms(r['kernel_decode_ms'])} | "
+                     f"{_ms(r['stock_decode_ms'])} | {sp(r['speedup_decode'])} | "
+                     f"{_ms(r['kernel_prefill_ms'])} | {_ms(r['stock_prefill_ms'])} | "
+                     f"{sp(r['speedup_prefill'])} | {(r['error'] or '')[:120]} |")
+    ov = record.get("overall") or {}
+    if ov:
+        lines += ["", f"Overall (unpatched mlx-lm vs the qualified set): stock "
+                      f"{ov.get('stock_ms')}, references only {ov.get('reference_ms')}, "
+                      f"qualified {ov.get('qualified_ms')}, speed-up "
+                      f"{ov.get('speedup_vs_stock')}"
+                      + (f"; dropped (slower than stock): {ov['dropped']}"
+                         if ov.get("dropped") else "")]
+    lines += ["", f"Qualified: {sorted(record.get('qualified', {}))}"]
+    return "\n".join(lines) + "\n"
+
+
+def write_report(record: dict, out_dir: Path) -> tuple[Path, Path]:
+    """``qualify.json`` and ``qualify.md`` in ``out_dir``."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    j, m = out_dir / "qualify.json", out_dir / "qualify.md"
+    j.write_text(json.dumps(record, indent=1, sort_keys=True))
+    m.write_text(render_markdown(record))
+    return j, m
+
+
+# ----------------------------------------------------------------------------- CLI
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m mlx_lily.qualify",
+                                description="Qualify mlx-lily's kernels on this GPU.")
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--model", help="MLX checkpoint folder (its shapes; first --layers layers)")
+    src.add_argument("--synthetic", metavar="PRESET",
+                     help="synthetic model of an mlx_lily.synth preset (default qwen3.6-35b-a3b)")
+    p.add_argument("--layers", type=int, default=-1,
+                   help="decoder layers kept (-1: one full-attention cycle; 0: all)")
+    p.add_argument("--model-seed", type=int, default=0)
+    p.add_argument("--ops", default=None, help="comma list of ops (default: all with kernels)")
+    p.add_argument("--decode-steps", type=int, default=DECODE_STEPS)
+    p.add_argument("--decode-context", type=int, default=DECODE_CONTEXT)
+    p.add_argument("--prefill-len", type=int, default=PREFILL_LEN)
+    p.add_argument("--parity-prefill", type=int, default=PARITY_PREFILL)
+    p.add_argument("--timeout-s", type=float, default=TIMEOUT_S)
+    p.add_argument("--report", action="store_true",
+                   help="print the table and write qualify.json + qualify.md (--out)")
+    p.add_argument("--report-only", action="store_true",
+                   help="report this device's stored record without qualifying again")
+    p.add_argument("--out", type=Path, default=None,
+                   help="folder for the report (default: beside the record)")
+    p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--child-out", default=None, help=argparse.SUPPRESS)
+    return p
+
+
+def main(argv=None) -> int:
+    """Exit codes: 0 qualified (record written), 1 the run failed or timed out, 2 no
+    record to report (``--report-only``)."""
+    opts = build_parser().parse_args(argv)
+    if opts.child:
+        return _child(opts)
+    be = _backend.current_backend()
+    if opts.report_only:
+        rec = read_record(be)
+        if rec is None:
+            print(f"no qualification record at {record_path(be)}", file=sys.stderr)
+            return 2
+    else:
+        if be == "cpu" and not tuning.qualify_emulate:
+            print("[mlx-lily] qualify: the CPU backend runs no Lily kernels; nothing to do",
+                  file=sys.stderr)
+            return 1
+        if opts.model is None and opts.synthetic is None:
+            opts.synthetic = "qwen3.6-35b-a3b"
+        extra = ["--decode-steps", str(opts.decode_steps), "--decode-context",
+                 str(opts.decode_context), "--prefill-len", str(opts.prefill_len),
+                 "--parity-prefill", str(opts.parity_prefill), "--model-seed",
+                 str(opts.model_seed)] + (["--ops", opts.ops] if opts.ops else [])
+        rec = run(opts.model, opts.synthetic, layers=opts.layers, timeout_s=opts.timeout_s,
+                  extra_args=extra)
+        print(f"[mlx-lily] qualification {rec['status']} in {rec['wall_s']:.1f} s; record "
+              f"{record_path(be)}", file=sys.stderr)
+    if opts.report or opts.report_only:
+        j, m = write_report(rec, opts.out or record_path(be).parent)
+        print(render_markdown(rec))
+        print(f"wrote {j} and {m}", file=sys.stderr)
+    return 0 if rec.get("status") == "ok" else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,280 @@
+"""Per-device qualification (``mlx_lily.qualify``) and stepping aside (``mlx_lily.patch``):
+the pass/fail and speed rules, the record (atomic, identity-checked, invalidated by a
+kernel source edit), the shipped record's device match, the child process's time limit
+(an injected hang), injected failures under the Metal emulator, and ``patch()`` leaving
+mlx-lm's own code in place where no kernel would run."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+import _models
+import mlx_lily
+from mlx_lily import backend, first_contact, kernels, patching, qualify
+from mlx_lily.testing.dispatch import emulated_metal
+
+try:
+    from mlx_lily.testing.metal_emu import available as _emu_available
+
+    HAS_EMU = bool(_emu_available())
+except Exception:  # pragma: no cover - emulator toolchain missing
+    HAS_EMU = False
+
+needs_emu = pytest.mark.skipif(not HAS_EMU, reason="Metal emulator unavailable")
+FIXTURE = Path(__file__).parent / "fixtures" / "qwen35moe-tiny-trained"
+LIGHT_OPS = "add_rms_norm,moe_router_topk"
+FAST = ["--ops", LIGHT_OPS, "--decode-steps", "1", "--decode-context", "4",
+        "--prefill-len", "8", "--parity-prefill", "0"]
+
+
+@pytest.fixture
+def fake_device(monkeypatch, tmp_path):
+    """This machine poses as a Metal GPU named "Apple M9 Test" with its kernel sources in
+    a copy under ``tmp_path`` and the cache folder in ``tmp_path``."""
+    src = tmp_path / "metal"
+    shutil.copytree(qualify.shader_dir("metal"), src)
+    monkeypatch.setattr(qualify, "shader_dir", lambda be: src)
+    monkeypatch.setattr(kernels, "_real_backend", lambda: "metal")
+    monkeypatch.setattr(kernels, "device_name", lambda: "Apple M9 Test")
+    monkeypatch.setenv("MLX_LILY_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.delenv(qualify.QUALIFY_ENV, raising=False)
+    kernels.forget_record()
+    yield src
+    kernels.forget_record()
+
+
+def test_faster_rule():
+    assert qualify.faster({"decode": 9.0, "prefill": 10.0}, {"decode": 10.0, "prefill": 10.0})[0]
+    # a gain in one phase does not excuse a loss beyond the noise in the other
+    assert not qualify.faster({"decode": 9.0, "prefill": 10.5}, {"decode": 10.0, "prefill": 10.0})[0]
+    assert not qualify.faster({"decode": 9.95, "prefill": 10.0}, {"decode": 10.0, "prefill": 10.0})[0]
+    ok, speed = qualify.faster({"decode": 5.0, "prefill": 10.1}, {"decode": 10.0, "prefill": 10.0})
+    assert ok and speed["decode"] == 2.0
+
+
+def test_decide_takes_fastest_passing_variant():
+    res = {"a": {"default": {"passed": True, "faster": True, "speedup": {"decode": 1.1}},
+                 "wide": {"passed": True, "faster": True, "speedup": {"decode": 1.3}},
+                 "broken": {"passed": False, "faster": True, "speedup": {"decode": 2.0}}},
+           "b": {"default": {"passed": True, "faster": False, "speedup": {"decode": 0.9}}},
+           "c": {"default": {"passed": False, "faster": False, "speedup": None}}}
+    assert qualify.decide(res) == {"a": "wide"}
+
+
+def test_parity_rule():
+    good = {"ok": True, "rel": 0.05}
+    chaotic = {"ok": True, "rel": 0.4}
+    assert qualify.parity_ok(good)
+    assert not qualify.parity_ok({"ok": False, "rel": 0.0})
+    assert not qualify.parity_ok(chaotic)  # no anchor: fixed tolerance only
+    assert qualify.parity_ok(chaotic, 0.36, 0.35, 0.55, 0.56)  # as far from fp32 as the reference
+    assert not qualify.parity_ok(chaotic, 0.9, 0.35, 0.55, 0.56)
+
+
+def _record(qualified):
+    return {"schema": qualify.SCHEMA, "schema_version": 1, "status": "ok",
+            "identity": qualify.identity("metal"), "qualified": qualified,
+            "ops": {op: {"default": {"passed": True, "faster": True}} for op in qualified}}
+
+
+def test_record_applies_until_a_kernel_source_changes(fake_device, monkeypatch):
+    assert qualify.record_status("metal") == "none"
+    assert kernels.verified_ops("metal") == frozenset()  # no shipped record for Metal
+    path = qualify.write_record(_record({"qgemv": "default"}), qualify.record_path("metal"))
+    assert path.name == "metal-apple-m9-test.json" and json.loads(path.read_text())
+    assert [p.name for p in path.parent.iterdir()] == [path.name]  # no temporary left
+    kernels.forget_record()
+    assert qualify.record_status("metal") == "valid"
+    monkeypatch.setenv("MLX_LILY_KERNELS", "verified")
+    assert kernels.kernels_allowed("qgemv", "metal")
+    assert not kernels.kernels_allowed("attention", "metal")
+    # an edited kernel source: the record no longer applies
+    f = fake_device / "qgemv.metal"
+    f.write_text(f.read_text() + "\n// edited\n")
+    kernels.forget_record()
+    assert qualify.record_status("metal") == "stale"
+    assert qualify.record_ops("metal") is None
+    assert not kernels.kernels_allowed("qgemv", "metal")
+    # qualification off: records are ignored
+    f.write_text(f.read_text().replace("\n// edited\n", ""))
+    monkeypatch.setenv(qualify.QUALIFY_ENV, "0")
+    kernels.forget_record()
+    assert qualify.record_status("metal") == "off" and not kernels.kernels_allowed("qgemv", "metal")
+
+
+def test_shipped_record_matches_the_device_name(monkeypatch):
+    monkeypatch.setattr(kernels, "_real_backend", lambda: "cuda")
+    monkeypatch.setattr(qualify, "record_ops", lambda be: None)
+    kernels.forget_record()
+    monkeypatch.setattr(kernels, "device_name", lambda: "NVIDIA H200")
+    assert kernels.verified_ops("cuda") == kernels.VERIFIED["cuda"]
+    monkeypatch.setattr(kernels, "device_name", lambda: "NVIDIA GeForce RTX 4090")
+    kernels.forget_record()
+    assert kernels.verified_ops("cuda") == frozenset()
+    kernels.forget_record()
+
+
+def test_runtime_disabled_op_stays_off_under_all(monkeypatch):
+    monkeypatch.setenv("MLX_LILY_KERNELS", "all")
+    assert kernels.kernels_allowed("qgemv", "cuda")
+    with pytest.warns(UserWarning, match="qgemv kernels turned off"):
+        assert kernels.disable_for_process("qgemv", "test")
+    assert not kernels.kernels_allowed("qgemv", "cuda")
+    assert kernels.kernels_allowed("attention", "cuda")
+    assert not kernels.disable_for_process("qgemv", "again")  # one warning only
+    with kernels.only_ops(["qgemv", "attention"]):
+        assert not kernels.kernels_allowed("qgemv", "cuda")
+        assert kernels.kernels_allowed("attention", "cuda")
+        assert not kernels.kernels_allowed("moe_route", "cuda")
+
+
+@needs_emu
+@pytest.mark.parametrize("kind", ["wrong", "nonfinite"])
+def test_qualification_fails_only_the_injected_op(monkeypatch, kind):
+    monkeypatch.setenv(first_contact.INJECT_ENV, f"qgemv:{kind}")
+    model = _models.build("qwen3_5_moe", seed=3)
+    with emulated_metal():
+        res = qualify.qualify_model(model, ops=["add_rms_norm", "moe_router_topk", "qgemv"],
+                                    decode_steps=1, decode_context=4, prefill_len=8,
+                                    parity_prefill=0, seed=1)
+    passed = {op: r["default"]["passed"] for op, r in res["ops"].items()}
+    assert passed == {"add_rms_norm": True, "moe_router_topk": True, "qgemv": False}, res
+    assert res["ops"]["qgemv"]["default"]["error"]
+    assert "qgemv" not in res["qualified"]
+    for op in ("add_rms_norm", "moe_router_topk"):
+        r = res["ops"][op]["default"]
+        assert r["agreement"]["finite"] and r["kernel_ms"]["decode"] > 0
+
+
+def _child_env(**extra):
+    env = dict(os.environ, MLX_LILY_QUALIFY_EMULATE="1", **extra)
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parent), *sys.path])
+    return env
+
+
+@needs_emu
+def test_child_process_qualifies_and_writes_the_record(fake_device, monkeypatch):
+    rec = qualify.run(str(FIXTURE), backend="metal", timeout_s=400, extra_args=FAST,
+                      env=_child_env())
+    assert rec["status"] == "ok", rec.get("log_tail")
+    assert {op: r["default"]["passed"] for op, r in rec["ops"].items()} == {
+        "add_rms_norm": True, "moe_router_topk": True}
+    assert rec["model"]["layers"] == 4
+    stored = json.loads(qualify.record_path("metal").read_text())
+    assert stored["status"] == "ok" and stored["ops"] == rec["ops"]
+    md = qualify.render_markdown(stored)
+    assert "| add_rms_norm | default | yes |" in md
+    j, m = qualify.write_report(stored, fake_device.parent / "report")
+    assert json.loads(j.read_text())["ops"] and m.read_text() == md
+
+
+@needs_emu
+def test_child_process_time_limit_kills_a_hanging_kernel(fake_device, monkeypatch):
+    rec = qualify.run(str(FIXTURE), backend="metal", timeout_s=40, extra_args=FAST,
+                      env=_child_env(MLX_LILY_INJECT_FAULT="add_rms_norm:hang"))
+    assert rec["status"] == "timeout", rec
+    assert any("injected hang in kernel lily_add_rms_norm" in ln for ln in rec["log_tail"])
+    assert rec["qualified"] == {} and rec["wall_s"] < 70
+    stored = json.loads(qualify.record_path("metal").read_text())
+    assert stored["status"] == "timeout"
+    kernels.forget_record()
+    assert qualify.record_status("metal") == "valid" and qualify.record_ops("metal") == frozenset()
+
+
+# ----------------------------------------------------------------------------- stepping aside
+def _stock_calls():
+    from mlx_lm.models import qwen3_5, qwen3_next
+
+    return (qwen3_5.GatedDeltaNet.__call__, qwen3_next.Qwen3NextSparseMoeBlock.__call__,
+            qwen3_5.DecoderLayer.__call__)
+
+
+def test_cpu_steps_aside_with_one_line(monkeypatch, capsys):
+    monkeypatch.delenv(patching.STEP_ASIDE_ENV, raising=False)
+    stock = _stock_calls()
+    model = _models.build("qwen3_5_moe", seed=2)
+    ids = mx.array([[3, 1, 4, 1, 5]])
+    want = np.array(model(ids).astype(mx.float32))
+    installed = []
+    monkeypatch.setattr(patching, "INDEPENDENT_FEATURES",
+                        [(lambda: installed.append(1) or "tok", lambda t: installed.remove(1))])
+    h = mlx_lily.patch(model)
+    try:
+        assert h.stepped_aside and "CPU" in h.stepped_aside
+        assert _stock_calls() == stock  # mlx-lm's own code stays
+        assert not getattr(model, "_lily_prepared", False)
+        assert installed == [1]  # independent features install anyway
+        info = mlx_lily.backend_info()
+        assert info["patch"] == "stepped-aside" and set(info["ops"].values()) == {"stock"}
+        np.testing.assert_array_equal(np.array(model(ids).astype(mx.float32)), want)
+        err = capsys.readouterr().err
+        assert err.count("[mlx-lily] stepping aside") == 1, err
+    finally:
+        mlx_lily.unpatch()
+    assert installed == []
+    # forced: Lily's forwards run (the references, here)
+    with mlx_lily.patched(model, force=True) as h:
+        assert h.stepped_aside is None and _stock_calls() != stock
+        assert mlx_lily.backend_info()["patch"] == "patched"
+
+
+def test_gpu_without_record(monkeypatch, capsys, fake_device):
+    """A GPU with no record: qualification off steps aside; on, only the load hook goes in
+    and the first Lily checkpoint loaded is qualified, then Lily serves or steps aside."""
+    monkeypatch.delenv(patching.STEP_ASIDE_ENV, raising=False)
+    monkeypatch.setattr(backend, "current_backend", lambda: "metal")
+    monkeypatch.setenv("MLX_LILY_KERNELS", "verified")
+    stock = _stock_calls()
+    monkeypatch.setenv(qualify.QUALIFY_ENV, "0")
+    assert patching.kernel_plan()[0] == "aside"
+    monkeypatch.delenv(qualify.QUALIFY_ENV)
+    decision, reason = patching.kernel_plan()
+    assert decision == "qualify" and "Apple M9 Test" in reason
+    from mlx_lm import utils
+
+    calls = []
+    monkeypatch.setattr(qualify, "auto_qualify", lambda model=None, synthetic=None:
+                        calls.append(model))
+    h = mlx_lily.patch()
+    try:
+        assert h.qualify_pending and _stock_calls() == stock
+        assert utils.load_model is not patching.original(utils, "load_model")
+        utils.load_model(FIXTURE)  # qualifies (stubbed: nothing qualified), then steps aside
+        assert calls == [str(FIXTURE)] and not h.qualify_pending
+        assert h.stepped_aside and _stock_calls() == stock
+    finally:
+        mlx_lily.unpatch()
+    err = capsys.readouterr().err
+    assert "the first Lily model loaded is qualified first" in err
+    assert ("[mlx-lily] stepping aside: qualification on Apple M9 Test (metal) passed no "
+            "kernel faster than stock (record: ") in err
+
+
+def test_step_aside_line_waits_for_a_supported_model(monkeypatch, capsys):
+    """With ``announce`` (the ``--lily`` hook), the step-aside line is printed when a
+    supported checkpoint is loaded, once, and not at ``patch()`` (before ``--help``)."""
+    monkeypatch.delenv(patching.STEP_ASIDE_ENV, raising=False)
+    monkeypatch.setattr(patching, "_ANNOUNCED", set())
+    from mlx_lm import utils
+
+    stock = _stock_calls()
+    h = mlx_lily.patch(announce=True)
+    try:
+        assert h.stepped_aside and _stock_calls() == stock
+        assert "[mlx-lily]" not in capsys.readouterr().err
+        model, _ = utils.load_model(FIXTURE)
+        utils.load_model(FIXTURE)
+        assert not getattr(model, "_lily_prepared", False)
+        err = capsys.readouterr().err
+        assert err.count("[mlx-lily] stepping aside: the CPU backend") == 1, err
+    finally:
+        mlx_lily.unpatch()
+    assert not hasattr(utils.load_model, "__wrapped__")  # the load hook is gone
