@@ -58,12 +58,22 @@ def _apply():
               file=sys.stderr)
 
 
+def _env_wants() -> bool:
+    """``MLX_LILY=1`` (``mlx_lily.config.hook``, read only when the variable is set)."""
+    if not os.environ.get(ENV):
+        return False
+    from mlx_lily import config
+
+    return bool(config.hook)
+
+
 def activate() -> bool:
     """Install the hook if this process is an mlx-lm command asking for Lily."""
     argv = sys.argv if isinstance(getattr(sys, "argv", None), list) else []
     orig = list(getattr(sys, "orig_argv", argv))
-    wanted = FLAG in argv or FLAG in orig or os.environ.get(ENV) == "1"
-    if not wanted or not _entry_point(argv[0] if argv else "", orig):
+    if not _entry_point(argv[0] if argv else "", orig):
+        return False
+    if not (FLAG in argv or FLAG in orig or _env_wants()):
         return False
     while FLAG in argv:
         argv.remove(FLAG)

@@ -10,67 +10,16 @@ import contextlib
 import functools
 import os
 import re
-import threading
 
 import mlx.core as mx
 
-OP_NAMES = (
-    "add_rms_norm",
-    "moe_router_topk",
-    "moe_route",
-    "moe_experts",
-    "moe_grouped",
-    "gated_delta",
-    "attention",
-    "qgemv",
-    "norm_qgemv",
-    "gdn_packed",
-    "attn_packed",
-    "moe_router_norm",
-    "moe_topk_in_experts",
-    "qgemv_out",
-    "prefill_dequant",
-    "shared_dequant",
-    "gdn_proj",
-    "gdn_out_proj",
-    "moe_fused",
-)
+from . import config, registry, tuning
+from .config import env_frozen, env_value  # noqa: F401  (the settings' environment reads)
 
-DISABLE_ENV = "MLX_LILY_DISABLE"
+#: Every op and fusion switch (``mlx_lily.registry.OPS`` names, in table order).
+OP_NAMES = registry.NAMES
 
-class _EnvSnapshot(threading.local):
-    values: dict | None = None
-
-
-_ENV = _EnvSnapshot()
-
-
-def env_value(name: str, default: str = "") -> str:
-    """The switch ``name`` as the environment holds it (``os.environ.get``): read at every
-    call, or once per forward of a patched decoder stack (``env_frozen``), so a change
-    made while a model runs applies from the next forward."""
-    snap = _ENV.values
-    if snap is None:
-        return os.environ.get(name, default)
-    if name not in snap:
-        snap[name] = os.environ.get(name)
-    v = snap[name]
-    return default if v is None else v
-
-
-@contextlib.contextmanager
-def env_frozen():
-    """Within this block ``env_value`` reads each variable from the environment once (a
-    decode step reads the switches hundreds of times). Nested blocks share the outer
-    snapshot."""
-    if _ENV.values is not None:
-        yield
-        return
-    _ENV.values = {}
-    try:
-        yield
-    finally:
-        _ENV.values = None
+DISABLE_ENV = config.SETTINGS["disable"].env
 
 
 @functools.lru_cache(maxsize=None)
@@ -141,27 +90,17 @@ def warn_unknown_ops(env: str, names, extra=()) -> None:
     """One warning naming what an environment variable lists that is no op."""
     unknown = sorted(set(names) - set(OP_NAMES) - set(extra))
     if unknown:
-        import warnings
-
-        warnings.warn(f"mlx-lily: unknown op(s) in {env}: {unknown}; known: {list(OP_NAMES)}",
-                      stacklevel=3)
-
-
-@functools.lru_cache(maxsize=16)
-def _parse_disabled(raw: str) -> frozenset:
-    names = frozenset(t.strip() for t in raw.split(",") if t.strip())
-    warn_unknown_ops(DISABLE_ENV, names, ("all",))
-    if "all" in names:
-        return frozenset(OP_NAMES) | {"all"}
-    return names
+        config.warn_bad(env, ",".join(sorted(names)), f"op names {list(OP_NAMES)}",
+                        f"unknown op(s) {unknown}")
 
 
 def disabled_ops() -> frozenset:
-    """Names of ops turned off by ``MLX_LILY_DISABLE=<op>[,<op>...]`` or ``=all``.
+    """Names of ops turned off by ``MLX_LILY_DISABLE=<op>[,<op>...]`` or ``=all``
+    (``config.disable``).
 
     A disabled op takes the stock mlx-lm code path for every call.
     """
-    return _parse_disabled(env_value(DISABLE_ENV, ""))
+    return config.value("disable")
 
 
 _selected_ops: frozenset | None = None
@@ -184,12 +123,17 @@ def select_ops(ops) -> None:
     _selected_ops = ops
 
 
+def selected_ops() -> frozenset | None:
+    """The op selection of ``patch(ops=...)`` in force (None: every op)."""
+    return _selected_ops
+
+
 def op_enabled(name: str) -> bool:
     """True unless the kill switch names this op (or ``all``) or ``patch(ops=...)`` left
     it out."""
     if _selected_ops is not None and name not in _selected_ops:
         return False
-    return name not in disabled_ops()
+    return name not in config.value("disable")
 
 
 def backend_info() -> dict:
@@ -208,25 +152,28 @@ def backend_info() -> dict:
         kernels failed their first contact in this process
         (``mlx_lily.first_contact``). ``qualification``: ``"valid"``, ``"stale"``
         (versions or kernel sources changed: re-qualify), ``"none"`` or ``"off"``
-        (``mlx_lily.qualify.record_status``; ``"n/a"`` on the CPU).
+        (``mlx_lily.qualify.record_status``; ``"n/a"`` on the CPU). ``reasons``:
+        ``registry.why_not``'s answer for every op that does not run its kernel.
     """
     import sys
 
     from . import kernels
-    from .ops import kernel_status
 
     backend = current_backend()
     patching = sys.modules.get("mlx_lily.patching")
     handle = patching._ACTIVE if patching is not None else None
     aside = handle.stepped_aside if handle is not None else None
-    ops = {}
+    ops, reasons = {}, {}
     for name in OP_NAMES:
+        why = registry.why_not(name, backend)
+        if why is not None:
+            reasons[name] = why
         if aside is not None:
             ops[name] = "stock"
         elif not op_enabled(name):
             ops[name] = "disabled"
         else:
-            ops[name] = "kernel" if kernel_status(name, backend) else "reference"
+            ops[name] = "kernel" if why is None else "reference"
     qual = "n/a"
     if backend in ("metal", "cuda"):
         try:
@@ -236,7 +183,7 @@ def backend_info() -> dict:
         except Exception as e:  # noqa: BLE001  (a description must not fail)
             qual = f"unreadable ({e!r})"
     return {"backend": backend, "device": str(mx.default_device()),
-            "patched": handle is not None, "ops": ops,
+            "patched": handle is not None, "ops": ops, "reasons": reasons,
             "patch": ("unpatched" if handle is None else
                       "qualify-pending" if getattr(handle, "qualify_pending", False) else
                       "stepped-aside" if aside is not None else "patched"),
@@ -251,7 +198,7 @@ def _reference_reason(op: str, backend: str) -> str:
     if backend == "cpu":
         return "no GPU backend"
     if not kernels_allowed(op, backend):
-        if env_value(KERNELS_ENV, "verified") == "verified" and op not in VERIFIED.get(backend, ()):
+        if config.value("kernels") == {"verified"} and op not in VERIFIED.get(backend, ()):
             return f"not verified on {backend}"
         return f"not in {KERNELS_ENV}"
     return "no kernel for this backend here"
@@ -281,8 +228,8 @@ def status_line(model_type: str | None = None) -> str:
             f"(every op: mlx_lily.backend_info())")
 
 
-COMPILE_ENV = "MLX_LILY_COMPILE"  # "0" off, "1" on everywhere, default: on GPU backends
-COMPILE_WHOLE_ENV = "MLX_LILY_COMPILE_WHOLE"  # "0": one compiled function per layer
+COMPILE_ENV = config.SETTINGS["compile"].env
+COMPILE_WHOLE_ENV = "MLX_LILY_COMPILE_WHOLE"  # tuning.compile_whole
 
 
 _COMPILE_SUSPENDED = [0]
@@ -308,10 +255,10 @@ def compile_mode(backend: str | None = None) -> str:
     if _COMPILE_SUSPENDED[0]:
         return "off"
     be = backend or current_backend()
-    mode = env_value(COMPILE_ENV, "")
-    if mode == "0" or (mode != "1" and be not in ("cuda", "metal")):
+    on = config.compile
+    if on is False or (on is None and be not in ("cuda", "metal")):
         return "off"
-    return "per-layer" if env_value(COMPILE_WHOLE_ENV, "1") == "0" else "whole"
+    return "whole" if tuning.compile_whole else "per-layer"
 
 
 def describe() -> str:

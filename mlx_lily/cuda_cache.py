@@ -340,7 +340,9 @@ def find_nvrtc() -> str | None:
                 return m.group(1)
     except OSError:
         pass
-    env = os.environ.get("MLX_LILY_NVRTC")
+    from . import tuning
+
+    env = tuning.nvrtc
     if env:
         return env
     import ctypes.util

@@ -110,7 +110,9 @@ def injected_fault(op: str | None) -> str | None:
     Raises:
         ValueError: the variable is malformed.
     """
-    raw = _backend.env_value(INJECT_ENV, "")
+    from . import tuning
+
+    raw = tuning.inject_fault
     if not raw or op is None:
         return None
     return _parse_faults(raw).get(op)

@@ -16,8 +16,7 @@ from typing import NamedTuple
 
 import mlx.core as mx
 
-from . import cuda_cache
-from .backend import env_value as _env_value
+from . import config, cuda_cache, registry
 
 _REPO_SHADERS = Path(__file__).resolve().parent.parent / "shaders"
 
@@ -404,14 +403,8 @@ def build(spec: KernelSpec, backend: str, factory=None):
 
 _CACHE: dict = {}
 
-# Which op a kernel serves, by shader stem prefix (first match wins).
-_STEM_OPS = (
-    ("gdn_", "gated_delta"), ("add_rms_norm", "add_rms_norm"), ("attn_", "attention"),
-    ("moe_router_topk", "moe_router_topk"), ("moe_gate_up", "moe_experts"),
-    ("moe_down", "moe_experts"), ("moe_decode", "moe_fused"), ("moeg_route_", "moe_route"),
-    ("moeg_", "moe_grouped"),
-    ("qgemv", "qgemv"), ("norm_qgemv", "norm_qgemv"),
-)
+# Which op a kernel serves, by shader stem prefix (longest first: first match wins).
+_STEM_OPS = registry.stem_ops()
 
 # Ops whose kernels are on by default on a backend (``MLX_LILY_KERNELS=verified``): their
 # per-op parity tests passed on that backend's hardware AND the A/B correctness gate on
@@ -419,14 +412,7 @@ _STEM_OPS = (
 # Metal: no kernel has run on Apple hardware yet (the emulator proves semantics only).
 # shared_dequant is not in the CUDA set: its GPU test passed, the A/B gate has not run
 # with it. The record of each verification (commands, commits): docs/results.md.
-VERIFIED: dict = {
-    "cuda": frozenset({"add_rms_norm", "moe_router_topk", "moe_route", "moe_experts",
-                       "moe_grouped", "attention", "qgemv", "gated_delta", "norm_qgemv",
-                       "gdn_packed", "attn_packed", "moe_router_norm",
-                       "moe_topk_in_experts", "qgemv_out", "prefill_dequant", "gdn_proj",
-                       "gdn_out_proj", "moe_fused"}),
-    "metal": frozenset(),
-}
+VERIFIED: dict = registry.verified_by_backend()
 
 
 class PlanCache(dict):
@@ -455,7 +441,7 @@ def stock_result_dtype(x_dtype, scales_dtype) -> bool:
     return scales_dtype == x_dtype or x_dtype == mx.float32
 
 
-KERNELS_ENV = "MLX_LILY_KERNELS"
+KERNELS_ENV = config.SETTINGS["kernels"].env
 
 
 @functools.lru_cache(maxsize=None)
@@ -466,15 +452,6 @@ def op_of(spec: KernelSpec) -> str | None:
         if spec.stem.startswith(prefix):
             return op
     return None
-
-
-@functools.lru_cache(maxsize=16)
-def _parse_allowed(raw: str):
-    names = {t.strip() for t in raw.split(",") if t.strip()}
-    from .backend import warn_unknown_ops
-
-    warn_unknown_ops(KERNELS_ENV, names, ("all", "verified"))
-    return names or {"verified"}
 
 
 def kernels_allowed(op: str | None, backend: str) -> bool:
@@ -491,15 +468,13 @@ def kernels_allowed(op: str | None, backend: str) -> bool:
     """
     if _OVERRIDE[0] is not None:
         return op in _OVERRIDE[0] and op not in _RUNTIME_OFF
-    return _allowed(op, backend, _env_value(KERNELS_ENV, "verified"),
-                    verified_ops(backend), _RUNTIME_OFF_SET[0])
+    return _allowed(op, config.value("kernels"), verified_ops(backend), _RUNTIME_OFF_SET[0])
 
 
 @functools.lru_cache(maxsize=1024)
-def _allowed(op, backend: str, raw: str, verified: frozenset, off: frozenset) -> bool:
+def _allowed(op, names: frozenset, verified: frozenset, off: frozenset) -> bool:
     if op in off:
         return False
-    names = _parse_allowed(raw)
     if "all" in names:
         return True
     if "verified" in names and op in verified:

@@ -15,7 +15,7 @@ import sys
 import threading
 import warnings
 
-from . import backend
+from . import backend, config, tuning
 
 _ORIGINALS: dict = {}
 _ACTIVE: "PatchHandle | None" = None
@@ -255,7 +255,7 @@ def check_checkpoint(model_path) -> bool:
 #: Qwen3.6-35B-A3B's 256 experts, top-8, 1024 tokens pick 32-row grouped-GEMM tiles, 2048
 #: and 8192 (Lily's CUDA chunk) 64-row ones.
 WARMUP_RECORD_LENGTHS = (1024, 2048, 8192)
-PRECOMPILE_ENV = "MLX_LILY_PRECOMPILE"  # "0": leave every CUDA kernel to MLX's own JIT
+PRECOMPILE_ENV = config.SETTINGS["precompile"].env  # "0": leave CUDA kernels to MLX's JIT
 last_warmup: dict = {}
 
 
@@ -280,7 +280,7 @@ def warmup(model, prompt_len: int = 8, record_lengths=WARMUP_RECORD_LENGTHS) -> 
     from . import first_contact
 
     t = time.perf_counter()
-    precompile = backend.env_value(PRECOMPILE_ENV, "1") != "0"
+    precompile = config.precompile
     report: dict = {} if precompile else {"skipped": f"{PRECOMPILE_ENV}=0"}
     if backend.current_backend() == "cuda" and precompile:
         from . import cuda_cache
@@ -330,7 +330,7 @@ def _wrap_load_model(orig):
 #: included): each chunk pays a fixed ~13-18 ms host build and ~13-22 ms of mlx-lm's
 #: ``mx.clear_cache()`` besides its GPU work. Backends not listed keep mlx-lm's default.
 PREFILL_STEP_SIZE = {"cuda": 8192}
-PREFILL_STEP_ENV = "MLX_LILY_PREFILL_STEP"  # tokens per chunk; "0": mlx-lm's default
+PREFILL_STEP_ENV = config.SETTINGS["prefill_step"].env  # tokens per chunk; "0": mlx-lm's
 #: The ops whose kernels make a prefill chunk's cost what ``PREFILL_STEP_SIZE`` was measured
 #: with: with all of them off the chunk stays mlx-lm's.
 PREFILL_OPS = ("moe_grouped", "gated_delta", "attention")
@@ -343,29 +343,14 @@ PREFILL_OPS = ("moe_grouped", "gated_delta", "attention")
 #: first token, median of 5: groups of 2 / 4 / 8 layers 167.5 / 174.2 / 175.3 ms, one
 #: group 194.8 ms. Backends not listed: one group (mlx-lm's behaviour).
 PREFILL_EVAL_LAYERS = {"cuda": 2}
-PREFILL_EVAL_ENV = "MLX_LILY_PREFILL_EVAL_LAYERS"  # layers per group; "0": one group
+PREFILL_EVAL_ENV = tuning.KNOBS["prefill_eval_layers"].env  # layers per group; "0": one
 #: Fewest rows (batch x tokens) a call needs before ``PREFILL_EVAL_LAYERS`` applies: a
 #: short call builds in well under a millisecond and would only pay the extra evals.
 PREFILL_EVAL_MIN_ROWS = 512
 
 
-_ENV_COUNT_WARNED: set = set()
-
-
-def _env_count(name: str) -> int | None:
-    """A count switch: None when ``name`` is unset or empty, else its integer value, 0 when
-    it is not a positive integer (a value that is not an integer at all warns once)."""
-    raw = backend.env_value(name, "").strip()
-    if not raw:
-        return None
-    try:
-        return max(int(raw), 0)
-    except ValueError:
-        if (name, raw) not in _ENV_COUNT_WARNED:
-            _ENV_COUNT_WARNED.add((name, raw))
-            warnings.warn(f"mlx-lily: {name}={raw!r} is not an integer; read as 0 "
-                          "(the switch's off / default setting)", stacklevel=3)
-        return 0
+#: The settings' one-warning-per-value record (``config.WARNED``).
+_ENV_COUNT_WARNED = config.WARNED
 
 
 def _recording_launches() -> bool:
@@ -379,14 +364,14 @@ def prefill_eval_layers(rows: int) -> int:
     whole stack at once).
 
     ``MLX_LILY_PREFILL_EVAL_LAYERS=N`` (N > 0) applies N to every multi-token call on any
-    backend ("0" or not an integer: no groups); unset, ``PREFILL_EVAL_LAYERS`` for the
+    backend ("0": no groups; not an integer: one warning, then unset); unset, ``PREFILL_EVAL_LAYERS`` for the
     current backend applies to calls of at least ``PREFILL_EVAL_MIN_ROWS`` rows. Never
     groups while a graph is only recorded (``backend.tracing_backend``,
     ``cuda_cache.recording``: the warm-up builds long prefills without running them).
     """
     if rows <= 1 or backend.tracing_active() or _recording_launches():
         return 0
-    n = _env_count(PREFILL_EVAL_ENV)
+    n = tuning.prefill_eval_layers
     if n is not None:
         return n
     if rows < PREFILL_EVAL_MIN_ROWS:
@@ -419,7 +404,7 @@ def prefill_step_size(model, requested=None) -> int | None:
     if (_ACTIVE is None or not getattr(model, "_lily_prepared", False)
             or not any(backend.op_enabled(op) for op in PREFILL_OPS)):
         return requested
-    n = _env_count(PREFILL_STEP_ENV)
+    n = config.prefill_step
     if n is not None:
         return n if n > 0 else requested
     return PREFILL_STEP_SIZE.get(backend.current_backend(), requested)
@@ -491,8 +476,7 @@ def _default_kernel_cache_dir() -> None:
 
     global _SET_CACHE_ENV
     if "MLX_PTX_CACHE_DIR" not in os.environ:
-        root = Path(os.environ.get("MLX_LILY_CACHE_DIR", Path.home() / ".cache" / "mlx-lily"))
-        os.environ["MLX_PTX_CACHE_DIR"] = _SET_CACHE_ENV = str(root / "cuda-kernels")
+        os.environ["MLX_PTX_CACHE_DIR"] = _SET_CACHE_ENV = str(config.cache_dir / "cuda-kernels")
 
 
 _SET_CACHE_ENV: str | None = None  # the MLX_PTX_CACHE_DIR value patch() set, if it did
@@ -528,8 +512,7 @@ def step_aside_enabled() -> bool:
     forwards installed where no kernel would run (the ops' references then run through
     them: the test suite's parity runs on the CPU); anything else, or unset, lets
     ``patch`` step aside."""
-    return backend.env_value(STEP_ASIDE_ENV, "1").strip().lower() not in (
-        "0", "off", "no", "false")
+    return tuning.step_aside
 
 
 def kernel_plan(force: bool = False) -> tuple:
@@ -647,7 +630,8 @@ def _qualify_then_serve(model_path) -> None:
         _announce(_aside_line(handle.stepped_aside))
 
 
-def patch(model=None, *, ops=None, force: bool = False, announce: bool = False) -> PatchHandle:
+def patch(model=None, *, ops=None, force: bool = False, announce: bool = False,
+          **settings) -> PatchHandle:
     """Patch mlx-lm so Qwen3.5/3.6 and Qwen3-Next models run through Lily's ops.
 
     Where no op would run a kernel on this device (the CPU backend; a GPU whose
@@ -663,20 +647,31 @@ def patch(model=None, *, ops=None, force: bool = False, announce: bool = False) 
         model: optionally a loaded mlx-lm model to prepare now (fused projections);
             models loaded later through ``mlx_lm.load`` are prepared automatically. A
             model of an unsupported type gets one warning and stays stock.
-        ops: iterable of op names to use (see ``mlx_lily.backend.OP_NAMES``); None = all.
+        ops: iterable of op names to use (see ``mlx_lily.registry``); None = all.
             ``MLX_LILY_DISABLE`` still applies on top.
         force: install Lily's forwards even where no kernel would run (the references
             then run through them); ``MLX_LILY_STEP_ASIDE=0`` does the same.
         announce: print one line to stderr when a supported model is loaded (the
             status line, or why Lily stepped aside) instead of at this call (the
             ``--lily`` hook and the console scripts use it).
+        **settings: user settings replacing their environment variables until
+            ``unpatch()`` (``mlx_lily.config``): ``kernels`` (``"verified"``, ``"all"`` or
+            op names), ``disable`` (op names or ``"all"``), ``compile`` (bool),
+            ``cache_dir`` (a folder), ``precompile`` (bool), ``prefill_step`` (tokens;
+            0: mlx-lm's default). A later ``patch(...)`` replaces them all.
     Returns:
         The active ``PatchHandle`` (the same one when already patched: idempotent).
     Raises:
-        ValueError: an unknown op name.
+        ValueError: an unknown op name, setting or setting value.
     """
     global _ACTIVE
     backend.select_ops(ops)
+    try:
+        config.set_overrides(**settings)
+    except ValueError:
+        if _ACTIVE is None:
+            backend.select_ops(None)
+        raise
     _default_kernel_cache_dir()
     if _ACTIVE is None:
         handle = PatchHandle([], ops)
@@ -752,6 +747,7 @@ def unpatch(handle: PatchHandle | None = None) -> bool:
     _stop_tracking()
     _uninstall_independent(handle)
     backend.select_ops(None)
+    config.clear_overrides()
     from mlx_lily.patches.qwen3_next import drop_views
 
     drop_views()
@@ -765,19 +761,21 @@ def is_patched() -> bool:
 
 
 @contextlib.contextmanager
-def patched(model=None, *, ops=None, force: bool = False):
-    """Context manager: patch on entry (``patch(model, ops=ops, force=force)``), restore
-    on exit (only if this call patched).
+def patched(model=None, *, ops=None, force: bool = False, **settings):
+    """Context manager: patch on entry (``patch(model, ops=ops, force=force,
+    **settings)``), restore on exit (only if this call patched; else the previous op
+    selection and settings).
 
     Yields the ``PatchHandle``.
     """
     was = _ACTIVE
     prev_ops = was.ops if was is not None else None
+    prev_settings = config.overrides()
     try:
-        handle = patch(model, ops=ops, force=force)
+        handle = patch(model, ops=ops, force=force, **settings)
     except BaseException:
         if was is not None:
-            patch(ops=prev_ops)
+            patch(ops=prev_ops, **prev_settings)
         raise
     try:
         yield handle
@@ -785,4 +783,4 @@ def patched(model=None, *, ops=None, force: bool = False):
         if was is None:
             unpatch(handle)
         else:
-            patch(ops=prev_ops)
+            patch(ops=prev_ops, **prev_settings)

@@ -9,41 +9,23 @@ then replaced by row slices of the fused buffer (same values, no second copy).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import mlx.core as mx
 import mlx.nn as nn
 
 from .ops import norm_qgemv as _norm_qgemv
 from .ops import qgemv as _qgemv
 from .ops import qmm_dequant as _qmm_dequant
+from .ops.proj import PendingNorm, Proj, resolve
+
+__all__ = ["PendingNorm", "Proj", "QProj", "resolve"]
 
 
-@dataclass
-class QProj:
-    """One (possibly fused) projection ``x @ W^T`` split into ``sizes`` output parts.
-
-    Attributes:
-        weight, scales, biases: quantized layout (``scales``/``biases`` None when dense).
-        group_size, bits, mode: MLX quantization parameters (None when dense).
-        sizes: output widths of the parts, in order.
+class QProj(Proj):
+    """A ``mlx_lily.ops.proj.Proj`` (the arrays and quantization parameters the ops
+    read) that runs itself: one-row inputs through ``qgemv``, many-row ones through
+    ``qmm_dequant`` where they serve, else ``mx.quantized_matmul``; built from mlx-lm's
+    linear layers by ``view`` / ``fuse``.
     """
-
-    weight: mx.array
-    scales: mx.array | None
-    biases: mx.array | None
-    group_size: int | None
-    bits: int | None
-    mode: str | None
-    sizes: tuple
-
-    @property
-    def quantized(self) -> bool:
-        return self.scales is not None
-
-    @property
-    def out_features(self) -> int:
-        return int(self.weight.shape[0])
 
     def __call__(self, x: mx.array, split: bool = True) -> list:
         """Project ``x [..., in]`` and return the parts ``[..., size_i]`` (a list), or with
@@ -142,44 +124,3 @@ class QProj:
             return cls(fused["weight"], fused["scales"], fused["biases"], l0.group_size,
                        l0.bits, l0.mode, sizes)
         return cls(fused["weight"], None, None, None, None, None, sizes)
-
-
-class PendingNorm:
-    """A layer input not computed yet: ``x = rms_norm(h0 + res) * weight`` (``eps``), with
-    the residual sum ``h = h0 + res`` set once something consumes it. The decoder stack
-    hands this to a mixer whose input projection can fold the add and the norm into its
-    GEMV (``QProj.call_pending``); any other consumer calls ``resolve()``.
-    """
-
-    __slots__ = ("h0", "res", "weight", "eps", "h", "_x", "counters")
-
-    def __init__(self, h0: mx.array, res: mx.array, weight: mx.array, eps: float,
-                 counters=None):
-        self.h0, self.res, self.weight, self.eps = h0, res, weight, eps
-        self.h = None
-        self._x = None
-        #: ``(int32 array, offset, after)``: arrival counters a one-launch consumer may
-        #: use (``moe_experts.FUSED_COUNTERS`` from ``offset``, left zero) and the output of
-        #: the previous launch on them (its launch must be ordered after it), or None
-        self.counters = counters
-
-    @property
-    def shape(self):
-        return self.h0.shape
-
-    @property
-    def dtype(self):
-        return self.h0.dtype
-
-    def resolve(self) -> mx.array:
-        """The normalised input ``x`` (``mlx_lily.ops.add_rms_norm``); sets ``h``."""
-        if self._x is None:
-            from .ops.add_rms_norm import add_rms_norm
-
-            self.h, self._x = add_rms_norm(self.h0, self.res, self.weight, self.eps)
-        return self._x
-
-
-def resolve(x):
-    """``x`` itself, or the array a ``PendingNorm`` stands for."""
-    return x.resolve() if isinstance(x, PendingNorm) else x

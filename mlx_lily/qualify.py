@@ -62,6 +62,7 @@ import time
 from pathlib import Path
 
 from . import backend as _backend
+from . import tuning
 
 SCHEMA = "mlx-lily-qualify"
 SCHEMA_VERSION = 1
@@ -89,13 +90,14 @@ def auto_enabled() -> bool:
     """``MLX_LILY_QUALIFY``: ``0`` (also ``off``, ``no``, ``false``) ignores records and
     never qualifies on its own; unset or anything else: records apply and a GPU without
     one is qualified the first time Lily loads a model on it."""
-    return _backend.env_value(QUALIFY_ENV, "1").strip().lower() not in (
-        "0", "off", "no", "false")
+    return tuning.qualify
 
 
 def cache_root() -> Path:
     """``$MLX_LILY_CACHE_DIR`` or ``~/.cache/mlx-lily``."""
-    return Path(os.environ.get("MLX_LILY_CACHE_DIR") or Path.home() / ".cache" / "mlx-lily")
+    from . import config
+
+    return Path(config.cache_dir)
 
 
 # ----------------------------------------------------------------------------- identity
@@ -486,7 +488,7 @@ def qualify_model(model, *, ops=None, decode_steps: int = DECODE_STEPS,
 
 # ----------------------------------------------------------------------------- child
 def _emulated():
-    if os.environ.get(EMULATE_ENV, "") in ("", "0"):
+    if not tuning.qualify_emulate:
         return contextlib.nullcontext()
     from .testing.dispatch import emulated_metal
 
@@ -705,7 +707,7 @@ def main(argv=None) -> int:
             print(f"no qualification record at {record_path(be)}", file=sys.stderr)
             return 2
     else:
-        if be == "cpu" and os.environ.get(EMULATE_ENV, "") in ("", "0"):
+        if be == "cpu" and not tuning.qualify_emulate:
             print("[mlx-lily] qualify: the CPU backend runs no Lily kernels; nothing to do",
                   file=sys.stderr)
             return 1

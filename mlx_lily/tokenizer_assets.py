@@ -124,8 +124,9 @@ CHAT_TEMPLATE = (
 
 def cache_root() -> Path:
     """Root of mlx-lily's on-disk caches: ``$MLX_LILY_CACHE_DIR`` or ``~/.cache/mlx-lily``."""
-    env = os.environ.get("MLX_LILY_CACHE_DIR")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "mlx-lily"
+    from . import config
+
+    return config.cache_dir
 
 
 def added_tokens() -> list[tuple[int, str]]:

@@ -18,18 +18,18 @@ def gdn_call(self, inputs, mask=None, cache=None):
     """``qwen3_5.GatedDeltaNet.__call__`` with one fused input projection; a one-token step
     with a pending input norm runs it inside the decode kernel where ``gdn_proj`` serves."""
     if not nxt.gdn_supported(self):
-        return nxt._original(qwen3_5.GatedDeltaNet)(self, nxt.resolve(inputs), mask, cache)
+        return nxt.original(qwen3_5.GatedDeltaNet)(self, nxt.resolve(inputs), mask, cache)
     B, S, _ = inputs.shape
-    proj = nxt._proj(self, "in_proj",
+    proj = nxt.projection(self, "in_proj",
                      (self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a))
     if S == 1 and isinstance(proj, nxt.QProj) and nxt.op_enabled("gdn_packed"):
         if isinstance(inputs, nxt.PendingNorm):
             r = nxt.gdn_core_proj(self, proj, inputs, mask, cache)
             if r is not None:
                 return r
-        (y,) = nxt._run(proj, inputs, split=False)
+        (y,) = nxt.run_projection(proj, inputs, split=False)
         return nxt.gdn_core(self, y, None, None, None, mask, cache, packed=True)
-    qkv, z, b, a = nxt._run(proj, inputs)
+    qkv, z, b, a = nxt.run_projection(proj, inputs)
     z = z.reshape(B, S, self.num_v_heads, self.head_v_dim)
     return nxt.gdn_core(self, qkv, z, b, a, mask, cache)
 

@@ -13,7 +13,7 @@ from mlx_lm.models import qwen3_5, qwen3_next
 
 import _models
 import mlx_lily
-from mlx_lily import backend
+from mlx_lily import backend, config
 
 PROMPT = [1, 5, 9, 33, 100, 7, 8, 9, 200, 11, 42, 17]
 KINDS = ("qwen3_5_moe", "qwen3_5", "qwen3_next")
@@ -186,7 +186,7 @@ def test_compiled_decode_failure_falls_back(tiny_models, monkeypatch):
             raise RuntimeError("trace failed")
         return fn
 
-    monkeypatch.setattr(nxt, "_gdn_step", broken)
+    monkeypatch.setattr(nxt.decode_graph, "_gdn_step", broken)
     monkeypatch.setenv("MLX_LILY_COMPILE", "1")
     with mlx_lily.patched(model):
         c = model.make_cache()
@@ -815,7 +815,8 @@ def _kv_caches(cache):
 def test_kv_caches_grow_in_bigger_steps_same_answers(tiny_models, monkeypatch):
     """A patched forward raises plain KVCaches' growth step to MLX_LILY_KV_STEP (default
     2048; never lowers it): fewer retraces of the compiled decode step; states and greedy
-    tokens as stock's, also across a growth; 256 (mlx-lm's) or a bad value leave it."""
+    tokens as stock's, also across a growth; 256 (mlx-lm's) leaves it; a bad value warns and
+    keeps the default."""
     from mlx_lily.patches import qwen3_next as P
 
     model = tiny_models["qwen3_5_moe"]
@@ -840,13 +841,14 @@ def test_kv_caches_grow_in_bigger_steps_same_answers(tiny_models, monkeypatch):
     with mlx_lily.patched(model):
         got = greedy(model, long_prompt, 12)
     assert got == ref
-    for raw in ("256", "zero"):
+    for raw, step in (("256", 256), ("zero", P.DEFAULT_KV_STEP)):  # bad: warn, default
         monkeypatch.setenv(P.KV_STEP_ENV, raw)
+        config.WARNED.discard((P.KV_STEP_ENV, raw))
         c = model.make_cache()
         with mlx_lily.patched(model), warnings.catch_warnings(record=True) as w:
             warnings.simplefilter("always")
             model(mx.array([prompt]), cache=c)
-        assert all(x.step == 256 for x in _kv_caches(c))
+        assert all(x.step == step for x in _kv_caches(c))
         assert (raw == "zero") == any(P.KV_STEP_ENV in str(x.message) for x in w)
 
 
@@ -901,7 +903,7 @@ def test_prefill_step_default(tiny_models, monkeypatch):
         assert seen == ["unset", marked]
         seen.clear()
         patching._ENV_COUNT_WARNED.clear()
-        for raw, want in (("32", 32), ("0", "unset"), ("many", "unset")):
+        for raw, want in (("32", 32), ("0", "unset"), ("many", 16)):  # bad: warn, default
             monkeypatch.setenv(patching.PREFILL_STEP_ENV, raw)
             with warnings.catch_warnings(record=True) as got:
                 warnings.simplefilter("always")

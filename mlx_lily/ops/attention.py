@@ -75,7 +75,8 @@ PREFILL_MIN_BLOCKS = {"cuda": 64, "metal": 16}
 PREFILL_SMALL_T = 8192
 
 _DTYPES = (mx.bfloat16, mx.float16)
-_HEAD_DIMS = (128, 256)
+HEAD_DIMS = (128, 256)
+_HEAD_DIMS = HEAD_DIMS
 _LOG2E = 1.4426950408889634
 
 QK_NORM_ROPE = KernelSpec(
@@ -197,13 +198,12 @@ def _rope_params(eps, base, scale):
 
 def decode_prefetch(backend: str) -> int:
     """``PF`` of ``lily_attn_decode_partial`` on ``backend``: ``DECODE_PREFETCH``, or
-    ``MLX_LILY_DECODE_PF`` (1 or 2; anything else is ignored)."""
-    from mlx_lily.backend import env_value
+    ``MLX_LILY_DECODE_PF`` (``tuning.decode_pf``: 1 or 2; another value warns once and
+    keeps the table's)."""
+    from .. import tuning
 
-    raw = env_value(DECODE_PF_ENV, "")
-    if raw in ("1", "2"):
-        return int(raw)
-    return DECODE_PREFETCH.get(backend, 1)
+    pf = tuning.decode_pf
+    return DECODE_PREFETCH.get(backend, 1) if pf is None else pf
 
 
 def decode_block(T: int, B: int, Hkv: int, backend: str) -> int:
@@ -363,7 +363,7 @@ def _sdpa_route(q, k, v, mask, gate, backend="cuda"):
         return None
     B, Hq, L, D = q.shape
     Bk, Hkv, T, Dk = k.shape
-    if Bk != B or v.shape != k.shape or Dk != D or D not in _HEAD_DIMS:
+    if Bk != B or v.shape != k.shape or Dk != D or D not in HEAD_DIMS:
         return None
     dt = q.dtype
     if dt not in _DTYPES or k.dtype != dt or v.dtype != dt:

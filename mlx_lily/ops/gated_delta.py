@@ -171,17 +171,11 @@ SCAN_ENV = "MLX_LILY_GDN_SCAN"
 
 def scan_config(backend: str) -> tuple:
     """``(LPR, RPL, WPB)`` for ``lily_gdn_scan`` on ``backend``; ``MLX_LILY_GDN_SCAN=8,2,4``
-    overrides (benchmark sweeps)."""
-    from ..backend import env_value
+    overrides (benchmark sweeps: ``tuning.gdn_scan``)."""
+    from .. import tuning
 
-    raw = env_value(SCAN_ENV, "")
-    if raw:
-        try:
-            lpr, rpl, wpb = (int(v) for v in raw.split(","))
-            return lpr, rpl, wpb
-        except ValueError:
-            pass
-    return SCAN_CONFIG.get(backend, (8, 1, 4))
+    cfg = tuning.gdn_scan
+    return cfg if cfg is not None else SCAN_CONFIG.get(backend, (8, 1, 4))
 
 
 def _scan_ok(cfg, Dk, Dv) -> bool:
@@ -546,9 +540,9 @@ def prefill_scan(backend: str) -> str:
     """``"chunked"`` when ``MLX_LILY_GDN_PREFILL=chunked`` (``scan_chunked`` between the
     prep and norm kernels) and fp32 matmuls are fp32 (``tf32_matmuls`` False), else
     ``"kernel"`` (``lily_gdn_scan``, the default)."""
-    from ..backend import env_value
+    from .. import tuning
 
-    if env_value(PREFILL_ENV, "") != "chunked":
+    if tuning.gdn_prefill != "chunked":
         return "kernel"
     if tf32_matmuls(backend):
         import warnings
@@ -758,20 +752,12 @@ PROJ_SPLIT_ENV = "MLX_LILY_GDN_PROJ_SPLIT"  # CUDA: blocks per head, overriding 
 
 def proj_split(backend: str) -> int:
     """Blocks per (batch, v-head) of the PROJ launch on ``backend``: ``PROJ_SPLIT``, or on
-    CUDA ``MLX_LILY_GDN_PROJ_SPLIT`` (an integer 1..16). Raises ValueError for another
-    value."""
-    from ..backend import env_value
+    CUDA ``MLX_LILY_GDN_PROJ_SPLIT`` (``tuning.gdn_proj_split``: an integer 1..16; another
+    value warns once and keeps ``PROJ_SPLIT``)."""
+    from .. import tuning
 
-    raw = env_value(PROJ_SPLIT_ENV, "") if backend == "cuda" else ""
-    if not raw:
-        return PROJ_SPLIT.get(backend, 1)
-    try:
-        v = int(raw)
-    except ValueError:
-        v = 0
-    if not 1 <= v <= 16:
-        raise ValueError(f"{PROJ_SPLIT_ENV} must be an integer 1..16, got {raw!r}")
-    return v
+    v = tuning.gdn_proj_split if backend == "cuda" else None
+    return PROJ_SPLIT.get(backend, 1) if v is None else v
 
 
 def gated_delta_proj_reference(p: DecodeProj, conv_weight, conv_state, A_log, dt_bias, state,
@@ -843,12 +829,11 @@ def out_proj_unsupported(p: DecodeProj, out_proj: OutProj, *, num_v_heads, head_
 def out_enabled(backend: str) -> bool:
     """Whether OUTP may run on ``backend`` now: CUDA, ``proj_enabled``, the
     ``gdn_out_proj`` switch and that of the launch it replaces (``qgemv_out``)."""
-    from ..backend import op_enabled
+    from ..registry import switch_on
     from . import qgemv as _qg
 
-    return (backend == "cuda" and proj_enabled(backend) and op_enabled(OUT_OP)
-            and _k.kernels_allowed(OUT_OP, backend) and op_enabled(_qg.OUT_PROJ_OP)
-            and _k.kernels_allowed(_qg.OUT_PROJ_OP, backend))
+    return (backend == "cuda" and proj_enabled(backend) and switch_on(OUT_OP, backend)
+            and switch_on(_qg.OUT_PROJ_OP, backend))
 
 
 def has_out_kernel(backend: str) -> bool:
@@ -900,15 +885,15 @@ def proj_enabled(backend: str) -> bool:
     (``gdn_proj``) and those of the two launches it replaces (``norm_qgemv`` with
     ``qgemv``, ``gdn_packed``) allow it, and ``MLX_LILY_NORM_GEMV`` is not ``split``."""
     from ..backend import op_enabled
+    from ..registry import switch_on
     from . import norm_qgemv as _nq
     from . import qgemv as _qg
 
     if backend not in ("metal", "cuda"):
         return False
-    return (op_enabled(PROJ_OP) and op_enabled(PACKED_OP) and op_enabled(_nq.NAME)
-            and op_enabled(_qg.NAME) and _qg.USE_FOR_QPROJ.get(backend, False)
-            and _k.kernels_allowed(PROJ_OP, backend) and _k.kernels_allowed(PACKED_OP, backend)
-            and _k.kernels_allowed(_nq.NAME, backend) and not _nq.split_requested())
+    return (switch_on(PROJ_OP, backend) and switch_on(PACKED_OP, backend)
+            and switch_on(_nq.NAME, backend) and op_enabled(_qg.NAME)
+            and _qg.USE_FOR_QPROJ.get(backend, False) and not _nq.split_requested())
 
 
 def has_proj_kernel(backend: str) -> bool:
@@ -934,13 +919,12 @@ def gated_delta_proj(p: DecodeProj, conv_weight, conv_state, A_log, dt_bias, sta
             norm_weight, get_kernel=lambda spec: _k.get(spec, backend), proj=p,
             proj_split=proj_split(backend), out_proj=out_proj, **dims)
     if out_proj is not None:
-        from ..backend import op_enabled
+        from ..registry import switch_on
         from . import qgemv as _qg
 
         res = gated_delta_proj(p, conv_weight, conv_state, A_log, dt_bias, state,
                                norm_weight, **dims)
-        gemv = (_qg.qgemv if op_enabled(_qg.OUT_PROJ_OP)
-                and _k.kernels_allowed(_qg.OUT_PROJ_OP, backend) else _qg.qgemv_reference)
+        gemv = _qg.qgemv if switch_on(_qg.OUT_PROJ_OP, backend) else _qg.qgemv_reference
         return (*res, gemv(res[0], out_proj.w, out_proj.scales, out_proj.biases,
                            p.group_size, p.bits))
     if served:

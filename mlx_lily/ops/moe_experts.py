@@ -99,24 +99,12 @@ FUSED_RPW_ENV = "MLX_LILY_MOE_FUSED_RPW"
 
 
 def fused_rpw() -> tuple:
-    """``FUSED_RPW``, or ``MLX_LILY_MOE_FUSED_RPW`` (three integers 1..8, comma-separated).
+    """``FUSED_RPW``, or ``MLX_LILY_MOE_FUSED_RPW`` (``tuning.moe_fused_rpw``: three
+    integers 1..8, comma-separated; another value warns once and keeps ``FUSED_RPW``)."""
+    from .. import tuning
 
-    Raises:
-        ValueError: the variable is set to anything else.
-    """
-    from ..backend import env_value
-
-    raw = env_value(FUSED_RPW_ENV, "")
-    if not raw:
-        return FUSED_RPW
-    try:
-        v = tuple(int(t) for t in raw.split(","))
-    except ValueError:
-        v = ()
-    if len(v) != 3 or not all(1 <= x <= 8 for x in v):
-        raise ValueError(f"{FUSED_RPW_ENV} must be three integers 1..8 like '2,4,2', "
-                         f"got {raw!r}")
-    return v
+    v = tuning.moe_fused_rpw
+    return FUSED_RPW if v is None else v
 #: Threads per block of the fused kernel (4 warps in every phase).
 FUSED_THREADS = 128
 
@@ -509,9 +497,9 @@ def routed_supported(router, k: int, wts: DecodeWeights | None, x_shape, x_dtype
     that fits in threadgroup memory (the in-kernel norm stages it), at most
     ``MAX_ROUTED_EXPERTS`` experts, and a quantized router whose scales have x's dtype
     (so its logits come out in that dtype from ``qgemv`` and ``quantized_matmul`` alike)."""
-    from ..qproj import QProj
+    from .proj import Proj
 
-    if wts is None or not isinstance(router, QProj) or x_dtype not in _FLOATS:
+    if wts is None or not isinstance(router, Proj) or x_dtype not in _FLOATS:
         return False
     if not router.quantized or router.scales.dtype != x_dtype:
         return False  # logits must come out in x's dtype (the kernel reads them as T)
@@ -552,12 +540,11 @@ def moe_experts_routed(x, router, k: int, norm_topk_prob: bool, switch_mlp, shar
         ``routed_supported`` says no, or ``x`` is a ``PendingNorm`` that ``norm_qgemv``
         cannot fold into the router GEMV); nothing was launched then.
     """
-    from ..backend import op_enabled
-    from ..qproj import PendingNorm
+    from ..registry import switch_on
+    from .proj import PendingNorm
 
     backend = current_backend()
-    if (backend not in ("metal", "cuda") or not op_enabled(TOPK_OP)
-            or not kernels.kernels_allowed(TOPK_OP, backend)
+    if (backend not in ("metal", "cuda") or not switch_on(TOPK_OP, backend)
             or not kernels.kernels_allowed(NAME, backend)):
         return None
     pending = isinstance(x, PendingNorm)
@@ -712,9 +699,11 @@ def _fused_call(x, router, k, norm_topk_prob, switch_mlp, shared_expert, backend
     from ..backend import op_enabled
 
     ctr, off, after = x.counters
-    if (backend != "cuda" or not op_enabled(FUSED_OP) or not op_enabled("norm_qgemv")
-            or not op_enabled("qgemv") or not kernels.kernels_allowed(FUSED_OP, backend)
-            or ctr.dtype != mx.int32 or ctr.ndim != 1 or ctr.size < off + FUSED_COUNTERS):
+    from ..registry import switch_on
+
+    if (backend != "cuda" or not switch_on(FUSED_OP, backend) or not op_enabled("norm_qgemv")
+            or not op_enabled("qgemv") or ctr.dtype != mx.int32 or ctr.ndim != 1
+            or ctr.size < off + FUSED_COUNTERS):
         return None
     row = x.h0
 

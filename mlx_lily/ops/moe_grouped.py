@@ -33,7 +33,7 @@ from typing import Callable
 import mlx.core as mx
 
 from .. import kernels
-from ..backend import current_backend, env_value, op_enabled
+from ..backend import current_backend, op_enabled
 from ..kernels import KernelSpec
 from . import moe_route as _route
 from . import qmm_dequant
@@ -55,7 +55,6 @@ TALLER_TILE_MIN_MEAN_ROWS = 64
 #: Benchmark sweeps: ``MLX_LILY_MOE_TILE_ROWS=16|32|64`` replaces ``choose_tile_rows``
 #: (another value: one warning, then the automatic choice).
 TILE_ROWS_ENV = "MLX_LILY_MOE_TILE_ROWS"
-_TILE_ENV_WARNED: set = set()
 #: CUDA dynamic shared memory of both GEMMs (``MOEG_SMEM_BYTES`` in moeg_common.cuh): the
 #: activation tile of up to 64 rows and 128 dequantized weight rows, bf16, stride 136. One
 #: size for every tile height (one kernel name): 16-row tiles (96 registers) fit 4 blocks
@@ -249,18 +248,9 @@ def grouped_experts(x: mx.array, inds: mx.array, scores: mx.array, switch_mlp,
 
 
 def _tile_rows_env() -> int | None:
-    raw = env_value(TILE_ROWS_ENV, "").strip()
-    if not raw:
-        return None
-    if raw.isdigit() and int(raw) in TILE_ROWS:
-        return int(raw)
-    if raw not in _TILE_ENV_WARNED:
-        import warnings
+    from .. import tuning
 
-        _TILE_ENV_WARNED.add(raw)
-        warnings.warn(f"mlx-lily: {TILE_ROWS_ENV}={raw!r} is not one of {TILE_ROWS}; the "
-                      "tile height is chosen from the expert load", stacklevel=3)
-    return None
+    return tuning.moe_tile_rows
 
 
 def try_grouped(x, inds, scores, switch_mlp, shared_expert, shared, *,

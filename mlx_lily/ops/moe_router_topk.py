@@ -31,8 +31,9 @@ from __future__ import annotations
 import mlx.core as mx
 
 from .. import kernels
-from ..backend import current_backend, op_enabled
-from ..qproj import QProj
+from ..backend import current_backend
+from ..registry import switch_on
+from .proj import Proj
 from . import qgemv
 
 NAME = "moe_router_topk"
@@ -113,7 +114,7 @@ def supports(x: mx.array, router, k: int) -> bool:
     (logits, shared-expert gate), ``k <= min(32, E)``, float activations, at most
     ``MAX_ROWS`` rows, and an input width the lane mapping covers (on CUDA with at most
     ``MAX_WORDS_PER_LANE`` weight words per lane for one row: D <= 4096 at 8 bits)."""
-    if not isinstance(router, QProj) or not router.quantized:
+    if not isinstance(router, Proj) or not router.quantized:
         return False
     if (router.mode or "affine") != "affine" or router.bits not in (4, 8):
         return False
@@ -222,7 +223,7 @@ def moe_router_topk(x, router, k, norm_topk_prob):
     selection (``tie_break="stock"``), bit-identical to stock. The decision and launch
     parameters are cached on the ``QProj`` per (backend, shape, dtype, k, norm)."""
     backend = current_backend()
-    if (backend in ("metal", "cuda") and type(router) is QProj
+    if (backend in ("metal", "cuda") and isinstance(router, Proj)
             and kernels.kernels_allowed(NAME, backend)):
         plans = kernels.plan_cache(router, "_lily_router_plans")
         key = (backend, x.shape, x.dtype, k, bool(norm_topk_prob))
@@ -248,8 +249,8 @@ def moe_router_topk_pending(pending, router, k, norm_topk_prob):
     experts' input); ``pending.h`` holds the residual sum afterwards."""
     backend = current_backend()
     h0, res, nw_ = pending.h0, pending.res, pending.weight
-    if (backend in ("metal", "cuda") and type(router) is QProj and op_enabled(PRE_NORM_OP)
-            and kernels.kernels_allowed(PRE_NORM_OP, backend)):
+    if (backend in ("metal", "cuda") and isinstance(router, Proj)
+            and switch_on(PRE_NORM_OP, backend)):
         plans = kernels.plan_cache(router, "_lily_router_plans")
         key = (backend, h0.shape, h0.dtype, k, bool(norm_topk_prob), "pre_norm")
         run = plans.get(key, False)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from .. import kernels
 from ..backend import current_backend, op_enabled
+from ..registry import switch_on
 from . import qgemv as _qgemv
 from .add_rms_norm import add_rms_norm_reference
 
@@ -97,14 +98,11 @@ SPLIT_ENV = "MLX_LILY_NORM_GEMV"
 
 
 def split_requested() -> bool:
-    """True when ``MLX_LILY_NORM_GEMV=split``. Raises ValueError for other values than
-    ``fused`` / ``split``."""
-    from ..backend import env_value
+    """True when ``MLX_LILY_NORM_GEMV=split`` (``tuning.norm_gemv``; a value other than
+    ``fused`` / ``split`` warns once and reads as ``fused``)."""
+    from .. import tuning
 
-    v = env_value(SPLIT_ENV, "fused")
-    if v not in ("fused", "split"):
-        raise ValueError(f"{SPLIT_ENV} must be 'fused' or 'split', got {v!r}")
-    return v == "split"
+    return tuning.norm_gemv == "split"
 
 
 def for_qproj(h0, res, norm_w, eps, proj):
@@ -116,9 +114,8 @@ def for_qproj(h0, res, norm_w, eps, proj):
         return None
     backend = current_backend()
     # the GEMV half is qgemv's: its switches apply too
-    if (backend not in ("metal", "cuda") or not op_enabled(NAME) or not op_enabled(_qgemv.NAME)
-            or not _qgemv.USE_FOR_QPROJ.get(backend, False)
-            or not kernels.kernels_allowed(NAME, backend)
+    if (backend not in ("metal", "cuda") or not switch_on(NAME, backend)
+            or not op_enabled(_qgemv.NAME) or not _qgemv.USE_FOR_QPROJ.get(backend, False)
             or not kernels.stock_result_dtype(h0.dtype, proj.scales.dtype)):
         return None
     plans = kernels.plan_cache(proj, "_lily_norm_qgemv_plans")

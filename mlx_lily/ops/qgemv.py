@@ -16,6 +16,7 @@ import mlx.core as mx
 
 from .. import kernels
 from ..backend import current_backend, op_enabled
+from ..registry import switch_on
 
 NAME = "qgemv"
 
@@ -224,8 +225,7 @@ def for_qproj(x: mx.array, proj) -> mx.array | None:
     if x.size != x.shape[-1]:
         return None
     backend = current_backend()
-    if (not USE_FOR_QPROJ.get(backend, False) or not op_enabled(NAME)
-            or not kernels.kernels_allowed(NAME, backend)
+    if (not USE_FOR_QPROJ.get(backend, False) or not switch_on(NAME, backend)
             or not kernels.stock_result_dtype(x.dtype, proj.scales.dtype)):
         return None
     plans = kernels.plan_cache(proj, "_lily_qgemv_plans")

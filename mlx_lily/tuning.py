@@ -1,0 +1,103 @@
+"""Benchmarking knobs: every ``MLX_LILY_*`` variable the runtime reads besides the user
+settings of ``mlx_lily.config``. They exist for sweeps and A/B runs; a user never needs
+them (``docs/tuning.md`` lists them; ``KNOBS`` is the source a test checks it against).
+
+Code reads ``tuning.<attr>`` (e.g. ``tuning.kv_step``); the value follows the environment
+as ``config`` settings do (read at use, once per ``env_frozen`` block), with the same rule
+for a bad value: one warning naming the variable and the accepted values, then the
+default. ``None`` as a default means "the built-in table decides" (per backend, per shape).
+This module imports neither MLX nor mlx-lm.
+"""
+
+from __future__ import annotations
+
+from .config import (BadValue, Setting, cached, count, flag, install_properties, int_range,
+                     int_tuple, one_of)
+
+
+_WORDS = {"0": False, "off": False, "no": False, "false": False,
+          "1": True, "on": True, "yes": True, "true": True}
+
+
+def _switch(raw: str) -> bool:
+    v = _WORDS.get(raw.lower())
+    if v is None:
+        raise BadValue()
+    return v
+
+
+def _text(raw: str) -> str:
+    return raw
+
+
+def _library(raw: str) -> str:
+    from pathlib import Path
+
+    if "/" in raw and not Path(raw).is_file():
+        raise BadValue("no such file")
+    return raw
+
+
+KNOBS: dict = {k.attr: k for k in (
+    Setting("compile_whole", "MLX_LILY_COMPILE_WHOLE", True, flag, "'1', '0'",
+            "0: compiled decode steps per layer instead of the whole stack as one function"),
+    Setting("compile_attn", "MLX_LILY_COMPILE_ATTN", True, flag, "'1', '0'",
+            "0: attention layers' decode steps run eagerly inside compiled decode"),
+    Setting("nvrtc", "MLX_LILY_NVRTC", None, _library,
+            "a path to libnvrtc.so, or a library name the loader finds",
+            "the NVRTC library for ahead-of-time CUDA compiles when MLX has not loaded one"),
+    Setting("gdn_scan", "MLX_LILY_GDN_SCAN", None, int_tuple(3, 1, 32),
+            "three integers 1..32 'LPR,RPL,WPB' (e.g. '8,1,4')",
+            "launch shape of the GDN prefill scan kernel (default: gated_delta.SCAN_CONFIG)"),
+    Setting("prefill_eval_layers", "MLX_LILY_PREFILL_EVAL_LAYERS", None, count,
+            "an integer (0: one group)",
+            "decoder layers per async-eval group of a prefill chunk, on every backend "
+            "(default: patching.PREFILL_EVAL_LAYERS)"),
+    Setting("moe_tile_rows", "MLX_LILY_MOE_TILE_ROWS", None,
+            one_of("16", "32", "64", values={"16": 16, "32": 32, "64": 64}), "'16', '32', '64'",
+            "grouped-GEMM expert tile height (default: chosen from the expert load)"),
+    Setting("gdn_prefill", "MLX_LILY_GDN_PREFILL", "kernel", one_of("kernel", "chunked"),
+            "'kernel', 'chunked'",
+            "chunked: GDN prefill scan by the chunkwise MLX-matmul form (needs "
+            "MLX_ENABLE_TF32=0 on GPUs)"),
+    Setting("norm_gemv", "MLX_LILY_NORM_GEMV", "fused", one_of("fused", "split"),
+            "'fused', 'split'",
+            "split: add + RMSNorm, then the GEMV, as two launches (instead of norm_qgemv)"),
+    Setting("kv_step", "MLX_LILY_KV_STEP", None, int_range(1),
+            "an integer >= 1", "KV-cache growth step in tokens (default: "
+            "patches.qwen3_next.DEFAULT_KV_STEP)"),
+    Setting("gdn_proj_split", "MLX_LILY_GDN_PROJ_SPLIT", None, int_range(1, 16),
+            "an integer 1..16", "CUDA: blocks per (batch, v-head) of the gdn_proj launch "
+            "(default: gated_delta.PROJ_SPLIT)"),
+    Setting("moe_fused_rpw", "MLX_LILY_MOE_FUSED_RPW", None, int_tuple(3, 1, 8),
+            "three integers 1..8 'r,g,d' (e.g. '2,4,1')",
+            "rows per lane group of the one-launch MoE kernel's phases (default: "
+            "moe_experts.FUSED_RPW)"),
+    Setting("qualify", "MLX_LILY_QUALIFY", True, _switch, "'1', '0' (also on/off, yes/no)",
+            "0: ignore qualification records and never qualify a GPU on first use"),
+    Setting("step_aside", "MLX_LILY_STEP_ASIDE", True, _switch,
+            "'1', '0' (also on/off, yes/no)",
+            "0: keep Lily's forwards installed where no kernel would run (references run)"),
+    Setting("inject_fault", "MLX_LILY_INJECT_FAULT", "", _text,
+            "op:kind[,op:kind...] (mlx_lily.first_contact.FAULT_KINDS)",
+            "tests only: make an op's kernels fail at first contact"),
+    Setting("qualify_emulate", "MLX_LILY_QUALIFY_EMULATE", False,
+            one_of("0", "1", values={"0": False, "1": True}), "'0', '1'",
+            "tests only: qualification's child process runs the Metal kernels emulated"),
+    Setting("decode_pf", "MLX_LILY_DECODE_PF", None,
+            one_of("1", "2", values={"1": 1, "2": 2}), "'1', '2'",
+            "load groups in flight per warp in the attention decode kernel (default: "
+            "attention.DECODE_PREFETCH)"),
+)}
+
+
+def value(attr: str):
+    """The knob ``attr`` now.
+
+    Raises:
+        AttributeError: no knob has that name.
+    """
+    return cached(KNOBS, attr, "mlx_lily.tuning")
+
+
+install_properties(__name__, KNOBS, value)

@@ -1,0 +1,450 @@
+"""Compiled decode steps: each decoder layer's one-token step as a pure function of arrays
+(``_gdn_step_fn``, ``_attn_step_fn``) and the whole stack as one (``_whole_step_fn``), traced
+by ``mx.compile`` once per configuration (``_compile_key``) and cache capacity, kept per model
+(``_CompiledSteps``) and dropped when any weight is replaced (``_check_weights``)."""
+
+from __future__ import annotations
+
+import operator
+import weakref
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.cache import ArraysCache, KVCache
+
+from mlx_lily import backend, config, kernels, tuning
+from mlx_lily.backend import op_enabled
+from mlx_lily.kernels import device_scalars
+from mlx_lily.ops import (
+    attention as attn_ops,
+    gated_delta as gdn_ops,
+    norm_qgemv as norm_qgemv_ops,
+)
+from mlx_lily.ops.add_rms_norm import add_rms_norm
+from mlx_lily.ops.moe_experts import drop_plans
+from mlx_lily.qproj import PendingNorm, QProj
+from .projections import WeightSig, _proj, _run, drop_views, one_row_linear, refresh
+from .launch_order import MOE_AFTER_ATTR, _counters_for, _moe_after
+from .blocks import _layer_tail, _mixer, gdn_supported
+from .kv_growth import kv_write_index
+
+
+class _StepCache:
+    """An ``ArraysCache`` stand-in for one traced decode step: it collects the new conv
+    and recurrent states instead of mutating the real cache (compiled functions must not
+    have Python side effects)."""
+
+    lengths = None
+    left_padding = None
+    traced_step = True  # its counters are the real cache's (launch_order.gdn_counters)
+
+    def __init__(self, conv, state, counters=None):
+        self.cache = [conv, state]
+        self.counters = counters
+
+    def __getitem__(self, i):
+        return self.cache[i]
+
+    def __setitem__(self, i, v):
+        self.cache[i] = v
+
+    def __bool__(self):
+        return True
+
+    def advance(self, n):
+        pass
+
+
+class _CompiledSteps:
+    """Per-model compiled decode functions, valid for one dispatch configuration. A copy
+    of the model (``copy.deepcopy``, pickling) starts with none."""
+
+    def __init__(self, key=None):
+        self.key = key
+        self.fns: dict = {}  # (layer index, pending[, "attn"]) -> compiled fn or False
+        self.whole = None  # whole-stack step: (KV shapes, compiled fn), False (failed), None
+        self.recent: dict = {}  # KV shapes -> whole-stack fn, the last RECENT_WHOLE_STEPS
+        self.static: dict = {}  # per-forward facts of the whole step, by dtype/switch
+
+    def clear(self) -> None:
+        self.fns.clear()
+        self.whole = None
+        self.recent.clear()
+        self.static.clear()
+
+    def __deepcopy__(self, memo):
+        return _CompiledSteps()
+
+    def __reduce__(self):
+        return (_CompiledSteps, ())
+
+
+_MODELS_WITH_STEPS: dict = {}  # id -> weakref of models holding compiled steps
+
+
+def drop_compiled_steps() -> None:
+    """Forget every model's compiled decode functions and cached one-row views (they hold
+    traced graphs and weight views; ``unpatch`` keeps the compiled functions for the next
+    patch and drops only the views)."""
+    drop_views()
+    for ref in list(_MODELS_WITH_STEPS.values()):
+        m = ref()
+        if m is not None:
+            m.__dict__.pop("_lily_steps", None)
+    _MODELS_WITH_STEPS.clear()
+
+
+def _compile_key():
+    """What the traced functions depend on beyond shapes: backend, op selection, switches.
+    Compiled steps outlive ``unpatch``: a later patch reuses them only under an equal key
+    and unchanged weights (``_check_weights``)."""
+    be = backend.current_backend()
+    if backend.compile_mode(be) == "off":
+        return None
+    return (be, backend.disabled_ops(), backend.selected_ops(), kernels.allowed_key(),
+            config.kernels,
+            tuning.decode_pf, norm_qgemv_ops.split_requested(), gdn_ops.proj_split(be),
+            tuning.moe_fused_rpw, tuning.moe_tile_rows)
+
+
+def _gdn_step_fn(layer, pending):
+    """One decode step of a GDN decoder layer as a pure function: ``(h, d, conv, state,
+    counters, after) -> (h', m, conv', state')``, where ``d`` is the layer's input ``x``
+    or, when ``pending``, the previous MLP output (``x = rms_norm(h + d)`` is then folded
+    into the input projection), ``counters`` the cache's ``_counters_for`` and ``after``
+    its ``_moe_after`` (store ``m`` there after the step); mixer, post-attention add+norm
+    and MLP/MoE."""
+    norm = layer.input_layernorm
+
+    def step(h, d, conv, state, counters, after):
+        c = _StepCache(conv, state, counters)
+        x = PendingNorm(h, d, norm.weight, norm.eps) if pending else d
+        h, r = _mixer(layer, x, None, c, h)
+        h, m = _layer_tail(layer, h, r, counters, after)
+        return h, m, c[0], c[1]
+
+    return step
+
+
+def _gdn_step(layer, pending):
+    """``_gdn_step_fn`` compiled."""
+    return mx.compile(_gdn_step_fn(layer, pending))
+
+
+COMPILE_ATTN_ENV = "MLX_LILY_COMPILE_ATTN"  # tuning.compile_attn
+
+
+def _attn_step_ok(layer, c, x) -> bool:
+    """Whether this attention layer's decode step can run as one compiled function
+    (on with compiled decode steps; ``MLX_LILY_COMPILE_ATTN=0`` turns it off): a plain
+    ``KVCache`` with room for the token (``_attn_cache_ok``), the fused q|k|v projection,
+    and the packed decode kernels serving (heads, dims, dtype: ``_attn_static_head_dim``)."""
+    d = _attn_static_head_dim(layer, x.dtype)
+    return d is not None and _attn_cache_ok(c, x, d)
+
+
+def _attn_cache_ok(c, x, head_dim) -> bool:
+    """The per-step part of ``_attn_step_ok``: a plain ``KVCache`` of ``x``'s batch with
+    room for one more token, of head size ``head_dim``."""
+    return (type(c) is KVCache and c.keys is not None and c.offset + 1 <= c.keys.shape[2]
+            and x.shape[1] == 1 and c.keys.shape[0] == x.shape[0]
+            and c.keys.shape[-1] == head_dim)
+
+
+def _attn_static_head_dim(layer, dtype):
+    """The part of ``_attn_step_ok`` that holds for every step of a forward (switches,
+    modules, dtype): the head size when the compiled attention step serves, else None."""
+    if not tuning.compile_attn:
+        return None
+    attn = layer.self_attn
+    if not (op_enabled(attn_ops.NAME) and op_enabled(attn_ops.PACKED_OP)
+            and not attn.training and type(attn.rope) is nn.RoPE):
+        return None
+    st = getattr(attn, "_lily", None)
+    proj = getattr(st, "qkv", None) if st is not None else None
+    Hq, Hkv = attn.num_attention_heads, attn.num_key_value_heads
+    if not isinstance(proj, QProj) or Hq % Hkv or Hq // Hkv > 8:
+        return None
+    D = proj.out_features // (2 * Hq + 2 * Hkv)
+    rope = attn.rope
+    ok = (D in attn_ops.HEAD_DIMS
+          and attn_ops.packed_supported(dtype, attn.q_norm.weight, attn.k_norm.weight,
+                                        head_dim=D, rope_dims=rope.dims,
+                                        traditional=rope.traditional))
+    return D if ok else None
+
+
+def _attn_step_fn(layer, pending):
+    """One decode step of an attention decoder layer as a pure function of arrays:
+    ``(h, d, keys, values, offset[, tlen, kv_idx, counters, after]) -> (h', m, keys',
+    values')`` with
+    ``keys``/``values`` the KV cache's whole buffers, ``offset`` an int32 ``[1]`` (the
+    token's position), ``tlen`` = ``offset + 1`` and ``kv_idx`` = ``kv_write_index``
+    (computed here when not given; without ``tlen`` both are made device-resident here,
+    ``kernels.device_scalars``): fused add+norm+q|k|v GEMV, q/k norm + RoPE + v, the
+    cache write (``kv_write_index``), split-K attention over the first ``offset + 1`` keys (DYN_T),
+    ``o_proj``, post-attention add+norm, MLP/MoE (one launch with the cache's
+    ``counters``, ``_counters_for``). Static shapes for a given cache
+    capacity, so ``mx.compile`` replays it until the cache grows."""
+    attn = layer.self_attn
+    norm = layer.input_layernorm
+    Hq, Hkv = attn.num_attention_heads, attn.num_key_value_heads
+
+    def step(h, d, keys, values, offset, tlen=None, kv_idx=None, counters=None,
+             after=None):
+        if tlen is None:  # one layer on its own: position and key count in device memory
+            off4 = device_scalars(offset)
+            offset, tlen = off4[:1], (off4 + 1)[:1]
+        x = PendingNorm(h, d, norm.weight, norm.eps) if pending else d
+        proj = _proj(attn, "qkv", (attn.q_proj, attn.k_proj, attn.v_proj))
+        (y,) = _run(proj, x, split=False)
+        if pending:
+            if x.h is None:
+                x.resolve()
+            h = x.h
+        D = y.shape[-1] // (2 * Hq + 2 * Hkv)
+        rope = attn.rope
+        q, k, v = attn_ops.qkv_norm_rope_packed(
+            y, attn.q_norm.weight, attn.k_norm.weight, attn.q_norm.eps, n_heads=Hq,
+            n_kv_heads=Hkv, head_dim=D, rope_dims=rope.dims, base=rope.base,
+            scale=rope.scale, traditional=rope.traditional, offset=offset)
+        idx = kv_write_index(offset, k.shape) if kv_idx is None else kv_idx
+        keys = mx.put_along_axis(keys, idx, k, axis=2)
+        values = mx.put_along_axis(values, idx, v, axis=2)
+        out = attn_ops.decode_attention(q, keys, values, attn.scale, y, gate_packed=True,
+                                        tlen=tlen)
+        h, m = _layer_tail(layer, h, one_row_linear(attn.o_proj, out), counters, after)
+        return h, m, keys, values
+
+    return step
+
+
+def _whole_step_fn(text_model, layers):
+    """A whole decode step of the decoder stack as one pure function: ``(h, *states,
+    offset) -> (y, *states')`` with ``h`` the token's embedding ``[B, 1, D]``, ``states``
+    each layer's cache arrays in order (GDN: conv and recurrent state; attention: the KV
+    cache's key and value buffers; then the cache's ``_counters_for`` and ``_moe_after``,
+    inputs only; ``states'`` per layer: the two new cache arrays and the layer's MoE
+    output, the next step's ``_moe_after``), ``offset`` the attention layers' common
+    position (int32 ``[1]``) and ``y`` the final norm's output. The layers' bodies are ``_gdn_step_fn`` / ``_attn_step_fn`` (every
+    layer's input norm but the first pending, folded into its input projection), so
+    ``mx.compile`` replays the whole step with one Python call until the KV caches grow."""
+    first = layers[0].input_layernorm
+    fns = [(_gdn_step_fn if l.is_linear else _attn_step_fn)(l, i > 0)
+           for i, l in enumerate(layers)]
+    norm = text_model.norm
+
+    def step(h, *arrays):
+        # the position and key count in device memory (kernels.device_scalars), once for
+        # every attention layer, as the write indices
+        off4 = device_scalars(arrays[-1])
+        offset, tlen = off4[:1], (off4 + 1)[:1]
+        idx = {}
+        d = mx.fast.rms_norm(h, first.weight, first.eps)
+        outs = []
+        it = iter(arrays[:-1])
+        for layer, f in zip(layers, fns):
+            a, b = next(it), next(it)
+            ctr, after = next(it), next(it)
+            if layer.is_linear:
+                h, d, a, b = f(h, d, a, b, ctr, after)
+            else:
+                row = (a.shape[0], a.shape[1], 1, a.shape[3])
+                if row not in idx:
+                    idx[row] = kv_write_index(offset, row)
+                h, d, a, b = f(h, d, a, b, offset, tlen, idx[row], ctr, after)
+            outs += [a, b, d]
+        return [add_rms_norm(h, d, norm.weight, norm.eps)[1], *outs]
+
+    return step
+
+
+#: Compiled whole-stack decode steps kept per model, one per KV-cache capacity.
+RECENT_WHOLE_STEPS = 4
+
+
+def _run_whole_step(text_model, cs, layers, cache, h):
+    """The decode step through ``_whole_step_fn`` (compiled on first use, kept in
+    ``cs.whole``, ``cs`` the model's ``_CompiledSteps``) when every layer can run compiled now (``_gdn_step_ok``,
+    ``_attn_step_ok``) with one common KV offset; the caches are updated. None when it
+    does not serve this step (the per-layer path then runs; nothing was changed); a
+    tracing failure marks it off for this model (one warning)."""
+    if backend.compile_mode() != "whole":
+        return None
+    # what holds for every step (switches, modules, dtype): once per compile key
+    skey = ("whole-ok", h.dtype, tuning.compile_attn)
+    dims = cs.static.get(skey)
+    if dims is None:
+        dims = [0 if l.is_linear and gdn_supported(l.linear_attn) else
+                (None if l.is_linear else _attn_static_head_dim(l, h.dtype)) for l in layers]
+        dims = cs.static[skey] = dims if all(d is not None for d in dims) else False
+    if dims is False:
+        return None
+    offset = None
+    for layer, c, d in zip(layers, cache, dims):
+        if layer.is_linear:
+            if not _gdn_cache_ok(c):
+                return None
+        elif not _attn_cache_ok(c, h, d) or offset not in (None, c.offset):
+            return None
+        else:
+            offset = c.offset
+    # one compiled function per cache capacity (MLX would scan every trace a function holds
+    # at each call), the last RECENT_WHOLE_STEPS kept: caches of other capacities (requests
+    # of other lengths) reuse theirs instead of tracing the stack again
+    shapes = tuple(c.keys.shape for l, c in zip(layers, cache) if not l.is_linear)
+    fn = cs.recent.get(shapes)  # holds cs.whole's function too
+    if fn is None:
+        fn = mx.compile(_whole_step_fn(text_model, layers))
+    args = [h]
+    for layer, c in zip(layers, cache):
+        args += ([c[0], c[1]] if layer.is_linear else [c.keys, c.values])
+        args += [_counters_for(layer, c, h), _moe_after(c, h)]
+    args.append(mx.array([offset or 0], dtype=mx.int32))
+    try:
+        out = fn(*args)
+    except Exception as e:  # noqa: BLE001  (any tracing failure: per-layer path)
+        import warnings
+
+        warnings.warn(f"mlx-lily: compiling the whole decode step failed ({e!r}); layers "
+                      "run one compiled function each", stacklevel=3)
+        cs.whole = False
+        return None
+    if cs.whole is None or cs.whole[1] is not fn:
+        cs.whole = (shapes, fn)
+        cs.recent.pop(shapes, None)
+        cs.recent[shapes] = fn  # most recent last
+        while len(cs.recent) > RECENT_WHOLE_STEPS:
+            cs.recent.pop(next(iter(cs.recent)))
+    it = iter(out[1:])
+    for layer, c in zip(layers, cache):
+        if layer.is_linear:
+            c[0] = next(it)
+            c[1] = next(it)
+        else:
+            c.keys = next(it)
+            c.values = next(it)
+            c.offset += 1
+        setattr(c, MOE_AFTER_ATTR, next(it))
+    return out[0]
+
+
+def _mlp_tail(layer):
+    """``(h, r) -> (h', m)`` compiled: ``_layer_tail`` of an attention layer."""
+    return mx.compile(lambda h, r: _layer_tail(layer, h, r))
+
+
+def _compiled_steps(model, key):
+    st = model.__dict__.get("_lily_steps")
+    if st is None or st.key != key:
+        st = _CompiledSteps(key)
+        object.__setattr__(model, "_lily_steps", st)
+        key_id = id(model)
+        _MODELS_WITH_STEPS[key_id] = weakref.ref(
+            model, lambda _, k=key_id: _MODELS_WITH_STEPS.pop(k, None))
+    return st
+
+
+def _weights_changed(module) -> bool:
+    """Whether any weight of ``module`` was replaced since its signature was taken (the
+    first call takes it). Fused projections derived from the old weights are rebuilt."""
+    sig = module.__dict__.get("_lily_sig")
+    if sig is not None and sig.valid():
+        return False
+    for _, m in module.named_modules():  # first signature, or weights replaced since
+        st = getattr(m, "_lily", None)
+        if st is not None and not st.sig.valid():
+            refresh(m)
+    object.__setattr__(module, "_lily_sig", WeightSig(module))
+    return sig is not None
+
+
+def _check_weights(text_model, layers) -> None:
+    """Compiled decode functions capture the arrays they were traced with (each layer's
+    and the next layer's norm): when any weight or layer was replaced, all are rebuilt.
+    One signature over the final norm and every layer answers first (``WeightSig``);
+    only when it fails are the layers checked one by one (and stale fused projections
+    rebuilt)."""
+    whole = text_model.__dict__.get("_lily_sig_all")
+    if (whole is not None and len(whole[0]) == len(layers)
+            and all(map(operator.is_, whole[0], layers)) and whole[1].valid()):
+        return
+    changed = _weights_changed(text_model.norm)
+    for layer in layers:
+        changed |= _weights_changed(layer)
+    changed |= whole is not None  # a layer replaced, or an array
+    if changed:  # launch plans hold the old arrays: drop them with the compiled steps
+        for layer in layers:
+            sw = getattr(getattr(layer, "mlp", None), "switch_mlp", None)
+            if sw is not None:
+                drop_plans(sw)
+    st = text_model.__dict__.get("_lily_steps") if changed else None
+    if st is not None:
+        st.clear()
+    object.__setattr__(text_model, "_lily_sig_all",
+                       (tuple(layers), WeightSig(text_model.norm, *layers)))
+
+
+def _gdn_step_ok(layer, c) -> bool:
+    """Whether this GDN layer's decode step can run compiled: a plain ``ArraysCache``
+    holding both states, no batch lengths or padding (``_gdn_cache_ok``), and the Lily GDN
+    forward serving."""
+    return _gdn_cache_ok(c) and gdn_supported(layer.linear_attn)
+
+
+def _gdn_cache_ok(c) -> bool:
+    return (type(c) is ArraysCache and c.lengths is None and c.left_padding is None
+            and c.cache[0] is not None and c.cache[1] is not None)
+
+
+def _run_compiled(steps, key, layer, h, x, c, fa_mask):
+    """A layer's decode step through its compiled function, built on first use. ``key`` =
+    (layer index, whether ``x`` is a ``PendingNorm``), plus ``"attn"`` for a whole
+    attention step (``_attn_step_fn``; the cache's buffers and offset are updated, and
+    ``mx.compile`` retraces when the cache grows); otherwise a GDN layer's step or an
+    attention layer's MLP half after its eager mixer. If building or tracing raises, the
+    key is marked uncompiled (``steps[key] = False``, one warning) and this step runs
+    uncompiled. Returns ``(h, m)``."""
+    fn = steps.get(key)
+    first = fn is None
+    pending = isinstance(x, PendingNorm)
+    whole_attn = len(key) > 2
+    if first:
+        if whole_attn:
+            fn = mx.compile(_attn_step_fn(layer, pending))
+        else:
+            fn = _gdn_step(layer, pending) if layer.is_linear else _mlp_tail(layer)
+    if whole_attn:
+        args = (h, x.res if pending else x, c.keys, c.values,
+                mx.array([c.offset], dtype=mx.int32))
+    elif layer.is_linear:
+        args = (h, x.res if pending else x, c[0], c[1], _counters_for(layer, c, h),
+                _moe_after(c, h))
+    else:
+        h, r = _mixer(layer, x, fa_mask, c, h)
+        args = (h, r)
+    if not first:
+        out = fn(*args)
+    else:
+        try:
+            out = fn(*args)
+            steps[key] = fn
+        except Exception as e:  # noqa: BLE001  (any tracing failure: run uncompiled)
+            import warnings
+
+            warnings.warn(f"mlx-lily: compiling decode layer {key[0]} failed ({e!r}); it "
+                          "runs uncompiled", stacklevel=3)
+            steps[key] = False
+            if layer.is_linear or whole_attn:
+                h, r = _mixer(layer, x, None if layer.is_linear else fa_mask, c, h)
+                return _layer_tail(layer, h, r)
+            return _layer_tail(layer, *args)
+    if whole_attn:
+        h, m, c.keys, c.values = out
+        c.offset += 1
+        return h, m
+    if layer.is_linear:
+        h, m, c[0], c[1] = out
+        setattr(c, MOE_AFTER_ATTR, m)
+        return h, m
+    return out

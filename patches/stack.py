@@ -1,0 +1,145 @@
+"""The decoder-stack forward of a patched model (``make_text_model_call``: residual adds
+fused into the next norm, pending norms folded into input projections, compiled decode steps,
+prefill evaluated in groups of layers) and the top model's forward with its one-row LM head
+(``make_lm_call``)."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+from mlx_lily.backend import op_enabled
+from mlx_lily.ops.add_rms_norm import add_rms_norm
+from mlx_lily.patching import prefill_eval_layers
+from mlx_lily.qproj import PendingNorm
+from .projections import _CHECKED, _original, lm_head
+from .blocks import _layer_input, _layer_tail, _mixer
+from .kv_growth import _kv_headroom, _widen_kv_steps
+from .decode_graph import (
+    _attn_step_ok,
+    _check_weights,
+    _compile_key,
+    _compiled_steps,
+    _gdn_step_ok,
+    _run_compiled,
+    _run_whole_step,
+)
+
+
+def make_text_model_call(module, cls_name, layer_cls_name, with_embeddings):
+    """The decoder stack with each layer's closing residual add fused into the NEXT
+    layer's input RMSNorm (and the last one into the final norm): no separate add or
+    norm. With the ``norm_qgemv`` op on, that add and norm are handed to the next layer as
+    a ``PendingNorm`` and run inside its input projection's GEMV when the kernel serves
+    (one-row decode), else as ``add_rms_norm``. Pipeline-parallel models take the stock
+    code.
+
+    Decode steps (one token, no masks, plain caches) on a GPU backend run each layer as
+    an ``mx.compile``d function (an attention layer whole while its KV cache has room,
+    else its mixer eagerly and its MoE half compiled): Python builds the layer's graph
+    once, later steps replay it (``MLX_LILY_COMPILE=0`` turns this off,
+    ``MLX_LILY_COMPILE_ATTN=0`` keeps attention mixers eager).
+
+    Multi-token calls start evaluating every ``prefill_eval_layers`` layers
+    (``mlx_lily.patching.PREFILL_EVAL_LAYERS``) so the GPU overlaps the rest of the build;
+    the graph and its results are the same.
+    """
+
+    def text_model_call(self, inputs, cache=None, input_embeddings=None):
+        from mlx_lily.backend import env_frozen
+
+        with env_frozen():
+            return _text_model_forward(self, inputs, cache, input_embeddings)
+
+    def _text_model_forward(self, inputs, cache, input_embeddings):
+        stock = _original(getattr(module, cls_name))
+        layers = self.pipeline_layers
+        layer_cls = getattr(module, layer_cls_name)
+        if (self.pipeline_size > 1 or self.training or not op_enabled("add_rms_norm")
+                or not layers or any(type(l) is not layer_cls for l in layers)):
+            if with_embeddings:
+                return stock(self, inputs, cache, input_embeddings=input_embeddings)
+            return stock(self, inputs, cache)
+        h = input_embeddings if input_embeddings is not None else self.embed_tokens(inputs)
+        if cache is None:
+            cache = [None] * len(layers)
+        fa_mask = (module.create_attention_mask(h, cache[self.fa_idx])
+                   if self.fa_idx is not None else None)
+        ssm_mask = (module.create_ssm_mask(h, cache[self.ssm_idx])
+                    if self.ssm_idx is not None else None)
+        first = layers[0].input_layernorm
+        x = mx.fast.rms_norm(h, first.weight, first.eps)
+        steps = cs = None
+        if h.shape[1] == 1 and fa_mask is None and ssm_mask is None:
+            key = _compile_key()
+            if key is not None:
+                cs = _compiled_steps(self, key)
+                steps = cs.fns
+        _check_weights(self, layers)
+        defer = op_enabled("norm_qgemv")
+        every = prefill_eval_layers(h.shape[0] * h.shape[1]) if h.shape[1] > 1 else 0
+        m = None
+        outer, _CHECKED.active = _CHECKED.active, True
+        try:
+            if cs is not None and defer and cs.whole is not False:
+                y = _run_whole_step(self, cs, layers, cache, h)
+                if y is not None:
+                    return y
+            _widen_kv_steps(cache)  # where caches grow: prefill, or a step without room
+            for i, (layer, c) in enumerate(zip(layers, cache)):
+                if m is not None:
+                    h, x = _layer_input(h, m, layer.input_layernorm, defer)
+                if steps is not None and (not layer.is_linear or _gdn_step_ok(layer, c)):
+                    key_i = (i, isinstance(x, PendingNorm))
+                    if not layer.is_linear and _attn_step_ok(layer, c, x):
+                        key_a = key_i + ("attn",)
+                        if steps.get(key_a) is not False:
+                            h, m = _run_compiled(steps, key_a, layer, h, x, c, fa_mask)
+                            continue
+                    if steps.get(key_i) is not False:
+                        h, m = _run_compiled(steps, key_i, layer, h, x, c, fa_mask)
+                        continue
+                h, r = _mixer(layer, x, ssm_mask if layer.is_linear else fa_mask, c, h)
+                h, m = _layer_tail(layer, h, r)
+                if every and (i + 1) % every == 0 and i + 1 < len(layers):
+                    every = every if _eval_ahead(h, m) else 0
+        finally:
+            _CHECKED.active = outer
+        if h.shape[1] > 1:
+            _kv_headroom(cache)
+        return add_rms_norm(h, m, self.norm.weight, self.norm.eps)[1]
+
+    return text_model_call
+
+
+def _eval_ahead(*arrays) -> bool:
+    """Start evaluating ``arrays`` (``mx.async_eval``) so the GPU runs the layers built so
+    far while Python builds the next ones; False, with nothing evaluated, when the call
+    runs under a function transformation (``mx.compile``, ``mx.grad``, ``mx.vmap``,
+    export), where MLX refuses evaluation."""
+    try:
+        mx.async_eval(*arrays)
+    except ValueError:
+        return False
+    return True
+
+
+def make_lm_call(cls_getter, with_embeddings):
+    """The top model's ``__call__`` (decoder stack, then the LM head) with the LM head of
+    a one-token step through ``lm_head``; tied embeddings, sharded heads, training and
+    the ``qgemv`` switch take the original."""
+
+    def lm_call(self, inputs, cache=None, input_embeddings=None):
+        if (self.args.tie_word_embeddings or getattr(self, "sharding_group", None) is not None
+                or self.training or not op_enabled("qgemv")
+                or (input_embeddings is not None and not with_embeddings)):
+            if with_embeddings or input_embeddings is not None:  # the original decides
+                return _original(cls_getter())(self, inputs, cache,
+                                              input_embeddings=input_embeddings)
+            return _original(cls_getter())(self, inputs, cache)
+        if with_embeddings:
+            out = self.model(inputs, cache, input_embeddings=input_embeddings)
+        else:
+            out = self.model(inputs, cache)
+        return lm_head(self, out)
+
+    return lm_call
