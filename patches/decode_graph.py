@@ -160,6 +160,10 @@ def _attn_static_head_dim(layer, dtype):
     if not (op_enabled(attn_ops.NAME) and op_enabled(attn_ops.PACKED_OP)
             and not attn.training and type(attn.rope) is nn.RoPE):
         return None
+    # the step's packed q/k/v and gated decode forms need their kernels (an op off by
+    # MLX_LILY_KERNELS, its qualification record or a failed first contact has none)
+    if not attn_ops.has_packed_kernel(backend.current_backend()):
+        return None
     st = getattr(attn, "_lily", None)
     proj = getattr(st, "qkv", None) if st is not None else None
     Hq, Hkv = attn.num_attention_heads, attn.num_key_value_heads

@@ -1096,3 +1096,20 @@ def test_prefill_eval_layers_policy(monkeypatch):
             warnings.simplefilter("always")
             assert patching.prefill_eval_layers(big) == 0
         assert len(got) == (raw == "four"), (raw, [str(w.message) for w in got])
+
+
+def test_compiled_attention_step_needs_its_kernels(tiny_models, monkeypatch):
+    """The compiled attention decode step is chosen only while its packed kernels serve:
+    with the switches on but no kernel (an op off by its qualification record or a failed
+    first contact) the layer runs its eager path instead of failing to trace."""
+    from mlx_lily.ops import attention as attn_ops
+    from mlx_lily.patches import decode_graph
+
+    model = tiny_models["qwen3_5_moe"]
+    with mlx_lily.patched(model, force=True):
+        layer = next(l for l in model.language_model.model.layers if not l.is_linear)
+        monkeypatch.setattr(attn_ops, "has_packed_kernel", lambda backend: False)
+        assert decode_graph._attn_static_head_dim(layer, mx.bfloat16) is None
+        monkeypatch.setattr(attn_ops, "has_packed_kernel", lambda backend: True)
+        monkeypatch.setattr(attn_ops, "packed_supported", lambda *a, **k: True)
+        assert decode_graph._attn_static_head_dim(layer, mx.bfloat16) == 256
