@@ -9,6 +9,8 @@ attribute                 variable                      values (default first)
 ``cache_dir``             ``MLX_LILY_CACHE_DIR``        ``~/.cache/mlx-lily`` | a folder
 ``precompile``            ``MLX_LILY_PRECOMPILE``       ``1`` | ``0``
 ``prefill_step``          ``MLX_LILY_PREFILL_STEP``     (per backend) | tokens | ``0``
+``qualify``               ``MLX_LILY_QUALIFY``          ``1`` | ``0``
+``prefix_cache``          ``MLX_LILY_PREFIX_CACHE``     ``1`` | ``0``
 ``hook``                  ``MLX_LILY``                  ``0`` | ``1`` (patch every mlx-lm command)
 ========================  ============================  =====================================
 
@@ -247,6 +249,12 @@ SETTINGS: dict = {s.attr: s for s in (
             "an integer (0: mlx-lm's default)",
             "prompt tokens per prefill chunk when the caller leaves it to the default; "
             "unset: Lily's per-backend size"),
+    Setting("qualify", "MLX_LILY_QUALIFY", True, flag, "'1', '0'",
+            "0: ignore qualification records and never qualify a GPU on first use "
+            "(the shipped record of the devices measured for this release applies)"),
+    Setting("prefix_cache", "MLX_LILY_PREFIX_CACHE", True, flag, "'1', '0'",
+            "0: patch() does not install the prefix cache for agent loops "
+            "(mlx_lily.prefix_cache)"),
     Setting("hook", "MLX_LILY", False, flag, "'0', '1'",
             "1: every mlx-lm command patches itself as with --lily"),
 )}
@@ -262,6 +270,8 @@ class Settings:
     cache_dir: Path
     precompile: bool
     prefill_step: int | None
+    qualify: bool
+    prefix_cache: bool
     hook: bool
 
 

@@ -62,7 +62,7 @@ import time
 from pathlib import Path
 
 from . import backend as _backend
-from . import tuning
+from . import config, tuning
 
 SCHEMA = "mlx-lily-qualify"
 SCHEMA_VERSION = 1
@@ -87,10 +87,10 @@ PARITY_PREFILL = 64
 
 # ----------------------------------------------------------------------------- settings
 def auto_enabled() -> bool:
-    """``MLX_LILY_QUALIFY``: ``0`` (also ``off``, ``no``, ``false``) ignores records and
-    never qualifies on its own; unset or anything else: records apply and a GPU without
-    one is qualified the first time Lily loads a model on it."""
-    return tuning.qualify
+    """``MLX_LILY_QUALIFY`` (``mlx_lily.config.qualify``): ``0`` ignores records and never
+    qualifies on its own; ``1`` (default): records apply and a GPU without one is
+    qualified the first time Lily loads a model on it."""
+    return config.qualify
 
 
 def cache_root() -> Path:

@@ -73,8 +73,6 @@ KNOBS: dict = {k.attr: k for k in (
             "three integers 1..8 'r,g,d' (e.g. '2,4,1')",
             "rows per lane group of the one-launch MoE kernel's phases (default: "
             "moe_experts.FUSED_RPW)"),
-    Setting("qualify", "MLX_LILY_QUALIFY", True, _switch, "'1', '0' (also on/off, yes/no)",
-            "0: ignore qualification records and never qualify a GPU on first use"),
     Setting("step_aside", "MLX_LILY_STEP_ASIDE", True, _switch,
             "'1', '0' (also on/off, yes/no)",
             "0: keep Lily's forwards installed where no kernel would run (references run)"),

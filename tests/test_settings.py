@@ -20,6 +20,8 @@ BAD_SETTINGS = {
     "cache_dir": None,  # a file, set by the test
     "precompile": "maybe",
     "prefill_step": "many",
+    "qualify": "maybe",
+    "prefix_cache": "off",
     "hook": "yes",
 }
 BAD_KNOBS = {
@@ -35,7 +37,6 @@ BAD_KNOBS = {
     "gdn_proj_split": "17",
     "moe_fused_rpw": "2,4",
     "decode_pf": "3",
-    "qualify": "maybe",
     "step_aside": "maybe",
     "qualify_emulate": "2",
     "inject_fault": None,  # raw text: mlx_lily.first_contact parses it (tests only)

@@ -75,7 +75,9 @@ def settings() -> Settings:
                               f"using {default}", stacklevel=3)
             return default
 
-    return Settings(enabled=backend.env_value(ENABLE_ENV, "1").strip() != "0",
+    from .. import config
+
+    return Settings(enabled=config.prefix_cache,
                     every=count(EVERY_ENV, DEFAULT_EVERY),
                     max_snapshots=count(SNAPSHOTS_ENV, DEFAULT_MAX_SNAPSHOTS))
 
