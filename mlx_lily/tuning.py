@@ -86,6 +86,12 @@ KNOBS: dict = {k.attr: k for k in (
             one_of("1", "2", values={"1": 1, "2": 2}), "'1', '2'",
             "load groups in flight per warp in the attention decode kernel (default: "
             "attention.DECODE_PREFETCH)"),
+    Setting("prefix_cache_every", "MLX_LILY_PREFIX_CACHE_EVERY", 8192, int_range(0),
+            "an integer >= 0 (0: none)",
+            "tokens between periodic snapshots of a long prefill (mlx_lily.prefix_cache)"),
+    Setting("prefix_cache_snapshots", "MLX_LILY_PREFIX_CACHE_SNAPSHOTS", 32, int_range(0),
+            "an integer >= 0",
+            "most snapshots one prefix-cache store keeps, besides its byte limit"),
 )}
 
 

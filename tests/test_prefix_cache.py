@@ -333,6 +333,9 @@ def test_settings_parse(monkeypatch):
     monkeypatch.setenv("MLX_LILY_PREFIX_CACHE_EVERY", "512")
     assert settings().every == 512
     monkeypatch.setenv("MLX_LILY_PREFIX_CACHE_EVERY", "lots")
+    from mlx_lily import config
+
+    config.WARNED.discard(("MLX_LILY_PREFIX_CACHE_EVERY", "lots"))  # one warning per process
     with pytest.warns(UserWarning, match="MLX_LILY_PREFIX_CACHE_EVERY"):
         assert settings().every == DEFAULT_EVERY
 

@@ -37,6 +37,8 @@ BAD_KNOBS = {
     "gdn_proj_split": "17",
     "moe_fused_rpw": "2,4",
     "decode_pf": "3",
+    "prefix_cache_every": "lots",
+    "prefix_cache_snapshots": "-1",
     "step_aside": "maybe",
     "qualify_emulate": "2",
     "inject_fault": None,  # raw text: mlx_lily.first_contact parses it (tests only)

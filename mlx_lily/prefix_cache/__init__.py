@@ -18,9 +18,7 @@ own cache use ``PrefixCache`` with ``prefill``. Docs: ``docs/prefix-cache.md``.
 from __future__ import annotations
 
 import dataclasses
-import warnings
 
-from .. import backend
 
 ENABLE_ENV = "MLX_LILY_PREFIX_CACHE"  # "0": not installed by patch()
 EVERY_ENV = "MLX_LILY_PREFIX_CACHE_EVERY"  # tokens between periodic snapshots; "0": none
@@ -51,35 +49,14 @@ class Settings:
     max_snapshots: int = DEFAULT_MAX_SNAPSHOTS
 
 
-_WARNED: set = set()
-
-
 def settings() -> Settings:
-    """The switches as the environment holds them now (read through
-    ``mlx_lily.backend.env_value``). A count that is not a non-negative integer warns once
-    and keeps its default."""
+    """The switches now: ``mlx_lily.config.prefix_cache`` and the knobs
+    ``mlx_lily.tuning.prefix_cache_every`` / ``prefix_cache_snapshots`` (a bad value: one
+    warning naming the variable, then the default)."""
+    from .. import config, tuning
 
-    def count(name, default):
-        raw = backend.env_value(name, "").strip()
-        if not raw:
-            return default
-        try:
-            v = int(raw)
-            if v < 0:
-                raise ValueError
-            return v
-        except ValueError:
-            if (name, raw) not in _WARNED:
-                _WARNED.add((name, raw))
-                warnings.warn(f"mlx-lily: {name}={raw!r} is not a non-negative integer; "
-                              f"using {default}", stacklevel=3)
-            return default
-
-    from .. import config
-
-    return Settings(enabled=config.prefix_cache,
-                    every=count(EVERY_ENV, DEFAULT_EVERY),
-                    max_snapshots=count(SNAPSHOTS_ENV, DEFAULT_MAX_SNAPSHOTS))
+    return Settings(enabled=config.prefix_cache, every=tuning.prefix_cache_every,
+                    max_snapshots=tuning.prefix_cache_snapshots)
 
 
 from .plan import Prefilled, message_boundaries, prefill, snapshot_points  # noqa: E402
