@@ -1,0 +1,62 @@
+"""benchmarks/numerics_long.py: metrics, and routing capture through the patched model (CPU)."""
+import importlib.util
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+FIXTURE = REPO / "tests" / "fixtures" / "qwen35moe-tiny-trained"
+
+
+def _load():
+    spec = importlib.util.spec_from_file_location("numerics_long", REPO / "benchmarks" / "numerics_long.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_routing_agreement_counts_shared_choices():
+    nl = _load()
+    ref = np.array([[0, 1, 2, 3], [4, 5, 6, 7]])
+    test = np.array([[3, 2, 1, 9], [7, 6, 5, 4]])  # order ignored; one of eight differs
+    assert nl.routing_agreement(ref, test) == pytest.approx(7 / 8)
+    assert nl.routing_agreement(ref, ref[:, ::-1]) == 1.0
+
+
+def test_compare_reports_disagreement():
+    nl = _load()
+    rng = np.random.default_rng(0)
+    a = rng.normal(size=(6, 11)).astype(np.float32)
+    tgt = [1, 2, 3, 4, 5, 6]
+    same = nl.compare(a, a.copy(), tgt)
+    assert same["kl_mean"] == pytest.approx(0.0, abs=1e-12)
+    assert same["top1_agreement"] == 1.0 and same["ppl_rel_diff"] == pytest.approx(0.0, abs=1e-12)
+    flipped = nl.compare(a, a[:, ::-1].copy(), tgt)
+    assert flipped["kl_mean"] > 0.1 and flipped["top1_agreement"] < 1.0
+
+
+@pytest.mark.skipif(not (FIXTURE / "numerics_reference.json").is_file(), reason="fixture missing")
+def test_cpu_run_captures_routing_of_every_engine(tmp_path):
+    nl = _load()
+    out = tmp_path / "r.json"
+    rc = nl.main([str(FIXTURE), "--contexts", "48", "--measure-prefill", "8", "--decode-steps",
+                  "2", "--prefill-step", "16", "--kernels", "default", "--out", str(out)])
+    assert rc == 0
+    res = json.loads(out.read_text())
+    (ctx,) = res["contexts"]
+    pairs = ctx["pairs"]
+    for pair in ("fp32 -> stock", "stock -> lily-default", "fp32 -> lily-default"):
+        for sec in ("prefill", "decode", "all"):
+            per = pairs[pair][sec]["routing_agreement_per_layer"]
+            assert len(per) == res["moe_layers"] == 4
+            assert all(0.0 <= x <= 1.0 for x in per)
+    assert pairs["stock -> lily-default"]["all"]["positions"] == 10
+    # Lily's routing comes from its own router op, not mlx-lm's SwitchGLU
+    lily_src = set(ctx["times"]["lily-default-eager"]["routing_sources"])
+    assert lily_src and "SwitchGLU" not in lily_src
+    assert ctx["times"]["stock"]["routing_sources"] == ["SwitchGLU"]
+    # the CPU reference path routes as stock does
+    assert pairs["stock -> lily-default"]["all"]["routing_agreement_min"] >= 0.95
+    assert "eager_vs_compiled" in " ".join(pairs)
