@@ -48,7 +48,10 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
+try:  # an installed mlx-lily (its mlx_lily.patches is mapped from ./patches at install)
+    import mlx_lily.patches  # noqa: F401
+except ImportError:
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # a checkout: stock arms
 
 SCHEMA = "mlx-lily-numerics-long"
 TARGETS = {"ppl_rel_diff_max": 1e-3, "top1_agreement_min": 0.98, "routing_agreement_min": 0.99}

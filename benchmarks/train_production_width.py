@@ -250,6 +250,10 @@ def main(argv=None):
             old = {}
         if old.get("recipe_key") == key and (out / "config.json").is_file():
             log(f"{out} already holds this recipe (key {key[:12]}); reusing it (--force retrains)")
+            old["reused"] = True
+            if args.summary:
+                args.summary.parent.mkdir(parents=True, exist_ok=True)
+                args.summary.write_text(json.dumps(old, indent=1) + "\n")
             print(json.dumps(old, indent=1))
             return 0
 
