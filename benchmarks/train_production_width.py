@@ -8,7 +8,9 @@ value heads of 128, attention 16 query / 2 KV heads of 256 with partial RoPE 0.2
 output gate, 64 experts of 512 top-8 plus the 512-wide shared expert, and a byte-level BPE
 vocabulary of 16384 trained on the Python standard library's sources (the tiny fixture's
 corpus and split). Training is bf16 (parameters, activations and AdamW state; A_log fp32)
-from a fixed seed on the GPU, with ``mx.compile``d steps; the checkpoint is cast to bf16 and
+from a fixed seed on the GPU (eager steps, each built while the GPU runs the last;
+``--compile on`` traces the step with ``mx.compile``, at the cost of JIT-compiling every
+fused kernel on a cold machine); the checkpoint is cast to bf16 and
 quantised with mlx-lm's own ``quantize_model`` (affine, group 64, 4 bits; ``mlp.gate`` and
 ``mlp.shared_expert_gate`` at 8 bits, the model's ``quant_predicate``) and saved with
 ``save_model`` / ``save_config``, like ``mlx_lm.convert -q``.
@@ -168,8 +170,9 @@ def parse_args(argv=None):
                    help="seconds kept for evaluation, quantisation and saving after training")
     p.add_argument("--moe-train", choices=("dense", "sparse"), default="dense")
     p.add_argument("--gdn-chunk", type=int, default=32)
-    p.add_argument("--compile", choices=("auto", "on", "off"), default="auto",
-                   help="mx.compile the train step (auto: on GPU backends only)")
+    p.add_argument("--compile", choices=("on", "off"), default="off",
+                   help="mx.compile the train step (off: eager steps, the next one built while "
+                        "the GPU runs the last; a cold compile JITs every fused kernel first)")
     p.add_argument("--dtype", choices=("bfloat16", "float32"), default=None,
                    help="training dtype (smoke: float32, MLX's CPU bf16 matmuls are slow)")
     p.add_argument("--sample-tokens", type=int, default=None)
@@ -200,8 +203,7 @@ def recipe_key(args, list_hash: str, versions: dict) -> str:
     """sha256 of what determines the trained model (not the output paths or the budget)."""
     keep = {k: (v if not isinstance(v, Path) else None) for k, v in sorted(vars(args).items())
             if k not in ("out", "summary", "force", "time_budget_s", "post_reserve_s", "smoke",
-                         "no_fast_blas", "sample_tokens",
-                         "compile")}
+                         "no_fast_blas", "sample_tokens")}
     blob = json.dumps({"args": keep, "files": list_hash, "versions": versions}, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()
 
@@ -258,8 +260,7 @@ def main(argv=None):
             return 0
 
     device = str(mx.default_device())
-    on_gpu = mx.default_device() == mx.gpu
-    use_compile = args.compile == "on" or (args.compile == "auto" and on_gpu)
+    use_compile = args.compile == "on"
     log(f"device {device}; mlx {mx.__version__}; mlx-lm {mlx_lm.__version__}; preset {args.preset}")
     chk_gdn = tf.check_chunked_matches_ops()
     chk_conv = tf.check_conv_matches()
@@ -395,49 +396,66 @@ def main(argv=None):
     model.train()
     mx.eval(model.parameters(), opt.state)
     total = args.steps if args.steps != "auto" else None
-    calib = (3, 12)  # steps whose mean time sets --steps auto (after the compile warm-up)
+    calib = (3, 12)  # steps whose mean time sets --steps auto (after the first steps' JIT)
+    if total is None and args.warmup <= calib[1] + 1:
+        raise SystemExit(f"--steps auto needs --warmup > {calib[1] + 1} (the schedule is fixed "
+                         f"at step {calib[1]}, inside the warm-up)")
     t_train = time.time()
     t_calib0 = None
     ce_hist, step_times = [], []
     steps_done, stopped_early, stop_reason = 0, False, ""
-    step = 0
-    while True:
-        step += 1
-        if total is not None and step > total:
-            break
+
+    def issue(step):
+        """Build step ``step``'s graph and start it (``async_eval``): Python builds the next
+        step while the GPU runs this one."""
         opt.learning_rate = lr_at(step, total or 10**9, args.lr, args.warmup)
         starts = rng.integers(0, train_ids.size - T - 1, size=Bsz)
         batch = np.stack([train_ids[s:s + T + 1] for s in starts])
-        t0 = time.time()
-        ce, aux, gnorm = train_step(mx.array(batch[:, :-1]), mx.array(batch[:, 1:]))
-        mx.eval(ce, aux, gnorm, state)
-        step_times.append(time.time() - t0)
-        ce_hist.append(ce.item())
-        steps_done = step
-        if not math.isfinite(ce_hist[-1]):
-            raise RuntimeError(f"training diverged at step {step}: cross-entropy {ce_hist[-1]}")
-        if step == calib[0] - 1:
-            t_calib0 = time.time()
-        if total is None and step == calib[1]:
-            per = (time.time() - t_calib0) / (calib[1] - calib[0] + 1)
-            fit = step + int((budget_end - time.time()) / per * 0.97)
-            total = max(step + 1, min(args.max_steps, fit))
-            if total <= args.warmup:
-                total = args.warmup + 1
-            log(f"--steps auto: {per:.3f} s/step measured over steps {calib[0]}-{calib[1]}: "
-                f"{total} steps fit the budget")
-        if step % 25 == 0 or step <= 2:
-            el = time.time() - t_train
-            tps = Bsz * T * len(step_times[-20:]) / max(1e-9, sum(step_times[-20:]))
-            log(f"step {step}/{total or '?'} ce {np.mean(ce_hist[-20:]):.3f} aux {aux.item():.3f} "
-                f"gnorm {gnorm.item():.2f} lr {opt.learning_rate.item():.2e} "
-                f"{step_times[-1]:.3f}s/step {tps:,.0f} tok/s (elapsed {el:.0f}s)")
-        if args.stop_at is not None and step >= args.stop_at:
-            stopped_early, stop_reason = True, f"--stop-at {args.stop_at}"
-            break
-        if time.time() > budget_end:
-            stopped_early, stop_reason = True, "time budget"
-            log(f"time budget reached at step {step}: stopping (recipe: --steps {total} --stop-at {step})")
+        outs = train_step(mx.array(batch[:, :-1]), mx.array(batch[:, 1:]))
+        mx.async_eval(*outs, state)
+        return outs
+
+    issued, inflight, t_prev = 0, None, time.time()
+    while True:
+        nxt = issued + 1
+        reason = ("" if total is None or nxt <= total else "done")
+        if not reason and args.stop_at is not None and nxt > args.stop_at:
+            reason = f"--stop-at {args.stop_at}"
+        if not reason and time.time() > budget_end:
+            reason = "time budget"
+        new = None
+        if not reason:
+            new, issued = issue(nxt), nxt
+        if inflight is not None:
+            step, (ce, aux, gnorm) = inflight
+            ce_hist.append(ce.item())  # waits for that step
+            now = time.time()
+            step_times.append(now - t_prev)
+            t_prev = now
+            steps_done = step
+            if not math.isfinite(ce_hist[-1]):
+                raise RuntimeError(f"training diverged at step {step}: cross-entropy {ce_hist[-1]}")
+            if step == calib[0] - 1:
+                t_calib0 = now
+            if total is None and step == calib[1]:
+                per = (now - t_calib0) / (calib[1] - calib[0] + 1)
+                fit = step + int((budget_end - now) / per * 0.97)
+                total = max(issued + 1, args.warmup + 1, min(args.max_steps, fit))
+                log(f"--steps auto: {per:.3f} s/step measured over steps {calib[0]}-{calib[1]}: "
+                    f"{total} steps fit the budget")
+            if step % 25 == 0 or step <= 2:
+                tps = Bsz * T * len(step_times[-20:]) / max(1e-9, sum(step_times[-20:]))
+                log(f"step {step}/{total or '?'} ce {np.mean(ce_hist[-20:]):.3f} "
+                    f"aux {aux.item():.3f} gnorm {gnorm.item():.2f} "
+                    f"lr {lr_at(step, total or 10**9, args.lr, args.warmup):.2e} "
+                    f"{step_times[-1]:.3f}s/step {tps:,.0f} tok/s "
+                    f"(elapsed {now - t_train:.0f}s)")
+        inflight = None if new is None else (issued, new)
+        if new is None:
+            if reason != "done":
+                stopped_early, stop_reason = True, reason
+                log(f"{reason}: stopped at step {steps_done} (recipe: --steps {total} "
+                    f"--stop-at {steps_done})")
             break
     train_wall = time.time() - t_train
     steady = step_times[2:] or step_times
