@@ -398,6 +398,8 @@ def render(result: dict) -> str:
         lines.append("\ntimes: " + ", ".join(
             f"{k} {t['context_prefill_s'] + t['measured_prefill_s'] + t['decode_s']:.1f}s "
             f"({t['decode_ms_per_step']:.1f} ms/step)" for k, t in ctx["times"].items()))
+        lines.append("routing captured from: " + "; ".join(
+            f"{k} {'+'.join(t['routing_sources']) or '-'}" for k, t in ctx["times"].items()))
     return "\n".join(lines) + "\n"
 
 
