@@ -16,7 +16,9 @@ quantised with mlx-lm's own ``quantize_model`` (affine, group 64, 4 bits; ``mlp.
 ``save_model`` / ``save_config``, like ``mlx_lm.convert -q``.
 
 Training-only forms (the saved model is mlx-lm's; each is checked against mlx-lm's own code
-at start-up): the GDN recurrence in chunked UT form (``train_fixture.chunked_gated_delta_update``);
+at start-up): the GDN recurrence in chunked UT form (``chunked_gated_delta_update``: the tiny
+fixture's form with a block-doubling triangular inverse, which stays accurate where the
+fixture's power product overflows fp32);
 the depthwise conv as shifted multiply-adds; and, with ``--moe-train dense`` (the default),
 the MoE experts as two dense matmuls over all experts with the router weights scattered
 into a ``[tokens, experts]`` matrix (zero for experts not chosen): the same function and
@@ -72,6 +74,127 @@ PRESETS = {
         val_windows=2, max_chars=1_000_000, time_budget_s=170.0, post_reserve_s=45.0,
         steps="8", dtype="float32", sample_tokens=8),
 }
+
+
+# --------------------------------------------------------------------------
+# chunked Gated DeltaNet with a stable triangular inverse (training only)
+# --------------------------------------------------------------------------
+def unit_lower_inverse(A, C: int):
+    """``(I + A)^-1`` for strictly lower-triangular ``A [..., C, C]`` (C a power of two) by
+    block doubling: with ``X_b`` the block-diagonal inverse of block size b and ``L`` the
+    lower off-diagonal blocks of each 2b-block, ``X_2b = X_b - X_b L X_b``. Two matmuls a
+    level; every intermediate is an exact inverse of a diagonal block, so nothing grows
+    beyond the inverse itself (the product ``(I - A)(I + A^2)(I + A^4)...`` forms powers of
+    A that overflow fp32 for correlated keys with beta near 1)."""
+    import mlx.core as mx
+    import numpy as np
+
+    X = mx.broadcast_to(mx.eye(C, dtype=A.dtype), A.shape)
+    idx = np.arange(C)
+    b = 1
+    while b < C:
+        same2b = (idx[:, None] // (2 * b)) == (idx[None, :] // (2 * b))
+        lower = ((idx[:, None] // b) % 2 == 1) & ((idx[None, :] // b) % 2 == 0)
+        L = A * mx.array((same2b & lower).astype(np.float32), dtype=A.dtype)
+        X = X - X @ (L @ X)
+        b *= 2
+    return X
+
+
+def chunked_gated_delta_update(q, k, v, a, b, A_log, dt_bias, state=None, mask=None, *,
+                               chunk: int = 32, **_):
+    """The gated delta rule in chunked UT form, as ``train_fixture.chunked_gated_delta_update``
+    (same math as mlx-lm's ``gated_delta_ops``) with the unit-triangular inverse by
+    ``unit_lower_inverse``. Shapes as ``gated_delta_update``: q/k ``[B, T, Hk, Dk]``, v
+    ``[B, T, Hv, Dv]``, a/b ``[B, T, Hv]``; returns ``(y [B, T, Hv, Dv], state [B, Hv, Dv,
+    Dk] fp32)``; gates, beta and the state in fp32. ``chunk`` must be a power of two."""
+    import mlx.core as mx
+    import mlx.nn as nn
+
+    if mask is not None:
+        from mlx_lm.models.gated_delta import gated_delta_update
+
+        return gated_delta_update(q, k, v, a, b, A_log, dt_bias, state, mask, use_kernel=False)
+    if chunk & (chunk - 1):
+        raise ValueError(f"chunk must be a power of two, got {chunk}")
+    B, T, Hk, Dk = q.shape
+    Hv, Dv = v.shape[2:]
+    dtype = q.dtype
+    beta = mx.sigmoid(b.astype(mx.float32))
+    logg = -mx.exp(A_log.astype(mx.float32)) * nn.softplus((a + dt_bias).astype(mx.float32))
+    if Hv // Hk > 1:
+        q = mx.repeat(q, Hv // Hk, -2)
+        k = mx.repeat(k, Hv // Hk, -2)
+
+    def heads_first(x):
+        return x.astype(mx.float32).transpose(0, 2, 1, 3)
+
+    q, k, v = heads_first(q), heads_first(k), heads_first(v)
+    beta, logg = beta.transpose(0, 2, 1), logg.transpose(0, 2, 1)
+    C = chunk
+    N = (T + C - 1) // C
+    Tp = N * C
+    if Tp != T:
+        p4 = [(0, 0), (0, 0), (0, Tp - T), (0, 0)]
+        p3 = [(0, 0), (0, 0), (0, Tp - T)]
+        q, k, v = mx.pad(q, p4), mx.pad(k, p4), mx.pad(v, p4)
+        beta, logg = mx.pad(beta, p3), mx.pad(logg, p3)
+    q = q.reshape(B, Hv, N, C, Dk)
+    k = k.reshape(B, Hv, N, C, Dk)
+    v = v.reshape(B, Hv, N, C, Dv)
+    beta = beta.reshape(B, Hv, N, C)
+    lg = mx.cumsum(logg.reshape(B, Hv, N, C), axis=-1)
+    incl = mx.tri(C, dtype=mx.bool_)
+    strict = mx.tri(C, k=-1, dtype=mx.bool_)
+    G = mx.exp(mx.where(incl, lg[..., :, None] - lg[..., None, :], -mx.inf))
+    A = mx.where(strict, beta[..., :, None] * G * (k @ k.swapaxes(-1, -2)), 0.0)
+    Tinv = unit_lower_inverse(A, C)
+    QK = (q @ k.swapaxes(-1, -2)) * G
+    eg = mx.exp(lg)
+    tail = mx.exp(lg[..., -1:] - lg)
+    S = mx.zeros((B, Hv, Dv, Dk), mx.float32) if state is None else state.astype(mx.float32)
+    ys = []
+    for i in range(N):
+        kn, qn = k[:, :, i], q[:, :, i]
+        St = S.swapaxes(-1, -2)
+        rhs = beta[:, :, i, :, None] * (v[:, :, i] - eg[:, :, i, :, None] * (kn @ St))
+        U = Tinv[:, :, i] @ rhs
+        ys.append(eg[:, :, i, :, None] * (qn @ St) + QK[:, :, i] @ U)
+        S = mx.exp(lg[:, :, i, -1])[..., None, None] * S + (U * tail[:, :, i, :, None]).swapaxes(-1, -2) @ kn
+    y = mx.stack(ys, axis=2).reshape(B, Hv, Tp, Dv)[:, :, :T].transpose(0, 2, 1, 3)
+    return y.astype(dtype), S
+
+
+def check_chunked_matches_ops(chunk: int = 32):
+    """Start-up check: ``chunked_gated_delta_update`` == mlx-lm's ``gated_delta_ops`` on
+    random gates and on the hard case (keys 0.95-correlated, beta ~ 0.98, decay ~ 1), where
+    the power-product inverse of ``train_fixture`` overflows. Returns the max relative error."""
+    import mlx.core as mx
+    from mlx_lm.models.gated_delta import gated_delta_update, normalize_qk
+
+    ks = mx.random.split(mx.random.key(123), 8)
+    B, T, Hk, Hv, D = 2, 2 * chunk + 13, 2, 4, 128
+    worst = 0.0
+    for hard in (False, True):
+        q = mx.random.normal((B, T, Hk, D), key=ks[0])
+        k = mx.random.normal((B, T, Hk, D), key=ks[1])
+        if hard:
+            k = 0.95 * mx.random.normal((1, 1, Hk, D), key=ks[6]) + 0.05 * k
+        v = mx.random.normal((B, T, Hv, D), key=ks[2])
+        q, k = normalize_qk(q, k, inv_scale=D**-0.5, eps=1e-6)
+        a = mx.full((B, T, Hv), -6.0) if hard else mx.random.normal((B, T, Hv), key=ks[3]) - 2
+        b = mx.full((B, T, Hv), 4.0) if hard else mx.random.normal((B, T, Hv), key=ks[4]) + 1
+        A_log = mx.log(mx.array([0.01, 0.3, 2.0, 8.0]))
+        dt_bias = mx.zeros(Hv) if hard else mx.ones(Hv)
+        s0 = 0.1 * mx.random.normal((B, Hv, D, D), key=ks[5])
+        y1, s1 = gated_delta_update(q, k, v, a, b, A_log, dt_bias, s0, use_kernel=False)
+        y2, s2 = chunked_gated_delta_update(q, k, v, a, b, A_log, dt_bias, s0, chunk=chunk)
+        ey = mx.abs(y1 - y2).max().item() / max(mx.abs(y1).max().item(), 1e-6)
+        es = mx.abs(s1 - s2).max().item() / max(mx.abs(s1).max().item(), 1e-6)
+        worst = max(worst, ey, es)
+    if not worst <= 1e-3:
+        raise RuntimeError(f"chunked GDN mismatch vs gated_delta_ops: {worst:.2e}")
+    return worst
 
 
 # --------------------------------------------------------------------------
@@ -169,7 +292,7 @@ def parse_args(argv=None):
     p.add_argument("--post-reserve-s", type=float, default=None,
                    help="seconds kept for evaluation, quantisation and saving after training")
     p.add_argument("--moe-train", choices=("dense", "sparse"), default="dense")
-    p.add_argument("--gdn-chunk", type=int, default=32)
+    p.add_argument("--gdn-chunk", type=int, default=64, help="power of two")
     p.add_argument("--compile", choices=("on", "off"), default="off",
                    help="mx.compile the train step (off: eager steps, the next one built while "
                         "the GPU runs the last; a cold compile JITs every fused kernel first)")
@@ -262,7 +385,7 @@ def main(argv=None):
     device = str(mx.default_device())
     use_compile = args.compile == "on"
     log(f"device {device}; mlx {mx.__version__}; mlx-lm {mlx_lm.__version__}; preset {args.preset}")
-    chk_gdn = tf.check_chunked_matches_ops()
+    chk_gdn = check_chunked_matches_ops(args.gdn_chunk)
     chk_conv = tf.check_conv_matches()
     chk_moe = check_dense_moe_matches()
     log(f"checks: chunked GDN {chk_gdn:.1e}, shifted conv {chk_conv:.1e}, dense MoE {chk_moe:.1e}")
@@ -339,7 +462,7 @@ def main(argv=None):
         MoE block alone."""
         moe = on if moe is None else moe
         qwen3_5.gated_delta_update = (
-            (lambda *a, **kw: tf.chunked_gated_delta_update(*a, chunk=args.gdn_chunk, **kw))
+            (lambda *a, **kw: chunked_gated_delta_update(*a, chunk=args.gdn_chunk, **kw))
             if on else orig_gdu)
         for c in gdn_convs:
             c.__class__ = _ShiftedConv if on else nn.Conv1d
