@@ -24,49 +24,17 @@ import sys
 import time
 
 import mlx.core as mx
-import mlx.nn as nn
 
 D, I, E, K = 2048, 512, 256, 8
 LAYERS = 40
 
 
 def _setup_block(seed=0):
-    from mlx.utils import tree_flatten, tree_unflatten
-    from mlx_lm.models import qwen3_next
+    """Qwen3.6-35B-A3B's MoE block (``D``, ``E``, ``K``, ``I``) with random 4-bit codes
+    (8-bit router and shared-expert gate), evaluated."""
+    from mlx_lily.testing.models import moe_block
 
-    args = qwen3_next.ModelArgs(
-        model_type="qwen3_next", hidden_size=D, num_hidden_layers=1, intermediate_size=512,
-        num_attention_heads=16, num_key_value_heads=2, head_dim=256, rms_norm_eps=1e-6,
-        vocab_size=32, linear_num_value_heads=32, linear_num_key_heads=16,
-        linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel_dim=4,
-        num_experts=E, num_experts_per_tok=K, decoder_sparse_step=1,
-        shared_expert_intermediate_size=I, moe_intermediate_size=I, mlp_only_layers=[],
-        norm_topk_prob=True, rope_theta=1e7, partial_rotary_factor=0.25,
-        max_position_embeddings=4096, tie_word_embeddings=False, full_attention_interval=4)
-    blk = qwen3_next.Qwen3NextSparseMoeBlock(args)
-
-    def pred(path, m):
-        if not hasattr(m, "to_quantized"):
-            return False
-        if path.endswith("gate") or path.endswith("shared_expert_gate"):
-            return {"group_size": 64, "bits": 8}
-        return {"group_size": 64, "bits": 4}
-
-    nn.quantize(blk, class_predicate=pred)  # lazy: replaced below before any eval
-    mx.random.seed(seed)
-    new = []
-    params = dict(tree_flatten(blk.parameters()))
-    for name, p in params.items():
-        if name.endswith(".weight") and p.dtype == mx.uint32:
-            new.append((name, _rand_u32(p.shape)))
-        elif name.endswith(".scales"):
-            w = params[name[:-len("scales")] + "weight"]
-            bits = w.shape[-1] * 32 // (p.shape[-1] * 64)
-            s = mx.random.uniform(0.5, 1.5, p.shape) * (0.03 / (1 << (bits - 1)))
-            new.append((name, s.astype(mx.bfloat16)))
-            new.append((name[:-len("scales")] + "biases",
-                        (-(1 << (bits - 1)) * s).astype(mx.bfloat16)))
-    blk.update(tree_unflatten(new))
+    blk = moe_block(D, E, K, I, seed=seed, random_codes=True)
     mx.eval(blk.parameters())
     return blk
 
