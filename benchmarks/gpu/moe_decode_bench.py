@@ -64,12 +64,14 @@ def _nbytes(*arrs):
 
 def moe_layer(blk, router, reps, out):
     from mlx_lily.ops import moe_experts as M
+    from mlx_lily.patches import layouts
     from mlx_lily.ops import moe_router_topk as R
 
     backend_ok = R.has_kernel(_backend()) and M.has_kernel(_backend())
     x0 = mx.random.normal((1, 1, D)).astype(mx.bfloat16)
     mx.eval(x0)
     sw = blk.switch_mlp
+    ex = layouts.experts(sw, blk.shared_expert)
     per_expert = _nbytes(*(getattr(sw, p)[n] for p in ("gate_proj", "up_proj", "down_proj")
                            for n in ("weight", "scales", "biases"))) / E
     shared_b = _nbytes(*(getattr(blk.shared_expert, p)[n]
@@ -87,8 +89,8 @@ def moe_layer(blk, router, reps, out):
     def lily_layer(x, fused_res=False):
         inds, scores, shared = R.moe_router_topk(x, router, K, True)
         if fused_res:
-            return M.moe_experts(x, inds, scores, sw, blk.shared_expert, shared, residual=x)
-        return x + M.moe_experts(x, inds, scores, sw, blk.shared_expert, shared)
+            return M.moe_experts(x, inds, scores, ex, shared, residual=x)
+        return x + M.moe_experts(x, inds, scores, ex, shared)
 
     def lily_chain(fused_res):
         def f(x=None):
@@ -119,8 +121,8 @@ def moe_layer(blk, router, reps, out):
         x = x0 if x is None else x
         inds, scores, shared = routed0
         for _ in range(LAYERS):
-            x = mx.fast.rms_norm(M.moe_experts(x, inds, scores, sw, blk.shared_expert,
-                                               shared, residual=x), None, 1e-6)
+            x = mx.fast.rms_norm(M.moe_experts(x, inds, scores, ex, shared, residual=x),
+                                 None, 1e-6)
         return x
 
     from mlx_lily.bench import gpu_clock
@@ -199,6 +201,7 @@ def _parity(blk, router, x, out):
     logits; the expert kernels and MLX's own reference vs an fp32 truth fed the same
     routing; the fused residual vs x + kernel output."""
     from mlx_lily.ops import moe_experts as M
+    from mlx_lily.patches import layouts
     from mlx_lily.ops import moe_router_topk as R
 
     inds, scores, shared = R.moe_router_topk(x, router, K, True)
@@ -210,11 +213,12 @@ def _parity(blk, router, x, out):
             x, lambda t: [logits[..., :E], logits[..., E:]], K, True)
         mx.eval(ti, ts, th)
     same = sorted(inds.reshape(-1).tolist()) == sorted(ti.reshape(-1).tolist())
-    wts = M.decode_weights(blk.switch_mlp, blk.shared_expert)
+    ex = layouts.experts(blk.switch_mlp, blk.shared_expert)
+    wts = ex.decode
     t = _experts_truth(x, inds, scores, shared, wts)
-    y = M.moe_experts(x, inds, scores, blk.switch_mlp, blk.shared_expert, shared)
+    y = M.moe_experts(x, inds, scores, ex, shared)
     yr = M.moe_experts_reference(x, inds, scores, blk.switch_mlp, blk.shared_expert, shared)
-    yf = M.moe_experts(x, inds, scores, blk.switch_mlp, blk.shared_expert, shared, residual=x)
+    yf = M.moe_experts(x, inds, scores, ex, shared, residual=x)
     scale = mx.abs(t).max().item()
     err = mx.abs(y.reshape(-1).astype(mx.float32) - t).max().item()
     err_ref = mx.abs(yr.reshape(-1).astype(mx.float32) - t).max().item()
@@ -310,13 +314,14 @@ def kernel_variants(blk, router, reps, out):
     """Launch-shape alternatives for the two expert kernels (one layer, chained)."""
     from mlx_lily import kernels
     from mlx_lily.ops import moe_experts as M
+    from mlx_lily.patches import layouts
     from mlx_lily.ops import moe_router_topk as R
 
     if not M.has_kernel(_backend()):
         return
     kg = kernels.get(M.GATE_UP_SPEC, _backend())
     kd = kernels.get(M.DOWN_SPEC, _backend())
-    wts = M.decode_weights(blk.switch_mlp, blk.shared_expert)
+    wts = layouts.decode_weights(blk.switch_mlp, blk.shared_expert)
     xs = [mx.random.normal((1, 1, D)).astype(mx.bfloat16) for _ in range(LAYERS)]
     routed = [R.moe_router_topk(x, router, K, True) for x in xs]
     mx.eval(xs, routed)
@@ -352,13 +357,14 @@ def routed_variants(blk, router, reps, out):
     next one's input), router logits fixed."""
     from mlx_lily import kernels
     from mlx_lily.ops import moe_experts as M
+    from mlx_lily.patches import layouts
     from mlx_lily.ops.add_rms_norm import add_rms_norm_reference
 
     be = _backend()
     if not M.has_routed_kernel(be):
         return
     kg, kd = kernels.get(M.GATE_UP_SPEC, be), kernels.get(M.DOWN_SPEC, be)
-    wts = M.decode_weights(blk.switch_mlp, blk.shared_expert)
+    wts = layouts.decode_weights(blk.switch_mlp, blk.shared_expert)
     x0 = mx.random.normal((1, 1, D)).astype(mx.bfloat16)
     res = [mx.random.normal((1, 1, D)).astype(mx.bfloat16) for _ in range(LAYERS)]
     nw = (1.0 + 0.1 * mx.random.normal((D,))).astype(mx.bfloat16)
@@ -402,6 +408,7 @@ def fused_variants(blk, router, reps, out):
     the model. Wall and device-side us per layer."""
     from mlx_lily import kernels
     from mlx_lily.ops import moe_experts as M
+    from mlx_lily.patches import layouts
     from mlx_lily.ops import norm_qgemv as NQ
 
     be = _backend()
@@ -410,7 +417,7 @@ def fused_variants(blk, router, reps, out):
     kf = kernels.build(M.FUSED_SPEC, be)
     kg, kd = kernels.get(M.GATE_UP_SPEC, be), kernels.get(M.DOWN_SPEC, be)
     kn = kernels.get(NQ.SPEC, be)
-    wts = M.decode_weights(blk.switch_mlp, blk.shared_expert)
+    wts = layouts.decode_weights(blk.switch_mlp, blk.shared_expert)
     x0 = mx.random.normal((1, 1, D)).astype(mx.bfloat16)
     res = [mx.random.normal((1, 1, D)).astype(mx.bfloat16) for _ in range(LAYERS)]
     nw = (1.0 + 0.1 * mx.random.normal((D,))).astype(mx.bfloat16)
