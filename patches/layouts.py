@@ -12,7 +12,6 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from mlx_lily import kernels
-from mlx_lily.backend import current_backend, op_enabled
 from mlx_lily.ops import qgemv, qmm_dequant
 from mlx_lily.ops.moe_experts import DecodeWeights, Experts
 from mlx_lily.ops.moe_grouped import GroupedWeights
@@ -132,7 +131,7 @@ def mlp(module, x: mx.array) -> mx.array:
     if type(module) is not qwen3_next.Qwen3NextMLP:
         return module(x)
     gu = None
-    if op_enabled(qmm_dequant.SHARED_NAME) and qmm_dequant.has_shared_kernel(current_backend()):
+    if qmm_dequant.shared_stack_open():
         gu = qmm_dequant.stacked_linear((module.gate_proj, module.up_proj), x)
     if gu is None:
         g = qmm_dequant.linear(module.gate_proj, x)

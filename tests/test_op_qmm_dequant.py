@@ -44,11 +44,10 @@ def count_dequantize(monkeypatch) -> list:
 
 @pytest.fixture
 def as_cuda(monkeypatch):
-    """The current backend reads "cuda" in the op module and in ``layouts`` (the shared
-    expert's caller; the arrays stay on the CPU) and every kernel switch is allowed, small
-    test weights pass ``MIN_OUT``; a counter of ``mx.dequantize`` calls."""
+    """The current backend reads "cuda" in the op module (the arrays stay on the CPU) and
+    every kernel switch is allowed, small test weights pass ``MIN_OUT``; a counter of
+    ``mx.dequantize`` calls."""
     monkeypatch.setattr(Q, "current_backend", lambda: "cuda")
-    monkeypatch.setattr(L, "current_backend", lambda: "cuda")
     monkeypatch.setattr(Q, "MIN_OUT", 1)
     monkeypatch.setenv("MLX_LILY_KERNELS", "all")
     yield count_dequantize(monkeypatch)

@@ -78,6 +78,13 @@ def has_shared_kernel(backend: str) -> bool:
     return has_kernel(backend) and kernels.kernels_allowed(SHARED_NAME, backend)
 
 
+def shared_stack_open() -> bool:
+    """True when the shared expert's gate and up may run as one stacked projection
+    (``stacked_linear``) here: switch ``shared_dequant`` on and allowed, with
+    ``prefill_dequant``, on the current backend."""
+    return op_enabled(SHARED_NAME) and has_shared_kernel(current_backend())
+
+
 def supports(x: mx.array, w: mx.array, scales, biases, group_size, bits, mode,
              backend: str) -> bool:
     """True when the path computes this call on ``backend``: enough rows, a weight of at
