@@ -11,7 +11,10 @@ not what the model generated) and a tool result sized so the last prompt holds a
 ``--max-tokens`` tokens). ``new`` is the step's prompt tokens past its longest common prefix
 with the previous step's prompt, ``expected`` the tokens Lily's prefix cache must process
 (``new`` plus the distance back to the deepest snapshot point of the previous prompt).
-Writes ``agent_loop.json`` and ``agent_loop.md`` under ``--out``.
+Writes ``agent_loop.json`` (after every step) and ``agent_loop.md`` under ``--out``.
+``--stock-from-step K`` sends the stock server only steps K..end, so stock's time at the
+longest contexts fits one device call (stock reuses little more than the system prompt
+between steps, so its first request there processes about what it would in a full run).
 """
 
 from __future__ import annotations
@@ -201,12 +204,16 @@ class Server:
 
 
 def run_mode(mode: str, model: str, convs, max_tokens: int, log_dir: Path, extra=(),
-             env=None, request_extra=None) -> list:
-    """Send every step of ``convs`` to a fresh server of ``mode``; one row per step."""
+             env=None, request_extra=None, first_step: int = 0, on_row=None) -> list:
+    """Send steps ``first_step`` .. end of ``convs`` to a fresh server of ``mode``; one row
+    per step (``None`` for the steps before ``first_step``, which are not sent).
+    ``on_row(rows)`` is called after each step (a run cut short keeps its rows)."""
     srv = Server(mode, model, log_dir, extra, env)
-    rows = []
+    rows: list = [None] * first_step
     try:
         for i, msgs in enumerate(convs):
+            if i < first_step:
+                continue
             r = srv.chat(msgs, max_tokens, **(request_extra or {}))
             u = r["usage"] or {}
             cached = (u.get("prompt_tokens_details") or {}).get("cached_tokens", 0) or 0
@@ -214,6 +221,8 @@ def run_mode(mode: str, model: str, convs, max_tokens: int, log_dir: Path, extra
                          "cached_tokens": cached,
                          "processed": (u.get("prompt_tokens") or 0) - cached,
                          "ttft_s": r["ttft_s"], "total_s": r["total_s"], "text": r["text"]})
+            if on_row is not None:
+                on_row(rows)
     finally:
         srv.stop()
     return rows
@@ -251,12 +260,14 @@ def markdown(result: dict) -> str:
     for i, ex in enumerate(result["expected"]):
         row = f"| {i} | {ex['prompt']} | {ex['new']} | {ex['expected']} |"
         for m in modes:
-            r = result["modes"][m][i]
-            row += f" {r['processed']} | {r['cached_tokens']} | {1e3 * (r['ttft_s'] or 0):.1f} |"
+            rows = result["modes"][m]
+            r = rows[i] if i < len(rows) else None
+            row += (" - | - | - |" if r is None else
+                    f" {r['processed']} | {r['cached_tokens']} | {1e3 * (r['ttft_s'] or 0):.1f} |")
         lines.append(row)
-    tot = "| total | | | |"
+    tot = "| total (steps sent) | | | |"
     for m in modes:
-        rows = result["modes"][m]
+        rows = [r for r in result["modes"][m] if r is not None]
         tot += (f" {sum(r['processed'] for r in rows)} | {sum(r['cached_tokens'] for r in rows)}"
                 f" | {1e3 * sum(r['ttft_s'] or 0 for r in rows):.1f} |")
     lines.append(tot)
@@ -270,13 +281,14 @@ def markdown(result: dict) -> str:
                   f"{result['snapshot_measured_bytes']}"]
     same = result.get("same_text")
     if same is not None:
-        lines += ["", f"Greedy text identical across modes at every step: {same}"]
+        lines += ["", f"Greedy text identical across modes at every step all of them were sent: {same}"]
     if "same_text_lily_vs_nocache" in result:
         lines += [f"Greedy text of lily identical to lily-nocache at every step: "
                   f"{result['same_text_lily_vs_nocache']}"]
-    ttft = {m: [r["ttft_s"] or 0 for r in result["modes"][m][1:]] for m in modes}
+    ttft = {m: [None if r is None else r["ttft_s"] for r in result["modes"][m][1:]]
+            for m in modes}
     if "stock" in ttft and "lily" in ttft and ttft["stock"]:
-        ratios = [a / b for a, b in zip(ttft["lily"], ttft["stock"]) if b]
+        ratios = [a / b for a, b in zip(ttft["lily"], ttft["stock"]) if a is not None and b]
         if ratios:
             lines += [f"Lily TTFT / stock TTFT after step 0: max {max(ratios):.3f}, "
                       f"last step {ratios[-1]:.3f}"]
@@ -295,6 +307,10 @@ def main(argv=None) -> int:
     ap.add_argument("--out", required=True)
     ap.add_argument("--server-arg", action="append", default=[],
                     help="extra mlx_lm.server argument (repeat), e.g. --server-arg=--prompt-cache-bytes=8G")
+    ap.add_argument("--stock-from-step", type=int, default=0,
+                    help="send the stock server only steps K..end (its first request then "
+                         "processes that step's whole prompt, as stock nearly does in a full "
+                         "run): stock's time at long context within one device call")
     ap.add_argument("--seed-requests", action="store_true",
                     help="send a seed with every request (mlx-lm serves those one at a time)")
     args = ap.parse_args(argv)
@@ -326,13 +342,26 @@ def main(argv=None) -> int:
 
         result["snapshot_measured_bytes"] = snapshot_nbytes(load(args.model)[0])
     req = {"seed": 0} if args.seed_requests else None
+    result["stock_from_step"] = args.stock_from_step
+
+    def save(mode):
+        def on_row(rows):  # written after each step: a run cut short keeps what finished
+            result["modes"][mode] = list(rows)
+            (out / "agent_loop.json").write_text(json.dumps(result, indent=1))
+        return on_row
+
     for mode in args.modes.split(","):
+        first = args.stock_from_step if mode == "stock" else 0
         result["modes"][mode] = run_mode(mode, args.model, convs, args.max_tokens, out,
-                                         args.server_arg, request_extra=req)
-        # written after each mode: a run cut short keeps what finished
+                                         args.server_arg, request_extra=req,
+                                         first_step=first, on_row=save(mode))
         (out / "agent_loop.json").write_text(json.dumps(result, indent=1))
-    texts = {m: [r["text"] for r in rows] for m, rows in result["modes"].items()}
-    result["same_text"] = all(t == next(iter(texts.values())) for t in texts.values())
+    texts = {m: [None if r is None else r["text"] for r in rows]
+             for m, rows in result["modes"].items()}
+    sent = [i for i in range(len(convs))
+            if all(i < len(t) and t[i] is not None for t in texts.values())]
+    result["same_text"] = all(t[i] == next(iter(texts.values()))[i]
+                              for t in texts.values() for i in sent)
     if "lily" in texts and "lily-nocache" in texts:
         result["same_text_lily_vs_nocache"] = texts["lily"] == texts["lily-nocache"]
     (out / "agent_loop.json").write_text(json.dumps(result, indent=1))

@@ -20,6 +20,7 @@ from mlx_lily.ops.moe_router_topk import PRE_NORM_OP, moe_router_topk, moe_route
 from mlx_lily.qproj import PendingNorm, QProj, resolve
 from .projections import _original, _proj, _run, one_row_linear
 from .launch_order import _moe_counters, gdn_counters
+from .layouts import experts as experts_of
 
 
 # ---------------------------------------------------------------- attention
@@ -102,7 +103,7 @@ def moe_call(self, x):
         router = _proj(self, "router", (self.gate, self.shared_expert_gate))
         if use_experts and isinstance(router, QProj):
             y = moe_experts_routed(x, router, self.top_k, self.norm_topk_prob,
-                                   self.switch_mlp, self.shared_expert)
+                                   experts_of(self.switch_mlp, self.shared_expert))
             if y is not None:
                 return y
         if isinstance(router, list):
@@ -118,7 +119,8 @@ def moe_call(self, x):
         x = resolve(x)
         inds, scores, shared = _stock_routing(self, x)
     if use_experts:
-        return moe_experts(x, inds, scores, self.switch_mlp, self.shared_expert, shared)
+        return moe_experts(x, inds, scores, experts_of(self.switch_mlp, self.shared_expert),
+                           shared)
     y = (self.switch_mlp(x, inds) * scores[..., None]).sum(axis=-2)
     return y + shared * self.shared_expert(x)
 

@@ -21,12 +21,12 @@ from mlx_lily.ops import (
     norm_qgemv as norm_qgemv_ops,
 )
 from mlx_lily.ops.add_rms_norm import add_rms_norm
-from mlx_lily.ops.moe_experts import drop_plans
 from mlx_lily.qproj import PendingNorm, QProj
 from .projections import WeightSig, _proj, _run, drop_views, one_row_linear, refresh
 from .launch_order import MOE_AFTER_ATTR, _counters_for, _moe_after
 from .blocks import _layer_tail, _mixer, gdn_supported
 from .kv_growth import kv_write_index
+from .layouts import drop_plans
 
 
 class _StepCache:

@@ -33,12 +33,14 @@ from mlx_lily.ops import qmm_dequant  # noqa: F401
 from mlx_lily.ops.add_rms_norm import add_rms_norm  # noqa: F401
 from mlx_lily.ops import gated_delta as gdn_ops  # noqa: F401
 from mlx_lily.ops.gated_delta import gated_delta, gated_delta_packed  # noqa: F401
-from mlx_lily.ops.moe_experts import FUSED_COUNTERS, drop_plans, moe_experts, moe_experts_routed  # noqa: F401
+from mlx_lily.ops.moe_experts import FUSED_COUNTERS, moe_experts, moe_experts_routed  # noqa: F401
 from mlx_lily.ops.moe_router_topk import PRE_NORM_OP, moe_router_topk, moe_router_topk_pending  # noqa: F401
 from mlx_lily.qproj import PendingNorm, QProj, resolve  # noqa: F401
 
 
 from . import projections  # noqa: F401
+from . import layouts  # noqa: F401
+from .layouts import drop_plans  # noqa: F401
 from . import launch_order  # noqa: F401
 from . import blocks  # noqa: F401
 from . import kv_growth  # noqa: F401

@@ -10,6 +10,8 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
+from mlx_lily.testing.models import moe_block  # noqa: F401  (shared with benchmarks)
+
 TEXT = dict(
     hidden_size=128, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=1,
     head_dim=256, rms_norm_eps=1e-6, vocab_size=512, max_position_embeddings=4096,
@@ -82,43 +84,6 @@ def build(kind: str = "qwen3_5_moe", seed: int = 0, quantize: bool = True, **ove
     model.eval()
     mx.eval(model.parameters())
     return model
-
-
-def _moe_predicate(bits, gs):
-    def pred(path, m):
-        if not hasattr(m, "to_quantized"):
-            return False
-        if path.endswith("gate") or path.endswith("shared_expert_gate"):
-            return {"group_size": 64, "bits": 8}
-        return {"group_size": gs, "bits": bits}
-
-    return pred
-
-
-def moe_block(d=256, e=16, k=4, i=128, seed=0, bits=4, gs=64, dtype=mx.bfloat16, norm=True):
-    """A quantized mlx-lm ``Qwen3NextSparseMoeBlock``: hidden ``d``, ``e`` experts, top
-    ``k``, expert and shared-expert width ``i``; weights ~ N(0, 1/fan_in) in ``dtype``
-    (seeded by ``seed``); router and shared gate 8-bit group 64, experts and shared expert
-    at ``bits`` / ``gs``; ``norm``: ``norm_topk_prob``."""
-    from mlx.utils import tree_flatten, tree_unflatten
-    from mlx_lm.models import qwen3_next
-
-    args = qwen3_next.ModelArgs(
-        model_type="qwen3_next", hidden_size=d, num_hidden_layers=1, intermediate_size=256,
-        num_attention_heads=2, num_key_value_heads=1, head_dim=64, rms_norm_eps=1e-6,
-        vocab_size=32, linear_num_value_heads=1, linear_num_key_heads=1,
-        linear_key_head_dim=32, linear_value_head_dim=32, linear_conv_kernel_dim=4,
-        num_experts=e, num_experts_per_tok=k, decoder_sparse_step=1,
-        shared_expert_intermediate_size=i, moe_intermediate_size=i, mlp_only_layers=[],
-        norm_topk_prob=norm, rope_theta=1e6, partial_rotary_factor=0.25,
-        max_position_embeddings=128, tie_word_embeddings=False, full_attention_interval=4)
-    mx.random.seed(seed)
-    blk = qwen3_next.Qwen3NextSparseMoeBlock(args)
-    blk.update(tree_unflatten([
-        (n, (mx.random.normal(p.shape) * p.shape[-1] ** -0.5).astype(dtype))
-        for n, p in tree_flatten(blk.parameters())]))
-    nn.quantize(blk, class_predicate=_moe_predicate(bits, gs))
-    return blk
 
 
 def shared_expert(d, i, seed=5):

@@ -9,6 +9,7 @@ import pytest
 
 from mlx_lily import config, kernels
 from mlx_lily.ops import moe_experts as M
+from mlx_lily.patches import layouts as L
 from mlx_lily.testing.dispatch import count_kernel_launches, emulated_metal_dispatch
 from mlx_lily.testing.backends import metal_emu_available, parity_backends
 from mlx_lily.testing.cuda_check import nvcc_path
@@ -118,21 +119,45 @@ def _reference_vs_stock():
     assert y.dtype == mx.bfloat16 and mx.array_equal(y, blk(x)).item()
     # CPU dispatcher: reference path; residual variant adds in the activation dtype
     r = mx.random.normal((2, 3, 256)).astype(mx.bfloat16)
-    y2 = M.moe_experts(x, inds, scores, blk.switch_mlp, blk.shared_expert, shared,
+    y2 = M.moe_experts(x, inds, scores, L.experts(blk.switch_mlp, blk.shared_expert), shared,
                        residual=r)
     assert mx.array_equal(y2, r + blk(x)).item()
 
 
 def test_decode_weights_layouts():
     blk = moe_block(seed=0)
-    wts = M.decode_weights(blk.switch_mlp, blk.shared_expert)
+    wts = L.decode_weights(blk.switch_mlp, blk.shared_expert)
     assert wts is not None and (wts.num_experts, wts.hidden, wts.inter) == (16, 256, 128)
-    assert M.decode_weights(blk.switch_mlp, None) is None
+    assert L.decode_weights(blk.switch_mlp, None) is None
     blk2 = moe_block(seed=0, d=320)  # 10 words per row: no lane mapping
-    assert M.decode_weights(blk2.switch_mlp, blk2.shared_expert) is None
+    assert L.decode_weights(blk2.switch_mlp, blk2.shared_expert) is None
     from mlx_lm.models import qwen3_next
     raw = qwen3_next.Qwen3NextMLP(256, 128)  # not quantized
-    assert M.decode_weights(blk.switch_mlp, raw) is None
+    assert L.decode_weights(blk.switch_mlp, raw) is None
+
+
+def test_experts_cached_per_weights():
+    """``layouts.experts``: the arrays and plans are derived once per set of weight arrays;
+    replacing an expert array or the shared expert, or ``drop_plans``, derives them again
+    (empty plans)."""
+    blk = moe_block(seed=0)
+    ex = L.experts(blk.switch_mlp, blk.shared_expert)
+    assert ex.decode is not None and not isinstance(ex.grouped, str)
+    assert ex.routed is blk.switch_mlp and ex.shared_mlp is blk.shared_expert
+    ex.plans["decode"] = {"k": "v"}
+    again = L.experts(blk.switch_mlp, blk.shared_expert)
+    assert again.plans is ex.plans and again.decode is ex.decode
+    blk.switch_mlp.up_proj.weight = mx.array(blk.switch_mlp.up_proj.weight)
+    ex2 = L.experts(blk.switch_mlp, blk.shared_expert)
+    assert ex2.plans == {} and ex2.decode.up[0] is not ex.decode.up[0]
+    no_shared = L.experts(blk.switch_mlp, None)
+    assert no_shared.decode is None and no_shared.shared_rows is None
+    assert no_shared.plans is not ex2.plans
+    ex3 = L.experts(blk.switch_mlp, blk.shared_expert)
+    ex3.plans["decode"] = {"k": "v"}
+    assert L.experts(blk.switch_mlp, blk.shared_expert).plans is ex3.plans
+    L.drop_plans(blk.switch_mlp)
+    assert L.experts(blk.switch_mlp, blk.shared_expert).plans == {}
 
 
 # ------------------------------------------------------------------ kernel parity
@@ -155,7 +180,7 @@ def test_decode_kernels_match_truth(backend, case):
     x = mx.random.normal((rows, 1, d)).astype(dtype)
     inds, scores, shared = route(blk, x)
     res = mx.random.normal(x.shape).astype(dtype) if use_res else None
-    wts = M.decode_weights(blk.switch_mlp, blk.shared_expert)
+    wts = L.decode_weights(blk.switch_mlp, blk.shared_expert)
     assert M.supports_decode(x, inds, scores, shared, wts, res)
     kg, kd, init = kernels_for(backend)
     y = M.launch_decode(kg, kd, x, inds, scores, shared, wts, res, init_value=init)
@@ -176,7 +201,7 @@ def test_decode_kernels_each_backends_launch_shape(backend, shape_of, case):
     x = mx.random.normal((rows, 1, d)).astype(dtype)
     inds, scores, shared = route(blk, x)
     res = mx.random.normal(x.shape).astype(dtype) if use_res else None
-    wts = M.decode_weights(blk.switch_mlp, blk.shared_expert)
+    wts = L.decode_weights(blk.switch_mlp, blk.shared_expert)
     gu, dn = M.launch_shapes(shape_of)
     kg, kd, init = kernels_for(backend)
     y = M.launch_decode(kg, kd, x, inds, scores, shared, wts, res, init_value=init,
@@ -215,7 +240,7 @@ def test_fit_launch_shapes_register_budget():
 
 def test_supports_decode_needs_a_fitting_shape(monkeypatch):
     blk = moe_block()
-    wts = M.decode_weights(blk.switch_mlp, blk.shared_expert)
+    wts = L.decode_weights(blk.switch_mlp, blk.shared_expert)
     x = mx.zeros((1, 1, 256), dtype=mx.bfloat16)
     inds = mx.zeros((1, 1, 4), dtype=mx.uint32)
     scores = mx.zeros((1, 1, 4), dtype=mx.bfloat16)
@@ -227,7 +252,7 @@ def test_supports_decode_needs_a_fitting_shape(monkeypatch):
 
 def test_decode_plan_rejects_bad_launch_shapes():
     blk = moe_block()
-    wts = M.decode_weights(blk.switch_mlp, blk.shared_expert)
+    wts = L.decode_weights(blk.switch_mlp, blk.shared_expert)
     kg, kd, _ = kernels_for(KERNEL_BACKENDS[0])
     for gu, dn in (((4, 4), (4, 2, 0)), ((4, 4), (8, 2, 8)), ((0, 4), (4, 2)),
                    ((4, 0), (4, 2)), ((64, 1), (4, 2))):
@@ -244,7 +269,7 @@ def test_decode_kernels_int32_inds_and_repeated_experts(backend):
     inds = mx.array([[3, 3, 15, 0]], dtype=mx.int32)
     scores = mx.array([[0.4, 0.3, 0.2, 0.1]], dtype=mx.bfloat16)
     shared = mx.array([[0.7]], dtype=mx.bfloat16)
-    wts = M.decode_weights(blk.switch_mlp, blk.shared_expert)
+    wts = L.decode_weights(blk.switch_mlp, blk.shared_expert)
     kg, kd, init = kernels_for(backend)
     y = M.launch_decode(kg, kd, x, inds, scores, shared, wts, init_value=init)
     t, mag = truth(x, inds, scores, shared, wts)
@@ -256,7 +281,7 @@ def test_parity_check_can_fail(backend):
     blk = moe_block(seed=5)
     x = mx.random.normal((1, 256)).astype(mx.bfloat16)
     inds, scores, shared = route(blk, x)
-    wts = M.decode_weights(blk.switch_mlp, blk.shared_expert)
+    wts = L.decode_weights(blk.switch_mlp, blk.shared_expert)
     kg, kd, init = kernels_for(backend)
     y = M.launch_decode(kg, kd, x, inds, scores, shared, wts, init_value=init)
     wrong = mx.concatenate([scores[:, :1] * 1.1, scores[:, 1:]], axis=-1)
@@ -281,26 +306,26 @@ def test_dispatcher_routes_by_rows(monkeypatch):
     blk = moe_block(seed=6)
     x = mx.random.normal((1, 1, 256)).astype(mx.bfloat16)
     inds, scores, shared = route(blk, x)
-    y = M.moe_experts(x, inds, scores, blk.switch_mlp, blk.shared_expert, shared)
+    y = M.moe_experts(x, inds, scores, L.experts(blk.switch_mlp, blk.shared_expert), shared)
     assert calls == decode
-    wts = M.decode_weights(blk.switch_mlp, blk.shared_expert)
+    wts = L.decode_weights(blk.switch_mlp, blk.shared_expert)
     t, mag = truth(x, inds, scores, shared, wts)
     check_close(y, t, mag, mx.bfloat16)
     # residual variant through the dispatcher
     r = mx.random.normal(x.shape).astype(mx.bfloat16)
-    y = M.moe_experts(x, inds, scores, blk.switch_mlp, blk.shared_expert, shared, r)
+    y = M.moe_experts(x, inds, scores, L.experts(blk.switch_mlp, blk.shared_expert), shared, r)
     t, mag = truth(x, inds, scores, shared, wts, r)
     check_close(y, t, mag, mx.bfloat16)
     # many rows: grouped path asked (returns None here), then the reference
     xb = mx.random.normal((1, M.MAX_DECODE_ROWS + 1, 256)).astype(mx.bfloat16)
     ib, sb, hb = route(blk, xb)
-    yb = M.moe_experts(xb, ib, sb, blk.switch_mlp, blk.shared_expert, hb)
+    yb = M.moe_experts(xb, ib, sb, L.experts(blk.switch_mlp, blk.shared_expert), hb)
     assert calls == decode * 2
     if moe_grouped is not None:
         assert grouped == [xb.shape]
     assert mx.array_equal(yb, blk(xb)).item()
     # no shared expert: reference
-    M.moe_experts(x, inds, scores, blk.switch_mlp, None, None)
+    M.moe_experts(x, inds, scores, L.experts(blk.switch_mlp, None), None)
     assert calls == decode * 2
 
 
@@ -372,9 +397,10 @@ def test_gpu_production_dims():
     blk = moe_block(d=2048, i=512, e=256, k=8, seed=41)
     x = mx.random.normal((1, 1, 2048)).astype(mx.bfloat16)
     inds, scores, shared = route(blk, x)
-    wts = M.decode_weights(blk.switch_mlp, blk.shared_expert)
+    wts = L.decode_weights(blk.switch_mlp, blk.shared_expert)
     for res in (None, mx.random.normal(x.shape).astype(mx.bfloat16)):
-        y = M.moe_experts(x, inds, scores, blk.switch_mlp, blk.shared_expert, shared, res)
+        y = M.moe_experts(x, inds, scores, L.experts(blk.switch_mlp, blk.shared_expert), shared,
+                          res)
         t, mag = truth(x, inds, scores, shared, wts, res)
         check_close(y, t, mag, mx.bfloat16)
 
@@ -418,7 +444,7 @@ def test_routed_decode_matches_router_and_truth(backend, shape_of, case):
     d, i, e, k, rows, bits, gs, dtype, pre = case
     blk = moe_block(d=d, e=e, k=k, i=i, seed=d + e + k + 7, bits=bits, gs=gs, dtype=dtype)
     router = _fused_router(blk)
-    wts = M.decode_weights(blk.switch_mlp, blk.shared_expert)
+    wts = L.decode_weights(blk.switch_mlp, blk.shared_expert)
     kg, kd, init = kernels_for(backend)
     hin = mx.random.normal((rows, 1, d)).astype(dtype)
     res = mx.random.normal((rows, 1, d)).astype(dtype)
@@ -452,7 +478,7 @@ def test_routed_parity_check_can_fail(backend):
 
     blk = moe_block(seed=9)
     router = _fused_router(blk)
-    wts = M.decode_weights(blk.switch_mlp, blk.shared_expert)
+    wts = L.decode_weights(blk.switch_mlp, blk.shared_expert)
     kg, kd, init = kernels_for(backend)
     hin = mx.random.normal((1, 1, 256)).astype(mx.bfloat16)
     res = mx.random.normal((1, 1, 256)).astype(mx.bfloat16)
@@ -484,17 +510,17 @@ def test_routed_dispatcher(monkeypatch):
     calls = count_kernel_launches(monkeypatch)
     blk = moe_block(seed=11)
     router = _fused_router(blk)
-    wts = M.decode_weights(blk.switch_mlp, blk.shared_expert)
+    wts = L.decode_weights(blk.switch_mlp, blk.shared_expert)
     hin = mx.random.normal((1, 1, 256)).astype(mx.bfloat16)
     res = mx.random.normal((1, 1, 256)).astype(mx.bfloat16)
     nw = (1.0 + 0.1 * mx.random.normal((256,))).astype(mx.bfloat16)
     with mx.stream(mx.cpu):
         x = add_rms_norm_reference(hin, res, nw, 1e-6)[1]
         mx.eval(x)
-    y = M.moe_experts_routed(x, router, 4, True, blk.switch_mlp, blk.shared_expert)
+    y = M.moe_experts_routed(x, router, 4, True, L.experts(blk.switch_mlp, blk.shared_expert))
     assert calls == ["lily_qgemv", "lily_moe_gate_up", "lily_moe_down"]
     p = PendingNorm(hin, res, nw, 1e-6)
-    y2 = M.moe_experts_routed(p, router, 4, True, blk.switch_mlp, blk.shared_expert)
+    y2 = M.moe_experts_routed(p, router, 4, True, L.experts(blk.switch_mlp, blk.shared_expert))
     assert calls[3:] == ["lily_norm_qgemv", "lily_moe_gate_up", "lily_moe_down"]
     assert p.h is not None and mx.array_equal(p.h, hin + res).item()
     # the same launches by hand: equal bit for bit
@@ -515,7 +541,7 @@ def test_routed_dispatcher(monkeypatch):
     with monkeypatch.context() as m:
         m.setenv(norm_qgemv.SPLIT_ENV, "split")
         p3 = PendingNorm(hin, res, nw, 1e-6)
-        y3 = M.moe_experts_routed(p3, router, 4, True, blk.switch_mlp, blk.shared_expert)
+        y3 = M.moe_experts_routed(p3, router, 4, True, L.experts(blk.switch_mlp, blk.shared_expert))
     # (add_rms_norm is not emulated here: its reference ran) the plain router GEMV and
     # gate+up without the norm prologue, bit for bit the unfused row's result
     assert calls == ["lily_qgemv", "lily_moe_gate_up", "lily_moe_down"]
@@ -524,14 +550,15 @@ def test_routed_dispatcher(monkeypatch):
     # not served: nothing launched
     del calls[:]
     monkeypatch.setenv(B.DISABLE_ENV, M.TOPK_OP)
-    assert M.moe_experts_routed(x, router, 4, True, blk.switch_mlp, blk.shared_expert) is None
+    assert M.moe_experts_routed(x, router, 4, True,
+                                L.experts(blk.switch_mlp, blk.shared_expert)) is None
     monkeypatch.delenv(B.DISABLE_ENV)
     gate_only = QProj.view([blk.gate])
-    assert M.moe_experts_routed(x, gate_only, 4, True, blk.switch_mlp,
-                                blk.shared_expert) is None
+    assert M.moe_experts_routed(x, gate_only, 4, True,
+                                L.experts(blk.switch_mlp, blk.shared_expert)) is None
     xb = mx.random.normal((1, M.MAX_DECODE_ROWS + 1, 256)).astype(mx.bfloat16)
-    assert M.moe_experts_routed(xb, router, 4, True, blk.switch_mlp,
-                                blk.shared_expert) is None
+    assert M.moe_experts_routed(xb, router, 4, True,
+                                L.experts(blk.switch_mlp, blk.shared_expert)) is None
     assert calls == []
 
 
@@ -540,7 +567,7 @@ def test_routed_supported_requires_logits_in_x_dtype():
     differ from it (``quantized_matmul`` would promote) is not routed there."""
     blk = moe_block(seed=12)
     router = _fused_router(blk)
-    wts = M.decode_weights(blk.switch_mlp, blk.shared_expert)
+    wts = L.decode_weights(blk.switch_mlp, blk.shared_expert)
     assert M.routed_supported(router, 4, wts, (1, 1, 256), mx.bfloat16)
     assert not M.routed_supported(router, 4, wts, (1, 1, 256), mx.float16)
 
@@ -563,7 +590,7 @@ def _fused_inputs(case):
     d, i, e, k, rows, bits, gs, dtype, off = case
     blk = moe_block(d=d, e=e, k=k, i=i, seed=d + e + k + 17, bits=bits, gs=gs, dtype=dtype)
     router = _fused_router(blk)
-    wts = M.decode_weights(blk.switch_mlp, blk.shared_expert)
+    wts = L.decode_weights(blk.switch_mlp, blk.shared_expert)
     hin = mx.random.normal((rows, 1, d)).astype(dtype)
     res = mx.random.normal((rows, 1, d)).astype(dtype)
     nw = (1.0 + 0.1 * mx.random.normal((d,))).astype(dtype)
@@ -663,7 +690,7 @@ def test_fused_tiles_and_supported():
     assert M.fused_tiles(100, 512, 8, 256, 4, 8, 1) is None
     blk = moe_block(seed=12)
     router = _fused_router(blk)
-    wts = M.decode_weights(blk.switch_mlp, blk.shared_expert)
+    wts = L.decode_weights(blk.switch_mlp, blk.shared_expert)
     assert M.fused_supported(router, 4, wts, (1, 1, 256), mx.bfloat16)
     assert not M.fused_supported(router, 4, wts, (1, 1, 256), mx.float16)
     assert not M.fused_supported(router, 4, wts, (1, M.MAX_DECODE_ROWS + 1, 256),
@@ -710,7 +737,7 @@ def test_fused_dispatcher(monkeypatch):
     blk, router, wts, hin, res, nw = _fused_inputs(case)
     ctr = mx.zeros((8,), dtype=mx.int32)
     p = PendingNorm(hin, res, nw, 1e-6, (ctr, 2, hin))
-    y = M.moe_experts_routed(p, router, 4, True, blk.switch_mlp, blk.shared_expert)
+    y = M.moe_experts_routed(p, router, 4, True, L.experts(blk.switch_mlp, blk.shared_expert))
     assert calls == ["lily_moe_decode"]
     assert p.h is not None and mx.array_equal(p.h, hin + res).item()
     want = M.fused_plan(cuda_on_emu(M.FUSED_SPEC), wts, router, hin.shape, hin.dtype, 4,
@@ -718,7 +745,7 @@ def test_fused_dispatcher(monkeypatch):
     assert mx.array_equal(y, want).item()
     del calls[:]
     p2 = PendingNorm(hin, res, nw, 1e-6)
-    y2 = M.moe_experts_routed(p2, router, 4, True, blk.switch_mlp, blk.shared_expert)
+    y2 = M.moe_experts_routed(p2, router, 4, True, L.experts(blk.switch_mlp, blk.shared_expert))
     assert calls == ["lily_norm_qgemv", "lily_moe_gate_up", "lily_moe_down"]
     t, mag = truth(p2.resolve(), *_route_ref(p2.resolve(), router, 4), wts)
     check_close(y2, t, mag, mx.bfloat16)
@@ -726,20 +753,20 @@ def test_fused_dispatcher(monkeypatch):
     del calls[:]
     monkeypatch.setenv(B.DISABLE_ENV, M.FUSED_OP)
     M.moe_experts_routed(PendingNorm(hin, res, nw, 1e-6, (ctr, 2, hin)), router, 4, True,
-                         blk.switch_mlp, blk.shared_expert)
+                         L.experts(blk.switch_mlp, blk.shared_expert))
     assert calls == ["lily_norm_qgemv", "lily_moe_gate_up", "lily_moe_down"]
     monkeypatch.delenv(B.DISABLE_ENV)
     del calls[:]
     short = mx.zeros((5,), dtype=mx.int32)  # fewer than offset + FUSED_COUNTERS
     M.moe_experts_routed(PendingNorm(hin, res, nw, 1e-6, (short, 2, hin)), router, 4, True,
-                         blk.switch_mlp, blk.shared_expert)
+                         L.experts(blk.switch_mlp, blk.shared_expert))
     assert calls == ["lily_norm_qgemv", "lily_moe_gate_up", "lily_moe_down"]
     del calls[:]
     for m in (M, qgemv, norm_qgemv):
         monkeypatch.setattr(m, "current_backend", lambda: "metal")
     monkeypatch.setattr(kernels, "get", lambda spec, backend: None)
     assert M.moe_experts_routed(PendingNorm(hin, res, nw, 1e-6, (ctr, 2, hin)), router, 4, True,
-                                blk.switch_mlp, blk.shared_expert) is None
+                                L.experts(blk.switch_mlp, blk.shared_expert)) is None
 
 
 @pytest.mark.skipif(nvcc_path() is None, reason="nvcc not installed")

@@ -28,6 +28,7 @@ from mlx_lily import kernels
 from mlx_lily.ops import moe_grouped as mg
 from mlx_lily.ops import moe_route as mr
 from mlx_lily.ops.moe_experts import moe_experts_reference
+from mlx_lily.patches import layouts as L
 from mlx_lily.testing import cuda_check
 from mlx_lily.testing.backends import metal_kernel_factory, parity_backends
 
@@ -48,6 +49,13 @@ def make_layer(D, I, E, *, shared=True, bits=4, group=64, dtype=mx.bfloat16):
         sh.set_dtype(dtype)
     sw.set_dtype(dtype)
     return sw, sh
+
+
+def lay(sw, sh):
+    """What the grouped op takes for ``sw``/``sh``: ``(GroupedWeights or the reason,
+    the shared expert for many rows)``, as the patch passes them."""
+    ex = L.experts(sw, sh)
+    return ex.grouped, ex.shared_rows
 
 
 def route_pairs(kind, N, k, E, rng):
@@ -149,11 +157,11 @@ def run(backend, x, inds, scores, sw, sh, sgate, TR, **emu):
     if backend == "reference":
         return moe_experts_reference(x, inds, scores, sw, sh, sgate)
     if backend in HW:
-        out = mg.try_grouped(x, inds, scores, sw, sh, sgate, tile_rows=TR, min_pairs=1)
-        assert out is not None, mg.why_unsupported(x, inds, scores, sw, sh, sgate)
+        out = mg.try_grouped(x, inds, scores, *lay(sw, sh), sgate, tile_rows=TR, min_pairs=1)
+        assert out is not None, mg.why_unsupported(x, inds, scores, *lay(sw, sh), sgate)
         return out
-    assert mg.why_unsupported(x, inds, scores, sw, sh, sgate) is None
-    return mg.grouped_experts(x, inds, scores, sw, sh, sgate, tile_rows=TR,
+    assert mg.why_unsupported(x, inds, scores, *lay(sw, sh), sgate) is None
+    return mg.grouped_experts(x, inds, scores, *lay(sw, sh), sgate, tile_rows=TR,
                               get_kernel=getter(backend, **emu))
 
 
@@ -200,8 +208,8 @@ def test_grouped_with_reference_routing_matches_kernel_routing():
     sw, sh = make_layer(128, 64, 8)
     x, inds, scores, sgate = make_inputs(21, 2, 8, 128, "topk")
     get = getter("metal-emu")
-    a = mg.grouped_experts(x, inds, scores, sw, sh, sgate, tile_rows=16, get_kernel=get)
-    b = mg.grouped_experts(x, inds, scores, sw, sh, sgate, tile_rows=16, get_kernel=get,
+    a = mg.grouped_experts(x, inds, scores, *lay(sw, sh), sgate, tile_rows=16, get_kernel=get)
+    b = mg.grouped_experts(x, inds, scores, *lay(sw, sh), sgate, tile_rows=16, get_kernel=get,
                            route_kernels=False)
     assert mx.array_equal(a, b).item()  # deterministic: same bits either way
 
@@ -215,10 +223,10 @@ def test_grouped_production_dims(backend, N, TR):
         pytest.skip(f"{backend} not available")
     sw, sh = make_layer(2048, 512, 256)
     x, inds, scores, sgate = make_inputs(N, 8, 256, 2048, "skew")
-    out = mg.try_grouped(x, inds, scores, sw, sh, sgate, tile_rows=TR)
+    out = mg.try_grouped(x, inds, scores, *lay(sw, sh), sgate, tile_rows=TR)
     assert out is not None
     check(out, x, inds, scores, sw, sh, sgate)
-    again = mg.try_grouped(x, inds, scores, sw, sh, sgate, tile_rows=TR)
+    again = mg.try_grouped(x, inds, scores, *lay(sw, sh), sgate, tile_rows=TR)
     assert mx.array_equal(out, again).item()  # deterministic
 
 
@@ -230,11 +238,11 @@ def test_try_grouped_declines_on_cpu_and_for_few_rows():
     mx.set_default_device(mx.cpu)
     try:
         assert not mg.has_kernel("cpu")
-        assert mg.try_grouped(x, inds, scores, sw, sh, sgate) is None
+        assert mg.try_grouped(x, inds, scores, *lay(sw, sh), sgate) is None
     finally:
         mx.set_default_device(prev)
     x, inds, scores, sgate = make_inputs(3, 2, 8, 128, "topk")  # 6 pairs < MIN_PAIRS
-    assert mg.try_grouped(x, inds, scores, sw, sh, sgate) is None
+    assert mg.try_grouped(x, inds, scores, *lay(sw, sh), sgate) is None
 
 
 @pytest.fixture
@@ -260,7 +268,7 @@ def test_try_grouped_end_to_end_emulated(emulated_metal, monkeypatch, disable_ro
     sw, sh = make_layer(128, 64, 8)
     x, inds, scores, sgate = make_inputs(45, 2, 8, 128, "skew", lead=(3, 15))
     assert mg.has_kernel("metal")
-    out = mg.try_grouped(x, inds, scores, sw, sh, sgate)
+    out = mg.try_grouped(x, inds, scores, *lay(sw, sh), sgate)
     assert out is not None
     check(out, x, inds, scores, sw, sh, sgate)
     r = mr.moe_route(inds, 8, mg.choose_tile_rows(inds.size, 8))
@@ -276,13 +284,13 @@ def test_tile_rows_env_emulated(emulated_metal, monkeypatch):
     outs = []
     for tr in ("16", "32", "64"):
         monkeypatch.setenv(mg.TILE_ROWS_ENV, tr)
-        outs.append(mg.try_grouped(x, inds, scores, sw, sh, sgate))
+        outs.append(mg.try_grouped(x, inds, scores, *lay(sw, sh), sgate))
     assert all(o is not None for o in outs)
     check(outs[0], x, inds, scores, sw, sh, sgate)
     assert all(mx.array_equal(outs[0], o).item() for o in outs[1:])
     monkeypatch.setenv(mg.TILE_ROWS_ENV, "48")
     with pytest.warns(UserWarning, match="MLX_LILY_MOE_TILE_ROWS"):
-        auto = mg.try_grouped(x, inds, scores, sw, sh, sgate)
+        auto = mg.try_grouped(x, inds, scores, *lay(sw, sh), sgate)
     assert auto is not None and mx.array_equal(auto, outs[0]).item()
 
 
@@ -304,22 +312,22 @@ def test_cuda_shared_memory_matches_header():
 def test_why_unsupported():
     sw, sh = make_layer(128, 64, 8)
     x, inds, scores, sgate = make_inputs(40, 2, 8, 128, "topk")
-    assert mg.why_unsupported(x, inds, scores, sw, sh, sgate) is None
-    assert mg.why_unsupported(x, inds, scores, sw, None, None) is None
-    assert "dtype" in mg.why_unsupported(x.astype(mx.float16), inds, scores, sw, sh, sgate)
-    assert "scores" in mg.why_unsupported(x, inds, scores.astype(mx.float32), sw, sh, sgate)
+    assert mg.why_unsupported(x, inds, scores, *lay(sw, sh), sgate) is None
+    assert mg.why_unsupported(x, inds, scores, *lay(sw, None), None) is None
+    assert "dtype" in mg.why_unsupported(x.astype(mx.float16), inds, scores, *lay(sw, sh), sgate)
+    assert "scores" in mg.why_unsupported(x, inds, scores.astype(mx.float32), *lay(sw, sh), sgate)
     sw8, _ = make_layer(128, 64, 8, bits=8)
-    assert "4-bit" in mg.why_unsupported(x, inds, scores, sw8, sh, sgate)
+    assert "4-bit" in mg.why_unsupported(x, inds, scores, *lay(sw8, sh), sgate)
     sw32, _ = make_layer(128, 64, 8, group=32)
-    assert "4-bit" in mg.why_unsupported(x, inds, scores, sw32, sh, sgate)
+    assert "4-bit" in mg.why_unsupported(x, inds, scores, *lay(sw32, sh), sgate)
     swd, _ = make_layer(192, 64, 8)
     x192 = mx.zeros((40, 192), mx.bfloat16)
-    assert "dims" in mg.why_unsupported(x192, inds, scores, swd, None, None)
+    assert "dims" in mg.why_unsupported(x192, inds, scores, *lay(swd, None), None)
     dense = SwitchGLU(128, 64, 8)
     dense.set_dtype(mx.bfloat16)
-    assert "quantized" in mg.why_unsupported(x, inds, scores, dense, None, None)
-    assert "differ" in mg.why_unsupported(x, inds[:5], scores[:5], sw, sh, sgate)
-    assert "integer" in mg.why_unsupported(x, inds.astype(mx.float32), scores, sw, sh, sgate)
+    assert "quantized" in mg.why_unsupported(x, inds, scores, *lay(dense, None), None)
+    assert "differ" in mg.why_unsupported(x, inds[:5], scores[:5], *lay(sw, sh), sgate)
+    assert "integer" in mg.why_unsupported(x, inds.astype(mx.float32), scores, *lay(sw, sh), sgate)
 
 
 def test_warmup_records_every_cuda_tile_height():
@@ -346,7 +354,7 @@ def test_choose_tile_rows():
     for b, tiles in mg.AUTO_TILE_ROWS.items():
         assert set(tiles) <= set(mg.TILE_ROWS)
     with pytest.raises(ValueError):
-        mg.grouped_experts(*make_inputs(4, 2, 8, 128, "topk")[:3], *make_layer(128, 64, 8),
+        mg.grouped_experts(*make_inputs(4, 2, 8, 128, "topk")[:3], *lay(*make_layer(128, 64, 8)),
                            None, tile_rows=8, get_kernel=getter("reference"))
 
 

@@ -1,6 +1,6 @@
 """``prefill_dequant``: many-row quantized projections as ``mx.dequantize`` + ``mx.matmul``
 (CUDA only) vs the contract, MLX's ``quantized_matmul``; the switches and the call sites
-(``QProj``, ``one_row_linear``, the shared expert)."""
+(``QProj``, ``one_row_linear``, the shared expert: ``layouts.mlp``)."""
 from __future__ import annotations
 
 import mlx.core as mx
@@ -8,6 +8,7 @@ import mlx.nn as nn
 import pytest
 
 from mlx_lily.ops import qmm_dequant as Q
+from mlx_lily.patches import layouts as L
 
 from _close import rel_err
 from _models import shared_expert
@@ -135,7 +136,7 @@ def test_call_sites(as_cuda):
         assert rel_err(yy, t) <= max(1.5e-2, rel_err(want, t))
     mlp = shared_expert(256, 128)
     del as_cuda[:]
-    y3 = Q.mlp(mlp, x)
+    y3 = L.mlp(mlp, x)
     assert as_cuda == [(256, 32), (256, 16)]  # gate|up stacked, down
     ref = mlp(x)
     # fp32 truth of the MLP from fp32-dequantized weights
@@ -146,7 +147,7 @@ def test_call_sites(as_cuda):
                                                                  rel_err(ref, t3))
     # one row: the decode paths, not this one
     del as_cuda[:]
-    Q.mlp(mlp, x[:, :1])
+    L.mlp(mlp, x[:, :1])
     P.one_row_linear(layer, x[:, :1])
     assert as_cuda == []
 
@@ -160,7 +161,7 @@ def test_shared_expert_production_widths_take_the_path(as_cuda, monkeypatch):
     x = mx.random.normal((1, 300, 2048)).astype(mx.bfloat16)
     assert Q.linear(mlp.gate_proj, x) is None  # 512 outputs alone: under MIN_OUT
     del as_cuda[:]
-    y = Q.mlp(mlp, x)
+    y = L.mlp(mlp, x)
     assert as_cuda == [(1024, 256), (2048, 64)]
     g, u = Q.stacked_linear((mlp.gate_proj, mlp.up_proj), x)
     monkeypatch.setattr(Q, "MIN_OUT", 1)
@@ -188,17 +189,17 @@ def test_shared_switch(as_cuda, monkeypatch):
         for k, v in env.items():
             monkeypatch.setenv(k, v)
         del as_cuda[:]
-        assert mx.array_equal(Q.mlp(mlp, x), mlp(x)).item()
+        assert mx.array_equal(L.mlp(mlp, x), mlp(x)).item()
         assert as_cuda == [], env
         monkeypatch.delenv("MLX_LILY_DISABLE", raising=False)
     monkeypatch.setenv("MLX_LILY_KERNELS", "verified," + Q.SHARED_NAME)
     del as_cuda[:]
-    Q.mlp(mlp, x)
+    L.mlp(mlp, x)
     assert as_cuda == [(1024, 256), (2048, 64)]
     wide = shared_expert(2048, 1024, seed=6)
     monkeypatch.setenv("MLX_LILY_KERNELS", "verified")
     del as_cuda[:]
-    Q.mlp(wide, x)
+    L.mlp(wide, x)
     assert as_cuda == [(1024, 256), (1024, 256), (2048, 128)]  # gate, up, down one by one
 
 
@@ -242,7 +243,7 @@ def test_gpu_production_dims(monkeypatch):
     mlp = shared_expert(2048, 512)
     x = mx.random.normal((1, 2048, 2048)).astype(mx.bfloat16)
     calls = count_dequantize(monkeypatch)
-    y = Q.mlp(mlp, x)
+    y = L.mlp(mlp, x)
     assert calls == [(1024, 256), (2048, 64)]  # gate|up stacked, down: the path ran
     from mlx_lm.models.activations import swiglu
     a = swiglu(truth(x, mlp.gate_proj), truth(x, mlp.up_proj))

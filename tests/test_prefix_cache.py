@@ -475,3 +475,24 @@ def test_agent_loop_benchmark_token_counts(mini_ckpt, tmp_path):
         assert lily[i]["processed"] == exp[i]["expected"] <= exp[i]["new"] + res["every"]
         assert exp[i]["new"] < exp[i]["prompt"] / 2
     assert (tmp_path / "agent_loop.md").read_text().startswith("# Agent loop")
+
+
+def test_agent_loop_markdown_marks_steps_not_sent():
+    """Steps a mode was not sent (``--stock-from-step``) show as '-', are left out of its
+    totals and of the time-to-first-token ratio."""
+    bench = _bench()
+    row = lambda i, ttft, proc: {"step": i, "prompt_tokens": 100 * (i + 1),  # noqa: E731
+                                 "cached_tokens": 0, "processed": proc, "ttft_s": ttft,
+                                 "total_s": ttft, "text": "x"}
+    result = {"steps": 2, "target_tokens": 300, "model": "m", "command": "c",
+              "expected": [{"prompt": 100 * (i + 1), "new": 100, "expected": 100}
+                           for i in range(3)],
+              "modes": {"stock": [None, None, row(2, 2.0, 300)],
+                        "lily": [row(0, 1.0, 100), row(1, 0.1, 100), row(2, 0.1, 100)]}}
+    md = bench.markdown(result)
+    lines = md.splitlines()
+    step1 = next(l for l in lines if l.startswith("| 1 |"))
+    assert step1.split("|")[5:8] == [" - ", " - ", " - "]
+    total = next(l for l in lines if l.startswith("| total"))
+    assert total.split("|")[5].strip() == "300"
+    assert "last step 0.050" in md and "max 0.050" in md

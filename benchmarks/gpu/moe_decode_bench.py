@@ -24,49 +24,17 @@ import sys
 import time
 
 import mlx.core as mx
-import mlx.nn as nn
 
 D, I, E, K = 2048, 512, 256, 8
 LAYERS = 40
 
 
 def _setup_block(seed=0):
-    from mlx.utils import tree_flatten, tree_unflatten
-    from mlx_lm.models import qwen3_next
+    """Qwen3.6-35B-A3B's MoE block (``D``, ``E``, ``K``, ``I``) with random 4-bit codes
+    (8-bit router and shared-expert gate), evaluated."""
+    from mlx_lily.testing.models import moe_block
 
-    args = qwen3_next.ModelArgs(
-        model_type="qwen3_next", hidden_size=D, num_hidden_layers=1, intermediate_size=512,
-        num_attention_heads=16, num_key_value_heads=2, head_dim=256, rms_norm_eps=1e-6,
-        vocab_size=32, linear_num_value_heads=32, linear_num_key_heads=16,
-        linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel_dim=4,
-        num_experts=E, num_experts_per_tok=K, decoder_sparse_step=1,
-        shared_expert_intermediate_size=I, moe_intermediate_size=I, mlp_only_layers=[],
-        norm_topk_prob=True, rope_theta=1e7, partial_rotary_factor=0.25,
-        max_position_embeddings=4096, tie_word_embeddings=False, full_attention_interval=4)
-    blk = qwen3_next.Qwen3NextSparseMoeBlock(args)
-
-    def pred(path, m):
-        if not hasattr(m, "to_quantized"):
-            return False
-        if path.endswith("gate") or path.endswith("shared_expert_gate"):
-            return {"group_size": 64, "bits": 8}
-        return {"group_size": 64, "bits": 4}
-
-    nn.quantize(blk, class_predicate=pred)  # lazy: replaced below before any eval
-    mx.random.seed(seed)
-    new = []
-    params = dict(tree_flatten(blk.parameters()))
-    for name, p in params.items():
-        if name.endswith(".weight") and p.dtype == mx.uint32:
-            new.append((name, _rand_u32(p.shape)))
-        elif name.endswith(".scales"):
-            w = params[name[:-len("scales")] + "weight"]
-            bits = w.shape[-1] * 32 // (p.shape[-1] * 64)
-            s = mx.random.uniform(0.5, 1.5, p.shape) * (0.03 / (1 << (bits - 1)))
-            new.append((name, s.astype(mx.bfloat16)))
-            new.append((name[:-len("scales")] + "biases",
-                        (-(1 << (bits - 1)) * s).astype(mx.bfloat16)))
-    blk.update(tree_unflatten(new))
+    blk = moe_block(D, E, K, I, seed=seed, random_codes=True)
     mx.eval(blk.parameters())
     return blk
 
@@ -96,12 +64,14 @@ def _nbytes(*arrs):
 
 def moe_layer(blk, router, reps, out):
     from mlx_lily.ops import moe_experts as M
+    from mlx_lily.patches import layouts
     from mlx_lily.ops import moe_router_topk as R
 
     backend_ok = R.has_kernel(_backend()) and M.has_kernel(_backend())
     x0 = mx.random.normal((1, 1, D)).astype(mx.bfloat16)
     mx.eval(x0)
     sw = blk.switch_mlp
+    ex = layouts.experts(sw, blk.shared_expert)
     per_expert = _nbytes(*(getattr(sw, p)[n] for p in ("gate_proj", "up_proj", "down_proj")
                            for n in ("weight", "scales", "biases"))) / E
     shared_b = _nbytes(*(getattr(blk.shared_expert, p)[n]
@@ -119,8 +89,8 @@ def moe_layer(blk, router, reps, out):
     def lily_layer(x, fused_res=False):
         inds, scores, shared = R.moe_router_topk(x, router, K, True)
         if fused_res:
-            return M.moe_experts(x, inds, scores, sw, blk.shared_expert, shared, residual=x)
-        return x + M.moe_experts(x, inds, scores, sw, blk.shared_expert, shared)
+            return M.moe_experts(x, inds, scores, ex, shared, residual=x)
+        return x + M.moe_experts(x, inds, scores, ex, shared)
 
     def lily_chain(fused_res):
         def f(x=None):
@@ -151,8 +121,8 @@ def moe_layer(blk, router, reps, out):
         x = x0 if x is None else x
         inds, scores, shared = routed0
         for _ in range(LAYERS):
-            x = mx.fast.rms_norm(M.moe_experts(x, inds, scores, sw, blk.shared_expert,
-                                               shared, residual=x), None, 1e-6)
+            x = mx.fast.rms_norm(M.moe_experts(x, inds, scores, ex, shared, residual=x),
+                                 None, 1e-6)
         return x
 
     from mlx_lily.bench import gpu_clock
@@ -231,6 +201,7 @@ def _parity(blk, router, x, out):
     logits; the expert kernels and MLX's own reference vs an fp32 truth fed the same
     routing; the fused residual vs x + kernel output."""
     from mlx_lily.ops import moe_experts as M
+    from mlx_lily.patches import layouts
     from mlx_lily.ops import moe_router_topk as R
 
     inds, scores, shared = R.moe_router_topk(x, router, K, True)
@@ -242,11 +213,12 @@ def _parity(blk, router, x, out):
             x, lambda t: [logits[..., :E], logits[..., E:]], K, True)
         mx.eval(ti, ts, th)
     same = sorted(inds.reshape(-1).tolist()) == sorted(ti.reshape(-1).tolist())
-    wts = M.decode_weights(blk.switch_mlp, blk.shared_expert)
+    ex = layouts.experts(blk.switch_mlp, blk.shared_expert)
+    wts = ex.decode
     t = _experts_truth(x, inds, scores, shared, wts)
-    y = M.moe_experts(x, inds, scores, blk.switch_mlp, blk.shared_expert, shared)
+    y = M.moe_experts(x, inds, scores, ex, shared)
     yr = M.moe_experts_reference(x, inds, scores, blk.switch_mlp, blk.shared_expert, shared)
-    yf = M.moe_experts(x, inds, scores, blk.switch_mlp, blk.shared_expert, shared, residual=x)
+    yf = M.moe_experts(x, inds, scores, ex, shared, residual=x)
     scale = mx.abs(t).max().item()
     err = mx.abs(y.reshape(-1).astype(mx.float32) - t).max().item()
     err_ref = mx.abs(yr.reshape(-1).astype(mx.float32) - t).max().item()
@@ -342,13 +314,14 @@ def kernel_variants(blk, router, reps, out):
     """Launch-shape alternatives for the two expert kernels (one layer, chained)."""
     from mlx_lily import kernels
     from mlx_lily.ops import moe_experts as M
+    from mlx_lily.patches import layouts
     from mlx_lily.ops import moe_router_topk as R
 
     if not M.has_kernel(_backend()):
         return
     kg = kernels.get(M.GATE_UP_SPEC, _backend())
     kd = kernels.get(M.DOWN_SPEC, _backend())
-    wts = M.decode_weights(blk.switch_mlp, blk.shared_expert)
+    wts = layouts.decode_weights(blk.switch_mlp, blk.shared_expert)
     xs = [mx.random.normal((1, 1, D)).astype(mx.bfloat16) for _ in range(LAYERS)]
     routed = [R.moe_router_topk(x, router, K, True) for x in xs]
     mx.eval(xs, routed)
@@ -384,13 +357,14 @@ def routed_variants(blk, router, reps, out):
     next one's input), router logits fixed."""
     from mlx_lily import kernels
     from mlx_lily.ops import moe_experts as M
+    from mlx_lily.patches import layouts
     from mlx_lily.ops.add_rms_norm import add_rms_norm_reference
 
     be = _backend()
     if not M.has_routed_kernel(be):
         return
     kg, kd = kernels.get(M.GATE_UP_SPEC, be), kernels.get(M.DOWN_SPEC, be)
-    wts = M.decode_weights(blk.switch_mlp, blk.shared_expert)
+    wts = layouts.decode_weights(blk.switch_mlp, blk.shared_expert)
     x0 = mx.random.normal((1, 1, D)).astype(mx.bfloat16)
     res = [mx.random.normal((1, 1, D)).astype(mx.bfloat16) for _ in range(LAYERS)]
     nw = (1.0 + 0.1 * mx.random.normal((D,))).astype(mx.bfloat16)
@@ -434,6 +408,7 @@ def fused_variants(blk, router, reps, out):
     the model. Wall and device-side us per layer."""
     from mlx_lily import kernels
     from mlx_lily.ops import moe_experts as M
+    from mlx_lily.patches import layouts
     from mlx_lily.ops import norm_qgemv as NQ
 
     be = _backend()
@@ -442,7 +417,7 @@ def fused_variants(blk, router, reps, out):
     kf = kernels.build(M.FUSED_SPEC, be)
     kg, kd = kernels.get(M.GATE_UP_SPEC, be), kernels.get(M.DOWN_SPEC, be)
     kn = kernels.get(NQ.SPEC, be)
-    wts = M.decode_weights(blk.switch_mlp, blk.shared_expert)
+    wts = layouts.decode_weights(blk.switch_mlp, blk.shared_expert)
     x0 = mx.random.normal((1, 1, D)).astype(mx.bfloat16)
     res = [mx.random.normal((1, 1, D)).astype(mx.bfloat16) for _ in range(LAYERS)]
     nw = (1.0 + 0.1 * mx.random.normal((D,))).astype(mx.bfloat16)

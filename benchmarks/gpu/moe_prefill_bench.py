@@ -177,10 +177,13 @@ def run_size(N, args, sw, sh, router, get, results) -> bool:
     from mlx_lily.ops import moe_grouped as mg
     from mlx_lily.ops import moe_route as mr
     from mlx_lily.ops.moe_experts import moe_experts_reference
+    from mlx_lily.patches import layouts
 
     from mlx_lily.backend import current_backend
 
     ok = True
+    ex = layouts.experts(sw, sh)  # what the patch hands the grouped op
+    gw, sh_rows = ex.grouped, ex.shared_rows
     tiles = mg.AUTO_TILE_ROWS[current_backend()]
     stock = N <= args.stock_max
     x, inds, scores, sgate = make_inputs(N, router)
@@ -207,11 +210,11 @@ def run_size(N, args, sw, sh, router, get, results) -> bool:
         r_ref = mr.moe_route_reference(inds, E, tr)
         route_exact = all(mx.array_equal(a, b).item() for a, b in zip(r_k, r_ref)) and \
             mx.array_equal(r_k.sorted_pairs[pos], mx.arange(P, dtype=mx.int32)).item()
-        out = mg.try_grouped(x, inds, scores, sw, sh, sgate, tile_rows=tr)
+        out = mg.try_grouped(x, inds, scores, gw, sh_rows, sgate, tile_rows=tr)
         if out is None:
             raise RuntimeError(f"try_grouped declined: "
-                               f"{mg.why_unsupported(x, inds, scores, sw, sh, sgate)}")
-        again = mg.try_grouped(x, inds, scores, sw, sh, sgate, tile_rows=tr)
+                               f"{mg.why_unsupported(x, inds, scores, gw, sh_rows, sgate)}")
+        again = mg.try_grouped(x, inds, scores, gw, sh_rows, sgate, tile_rows=tr)
         o = out.astype(mx.float32)
         first = out if first is None else first
         p = {"route_exact": bool(route_exact),
@@ -239,10 +242,10 @@ def run_size(N, args, sw, sh, router, get, results) -> bool:
     t["shared_expert_only"] = timeit(lambda: sgate * sh(x), args.warmup, reps)
     for tr in (*tiles, None):
         name = f"lily_layer_tile{tr or 'auto'}"
-        t[name] = timeit(lambda: mg.try_grouped(x, inds, scores, sw, sh, sgate, tile_rows=tr),
+        t[name] = timeit(lambda: mg.try_grouped(x, inds, scores, gw, sh_rows, sgate, tile_rows=tr),
                          args.warmup, reps)
     for tr in tiles:
-        st = lambda: mg.grouped_stages(x, inds, scores, sw, None, None,  # noqa: E731
+        st = lambda: mg.grouped_stages(x, inds, scores, gw, None, None,  # noqa: E731
                                        tile_rows=tr, get_kernel=get)
         t[f"stage_route_tile{tr}"] = timeit(
             lambda: (lambda s: list(s["route"]) + [s["pair_pos"]])(st()), args.warmup, reps)

@@ -9,7 +9,7 @@ are GPU seconds (``mlx_lily.bench.gpu_clock``: the chain queued behind a spinnin
 so host dispatch is not counted) of ``--calls`` calls, median of ``--reps``, per call; the
 spin doubles (``SPIN_MS``) until it covers the host's dispatch, and a row it never covered
 is marked ``*`` (its time includes host work). Also the whole shared expert, stock module
-vs ``qmm_dequant.mlp``, with a bit-identity check. Prints a table and writes
+vs ``layouts.mlp``, with a bit-identity check. Prints a table and writes
 ``qmm_dequant_bench.json`` to ``--out``.
 
     python benchmarks/gpu/qmm_dequant_bench.py --out DIR          # on MLX's CUDA backend
@@ -78,12 +78,13 @@ def _time(fn, x, calls: int, reps: int) -> dict:
 
 def shared_expert_row(rows_n: int, d: int, i: int, calls: int, reps: int) -> dict:
     """The whole shared expert (mlx-lm's ``Qwen3NextMLP``, 4-bit group 64): the stock
-    module vs ``qmm_dequant.mlp`` (gate|up stacked, down; dequantize + matmul where the
+    module vs ``layouts.mlp`` (gate|up stacked, down; dequantize + matmul where the
     switch serves), per call, and whether the outputs are bit-identical."""
     import mlx.nn as nn
     from mlx_lm.models import qwen3_next
 
     from mlx_lily.ops import qmm_dequant as Q
+    from mlx_lily.patches import layouts
 
     mlp = qwen3_next.Qwen3NextMLP(d, i)
     mlp.update({n: {"weight": (mx.random.normal(getattr(mlp, n).weight.shape) * d ** -0.5)
@@ -97,12 +98,12 @@ def shared_expert_row(rows_n: int, d: int, i: int, calls: int, reps: int) -> dic
     served = (op_enabled(Q.SHARED_NAME) and Q.has_shared_kernel(current_backend())
               and Q.stacked_linear((mlp.gate_proj, mlp.up_proj), x) is not None)
     row = {"shape": f"shared expert MLP {d}->{i}->{d}", "served": served}
-    for label, fn in (("stock", mlp), ("lily", lambda x0: Q.mlp(mlp, x0))):
+    for label, fn in (("stock", mlp), ("lily", lambda x0: layouts.mlp(mlp, x0))):
         r = _time(fn, x, calls, reps)
         row[f"{label}_us"] = 1e6 * r["s"]
         row[f"{label}_host_covered"] = r["host_covered"]
         row["clock"] = r["clock"]
-    ref, got = mlp(x), Q.mlp(mlp, x)
+    ref, got = mlp(x), layouts.mlp(mlp, x)
     row["bit_identical"] = bool(mx.array_equal(ref, got).item())
     row["max_rel_err"] = (mx.abs(ref.astype(mx.float32) - got.astype(mx.float32)).max()
                           / mx.abs(ref.astype(mx.float32)).max()).item()

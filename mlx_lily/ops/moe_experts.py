@@ -20,10 +20,9 @@ Source: SwiGLU (Shazeer 2020); Qwen3.5 MoE block; Lily's fused expert chains.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import mlx.core as mx
-import mlx.nn as nn
 
 from .. import kernels
 from ..backend import current_backend
@@ -33,25 +32,25 @@ NAME = "moe_experts"
 
 
 def moe_experts_reference(x: mx.array, inds: mx.array, scores: mx.array,
-                          switch_mlp: nn.Module, shared_expert: nn.Module | None,
+                          routed: Callable, shared_mlp: Callable | None,
                           shared: mx.array | None, residual: mx.array | None = None
                           ) -> mx.array:
     """Experts' output for each row of ``x``.
 
     Args:
         x: ``[..., D]`` activations; ``inds``: ``[..., k]`` uint32 expert ids;
-        scores: ``[..., k]`` routing weights; ``switch_mlp``: mlx-lm ``SwitchGLU`` holding
-        the stacked expert weights ``[E, I, D]`` / ``[E, D, I]``; ``shared_expert``: MLP or
-        None; ``shared``: ``[..., 1]`` sigmoid gate of the shared expert or None;
-        residual: ``[..., D]`` added to the result when given (the decoder layer's
-        ``h + mlp(n)``).
+        scores: ``[..., k]`` routing weights; ``routed``: the routed experts
+        ``(x, inds) -> [..., k, D]`` (mlx-lm's ``SwitchGLU``); ``shared_mlp``: the shared
+        expert ``[..., D] -> [..., D]`` or None; ``shared``: ``[..., 1]`` sigmoid gate of
+        the shared expert or None; residual: ``[..., D]`` added to the result when given
+        (the decoder layer's ``h + mlp(n)``).
     Returns:
         ``[..., D]`` in the activation dtype.
     """
-    y = switch_mlp(x, inds)
+    y = routed(x, inds)
     y = (y * scores[..., None]).sum(axis=-2)
-    if shared_expert is not None:
-        s = shared_expert(x)
+    if shared_mlp is not None:
+        s = shared_mlp(x)
         y = y + (shared * s if shared is not None else s)
     if residual is not None:
         y = residual + y
@@ -188,7 +187,8 @@ _FLOATS = (mx.bfloat16, mx.float16, mx.float32)
 
 
 class DecodeWeights(NamedTuple):
-    """The arrays and quantization parameters the decode kernels read."""
+    """The arrays and quantization parameters the decode kernels read
+    (``mlx_lily.patches.layouts.decode_weights`` builds it from mlx-lm's modules)."""
 
     gate: tuple  # (w [E, I, D*bits/32], scales, biases)
     up: tuple
@@ -203,76 +203,22 @@ class DecodeWeights(NamedTuple):
     group_size: int
 
 
-def _qparams(layer):
-    return (layer.bits, layer.group_size, getattr(layer, "mode", "affine") or "affine")
+class Experts(NamedTuple):
+    """One MoE block's experts as the MoE ops take them (``mlx_lily.patches.layouts.experts``
+    builds it from mlx-lm's modules): the stock computations as callables, the arrays
+    each kernel path reads, and the launch plans built for them."""
 
-
-def decode_weights(switch_mlp, shared_expert) -> DecodeWeights | None:
-    """Collect the weights for the decode kernels, or None when the module layout is
-    not one they implement: mlx-lm ``SwitchGLU`` with SwiGLU activation and
-    ``QuantizedSwitchLinear`` gate/up/down without additive bias, a shared expert with
-    ``QuantizedLinear`` gate/up/down of the same intermediate size, all affine with one
-    (bits in {4, 8}, group in {32, 64, 128})."""
-    from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwiGLU, SwitchGLU
-
-    if type(switch_mlp) is not SwitchGLU or type(switch_mlp.activation) is not SwiGLU:
-        return None
-    if shared_expert is None:
-        return None
-    sw = [switch_mlp.gate_proj, switch_mlp.up_proj, switch_mlp.down_proj]
-    sh = [getattr(shared_expert, n, None) for n in ("gate_proj", "up_proj", "down_proj")]
-    if not all(type(l) is QuantizedSwitchLinear for l in sw):
-        return None
-    if not all(type(l) is nn.QuantizedLinear for l in sh):
-        return None
-    if not _is_swiglu_mlp(shared_expert):
-        return None
-    layers = sw + sh
-    if any("bias" in l or l.get("biases") is None for l in layers):
-        return None
-    if getattr(switch_mlp.gate_proj, "global_scale", None) is not None:
-        return None
-    params = {_qparams(l) for l in layers}
-    if len(params) != 1:
-        return None
-    bits, gs, mode = params.pop()
-    if mode != "affine" or bits not in (4, 8) or gs not in (32, 64, 128):
-        return None
-    gw, uw, dw = (l.weight for l in sw)
-    if gw.ndim != 3 or gw.shape != uw.shape or gw.dtype != mx.uint32:
-        return None
-    e, i, dpk = gw.shape
-    d = dpk * 32 // bits
-    if dw.shape != (e, d, i * bits // 32):
-        return None
-    if sh[0].weight.shape != (i, dpk) or sh[1].weight.shape != (i, dpk):
-        return None
-    if sh[2].weight.shape != (d, i * bits // 32):
-        return None
-    sdt = {l.scales.dtype for l in layers} | {l.biases.dtype for l in layers}
-    if len(sdt) != 1 or sdt.pop() not in _FLOATS:
-        return None
-    if d % gs or i % gs or qgemv.lanes_per_row(d, bits) is None \
-            or qgemv.lanes_per_row(i, bits) is None:
-        return None
-    trip = lambda l: (l.weight, l.scales, l.biases)  # noqa: E731
-    return DecodeWeights(trip(sw[0]), trip(sw[1]), trip(sw[2]), trip(sh[0]), trip(sh[1]),
-                         trip(sh[2]), e, d, i, bits, gs)
-
-
-def _is_swiglu_mlp(m) -> bool:
-    """The shared expert computes ``down(silu(gate(x)) * up(x))`` (mlx-lm's
-    ``Qwen3NextMLP``; ``qwen3_5`` reuses that class)."""
-    try:
-        from mlx_lm.models.qwen3_next import Qwen3NextMLP
-    except ImportError:  # pragma: no cover
-        return False
-    return type(m) is Qwen3NextMLP
+    routed: Callable  # stock routed experts: (x [..., D], inds [..., k]) -> [..., k, D]
+    shared_mlp: Callable | None  # stock shared expert: [..., D] -> [..., D], or None
+    shared_rows: Callable | None  # the shared expert for many rows (same function)
+    decode: DecodeWeights | None  # None: the decode kernels do not implement the layout
+    grouped: object  # moe_grouped.GroupedWeights, or why the grouped GEMM does not (str)
+    plans: dict  # launch-plan caches by kind, for these arrays
 
 
 def supports_decode(x: mx.array, inds: mx.array, scores: mx.array, shared,
                     wts: DecodeWeights | None, residual=None) -> bool:
-    """True when the decode kernels compute this call (given ``decode_weights``)."""
+    """True when the decode kernels compute this call (``wts``: ``Experts.decode``)."""
     if wts is None or shared is None or x.dtype not in _FLOATS:
         return False
     d = x.shape[-1]
@@ -404,51 +350,26 @@ def has_routed_kernel(backend: str) -> bool:
     return has_kernel(backend) and kernels.kernels_allowed(TOPK_OP, backend)
 
 
-_PLAN_CACHES = ("_lily_decode_plans", "_lily_routed_plans", "_lily_fused_plans")
 _MAX_PLANS = 64
 
 
-def _plans(switch_mlp, attr: str) -> dict:
-    """The launch-plan cache ``attr`` held on ``switch_mlp`` (a plain attribute, outside
-    the parameter tree), emptied once it grows past ``_MAX_PLANS`` (stale weights or many
-    shapes)."""
-    plans = kernels.plan_cache(switch_mlp, attr)
-    if len(plans) > _MAX_PLANS:
-        plans.clear()
-    return plans
-
-
-def _weights_key(switch_mlp, shared_expert) -> tuple:
-    """The part of a launch plan's cache key naming the block's weights: the shared
-    expert and the stacked expert arrays (a plan holds them; a swap makes a new key)."""
-    return (id(shared_expert), id(switch_mlp.gate_proj.get("weight")),
-            id(switch_mlp.up_proj.get("weight")), id(switch_mlp.down_proj.get("weight")))
-
-
-def _cached_plan(switch_mlp, shared_expert, attr: str, key: tuple, build):
-    """The launch plan cached on ``switch_mlp`` under ``attr`` for ``key`` plus the
-    block's weights (``_weights_key``); on a miss ``build(decode_weights(...))`` makes it
-    (None, cached too, when the kernels do not serve these shapes)."""
-    plans = _plans(switch_mlp, attr)
-    full = (*_weights_key(switch_mlp, shared_expert), *key)
-    run = plans.get(full, False)
+def _cached_plan(experts: Experts, attr: str, key: tuple, build):
+    """The launch plan of kind ``attr`` cached in ``experts.plans`` for ``key``; on a miss
+    ``build(experts.decode)`` makes it (None, cached too, when the kernels do not serve
+    these shapes). A cache past ``_MAX_PLANS`` entries (many shapes) is emptied first."""
+    plans = experts.plans.get(attr)
+    if plans is None or len(plans) > _MAX_PLANS:
+        plans = experts.plans[attr] = kernels.PlanCache()
+    run = plans.get(key, False)
     if run is False:
-        run = plans[full] = build(decode_weights(switch_mlp, shared_expert))
+        run = plans[key] = build(experts.decode)
     return run
 
 
-def drop_plans(switch_mlp) -> None:
-    """Forget every launch plan cached on ``switch_mlp`` (they hold its arrays): called
-    when its weights were replaced, so the old arrays are freed."""
-    for attr in _PLAN_CACHES:
-        switch_mlp.__dict__.pop(attr, None)
-
-
-def _decode_run(switch_mlp, shared_expert, x, inds, scores, shared, residual, backend):
+def _decode_run(experts: Experts, x, inds, scores, shared, residual, backend):
     """The cached decode plan for this call, or None when the kernels do not serve it.
 
-    Cached on the SwitchGLU per (backend, weights, shapes, dtypes); re-derived when the
-    expert or shared-expert arrays are replaced."""
+    Cached in ``experts`` per (backend, shapes, dtypes)."""
     def build(wts):
         if not supports_decode(x, inds, scores, shared, wts, residual):
             return None
@@ -460,21 +381,22 @@ def _decode_run(switch_mlp, shared_expert, x, inds, scores, shared, residual, ba
 
     key = (backend, x.shape, x.dtype, inds.shape, scores.shape,
            None if shared is None else shared.shape, None if residual is None else residual.shape)
-    return _cached_plan(switch_mlp, shared_expert, "_lily_decode_plans", key, build)
+    return _cached_plan(experts, "decode", key, build)
 
 
-def moe_experts(x, inds, scores, switch_mlp, shared_expert, shared, residual=None):
+def moe_experts(x, inds, scores, experts: Experts, shared, residual=None):
     """Dispatcher. Few rows (<= ``MAX_DECODE_ROWS``): the two decode kernels (gate+up
     with SwiGLU, then down + weighted combine + shared expert, optionally + residual)
-    when they serve this backend and layout; more rows: the prefill grouped GEMM
-    (``moe_grouped.try_grouped``) when it serves; otherwise the reference."""
+    when they serve this backend and ``experts.decode``; more rows: the prefill grouped
+    GEMM (``moe_grouped.try_grouped``) when it serves; otherwise
+    ``moe_experts_reference``. Arguments as the reference's, with ``experts`` an
+    ``Experts`` (``mlx_lily.patches.layouts.experts``)."""
     backend = current_backend()
     if backend in ("metal", "cuda"):
         d = x.shape[-1]
         rows = x.size // d if d else 0
         if rows <= MAX_DECODE_ROWS and kernels.kernels_allowed(NAME, backend):
-            run = _decode_run(switch_mlp, shared_expert, x, inds, scores, shared, residual,
-                              backend)
+            run = _decode_run(experts, x, inds, scores, shared, residual, backend)
             if run is not None:
                 return run(x, inds, scores, shared, residual)
         else:
@@ -483,10 +405,10 @@ def moe_experts(x, inds, scores, switch_mlp, shared_expert, shared, residual=Non
             except ImportError:
                 try_grouped = None
             if try_grouped is not None:
-                y = try_grouped(x, inds, scores, switch_mlp, shared_expert, shared)
+                y = try_grouped(x, inds, scores, experts.grouped, experts.shared_rows, shared)
                 if y is not None:
                     return y if residual is None else residual + y
-    return moe_experts_reference(x, inds, scores, switch_mlp, shared_expert, shared,
+    return moe_experts_reference(x, inds, scores, experts.routed, experts.shared_mlp, shared,
                                  residual)
 
 
@@ -522,7 +444,7 @@ MAX_THREADGROUP_BYTES = 32768
 MAX_ROUTED_EXPERTS = 1024
 
 
-def moe_experts_routed(x, router, k: int, norm_topk_prob: bool, switch_mlp, shared_expert):
+def moe_experts_routed(x, router, k: int, norm_topk_prob: bool, experts: Experts):
     """A decode MoE block with the routing done inside the gate+up kernel: the router
     logits ``[..., E+1]`` come from the fused router ``QProj`` (a multi-block GEMV:
     ``qgemv``, or ``norm_qgemv`` when ``x`` is a ``mlx_lily.qproj.PendingNorm``), then
@@ -561,7 +483,7 @@ def moe_experts_routed(x, router, k: int, norm_topk_prob: bool, switch_mlp, shar
                                      pre_norm=pre)
         return mk(False), mk(True)
 
-    entry = _cached_plan(switch_mlp, shared_expert, "_lily_routed_plans",
+    entry = _cached_plan(experts, "routed",
                          (backend, id(router), row.shape, row.dtype, k, bool(norm_topk_prob)),
                          build)
     if entry is None:
@@ -571,12 +493,12 @@ def moe_experts_routed(x, router, k: int, norm_topk_prob: bool, switch_mlp, shar
 
     if pending and norm_qgemv.split_requested():  # add_rms_norm, then the plain path
         x.resolve()
-    if pending and x._x is None:
+    if pending and x.resolved is None:
         if (x.res.shape != row.shape or x.res.dtype != row.dtype
                 or x.weight.shape != (row.shape[-1],) or x.weight.dtype != row.dtype):
             return None
         if x.counters is not None:
-            y = _fused_call(x, router, k, norm_topk_prob, switch_mlp, shared_expert, backend)
+            y = _fused_call(x, router, k, norm_topk_prob, experts, backend)
             if y is not None:
                 return y
         r = norm_qgemv.for_qproj(x.h0, x.res, x.weight, x.eps, router)
@@ -585,7 +507,7 @@ def moe_experts_routed(x, router, k: int, norm_topk_prob: bool, switch_mlp, shar
         logits, x.h = r  # the norm ran inside the router GEMV: again in gate+up
         return pre(x.h0, x.res, x.weight, x.eps, logits)[0]
     if pending:
-        x = x._x
+        x = x.resolved
     (logits,) = router(x, split=False)
     return plain(x, logits)[0]
 
@@ -692,7 +614,7 @@ def has_fused_kernel(backend: str) -> bool:
             and kernels.get(FUSED_SPEC, backend) is not None)
 
 
-def _fused_call(x, router, k, norm_topk_prob, switch_mlp, shared_expert, backend):
+def _fused_call(x, router, k, norm_topk_prob, experts: Experts, backend):
     """``lily_moe_decode`` for the pending row ``x`` (sets ``x.h``) when switch
     ``moe_fused`` (and the router GEMV's ``norm_qgemv`` / ``qgemv``) are on, the backend
     is CUDA and ``fused_supported`` holds; None otherwise (nothing launched)."""
@@ -715,7 +637,7 @@ def _fused_call(x, router, k, norm_topk_prob, switch_mlp, shared_expert, backend
             return None
         return fused_plan(kern, wts, router, row.shape, row.dtype, k, norm_topk_prob, off)
 
-    run = _cached_plan(switch_mlp, shared_expert, "_lily_fused_plans",
+    run = _cached_plan(experts, "fused",
                        (backend, id(router), row.shape, row.dtype, k, bool(norm_topk_prob),
                         int(off), fused_rpw()), build)
     if run is None:

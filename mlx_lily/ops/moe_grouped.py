@@ -28,7 +28,7 @@ common MoE kernels.
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import mlx.core as mx
 
@@ -36,7 +36,6 @@ from .. import kernels
 from ..backend import current_backend, op_enabled
 from ..kernels import KernelSpec
 from . import moe_route as _route
-from . import qmm_dequant
 
 NAME = "moe_grouped"
 
@@ -102,19 +101,24 @@ def has_kernel(backend: str) -> bool:
         kernels.get(s, backend) is not None for s in SPECS)
 
 
-def _qswitch(layer):
-    from mlx_lm.models.switch_layers import QuantizedSwitchLinear
+class GroupedWeights(NamedTuple):
+    """The stacked expert arrays the grouped GEMM reads (4-bit affine, group 64):
+    ``(weight uint32 [E, rows, cols/8], scales [E, rows, cols/64], biases)`` per
+    projection, gate and up ``[E, I, D/8]``, down ``[E, D, I/8]``
+    (``mlx_lily.patches.layouts.grouped_weights`` builds it from mlx-lm's ``SwitchGLU``)."""
 
-    return isinstance(layer, QuantizedSwitchLinear)
+    gate: tuple
+    up: tuple
+    down: tuple
 
 
-def why_unsupported(x, inds, scores, switch_mlp, shared_expert, shared) -> str | None:
+def why_unsupported(x, inds, scores, weights, shared_mlp, shared) -> str | None:
     """None when the grouped path serves this call, else the reason (a short string).
 
-    Checks shapes, dtypes and the expert layout only (no data is read).
+    ``weights``: a ``GroupedWeights``, or the reason the module layout is not one the
+    path implements (a string, returned here after the activation checks). Checks shapes
+    and dtypes only (no data is read).
     """
-    from mlx_lm.models.switch_layers import SwiGLU
-
     if x.dtype != mx.bfloat16:
         return f"activation dtype {x.dtype} (bf16 only)"
     if x.ndim < 1 or inds.ndim != x.ndim or scores.shape != inds.shape:
@@ -128,30 +132,20 @@ def why_unsupported(x, inds, scores, switch_mlp, shared_expert, shared) -> str |
     if shared is not None and (shared.dtype != x.dtype or shared.shape[-1] != 1
                                or tuple(shared.shape[:-1]) != tuple(x.shape[:-1])):
         return "shared gate dtype/shape"
-    if not all(hasattr(switch_mlp, n) for n in ("gate_proj", "up_proj", "down_proj")):
-        return "switch_mlp is not a SwitchGLU"
-    if type(getattr(switch_mlp, "activation", None)) is not SwiGLU:
-        return "activation is not SwiGLU"
+    if isinstance(weights, str):
+        return weights
     D = x.shape[-1]
-    layers = (switch_mlp.gate_proj, switch_mlp.up_proj, switch_mlp.down_proj)
-    for l in layers:
-        if not _qswitch(l):
-            return "experts not quantized (QuantizedSwitchLinear)"
-        if (l.mode != "affine" or l.bits != 4 or l.group_size != 64
-                or l.get("biases") is None or "bias" in l
-                or getattr(l, "global_scale", None) is not None):
-            return "experts not 4-bit affine group-64 without linear bias"
-        if l["weight"].dtype != mx.uint32 or l["scales"].dtype != x.dtype \
-                or l["biases"].dtype != x.dtype:
+    for w, sc, b in weights:
+        if w.dtype != mx.uint32 or sc.dtype != x.dtype or b.dtype != x.dtype:
             return "weight/scales/biases dtypes"
-    g, u, d = layers
-    E, I = g["weight"].shape[0], g["weight"].shape[1]
+    g, u, d = weights
+    E, I = g[0].shape[0], g[0].shape[1]
     if D % 128 or I % 64 or D < 128 or I < 64:
         return f"dims D={D}, I={I} (need D % 128 == 0, I % 64 == 0)"
-    for l, (rows, cols) in ((g, (I, D)), (u, (I, D)), (d, (D, I))):
-        if (tuple(l["weight"].shape) != (E, rows, cols // 8)
-                or tuple(l["scales"].shape) != (E, rows, cols // 64)
-                or tuple(l["biases"].shape) != (E, rows, cols // 64)):
+    for (w, sc, b), (rows, cols) in ((g, (I, D)), (u, (I, D)), (d, (D, I))):
+        if (tuple(w.shape) != (E, rows, cols // 8)
+                or tuple(sc.shape) != (E, rows, cols // 64)
+                or tuple(b.shape) != (E, rows, cols // 64)):
             return "expert weight shapes"
     if E > _route.MAX_KERNEL_EXPERTS:
         return f"{E} experts (at most {_route.MAX_KERNEL_EXPERTS})"
@@ -164,8 +158,8 @@ def why_unsupported(x, inds, scores, switch_mlp, shared_expert, shared) -> str |
     return None
 
 
-def grouped_stages(x: mx.array, inds: mx.array, scores: mx.array, switch_mlp,
-                   shared_expert, shared, *, tile_rows: int,
+def grouped_stages(x: mx.array, inds: mx.array, scores: mx.array, weights: GroupedWeights,
+                   shared_mlp, shared, *, tile_rows: int,
                    get_kernel: Callable[[KernelSpec], object],
                    route_kernels: bool = True) -> dict:
     """The grouped-GEMM pipeline as lazy arrays per stage (benchmarks evaluate a prefix).
@@ -181,8 +175,8 @@ def grouped_stages(x: mx.array, inds: mx.array, scores: mx.array, switch_mlp,
     xf = x.reshape(-1, D)
     N = xf.shape[0]
     P = N * k
-    g, u, d = switch_mlp.gate_proj, switch_mlp.up_proj, switch_mlp.down_proj
-    E, I = g["weight"].shape[0], g["weight"].shape[1]
+    g, u, d = weights
+    E, I = g[0].shape[0], g[0].shape[1]
     T = _route.max_tiles(P, E, tile_rows)
     if route_kernels:
         route, pair_pos = _route.moe_route_kernels(inds, E, tile_rows, get_kernel)
@@ -191,18 +185,17 @@ def grouped_stages(x: mx.array, inds: mx.array, scores: mx.array, switch_mlp,
         pair_pos = mx.argsort(route.sorted_pairs).astype(mx.int32)
     dt = x.dtype
     (h,) = get_kernel(GATE_UP)(
-        inputs=[xf, route.sorted_pairs, route.tiles, g["weight"], g["scales"], g["biases"],
-                u["weight"], u["scales"], u["biases"]],
+        inputs=[xf, route.sorted_pairs, route.tiles, *g, *u],
         output_shapes=[(P, I)], output_dtypes=[dt],
         grid=(THREADS * T, I // 64, 1), threadgroup=(THREADS, 1, 1),
         template=[("T", dt), ("DM", D), ("DI", I), ("TOPK", k), ("BM", tile_rows)])
     (y_pairs,) = get_kernel(DOWN)(
-        inputs=[h, route.tiles, d["weight"], d["scales"], d["biases"]],
+        inputs=[h, route.tiles, *d],
         output_shapes=[(P, D)], output_dtypes=[dt],
         grid=(THREADS * T, D // 128, 1), threadgroup=(THREADS, 1, 1),
         template=[("T", dt), ("DM", D), ("DI", I), ("BM", tile_rows)])
-    if shared_expert is not None:
-        s_out = qmm_dequant.mlp(shared_expert, xf)
+    if shared_mlp is not None:
+        s_out = shared_mlp(xf)
         if s_out.dtype != dt or tuple(s_out.shape) != (N, D):
             s_out = s_out.astype(dt).reshape(N, D)
         s_gate = shared.reshape(N) if shared is not None else mx.zeros((1,), dt)
@@ -215,22 +208,22 @@ def grouped_stages(x: mx.array, inds: mx.array, scores: mx.array, switch_mlp,
         output_shapes=[(N, D)], output_dtypes=[dt],
         grid=(D // 8, N, 1), threadgroup=(min(256, D // 8), 1, 1),
         template=[("T", dt), ("ST", sc.dtype), ("GT", s_gate.dtype), ("DM", D),
-                  ("TOPK", k), ("HAS_SHARED", int(shared_expert is not None)),
-                  ("HAS_GATE", int(shared_expert is not None and shared is not None))])
+                  ("TOPK", k), ("HAS_SHARED", int(shared_mlp is not None)),
+                  ("HAS_GATE", int(shared_mlp is not None and shared is not None))])
     return {"route": route, "pair_pos": pair_pos, "h": h, "y_pairs": y_pairs, "out": out}
 
 
-def grouped_experts(x: mx.array, inds: mx.array, scores: mx.array, switch_mlp,
-                    shared_expert, shared, *, tile_rows: int,
+def grouped_experts(x: mx.array, inds: mx.array, scores: mx.array,
+                    weights: GroupedWeights, shared_mlp, shared, *, tile_rows: int,
                     get_kernel: Callable[[KernelSpec], object],
                     route_kernels: bool = True) -> mx.array:
     """The grouped-GEMM pipeline, unconditionally (callers check ``why_unsupported``).
 
     Args:
         x: ``[..., D]`` bf16; inds: ``[..., k]`` expert ids in ``[0, E)``; scores:
-            ``[..., k]`` bf16; switch_mlp: mlx-lm ``SwitchGLU`` with 4-bit affine
-            group-64 experts (bf16 scales/biases); shared_expert: module
-            ``[N, D] -> [N, D]`` or None; shared: ``[..., 1]`` gate (already sigmoid) or
+            ``[..., k]`` bf16; weights: ``GroupedWeights`` (4-bit affine group-64
+            experts, bf16 scales/biases); shared_mlp: the shared expert, a callable
+            ``[N, D] -> [N, D]``, or None; shared: ``[..., 1]`` gate (already sigmoid) or
             None.
         tile_rows: rows per grouped-GEMM tile, one of ``TILE_ROWS``.
         get_kernel: ``spec -> kernel object`` (``moe_route.kernel_getter(backend)``, or
@@ -241,7 +234,7 @@ def grouped_experts(x: mx.array, inds: mx.array, scores: mx.array, switch_mlp,
     Raises:
         ValueError: ``tile_rows`` not in ``TILE_ROWS``.
     """
-    out = grouped_stages(x, inds, scores, switch_mlp, shared_expert, shared,
+    out = grouped_stages(x, inds, scores, weights, shared_mlp, shared,
                          tile_rows=tile_rows, get_kernel=get_kernel,
                          route_kernels=route_kernels)["out"]
     return out.reshape(x.shape)
@@ -253,13 +246,14 @@ def _tile_rows_env() -> int | None:
     return tuning.moe_tile_rows
 
 
-def try_grouped(x, inds, scores, switch_mlp, shared_expert, shared, *,
+def try_grouped(x, inds, scores, weights, shared_mlp, shared, *,
                 tile_rows: int | None = None, min_pairs: int = MIN_PAIRS):
     """The grouped-GEMM MoE for a many-row call, or None when it cannot serve.
 
     Same arguments and result as ``moe_experts.moe_experts_reference`` (``x [..., D]``
-    bf16, ``inds``/``scores`` ``[..., k]``, SwitchGLU experts 4-bit affine group 64 with
-    bf16 scales/biases, optional shared expert and ``[..., 1]`` gate), equal within bf16
+    bf16, ``inds``/``scores`` ``[..., k]``, ``weights`` a ``GroupedWeights`` (4-bit affine
+    group 64, bf16 scales/biases) or the reason the layout is not one (a string), optional
+    shared expert callable and ``[..., 1]`` gate), equal within bf16
     tolerance. Returns None (the caller runs its own path) off Metal/CUDA, when the
     kernels are unavailable, for layouts or dtypes ``why_unsupported`` rejects, and for
     fewer than ``min_pairs`` (token, expert) pairs. ``tile_rows`` (one of ``TILE_ROWS``;
@@ -269,19 +263,19 @@ def try_grouped(x, inds, scores, switch_mlp, shared_expert, shared, *,
     backend = current_backend()
     if backend not in ("metal", "cuda") or not op_enabled(NAME):
         return None
-    if why_unsupported(x, inds, scores, switch_mlp, shared_expert, shared) is not None:
+    if why_unsupported(x, inds, scores, weights, shared_mlp, shared) is not None:
         return None
     P = inds.size
     if P < max(1, min_pairs):
         return None
     if not has_kernel(backend):
         return None
-    E = switch_mlp.gate_proj["weight"].shape[0]
+    E = weights.gate[0].shape[0]
     if tile_rows is None:
         tile_rows = _tile_rows_env()
     tr = tile_rows if tile_rows is not None else choose_tile_rows(P, E, backend)
     if tr not in TILE_ROWS:
         return None
-    return grouped_experts(x, inds, scores, switch_mlp, shared_expert, shared,
+    return grouped_experts(x, inds, scores, weights, shared_mlp, shared,
                            tile_rows=tr, get_kernel=_route.kernel_getter(backend),
                            route_kernels=op_enabled(_route.NAME))

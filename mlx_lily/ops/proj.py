@@ -65,6 +65,11 @@ class PendingNorm:
     def dtype(self):
         return self.h0.dtype
 
+    @property
+    def resolved(self) -> mx.array | None:
+        """The normalised input ``x`` when ``resolve()`` has computed it, else None."""
+        return self._x
+
     def resolve(self) -> mx.array:
         """The normalised input ``x`` (``mlx_lily.ops.add_rms_norm``); sets ``h``."""
         if self._x is None:

@@ -18,9 +18,9 @@ time per call): against
 down (512 -> 2048), with bit-identical outputs at 4 bits; on the 8-bit router (2048 -> 257)
 it lost 354 us (the dense matmul with 257 outputs is slow), hence ``MIN_OUT``.
 
-The shared expert (``mlp``, switch ``shared_dequant``): its gate and up (512 outputs each
-in Qwen3.6-35B-A3B, under ``MIN_OUT`` alone) run as one stacked projection
-(``stacked_linear``), then down through the same path. Without it the shared expert runs
+The shared expert (``mlx_lily.patches.layouts.mlp``, switch ``shared_dequant``): its gate
+and up (512 outputs each in Qwen3.6-35B-A3B, under ``MIN_OUT`` alone) run as one stacked
+projection (``stacked_linear``), then down through the same path. Without it the shared expert runs
 as three ``qmm_sm80`` launches at production widths (Nsight Compute: 7.99 ms of a
 4096-token chunk's 134.5 ms). On the H200 its output was bit-identical to the stock
 module's at 4096 rows, and a 4096-token chunk's GPU time read 127.5 ms in
@@ -43,7 +43,8 @@ from .. import kernels
 from ..backend import current_backend, op_enabled
 
 NAME = "prefill_dequant"
-#: The shared expert's stacked gate|up + down through this path (``mlp``).
+#: The shared expert's stacked gate|up + down through this path
+#: (``mlx_lily.patches.layouts.mlp``).
 SHARED_NAME = "shared_dequant"
 
 #: Fewest activation rows (tokens) for which the dequantize pass pays, per backend.
@@ -72,9 +73,16 @@ def has_kernel(backend: str) -> bool:
 
 
 def has_shared_kernel(backend: str) -> bool:
-    """True when ``mlp`` may run the shared expert through this path on ``backend`` (both
-    switches allowed)."""
+    """True when ``layouts.mlp`` may run the shared expert through this path on
+    ``backend`` (both switches allowed)."""
     return has_kernel(backend) and kernels.kernels_allowed(SHARED_NAME, backend)
+
+
+def shared_stack_open() -> bool:
+    """True when the shared expert's gate and up may run as one stacked projection
+    (``stacked_linear``) here: switch ``shared_dequant`` on and allowed, with
+    ``prefill_dequant``, on the current backend."""
+    return op_enabled(SHARED_NAME) and has_shared_kernel(current_backend())
 
 
 def supports(x: mx.array, w: mx.array, scales, biases, group_size, bits, mode,
@@ -164,32 +172,3 @@ def qmm_dequant(x, w, scales, biases, group_size, bits, mode="affine") -> mx.arr
     y = try_dequant(x, w, scales, biases, group_size, bits, mode)
     return y if y is not None else qmm_dequant_reference(x, w, scales, biases, group_size,
                                                          bits, mode)
-
-
-def mlp(module, x: mx.array) -> mx.array:
-    """``module(x)`` for mlx-lm's ``Qwen3NextMLP`` (the shared expert: ``down(swiglu(
-    gate(x), up(x)))``, mlx-lm's own ``swiglu``), ``x [..., D]`` -> ``[..., D]`` in
-    ``x``'s dtype. With ``shared_dequant`` allowed, gate and up run as one stacked
-    projection (``stacked_linear``: Qwen3.6's shared expert has 512 outputs each, under
-    ``MIN_OUT`` alone); otherwise, or where the stack does not serve, each projection goes
-    through ``try_dequant`` on its own (``prefill_dequant``: gate must serve, else the
-    whole call is ``module(x)``); down through ``try_dequant`` where it serves. Any other
-    module: ``module(x)``."""
-    from mlx_lm.models import qwen3_next
-    from mlx_lm.models.activations import swiglu
-
-    if type(module) is not qwen3_next.Qwen3NextMLP:
-        return module(x)
-    gu = None
-    if op_enabled(SHARED_NAME) and has_shared_kernel(current_backend()):
-        gu = stacked_linear((module.gate_proj, module.up_proj), x)
-    if gu is None:
-        g = linear(module.gate_proj, x)
-        if g is None:
-            return module(x)
-        u = linear(module.up_proj, x)
-        gu = (g, module.up_proj(x) if u is None else u)
-    g, u = gu
-    a = swiglu(g, u)
-    d = linear(module.down_proj, a)
-    return module.down_proj(a) if d is None else d
