@@ -60,3 +60,57 @@ def test_cpu_run_captures_routing_of_every_engine(tmp_path):
     # the CPU reference path routes as stock does
     assert pairs["stock -> lily-default"]["all"]["routing_agreement_min"] >= 0.95
     assert "eager_vs_compiled" in " ".join(pairs)
+
+
+@pytest.fixture
+def _aligned(monkeypatch):
+    from mlx_lily.testing.cuda_emu import aligned_emu_buffers
+
+    yield from aligned_emu_buffers(monkeypatch)
+
+
+@pytest.mark.parametrize("ci", [0, 2])
+def test_capture_reads_the_decode_kernels_ids(ci, _aligned):
+    """The one-launch MoE block's ids (read from its scratch) and the routed gate+up
+    kernel's ids, both run on the CUDA twin's emulator: equal to each other and to the
+    router reference on the same row."""
+    from mlx_lily.testing.cuda_emu import HAS_EMU, cuda_on_emu
+
+    if not HAS_EMU:
+        pytest.skip("no Metal emulator here")
+    import mlx.core as mx
+    import test_op_moe_experts as T
+    from mlx_lily.ops import moe_experts as M
+    from mlx_lily.ops.add_rms_norm import add_rms_norm_reference
+    from mlx_lily.ops.norm_qgemv import SPEC as NQ_SPEC, plan as nq_plan
+
+    nl = _load()
+    nl.install_capture()
+    try:
+        d, i, e, k, rows, bits, gs, dtype, off = T.FUSED_CASES[ci]
+        blk, router, wts, hin, res, nw = T._fused_inputs(T.FUSED_CASES[ci])
+        eps = 1e-6
+        counters = mx.zeros((off + M.FUSED_COUNTERS + 2,), dtype=mx.int32)
+        kg, kd, init3 = T.kernels_for("cuda-emu")
+        with nl.REC.forward() as calls:
+            y, h = M.fused_plan(cuda_on_emu(M.FUSED_SPEC), wts, router, hin.shape, dtype, k,
+                                True, off)(hin, res, nw, eps, counters, hin)
+            logits3, _ = nq_plan(cuda_on_emu(NQ_SPEC), hin.shape, dtype, router.weight,
+                                 router.scales, router.biases, router.group_size, router.bits,
+                                 rpw=M.FUSED_RPW[0])(hin, res, nw, eps)
+            y3, inds3, _, _ = M.decode_plan(
+                kg, kd, wts, hin.shape, dtype, k, False, topk=True, pre_norm=True,
+                gate_up=(4, M.FUSED_RPW[1]), down=(4, M.FUSED_RPW[2], 1))(
+                    hin, res, nw, eps, logits3)
+            mx.eval(y, y3)
+        assert [c[0] for c in calls] == ["moe_fused", "moe_experts_routed"]
+        fused, routed = (np.array(c[1]).reshape(-1, k) for c in calls)
+        assert fused.shape == (rows, k)
+        assert np.array_equal(np.sort(fused, 1), np.sort(routed, 1))
+        with mx.stream(mx.cpu):
+            _, x = add_rms_norm_reference(hin, res, nw, eps)
+        ref = np.array(T._route_ref(x, router, k)[0]).reshape(-1, k)
+        assert nl.routing_agreement(ref, fused) >= 0.5  # same routing up to near-ties
+        assert set(np.unique(fused)) <= set(range(e))
+    finally:
+        nl.uninstall_capture()
