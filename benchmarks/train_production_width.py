@@ -2,7 +2,7 @@
 """Train a Qwen3.5-MoE model at Qwen3.6-35B-A3B's per-layer widths and save it as an MLX 4-bit checkpoint.
 
 The production-width counterpart of ``benchmarks/train_fixture.py`` (whose data, tokenizer,
-config and chunked Gated DeltaNet functions it reuses): mlx-lm's ``qwen3_5_moe``
+config and conv functions it reuses): mlx-lm's ``qwen3_5_moe``
 architecture with hidden 2048, 4 layers (GDN, GDN, GDN, attention), GDN 16 key heads / 32
 value heads of 128, attention 16 query / 2 KV heads of 256 with partial RoPE 0.25 and the
 output gate, 64 experts of 512 top-8 plus the 512-wide shared expert, and a byte-level BPE
@@ -37,7 +37,7 @@ of validation-split files, for ``benchmarks/numerics_long.py``). A folder whose
 Usage::
 
     python benchmarks/train_production_width.py                      # GPU, <= 6 min
-    python benchmarks/train_production_width.py --smoke --out /tmp/pw # CPU toy run, ~1-2 min
+    python benchmarks/train_production_width.py --smoke --out /tmp/pw # CPU toy run, ~2 min
 """
 from __future__ import annotations
 
