@@ -301,6 +301,8 @@ def parse_args(argv=None):
     p.add_argument("--sample-tokens", type=int, default=None)
     p.add_argument("--no-fast-blas", action="store_true",
                    help="CPU only: skip train_fixture's OpenBLAS shim")
+    p.add_argument("--fast-blas", action="store_true",
+                   help="CPU runs of other presets: use train_fixture's OpenBLAS shim too")
     p.add_argument("--aux-coef", type=float, default=0.01, help="router load-balance loss")
     for name, typ in (("vocab", int), ("hidden", int), ("gdn-k-heads", int), ("attn-heads", int),
                       ("kv-heads", int), ("experts", int), ("top-k", int),
@@ -326,7 +328,7 @@ def recipe_key(args, list_hash: str, versions: dict) -> str:
     """sha256 of what determines the trained model (not the output paths or the budget)."""
     keep = {k: (v if not isinstance(v, Path) else None) for k, v in sorted(vars(args).items())
             if k not in ("out", "summary", "force", "time_budget_s", "post_reserve_s", "smoke",
-                         "no_fast_blas", "sample_tokens")}
+                         "no_fast_blas", "fast_blas", "sample_tokens")}
     blob = json.dumps({"args": keep, "files": list_hash, "versions": versions}, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()
 
@@ -345,7 +347,7 @@ def lr_at(step: int, total: int, lr: float, warmup: int) -> float:
 def main(argv=None):
     """Train, evaluate, quantise and save; print the recipe; write summary.json. Exit 0."""
     args = parse_args(argv)
-    if args.preset == "smoke":
+    if args.preset == "smoke" or args.fast_blas:
         tf._maybe_reexec_with_fast_blas(args)  # CPU runs: train_fixture's BLAS shim
     t_start = time.time()
 
