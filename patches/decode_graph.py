@@ -94,6 +94,20 @@ def drop_compiled_steps() -> None:
     _MODELS_WITH_STEPS.clear()
 
 
+#: Python traces of compiled decode steps in this process (a traced function's body runs
+#: once per trace; replays do not run it): qualification's per-phase counts.
+TRACES = [0]
+
+
+def _traced(fn):
+    """``fn`` counting its calls in ``TRACES`` (wrapped before ``mx.compile``)."""
+    def traced(*args, **kwargs):
+        TRACES[0] += 1
+        return fn(*args, **kwargs)
+
+    return traced
+
+
 def _compile_key():
     """What the traced functions depend on beyond shapes: backend, op selection, switches.
     Compiled steps outlive ``unpatch``: a later patch reuses them only under an equal key
@@ -128,7 +142,7 @@ def _gdn_step_fn(layer, pending):
 
 def _gdn_step(layer, pending):
     """``_gdn_step_fn`` compiled."""
-    return mx.compile(_gdn_step_fn(layer, pending))
+    return mx.compile(_traced(_gdn_step_fn(layer, pending)))
 
 
 COMPILE_ATTN_ENV = "MLX_LILY_COMPILE_ATTN"  # tuning.compile_attn
@@ -299,7 +313,7 @@ def _run_whole_step(text_model, cs, layers, cache, h):
     shapes = tuple(c.keys.shape for l, c in zip(layers, cache) if not l.is_linear)
     fn = cs.recent.get(shapes)  # holds cs.whole's function too
     if fn is None:
-        fn = mx.compile(_whole_step_fn(text_model, layers))
+        fn = mx.compile(_traced(_whole_step_fn(text_model, layers)))
     args = [h]
     for layer, c in zip(layers, cache):
         args += ([c[0], c[1]] if layer.is_linear else [c.keys, c.values])
@@ -335,7 +349,7 @@ def _run_whole_step(text_model, cs, layers, cache, h):
 
 def _mlp_tail(layer):
     """``(h, r) -> (h', m)`` compiled: ``_layer_tail`` of an attention layer."""
-    return mx.compile(lambda h, r: _layer_tail(layer, h, r))
+    return mx.compile(_traced(lambda h, r: _layer_tail(layer, h, r)))
 
 
 def _compiled_steps(model, key):
@@ -415,7 +429,7 @@ def _run_compiled(steps, key, layer, h, x, c, fa_mask):
     whole_attn = len(key) > 2
     if first:
         if whole_attn:
-            fn = mx.compile(_attn_step_fn(layer, pending))
+            fn = mx.compile(_traced(_attn_step_fn(layer, pending)))
         else:
             fn = _gdn_step(layer, pending) if layer.is_linear else _mlp_tail(layer)
     if whole_attn:
