@@ -17,7 +17,7 @@ each a set of environment settings the variant runs under, applied by
    routing turns rounding into O(1) logit moves) the fp32 anchor of the A/B gate: no
    further from the fp32 evaluation than the references are, up to x1.5 + 0.05 (and top-1
    within 0.1); the fp32 forward runs only when a set needs the anchor. The first check
-   is every candidate op on at once (``passing_set``): when it passes, every op passes
+   is every candidate op on at once (``first_contact.passing_set``): when it passes, every op passes
    in one forward; a launch failure names its op; a failing set is bisected over its
    prefixes in ``OP_NAMES`` order (base ops before the fusions that need them) for the
    op whose addition breaks it, which fails (with the fusions that require it) while the
@@ -444,12 +444,6 @@ def _candidates(backend: str) -> list:
         return first_contact.active_ops(backend)
 
 
-def _requires(op: str) -> tuple:
-    from . import registry
-
-    return registry.get(op).requires
-
-
 def _fp32_logits(model, prompt_len, prefill_len, seed):
     import mlx.core as mx
     from mlx.utils import tree_flatten, tree_unflatten
@@ -593,55 +587,6 @@ class _Parity:
         return {"ok": ok, "agreement": a, "fault": None, "error": error, "launched": launched}
 
 
-def passing_set(ops: list, check) -> tuple:
-    """Split ``ops`` (``OP_NAMES`` order) into a set whose forward passes and the ops that
-    break it: ``check(opset) -> verdict`` (``_Parity.check``) runs on all of ``ops`` first;
-    a launch failure names its op; otherwise a failing set is bisected over its prefixes
-    (the empty prefix is the reference itself) for the first op whose addition breaks it
-    (``log2(len(ops))`` forwards per failing op, none when the whole set passes). A failed
-    op takes the ops that require it (``registry``) with it. Returns ``(passing ops, the
-    passing set's verdict or None, {op: verdict})``."""
-    pending = list(ops)
-    failed: dict = {}
-
-    def drop(op, verdict):
-        failed[op] = verdict
-        pending.remove(op)
-        gone = {op}
-        for o in list(pending):
-            missing = [r for r in _requires(o) if r in gone or r in failed]
-            if missing:
-                failed[o] = {"ok": False, "agreement": None, "fault": None, "launched": {},
-                             "error": f"requires {', '.join(missing)}, which failed parity"}
-                pending.remove(o)
-                gone.add(o)
-
-    while pending:
-        v = check(list(pending))
-        if v["fault"] is not None and v["fault"] in pending:
-            drop(v["fault"], v)
-            continue
-        if v["ok"]:
-            return pending, v, failed
-        lo, hi, bad = 0, len(pending), v  # prefix [:lo] passes, [:hi] fails
-        fault = None
-        while hi - lo > 1:
-            mid = (lo + hi) // 2
-            w = check(pending[:mid])
-            if w["fault"] is not None and w["fault"] in pending:
-                fault = w
-                break
-            if w["ok"]:
-                lo = mid
-            else:
-                hi, bad = mid, w
-        if fault is not None:
-            drop(fault["fault"], fault)
-        else:
-            drop(pending[hi - 1], bad)
-    return [], None, failed
-
-
 def _blank(base_ms=None) -> dict:
     return {"passed": False, "faster": False, "error": None, "agreement": None,
             "launched": None, "kernel_ms": None, "base_ms": base_ms, "speedup": None,
@@ -722,7 +667,7 @@ def qualify_model(model, *, ops=None, decode_steps: int = DECODE_STEPS,
                 pending.append(op)
         say(f"parity of {len(pending)} ops together (a failing set is bisected)")
         with led.phase("parity"):
-            good, verdict, failed = passing_set(pending, parity.check)
+            good, verdict, failed = first_contact.passing_set(pending, parity.check)
             for op in good:
                 r = results[op][DEFAULT_VARIANT]
                 r.update(passed=True, agreement=verdict["agreement"],
@@ -757,7 +702,7 @@ def qualify_model(model, *, ops=None, decode_steps: int = DECODE_STEPS,
 
         with led.phase("timing"):
             for i, op in enumerate(timed):
-                missing = [q for q in _requires(op) if q not in kept]
+                missing = [q for q in first_contact.requires(op) if q not in kept]
                 if missing:
                     for r in results[op].values():
                         if r["passed"]:
@@ -791,7 +736,7 @@ def qualify_model(model, *, ops=None, decode_steps: int = DECODE_STEPS,
                 say(f"final check of the qualified set ({len(kept)} ops)")
                 v = parity.check(kept, env_of(kept))
                 if not v["ok"]:  # a base op its fusion had hidden from the first check
-                    good2, _, failed2 = passing_set(
+                    good2, _, failed2 = first_contact.passing_set(
                         kept, lambda s: parity.check(s, env_of(s)))
                     for op, w in failed2.items():
                         results[op][chosen[op]].update(
@@ -994,7 +939,14 @@ def render_markdown(record: dict) -> str:
                       f"{ov.get('speedup_vs_stock')}"
                       + (f"; dropped (slower than stock): {ov['dropped']}"
                          if ov.get("dropped") else "")]
-    lines += ["", f"Qualified: {sorted(record.get('qualified', {}))}"]
+    if record.get("phases"):
+        c = record.get("counts") or {}
+        lines += ["", "Seconds per phase: " + ", ".join(
+            f"{k} {v:.1f}" for k, v in record["phases"].items())
+            + f"; probed parity forwards {c.get('parity_forwards')}, op sets timed "
+              f"{c.get('timed_sets')}; model forwards {c.get('forwards')}; compiled "
+              f"decode-step traces {c.get('traces')}"]
+    lines += ["", f"Qualified: {record.get('qualified', {})}"]
     return "\n".join(lines) + "\n"
 
 
@@ -1043,6 +995,8 @@ def main(argv=None) -> int:
     if opts.child:
         return _child(opts)
     be = _backend.current_backend()
+    if be == "cpu" and tuning.qualify_emulate:
+        be = "metal"  # the child runs the Metal kernels emulated: a Metal record
     if opts.report_only:
         rec = read_record(be)
         if rec is None:
@@ -1061,7 +1015,7 @@ def main(argv=None) -> int:
                  str(opts.prefill_reps), "--model-seed",
                  str(opts.model_seed)] + (["--ops", opts.ops] if opts.ops else [])
         rec = run(opts.model, opts.synthetic, layers=opts.layers, timeout_s=opts.timeout_s,
-                  extra_args=extra)
+                  extra_args=extra, backend=be)
         print(f"[mlx-lily] qualification {rec['status']} in {rec['wall_s']:.1f} s; record "
               f"{record_path(be)}", file=sys.stderr)
     if opts.report or opts.report_only:

@@ -159,7 +159,7 @@ def test_passing_set_bisects_to_the_breaking_op(monkeypatch):
     """One check when every op passes; a failing set is bisected over its prefixes (the op
     whose addition breaks it fails, with the ops that require it); a launch failure names
     its op without bisecting."""
-    monkeypatch.setattr(qualify, "_requires", lambda op: {"d": ("c",)}.get(op, ()))
+    monkeypatch.setattr(first_contact, "requires", lambda op: {"d": ("c",)}.get(op, ()))
     calls: list = []
 
     def check(bad=None, fault=None):
@@ -173,15 +173,15 @@ def test_passing_set_bisects_to_the_breaking_op(monkeypatch):
                     "error": None if ok else "wrong"}
         return run
 
-    good, verdict, failed = qualify.passing_set(list("abcdefgh"), check())
+    good, verdict, failed = first_contact.passing_set(list("abcdefgh"), check())
     assert good == list("abcdefgh") and verdict["ok"] and failed == {} and len(calls) == 1
     calls.clear()
-    good, verdict, failed = qualify.passing_set(list("abcdefgh"), check(bad="c"))
+    good, verdict, failed = first_contact.passing_set(list("abcdefgh"), check(bad="c"))
     assert good == list("abefgh") and verdict["ok"]
     assert failed["c"]["error"] == "wrong" and "requires c" in failed["d"]["error"]
     assert len(calls) == 1 + 3 + 1, calls  # all, bisection over 8 prefixes, the rest
     calls.clear()
-    good, _, failed = qualify.passing_set(list("abcdefgh"), check(fault="f"))
+    good, _, failed = first_contact.passing_set(list("abcdefgh"), check(fault="f"))
     assert good == list("abcdegh") and set(failed) == {"f"} and len(calls) == 2
 
 
