@@ -355,43 +355,51 @@ def spread(times) -> float:
 
 
 def time_decode(model, steps: int = DECODE_STEPS, context: int = DECODE_CONTEXT,
-                noise: dict | None = None) -> float:
+                detail: dict | None = None) -> float:
     """Median ms of one decode step (logits evaluated) after a ``context``-token prefill;
-    two untimed steps first (compiled steps are traced there). ``noise["decode"]`` gets
-    the steps' ``spread``."""
+    two untimed steps first (compiled steps are traced there). ``detail`` gets
+    ``decode_spread`` (the steps' ``spread``), ``decode_first_ms`` (the first step: a
+    trace, on CUDA MLX's compile of the new graph) and ``context_ms``."""
     from .first_contact import warmup_ids
 
     cache = model.make_cache()
     ids = warmup_ids(context, seed=5)
+    t0 = time.perf_counter()
     _sync_eval(model(ids, cache=cache))
+    context_s = time.perf_counter() - t0
     tok = ids[:, -1:]
-    times = []
+    times, first = [], None
     for i in range(steps + 2):
         t0 = time.perf_counter()
         _sync_eval(model(tok, cache=cache))
         if i >= 2:
             times.append(time.perf_counter() - t0)
-    if noise is not None:
-        noise["decode"] = spread(times)
+        elif i == 0:
+            first = time.perf_counter() - t0
+    if detail is not None:
+        detail.update(decode_spread=spread(times), decode_first_ms=1e3 * first,
+                      context_ms=1e3 * context_s)
     return 1e3 * statistics.median(times)
 
 
 def time_prefill(model, length: int = PREFILL_LEN, reps: int = PREFILL_REPS,
-                 noise: dict | None = None) -> float:
+                 detail: dict | None = None) -> float:
     """Median ms of a ``length``-token prefill chunk on a fresh cache (one untimed first).
-    ``noise["prefill"]`` gets the reps' ``spread``."""
+    ``detail`` gets ``prefill_spread`` (the reps' ``spread``) and ``prefill_first_ms``."""
     from .first_contact import warmup_ids
 
     ids = warmup_ids(length, seed=6)
-    times = []
+    times, first = [], None
     for i in range(reps + 1):
         cache = model.make_cache()
         t0 = time.perf_counter()
         _sync_eval(model(ids, cache=cache))
         if i:
             times.append(time.perf_counter() - t0)
-    if noise is not None:
-        noise["prefill"] = spread(times)
+        else:
+            first = time.perf_counter() - t0
+    if detail is not None:
+        detail.update(prefill_spread=spread(times), prefill_first_ms=1e3 * first)
     return 1e3 * statistics.median(times)
 
 
@@ -590,7 +598,7 @@ class _Parity:
 def _blank(base_ms=None) -> dict:
     return {"passed": False, "faster": False, "error": None, "agreement": None,
             "launched": None, "kernel_ms": None, "base_ms": base_ms, "speedup": None,
-            "noise": None}
+            "timing": None}
 
 
 def _ordered(ops) -> list:
@@ -625,15 +633,17 @@ def qualify_model(model, *, ops=None, decode_steps: int = DECODE_STEPS,
     counted = _Counted(model, led)
 
     def timing():
-        noise: dict = {}
-        ms = {"decode": time_decode(counted, decode_steps, decode_context, noise),
-              "prefill": time_prefill(counted, prefill_len, prefill_reps, noise)}
+        t = time.perf_counter()
+        detail: dict = {}
+        ms = {"decode": time_decode(counted, decode_steps, decode_context, detail),
+              "prefill": time_prefill(counted, prefill_len, prefill_reps, detail)}
         led.timed_sets += 1
-        return ms, noise
+        detail["seconds"] = time.perf_counter() - t
+        return ms, detail
 
     say("timing stock mlx-lm")
     with led.phase("stock"):
-        stock_ms, stock_noise = timing()
+        stock_ms, stock_detail = timing()
     results: dict = {}
     cands = [op for op in _candidates(be) if ops is None or op in ops]
     with mlx_lily.patched(force=True):
@@ -653,7 +663,7 @@ def qualify_model(model, *, ops=None, decode_steps: int = DECODE_STEPS,
             with _backend.compile_suspended():  # eager, as the probed forwards run
                 ref = first_contact.forward_logits(counted, prompt_len, parity_prefill,
                                                    seed=seed)
-            base_ms, base_noise = timing()
+            base_ms, base_detail = timing()
         reference_ms = dict(base_ms)
         parity = _Parity(model, led, ref, prompt_len, parity_prefill, seed)
         pending = []
@@ -717,10 +727,12 @@ def qualify_model(model, *, ops=None, decode_steps: int = DECODE_STEPS,
                     r["base_ms"] = dict(base_ms)
                     with variant_settings({**env_of(kept), **settings}), \
                             kernels.only_ops(kept + [op]):
-                        r["kernel_ms"], r["noise"] = timing()
+                        r["kernel_ms"], r["timing"] = timing()
                     r["faster"], r["speedup"] = faster(r["kernel_ms"], base_ms)
                     notes.append(f"{name} " + " ".join(
-                        f"{k} x{s:.3f}" for k, s in (r["speedup"] or {}).items()))
+                        f"{k} x{s:.3f}" for k, s in (r["speedup"] or {}).items())
+                        + (f" (first step {r['timing']['decode_first_ms']:.0f} ms)"
+                           if "decode_first_ms" in r["timing"] else ""))
                 best = decide({op: results[op]}).get(op)
                 say(f"[{i + 1}/{len(timed)}] {op}: {'; '.join(notes)} -> "
                     f"{best or 'not faster'}")
@@ -730,7 +742,7 @@ def qualify_model(model, *, ops=None, decode_steps: int = DECODE_STEPS,
                     base_ms = dict(results[op][best]["kernel_ms"])
         overall = {"stock_ms": stock_ms, "reference_ms": reference_ms,
                    "qualified_ms": None, "speedup_vs_stock": None,
-                   "noise": {"stock": stock_noise, "reference": base_noise}}
+                   "timing": {"stock": stock_detail, "reference": base_detail}}
         with led.phase("final"):
             if kept:
                 say(f"final check of the qualified set ({len(kept)} ops)")
@@ -745,7 +757,7 @@ def qualify_model(model, *, ops=None, decode_steps: int = DECODE_STEPS,
                     overall["final_check_failed"] = sorted(failed2)
             if kept:
                 with variant_settings(env_of(kept)), kernels.only_ops(kept):
-                    lily_ms, overall["noise"]["qualified"] = timing()
+                    lily_ms, overall["timing"]["qualified"] = timing()
                 overall["qualified_ms"] = lily_ms
                 _, overall["speedup_vs_stock"] = faster(lily_ms, stock_ms)
         qualified = {op: chosen[op] for op in kept}

@@ -264,13 +264,13 @@ def test_variants_are_checked_timed_and_picked(monkeypatch):
     times = {"wide": 5.0, "wider": 8.0}
     seen = []
 
-    def fake_decode(model, steps, context, noise=None):
+    def fake_decode(model, steps, context, detail=None):
         seen.append(os.environ.get(var))
         return times.get(os.environ.get(var), 10.0)
 
     monkeypatch.setattr(qualify._Parity, "check", check)
     monkeypatch.setattr(qualify, "time_decode", fake_decode)
-    monkeypatch.setattr(qualify, "time_prefill", lambda model, length, reps, noise=None: 10.0)
+    monkeypatch.setattr(qualify, "time_prefill", lambda model, length, reps, detail=None: 10.0)
     model = _models.build("qwen3_5_moe", seed=3)
     with emulated_metal():
         res = qualify.qualify_model(model, ops=["add_rms_norm"], decode_steps=1,
