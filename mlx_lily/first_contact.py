@@ -131,9 +131,35 @@ def build_broken(spec, backend: str):
 
 
 class _Probe:
-    def __init__(self, poison: bool):
+    def __init__(self, poison: bool, census: bool = False):
         self.poison = poison
+        self.census = census
         self.launched: dict = {}  # (op, kernel name) -> launches
+        self.keys: list = []  # census: launch_key of each launch, in order
+
+
+def launch_key(gk, kw: dict) -> str:
+    """What identifies a launch's work: kernel name, template arguments, grid,
+    threadgroup, input shapes and output shapes/dtypes (``repr`` of each)."""
+    shapes = [tuple(a.shape) for a in kw.get("inputs", ()) if isinstance(a, mx.array)]
+    return repr((gk.spec.name, kw.get("template"), kw.get("grid"), kw.get("threadgroup"),
+                 shapes, kw.get("output_shapes"), kw.get("output_dtypes")))
+
+
+@contextlib.contextmanager
+def census():
+    """Within this block every Lily kernel launch is recorded (``launch_key``) and
+    launched as usual, unevaluated; compiled decode steps are built as plain functions
+    (``decode_graph.uncompiled``: the launches a compiled step makes, no trace). Yields
+    the list of keys, appended in launch order."""
+    from .patches import decode_graph
+
+    prev, _PROBE[0] = _PROBE[0], _Probe(False, census=True)
+    try:
+        with decode_graph.uncompiled():
+            yield _PROBE[0].keys
+    finally:
+        _PROBE[0] = prev
 
 
 @contextlib.contextmanager
@@ -182,6 +208,9 @@ def launch(gk, kw: dict):
     if fault == "threadgroup":
         kw = dict(kw, threadgroup=OVERSIZED_THREADGROUP)
     probe = _PROBE[0]
+    if probe is not None and probe.census:
+        probe.keys.append(launch_key(gk, kw))
+        probe = None
     if probe is None:
         if fault == "launch":
             raise RuntimeError(f"[mlx-lily] injected launch failure ({gk.spec.name})")

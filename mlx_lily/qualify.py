@@ -30,7 +30,13 @@ each a set of environment settings the variant runs under, applied by
    variant) vs the same set without it (where the op runs its reference: mlx-lm's math
    for that op), in ``OP_NAMES`` order, the ops kept before it on in both. An op is kept
    in its fastest variant that was faster (``faster``, ``decide``); a fusion whose
-   required ops were not kept is not timed (its kernel could not serve).
+   required ops were not kept is not timed (its kernel could not serve). Before timing,
+   a launch census (``launch_census``: the timed work's graph built, not evaluated, the
+   decode steps through the compiled path's Python without a trace) compares the kernel
+   launches (name, template, grid, shapes) with the set without the op: a phase where
+   they are the same is the same work and keeps the base set's time (a prefill-only op
+   costs no decode-step trace, a decode-only op no prefill timing); an op that changes no
+   launch in either phase is not timed and does not qualify.
 3. Final check: the kept set, in its chosen variants, passes the parity check once more
    (a fusion can hide a base op's kernel from the all-on check, e.g. a decode path it
    replaces; a failure is bisected as above and drops that op) and is timed against
@@ -76,6 +82,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections import Counter
 from pathlib import Path
 
 from . import backend as _backend
@@ -486,6 +493,7 @@ class _Ledger:
         self.traces: dict = {}
         self.parity_forwards = 0  # probed parity forwards (short prefill, step, prefill)
         self.timed_sets = 0  # op sets (with their variants' settings) timed
+        self.phases_reused: dict = {}  # phase -> timed sets that reused the base's time
         self._stack: list = []
 
     @staticmethod
@@ -523,7 +531,8 @@ class _Ledger:
         return {"phases": {k: round(v, 3) for k, v in self.seconds.items()},
                 "counts": {"forwards": dict(self.forwards), "traces": dict(self.traces),
                            "parity_forwards": self.parity_forwards,
-                           "timed_sets": self.timed_sets}}
+                           "timed_sets": self.timed_sets,
+                           "phases_reused": dict(self.phases_reused)}}
 
 
 class _Counted:
@@ -595,6 +604,42 @@ class _Parity:
         return {"ok": ok, "agreement": a, "fault": None, "error": error, "launched": launched}
 
 
+PHASES = ("decode", "prefill")
+
+
+def launch_census(model, opset, settings, *, context: int = DECODE_CONTEXT,
+                  prefill_len: int = PREFILL_LEN) -> dict | None:
+    """``{"decode": Counter, "prefill": Counter}`` of the kernel launches
+    (``first_contact.launch_key``) the timed work makes with exactly ``opset`` allowed,
+    under ``settings``: two decode steps after a ``context``-token prefill (the decode
+    steps through the compiled path's Python, untraced: ``first_contact.census``) and a
+    ``prefill_len``-token prefill, built and not evaluated. None when building failed."""
+    from . import first_contact, kernels
+
+    try:
+        with variant_settings(settings), kernels.only_ops(opset), \
+                first_contact.census() as keys:
+            cache = model.make_cache()
+            ids = first_contact.warmup_ids(context, seed=5)
+            model(ids, cache=cache)
+            n0 = len(keys)
+            for _ in range(2):
+                model(ids[:, -1:], cache=cache)
+            n1 = len(keys)
+            model(first_contact.warmup_ids(prefill_len, seed=6), cache=model.make_cache())
+            return {"decode": Counter(keys[n0:n1]), "prefill": Counter(keys[n1:])}
+    except Exception:  # noqa: BLE001  (no census: every phase is timed)
+        return None
+
+
+def same_phases(census: dict | None, base: dict | None) -> set:
+    """The phases whose launches ``census`` and ``base`` share exactly (none when either
+    is unknown): there the op set's work is the base set's, and it is not timed again."""
+    if census is None or base is None:
+        return set()
+    return {ph for ph in PHASES if census[ph] == base[ph]}
+
+
 def _blank(base_ms=None) -> dict:
     return {"passed": False, "faster": False, "error": None, "agreement": None,
             "launched": None, "kernel_ms": None, "base_ms": base_ms, "speedup": None,
@@ -632,12 +677,20 @@ def qualify_model(model, *, ops=None, decode_steps: int = DECODE_STEPS,
         raise RuntimeError("qualify_model needs an unpatched mlx-lm to time stock")
     counted = _Counted(model, led)
 
-    def timing():
+    def timing(reuse=None):
+        """Times of both phases; a phase in ``reuse`` (``{phase: ms}``) keeps that time
+        (its launches are the base set's) without running."""
         t = time.perf_counter()
         detail: dict = {}
-        ms = {"decode": time_decode(counted, decode_steps, decode_context, detail),
-              "prefill": time_prefill(counted, prefill_len, prefill_reps, detail)}
+        ms = dict(reuse or {})
+        if "decode" not in ms:
+            ms["decode"] = time_decode(counted, decode_steps, decode_context, detail)
+        if "prefill" not in ms:
+            ms["prefill"] = time_prefill(counted, prefill_len, prefill_reps, detail)
         led.timed_sets += 1
+        for ph in reuse or {}:
+            led.phases_reused[ph] = led.phases_reused.get(ph, 0) + 1
+        detail["reused"] = sorted(reuse or {})
         detail["seconds"] = time.perf_counter() - t
         return ms, detail
 
@@ -710,6 +763,13 @@ def qualify_model(model, *, ops=None, decode_steps: int = DECODE_STEPS,
                 env.update(variants_of(o)[chosen[o]])
             return env
 
+        base_census = {ph: Counter() for ph in PHASES}  # no kernel launches at all
+
+        def census_of(opset, settings):
+            with led.phase("census"):
+                return launch_census(counted, opset, settings, context=decode_context,
+                                     prefill_len=prefill_len)
+
         with led.phase("timing"):
             for i, op in enumerate(timed):
                 missing = [q for q in first_contact.requires(op) if q not in kept]
@@ -725,14 +785,22 @@ def qualify_model(model, *, ops=None, decode_steps: int = DECODE_STEPS,
                     if not r["passed"]:
                         continue
                     r["base_ms"] = dict(base_ms)
-                    with variant_settings({**env_of(kept), **settings}), \
-                            kernels.only_ops(kept + [op]):
-                        r["kernel_ms"], r["timing"] = timing()
+                    env = {**env_of(kept), **settings}
+                    r["census"] = census_of(kept + [op], env)
+                    same = same_phases(r["census"], base_census)
+                    if same == set(PHASES):
+                        r["error"] = ("not timed: no kernel launch differs from the set "
+                                      "without it at these shapes")
+                        notes.append(f"{name} changes no launch")
+                        continue
+                    with variant_settings(env), kernels.only_ops(kept + [op]):
+                        r["kernel_ms"], r["timing"] = timing({ph: base_ms[ph] for ph in same})
                     r["faster"], r["speedup"] = faster(r["kernel_ms"], base_ms)
                     notes.append(f"{name} " + " ".join(
                         f"{k} x{s:.3f}" for k, s in (r["speedup"] or {}).items())
                         + (f" (first step {r['timing']['decode_first_ms']:.0f} ms)"
-                           if "decode_first_ms" in r["timing"] else ""))
+                           if "decode_first_ms" in r["timing"] else "")
+                        + "".join(f" ({ph}: same launches, not timed)" for ph in sorted(same)))
                 best = decide({op: results[op]}).get(op)
                 say(f"[{i + 1}/{len(timed)}] {op}: {'; '.join(notes)} -> "
                     f"{best or 'not faster'}")
@@ -740,6 +808,10 @@ def qualify_model(model, *, ops=None, decode_steps: int = DECODE_STEPS,
                     kept.append(op)
                     chosen[op] = best
                     base_ms = dict(results[op][best]["kernel_ms"])
+                    base_census = results[op][best]["census"]
+                for r in results[op].values():  # counts in the record, not the Counters
+                    if r.get("census") is not None:
+                        r["census"] = {ph: sum(c.values()) for ph, c in r["census"].items()}
         overall = {"stock_ms": stock_ms, "reference_ms": reference_ms,
                    "qualified_ms": None, "speedup_vs_stock": None,
                    "timing": {"stock": stock_detail, "reference": base_detail}}

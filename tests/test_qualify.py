@@ -445,3 +445,65 @@ def test_step_aside_line_waits_for_a_supported_model(monkeypatch, capsys):
     finally:
         mlx_lily.unpatch()
     assert not hasattr(utils.load_model, "__wrapped__")  # the load hook is gone
+
+
+@needs_emu
+def test_launch_census_tells_the_phases_an_op_changes():
+    """The census sees which phase's launches an op set changes: qgemv is decode-only,
+    the packed attention switch changes attention's decode launches only, add+norm both;
+    no op allowed, no launch."""
+    model = _models.build("qwen3_5_moe", seed=3)
+    with emulated_metal():
+        with mlx_lily.patched(model, force=True):
+            mlx_lily.prepare_model(model)
+
+            def census(ops):
+                return qualify.launch_census(model, ops, {}, context=4, prefill_len=40)
+
+            none = census([])
+            assert none == {"decode": {}, "prefill": {}}
+            assert qualify.same_phases(census(["qgemv"]), none) == {"prefill"}
+            assert qualify.same_phases(census(["add_rms_norm"]), none) == set()
+            attn = census(["attention"])
+            assert sum(attn["decode"].values()) > 0 and sum(attn["prefill"].values()) > 0
+            assert qualify.same_phases(census(["attention", "attn_packed"]), attn) == {
+                "prefill"}
+            assert qualify.same_phases(None, none) == set()  # unknown: time everything
+
+
+@needs_emu
+def test_phases_with_the_same_launches_are_not_timed(monkeypatch):
+    """A decode-only op reuses the base set's prefill time; an op that changes no launch
+    at these shapes is not timed and does not qualify."""
+    calls = {"decode": 0, "prefill": 0}
+
+    def fake(phase):
+        def timer(*args, **kwargs):
+            calls[phase] += 1
+            return 10.0
+        return timer
+
+    monkeypatch.setattr(qualify, "time_decode", fake("decode"))
+    monkeypatch.setattr(qualify, "time_prefill", fake("prefill"))
+    model = _models.build("qwen3_5_moe", seed=3)
+    with emulated_metal():
+        res = qualify.qualify_model(model, ops=["add_rms_norm", "moe_route", "qgemv",
+                                                "attn_packed"], decode_steps=1,
+                                    decode_context=4, prefill_len=8, parity_prefill=0, seed=1)
+    ops = res["ops"]
+    # moe_route launches nothing at these shapes (no grouped prefill on 8 tokens)
+    assert ops["moe_route"]["default"]["passed"]
+    assert "no kernel launch differs" in ops["moe_route"]["default"]["error"]
+    assert ops["moe_route"]["default"]["kernel_ms"] is None
+    assert ops["add_rms_norm"]["default"]["timing"]["reused"] == []
+    assert ops["qgemv"]["default"]["timing"]["reused"] == ["prefill"]
+    assert ops["qgemv"]["default"]["speedup"]["prefill"] == 1.0
+    # the packed attention switch without the attention kernel: nothing to time
+    assert ops["attn_packed"]["default"]["passed"]
+    assert ops["attn_packed"]["default"]["kernel_ms"] is None
+    assert "requires attention" in ops["attn_packed"]["default"]["error"]
+    # stock, references, add_rms_norm: both phases; qgemv: decode only
+    assert calls == {"decode": 4, "prefill": 3}, calls
+    assert res["counts"]["phases_reused"] == {"prefill": 1}
+    assert res["counts"]["forwards"]["census"] == 3 * (1 + 2 + 1)  # three op sets
+    assert res["qualified"] == {}
