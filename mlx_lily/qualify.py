@@ -43,9 +43,9 @@ each a set of environment settings the variant runs under, applied by
    unpatched mlx-lm; if it is slower than stock in either phase beyond ``SLOWER_TOL``
    nothing qualifies (Lily steps aside).
 
-The parity forwards and the references' logits run eagerly; each timed op set traces its
-compiled decode step once (a new ``_compile_key``; on CUDA MLX also compiles the new
-graph's fused kernels). The record keeps the seconds of each phase (``"phases"``) and the
+The parity forwards and the references' logits run eagerly; each op set timed in decode
+traces its compiled decode step once (a new ``_compile_key``; on CUDA MLX also compiles
+the new graph's fused kernels). The record keeps the seconds of each phase (``"phases"``) and the
 model forwards and decode-step traces per phase (``"counts"``); the progress lines name
 each step with the seconds elapsed.
 
