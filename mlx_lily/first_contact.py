@@ -38,6 +38,9 @@ qwen3_5_moe / qwen3_5 / qwen3_next test models give >= 0.97 at every position of
 8-token prefill, a decode step and a 40-token prefill; one wrong GEMV in the decode step
 gives < 0 at that position).
 
+``census()`` (qualification's launch census) records each launch's ``launch_key``
+instead, evaluating nothing.
+
 Fault injection (tests and tooling only): ``MLX_LILY_INJECT_FAULT=op:kind[,op:kind...]``,
 read when a kernel object is built (``injected_fault``), with kinds ``build`` (a broken
 source: the compiler rejects it), ``threadgroup`` (launched with 2048 threads per
