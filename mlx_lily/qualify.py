@@ -17,8 +17,8 @@ each a set of environment settings the variant runs under, applied by
    routing turns rounding into O(1) logit moves) the fp32 anchor of the A/B gate: no
    further from the fp32 evaluation than the references are, up to x1.5 + 0.05 (and top-1
    within 0.1); the fp32 forward runs only when a set needs the anchor. The first check
-   is every candidate op on at once (``first_contact.passing_set``): when it passes, every op passes
-   in one forward; a launch failure names its op; a failing set is bisected over its
+   is every candidate op on at once (``first_contact.passing_set``): when it passes,
+   every op passes in one forward; a launch failure names its op; a failing set is bisected over its
    prefixes in ``OP_NAMES`` order (base ops before the fusions that need them) for the
    op whose addition breaks it, which fails (with the fusions that require it) while the
    rest is checked again. A non-default variant is checked as the passing set with that
@@ -45,9 +45,10 @@ each a set of environment settings the variant runs under, applied by
 
 The parity forwards and the references' logits run eagerly; each op set timed in decode
 traces its compiled decode step once (a new ``_compile_key``; on CUDA MLX also compiles
-the new graph's fused kernels). The record keeps the seconds of each phase (``"phases"``) and the
-model forwards and decode-step traces per phase (``"counts"``); the progress lines name
-each step with the seconds elapsed.
+the new graph's fused kernels). The record keeps the seconds of each phase
+(``"phases"``), the model forwards and decode-step traces per phase (``"counts"``) and,
+per timed set, its first decode step's and first prefill's ms (trace and compile cost);
+the progress lines name each step with the seconds elapsed.
 
 The model is the checkpoint's first ``--layers`` decoder layers (default one
 full-attention cycle, ``full_attention_interval``: 3 GDN layers + 1 attention layer at the
