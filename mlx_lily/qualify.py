@@ -18,11 +18,11 @@ each a set of environment settings the variant runs under, applied by
    further from the fp32 evaluation than the references are, up to x1.5 + 0.05 (and top-1
    within 0.1); the fp32 forward runs only when a set needs the anchor. The first check
    is every candidate op on at once (``first_contact.passing_set``): when it passes,
-   every op passes in one forward; a launch failure names its op; a failing set is bisected over its
-   prefixes in ``OP_NAMES`` order (base ops before the fusions that need them) for the
-   op whose addition breaks it, which fails (with the fusions that require it) while the
-   rest is checked again. A non-default variant is checked as the passing set with that
-   op in that variant (one forward each).
+   every op passes in one forward; a launch failure names its op; a failing set is
+   bisected over its prefixes in ``OP_NAMES`` order (base ops before the fusions that
+   need them) for the op whose addition breaks it, which fails (with the fusions that
+   require it) while the rest is checked again. A non-default variant is checked as the
+   passing set with that op in that variant (one forward each).
 2. Speed, measured at model level (per-op stock timing would need each op's stock
    subgraph in isolation): the median wall time (synchronised: ``mx.eval`` each step)
    of ``DECODE_STEPS`` decode steps after a ``DECODE_CONTEXT``-token context, and of
@@ -594,7 +594,8 @@ class _Parity:
         if a["ok"] and not ok:
             truth = self._anchor()
             d, t = _distance(truth, got)
-            a.update({"rel_to_fp32": d, "top1_vs_fp32": t, "reference_rel_to_fp32": self.ref_d,
+            a.update({"rel_to_fp32": d, "top1_vs_fp32": t,
+                      "reference_rel_to_fp32": self.ref_d,
                       "reference_top1_vs_fp32": self.ref_t})
             ok = parity_ok(a, d, self.ref_d, t, self.ref_t)
         error = None
@@ -777,8 +778,10 @@ def qualify_model(model, *, ops=None, decode_steps: int = DECODE_STEPS,
                 if missing:
                     for r in results[op].values():
                         if r["passed"]:
-                            r["error"] = f"not timed: requires {', '.join(missing)}, not qualified"
-                    say(f"[{i + 1}/{len(timed)}] {op}: skipped (requires {', '.join(missing)})")
+                            r["error"] = (f"not timed: requires {', '.join(missing)}, "
+                                          "not qualified")
+                    say(f"[{i + 1}/{len(timed)}] {op}: skipped (requires "
+                        f"{', '.join(missing)})")
                     continue
                 notes = []
                 for name, settings in variants_of(op).items():
@@ -795,7 +798,8 @@ def qualify_model(model, *, ops=None, decode_steps: int = DECODE_STEPS,
                         notes.append(f"{name} changes no launch")
                         continue
                     with variant_settings(env), kernels.only_ops(kept + [op]):
-                        r["kernel_ms"], r["timing"] = timing({ph: base_ms[ph] for ph in same})
+                        r["kernel_ms"], r["timing"] = timing(
+                            {ph: base_ms[ph] for ph in same})
                     r["faster"], r["speedup"] = faster(r["kernel_ms"], base_ms)
                     notes.append(f"{name} " + " ".join(
                         f"{k} x{s:.3f}" for k, s in (r["speedup"] or {}).items())
