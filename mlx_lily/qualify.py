@@ -990,7 +990,10 @@ def report_rows(record: dict) -> list:
                          "speedup_decode": s.get("decode"),
                          "kernel_prefill_ms": k.get("prefill"),
                          "stock_prefill_ms": b.get("prefill"),
-                         "speedup_prefill": s.get("prefill"), "error": r.get("error")})
+                         "speedup_prefill": s.get("prefill"),
+                         "error": r.get("error") or "".join(
+                             f"{ph}: same launches as without it, not timed; "
+                             for ph in (r.get("timing") or {}).get("reused", ())) or None})
     return rows
 
 
