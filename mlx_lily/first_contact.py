@@ -14,10 +14,10 @@ warm-up forwards eagerly instead:
    one passes with every remaining kernel launched.
 2. The passing forward's logits are compared with the same forward with every kernel off
    (each op's pure-MLX reference, ``kernels.only_ops(())``). Non-finite logits, or logits
-   that fail ``agree``, start the attribution: the ops are switched on one at a time in
-   ``backend.OP_NAMES`` order (base ops before the fusions that need them), each kept
-   only if the logits still agree with the reference; an op that breaks them is turned
-   off for the process.
+   that fail ``agree``, start the attribution (``passing_set``): the prefixes of the ops
+   in ``backend.OP_NAMES`` order (base ops before the fusions that need them) are
+   bisected for the op whose addition breaks the agreement with the reference; it is
+   turned off for the process and the rest checked again.
 
 Coverage: the instantiations the warm-up's shapes reach (``PROMPT_LEN`` and
 ``PREFILL_LEN`` tokens, one decode step, batch 1). Kernel variants picked only by longer
@@ -37,6 +37,9 @@ reference's is below ``MIN_CORRELATION`` (0.8; every kernel on, emulated, the ti
 qwen3_5_moe / qwen3_5 / qwen3_next test models give >= 0.97 at every position of an
 8-token prefill, a decode step and a 40-token prefill; one wrong GEMV in the decode step
 gives < 0 at that position).
+
+``census()`` (qualification's launch census) records each launch's ``launch_key``
+instead, evaluating nothing.
 
 Fault injection (tests and tooling only): ``MLX_LILY_INJECT_FAULT=op:kind[,op:kind...]``,
 read when a kernel object is built (``injected_fault``), with kinds ``build`` (a broken
@@ -131,9 +134,35 @@ def build_broken(spec, backend: str):
 
 
 class _Probe:
-    def __init__(self, poison: bool):
+    def __init__(self, poison: bool, census: bool = False):
         self.poison = poison
+        self.census = census
         self.launched: dict = {}  # (op, kernel name) -> launches
+        self.keys: list = []  # census: launch_key of each launch, in order
+
+
+def launch_key(gk, kw: dict) -> str:
+    """What identifies a launch's work: kernel name, template arguments, grid,
+    threadgroup, input shapes and output shapes/dtypes (``repr`` of each)."""
+    shapes = [tuple(a.shape) for a in kw.get("inputs", ()) if isinstance(a, mx.array)]
+    return repr((gk.spec.name, kw.get("template"), kw.get("grid"), kw.get("threadgroup"),
+                 shapes, kw.get("output_shapes"), kw.get("output_dtypes")))
+
+
+@contextlib.contextmanager
+def census():
+    """Within this block every Lily kernel launch is recorded (``launch_key``) and
+    launched as usual, unevaluated; compiled decode steps are built as plain functions
+    (``decode_graph.uncompiled``: the launches a compiled step makes, no trace). Yields
+    the list of keys, appended in launch order."""
+    from .patches import decode_graph
+
+    prev, _PROBE[0] = _PROBE[0], _Probe(False, census=True)
+    try:
+        with decode_graph.uncompiled():
+            yield _PROBE[0].keys
+    finally:
+        _PROBE[0] = prev
 
 
 @contextlib.contextmanager
@@ -182,6 +211,9 @@ def launch(gk, kw: dict):
     if fault == "threadgroup":
         kw = dict(kw, threadgroup=OVERSIZED_THREADGROUP)
     probe = _PROBE[0]
+    if probe is not None and probe.census:
+        probe.keys.append(launch_key(gk, kw))
+        probe = None
     if probe is None:
         if fault == "launch":
             raise RuntimeError(f"[mlx-lily] injected launch failure ({gk.spec.name})")
@@ -324,33 +356,88 @@ def _check(model, be, prompt_len, prefill_len, report) -> None:
         ref = forward_logits(model, prompt_len, prefill_len)
     a = report["agreement"] = agree(got, ref)
     if not a["ok"]:
-        _attribute(model, active, ref, prompt_len, prefill_len, report, a)
+        _attribute(model, active, ref, prompt_len, prefill_len, report)
         report["active"] = active_ops(be)
 
 
-def _attribute(model, active, ref, prompt_len, prefill_len, report, first) -> None:
-    """Switch ``active`` ops on one at a time, keeping those whose logits still agree
-    with ``ref``; the others are turned off for the process."""
-    kept: list = []
-    for op in active:
-        with kernels.only_ops(kept + [op]):
+def requires(op: str) -> tuple:
+    """The ops and switches ``op`` needs on to run (``registry.Op.requires``)."""
+    from . import registry
+
+    return registry.get(op).requires
+
+
+def passing_set(ops: list, check, cascade: bool = True) -> tuple:
+    """Split ``ops`` (``OP_NAMES`` order) into a set whose forward passes and the ops that
+    break it. ``check(opset)`` returns a verdict ``{"ok", "fault" (the op whose launch
+    failed, or None), "error", "agreement", "launched"}`` (``qualify._Parity.check``,
+    ``_attribute``); it runs on all of ``ops`` first. A launch failure names its op;
+    otherwise a failing set is bisected over its prefixes (the empty prefix is the
+    reference itself) for the first op whose addition breaks it (about ``log2(len(ops))``
+    forwards per failing op, none when the whole set passes), and the rest is checked
+    again. With ``cascade`` a failed op takes the ops that require it (``registry``) with
+    it. Returns ``(passing ops, the passing set's verdict or None, {op: verdict})``."""
+    pending = list(ops)
+    failed: dict = {}
+
+    def drop(op, verdict):
+        failed[op] = verdict
+        pending.remove(op)
+        gone = {op}
+        for o in list(pending) if cascade else ():
+            missing = [r for r in requires(o) if r in gone or r in failed]
+            if missing:
+                failed[o] = {"ok": False, "agreement": None, "fault": None, "launched": {},
+                             "error": f"requires {', '.join(missing)}, which failed parity"}
+                pending.remove(o)
+                gone.add(o)
+
+    while pending:
+        v = check(list(pending))
+        if v["fault"] is not None and v["fault"] in pending:
+            drop(v["fault"], v)
+            continue
+        if v["ok"]:
+            return pending, v, failed
+        lo, hi, bad = 0, len(pending), v  # prefix [:lo] passes, [:hi] fails
+        fault = None
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            w = check(pending[:mid])
+            if w["fault"] is not None and w["fault"] in pending:
+                fault = w
+                break
+            if w["ok"]:
+                lo = mid
+            else:
+                hi, bad = mid, w
+        if fault is not None:
+            drop(fault["fault"], fault)
+        else:
+            drop(pending[hi - 1], bad)
+    return [], None, failed
+
+
+def _attribute(model, active, ref, prompt_len, prefill_len, report) -> None:
+    """Find the ops of ``active`` that break the logits (``passing_set``: the failing set
+    bisected over its prefixes in ``OP_NAMES`` order) and turn them off for the process."""
+
+    def check(opset):
+        with kernels.only_ops(opset):
             try:
                 with probing():
                     got = forward_logits(model, prompt_len, prefill_len)
-                a = agree(got, ref)
             except KernelFault as f:
-                a = {"ok": False, "error": _describe(f.error)}
-        if a["ok"]:
-            kept.append(op)
-        else:
-            what = ("non-finite result" if a.get("finite") is False else a.get("error")
-                    or f"wrong result (logit correlation {a['correlation']:.3f} with the "
-                       f"reference at some position, < {MIN_CORRELATION})")
-            kernels.disable_for_process(op, f"first contact: {what}")
-            report["failed"][op] = what
-    if not report["failed"]:
-        # no single op explains it: the combination does; keep the reference everywhere
-        for op in active:
-            kernels.disable_for_process(op, "first contact: logits with every kernel on "
-                                            f"disagree with the reference ({first})")
-            report["failed"][op] = "combination"
+                return {"ok": False, "fault": f.op, "agreement": None, "launched": {},
+                        "error": _describe(f.error)}
+            a = agree(got, ref)
+        what = None if a["ok"] else (
+            "non-finite result" if not a["finite"] else
+            f"wrong result (logit correlation {a['correlation']:.3f} with the reference "
+            f"at some position, < {MIN_CORRELATION})")
+        return {"ok": a["ok"], "fault": None, "agreement": a, "launched": {}, "error": what}
+
+    _, _, failed = passing_set(active, check, cascade=False)
+    for op, v in failed.items():
+        kernels.disable_for_process(op, f"first contact: {v['error']}")
+        report["failed"][op] = v["error"]

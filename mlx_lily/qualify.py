@@ -3,28 +3,52 @@
 ``python -m mlx_lily.qualify [--model DIR | --synthetic PRESET] [--layers N] [--report]``
 
 For each op of ``backend.OP_NAMES`` with a kernel on this backend, and each candidate
-variant of it (``VARIANTS``: only ``"default"`` today; the record is laid out as
-op -> variant -> result so variants fit), at the model's shapes:
+variant of it (``variants_of``: ``"default"``, the shipped choice, plus ``VARIANTS[op]``,
+each a set of environment settings the variant runs under, applied by
+``variant_settings``), at the model's shapes:
 
 1. Parity: the model's forward (a short prefill, a decode step, a longer prefill, every
    kernel launch evaluated at once with its outputs pre-filled with NaN,
-   ``first_contact.probing(poison=True)``) on fresh random token ids, with the op's
-   kernels on (plus those qualified before it, in ``OP_NAMES`` order, so a fusion sees
-   the base op it needs), against the same forward with every kernel off (the
-   references). Passing needs finite logits, every position's logits correlated
-   >= ``first_contact.MIN_CORRELATION`` with the reference's, and either max |diff| <=
+   ``first_contact.probing(poison=True)``) on fresh random token ids, with an op set's
+   kernels on, against the same forward with every kernel off (the references). A set
+   passes with finite logits, every position's logits correlated >=
+   ``first_contact.MIN_CORRELATION`` with the reference's, and either max |diff| <=
    ``REL_TOL`` of the logit scale or (random-weight models, whose near-tied expert
    routing turns rounding into O(1) logit moves) the fp32 anchor of the A/B gate: no
    further from the fp32 evaluation than the references are, up to x1.5 + 0.05 (and top-1
-   within 0.1).
+   within 0.1); the fp32 forward runs only when a set needs the anchor. The first check
+   is every candidate op on at once (``first_contact.passing_set``): when it passes,
+   every op passes in one forward; a launch failure names its op; a failing set is
+   bisected over its prefixes in ``OP_NAMES`` order (base ops before the fusions that
+   need them) for the op whose addition breaks it, which fails (with the fusions that
+   require it) while the rest is checked again. A non-default variant is checked as the
+   passing set with that op in that variant (one forward each).
 2. Speed, measured at model level (per-op stock timing would need each op's stock
    subgraph in isolation): the median wall time (synchronised: ``mx.eval`` each step)
-   of ``DECODE_STEPS`` decode steps after a ``DECODE_CONTEXT``-token context, and of a
-   ``PREFILL_LEN``-token prefill chunk, with the op on vs the same set without it (where
-   the op runs its reference: mlx-lm's math for that op). An op qualifies when it passed
-   and was faster: ``decide``. Finally the qualified set is timed against unpatched
-   mlx-lm; if it is slower than stock in either phase beyond ``SLOWER_TOL`` nothing
-   qualifies (Lily steps aside).
+   of ``DECODE_STEPS`` decode steps after a ``DECODE_CONTEXT``-token context, and of
+   ``PREFILL_REPS`` ``PREFILL_LEN``-token prefill chunks, with the op on (each passing
+   variant) vs the same set without it (where the op runs its reference: mlx-lm's math
+   for that op), in ``OP_NAMES`` order, the ops kept before it on in both. An op is kept
+   in its fastest variant that was faster (``faster``, ``decide``); a fusion whose
+   required ops were not kept is not timed (its kernel could not serve). Before timing,
+   a launch census (``launch_census``: the timed work's graph built, not evaluated, the
+   decode steps through the compiled path's Python without a trace) compares the kernel
+   launches (name, template, grid, shapes) with the set without the op: a phase where
+   they are the same is the same work and keeps the base set's time (a prefill-only op
+   costs no decode-step trace, a decode-only op no prefill timing); an op that changes no
+   launch in either phase is not timed and does not qualify.
+3. Final check: the kept set, in its chosen variants, passes the parity check once more
+   (a fusion can hide a base op's kernel from the all-on check, e.g. a decode path it
+   replaces; a failure is bisected as above and drops that op) and is timed against
+   unpatched mlx-lm; if it is slower than stock in either phase beyond ``SLOWER_TOL``
+   nothing qualifies (Lily steps aside).
+
+The parity forwards and the references' logits run eagerly; each op set timed in decode
+traces its compiled decode step once (a new ``_compile_key``; on CUDA MLX also compiles
+the new graph's fused kernels). The record keeps the seconds of each phase
+(``"phases"``), the model forwards and decode-step traces per phase (``"counts"``) and,
+per timed set, its first decode step's and first prefill's ms (trace and compile cost);
+the progress lines name each step with the seconds elapsed.
 
 The model is the checkpoint's first ``--layers`` decoder layers (default one
 full-attention cycle, ``full_attention_interval``: 3 GDN layers + 1 attention layer at the
@@ -59,6 +83,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections import Counter
 from pathlib import Path
 
 from . import backend as _backend
@@ -68,8 +93,8 @@ SCHEMA = "mlx-lily-qualify"
 SCHEMA_VERSION = 1
 QUALIFY_ENV = "MLX_LILY_QUALIFY"
 EMULATE_ENV = "MLX_LILY_QUALIFY_EMULATE"
-#: Candidate variants per op: name -> settings (environment values) the variant runs
-#: under. Only the shipped default exists today.
+#: Candidate variants per op besides ``"default"``: ``{op: {variant: {env name: value}}}``
+#: (``variants_of``).
 VARIANTS: dict = {}
 DEFAULT_VARIANT = "default"
 TIMEOUT_S = 600.0
@@ -83,6 +108,7 @@ DECODE_CONTEXT = 64
 DECODE_STEPS = 16
 PREFILL_LEN = 512
 PARITY_PREFILL = 64
+PREFILL_REPS = 3
 
 
 # ----------------------------------------------------------------------------- settings
@@ -324,37 +350,106 @@ def _sync_eval(x):
     mx.eval(x)
 
 
-def time_decode(model, steps: int = DECODE_STEPS, context: int = DECODE_CONTEXT) -> float:
+def spread(times) -> float:
+    """Timing noise of ``times`` (seconds): the interquartile range over the median (with
+    fewer than 4 samples: max - min over the median; 0 for one)."""
+    med = statistics.median(times)
+    if len(times) < 2 or med <= 0:
+        return 0.0
+    if len(times) < 4:
+        return (max(times) - min(times)) / med
+    q = statistics.quantiles(times, n=4)
+    return (q[2] - q[0]) / med
+
+
+def time_decode(model, steps: int = DECODE_STEPS, context: int = DECODE_CONTEXT,
+                detail: dict | None = None) -> float:
     """Median ms of one decode step (logits evaluated) after a ``context``-token prefill;
-    two untimed steps first (compiled steps are traced there)."""
+    two untimed steps first (compiled steps are traced there). ``detail`` gets
+    ``decode_spread`` (the steps' ``spread``), ``decode_first_ms`` (the first step: a
+    trace, on CUDA MLX's compile of the new graph) and ``context_ms``."""
     from .first_contact import warmup_ids
 
     cache = model.make_cache()
     ids = warmup_ids(context, seed=5)
+    t0 = time.perf_counter()
     _sync_eval(model(ids, cache=cache))
+    context_s = time.perf_counter() - t0
     tok = ids[:, -1:]
-    times = []
+    times, first = [], None
     for i in range(steps + 2):
         t0 = time.perf_counter()
         _sync_eval(model(tok, cache=cache))
         if i >= 2:
             times.append(time.perf_counter() - t0)
+        elif i == 0:
+            first = time.perf_counter() - t0
+    if detail is not None:
+        detail.update(decode_spread=spread(times), decode_first_ms=1e3 * first,
+                      context_ms=1e3 * context_s)
     return 1e3 * statistics.median(times)
 
 
-def time_prefill(model, length: int = PREFILL_LEN, reps: int = 3) -> float:
-    """Median ms of a ``length``-token prefill chunk on a fresh cache (one untimed)."""
+def time_prefill(model, length: int = PREFILL_LEN, reps: int = PREFILL_REPS,
+                 detail: dict | None = None) -> float:
+    """Median ms of a ``length``-token prefill chunk on a fresh cache (one untimed first).
+    ``detail`` gets ``prefill_spread`` (the reps' ``spread``) and ``prefill_first_ms``."""
     from .first_contact import warmup_ids
 
     ids = warmup_ids(length, seed=6)
-    times = []
+    times, first = [], None
     for i in range(reps + 1):
         cache = model.make_cache()
         t0 = time.perf_counter()
         _sync_eval(model(ids, cache=cache))
         if i:
             times.append(time.perf_counter() - t0)
+        else:
+            first = time.perf_counter() - t0
+    if detail is not None:
+        detail.update(prefill_spread=spread(times), prefill_first_ms=1e3 * first)
     return 1e3 * statistics.median(times)
+
+
+# ----------------------------------------------------------------------------- variants
+def variants_of(op: str) -> dict:
+    """``{variant: settings}`` qualified for ``op``: ``"default"`` (no settings: the
+    shipped choice) and ``VARIANTS.get(op)``'s, each a dict of environment variables
+    (``MLX_LILY_*`` name -> value; None: unset) the variant runs under."""
+    out = {DEFAULT_VARIANT: {}}
+    out.update({k: dict(v) for k, v in VARIANTS.get(op, {}).items()})
+    return out
+
+
+@contextlib.contextmanager
+def variant_settings(settings: dict):
+    """Within this block the environment holds ``settings`` (name -> value; None: unset);
+    the previous values come back after. ``mlx_lily.config`` / ``tuning`` read the
+    environment at use (frozen only within one forward), so the next forward sees them.
+    Compiled decode steps are dropped on entry and on exit when ``settings`` is not
+    empty (their key does not name every knob), so no graph traced under other settings
+    is replayed."""
+    if not settings:
+        yield
+        return
+    from .patches import decode_graph
+
+    saved = {k: os.environ.get(k) for k in settings}
+
+    def put(values):
+        for k, v in values.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = str(v)
+
+    decode_graph.drop_compiled_steps()
+    try:
+        put(settings)
+        yield
+    finally:
+        put(saved)
+        decode_graph.drop_compiled_steps()
 
 
 # ----------------------------------------------------------------------------- the run
@@ -387,38 +482,230 @@ def _distance(ref, x):
             float((ref.argmax(-1) == x.argmax(-1)).astype(mx.float32).mean().item()))
 
 
+class _Ledger:
+    """Exclusive wall seconds, model forwards (calls of the model) and compiled decode-step
+    traces (``decode_graph.TRACES``) per phase of one qualification."""
+
+    def __init__(self):
+        self.t0 = self._mark = time.perf_counter()
+        self._mark_traces = self._traces_now()
+        self.seconds: dict = {}
+        self.forwards: dict = {}
+        self.traces: dict = {}
+        self.parity_forwards = 0  # probed parity forwards (short prefill, step, prefill)
+        self.timed_sets = 0  # op sets (with their variants' settings) timed
+        self.phases_reused: dict = {}  # phase -> timed sets that reused the base's time
+        self._stack: list = []
+
+    @staticmethod
+    def _traces_now() -> int:
+        from .patches import decode_graph
+
+        return decode_graph.TRACES[0]
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.t0
+
+    def _charge(self) -> None:
+        now, tr = time.perf_counter(), self._traces_now()
+        if self._stack:
+            top = self._stack[-1]
+            self.seconds[top] = self.seconds.get(top, 0.0) + now - self._mark
+            self.traces[top] = self.traces.get(top, 0) + tr - self._mark_traces
+        self._mark, self._mark_traces = now, tr
+
+    @contextlib.contextmanager
+    def phase(self, name: str):
+        self._charge()
+        self._stack.append(name)
+        try:
+            yield
+        finally:
+            self._charge()
+            self._stack.pop()
+
+    def count_forward(self) -> None:
+        top = self._stack[-1] if self._stack else "other"
+        self.forwards[top] = self.forwards.get(top, 0) + 1
+
+    def summary(self) -> dict:
+        return {"phases": {k: round(v, 3) for k, v in self.seconds.items()},
+                "counts": {"forwards": dict(self.forwards), "traces": dict(self.traces),
+                           "parity_forwards": self.parity_forwards,
+                           "timed_sets": self.timed_sets,
+                           "phases_reused": dict(self.phases_reused)}}
+
+
+class _Counted:
+    """``model`` with each call counted in a ``_Ledger``."""
+
+    def __init__(self, model, ledger: _Ledger):
+        self._model, self._ledger = model, ledger
+
+    def __call__(self, *args, **kwargs):
+        self._ledger.count_forward()
+        return self._model(*args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self._model, name)
+
+
+class _Parity:
+    """The parity check of an op set (module docstring, step 1) against the references'
+    logits ``ref``; the fp32 anchor is computed on first need only."""
+
+    def __init__(self, model, ledger, ref, prompt_len, prefill_len, seed):
+        self.model, self.ledger, self.ref = model, ledger, ref
+        self.counted = _Counted(model, ledger)
+        self.args = (prompt_len, prefill_len, seed)
+        self.truth = None
+
+    def _anchor(self):
+        if self.truth is None:
+            from . import kernels
+
+            with self.ledger.phase("fp32"), kernels.only_ops(()), \
+                    _backend.compile_suspended():
+                p, n, seed = self.args
+                self.truth = _fp32_logits(_Counted(self.model, self.ledger), p, n, seed)
+                self.ref_d, self.ref_t = _distance(self.truth, self.ref)
+        return self.truth
+
+    def check(self, opset, settings=None) -> dict:
+        """``{"ok", "agreement", "fault" (op whose launch failed, or None), "error",
+        "launched" ({op: {kernel: launches}})}`` for the probed, NaN-poisoned forward with
+        exactly ``opset`` allowed, under ``settings`` (``variant_settings``)."""
+        from . import first_contact, kernels
+
+        p, n, seed = self.args
+        self.ledger.parity_forwards += 1
+        with variant_settings(settings or {}), kernels.only_ops(opset):
+            try:
+                with first_contact.probing(poison=True) as probe:
+                    got = first_contact.forward_logits(self.counted, p, n, seed=seed)
+            except first_contact.KernelFault as f:
+                return {"ok": False, "agreement": None, "fault": f.op, "error": str(f),
+                        "launched": {}}
+        launched: dict = {}
+        for (op, k), c in probe.launched.items():
+            launched.setdefault(op, {})[k] = c
+        a = first_contact.agree(got, self.ref)
+        ok = bool(a["ok"] and a["rel"] <= REL_TOL)
+        if a["ok"] and not ok:
+            truth = self._anchor()
+            d, t = _distance(truth, got)
+            a.update({"rel_to_fp32": d, "top1_vs_fp32": t,
+                      "reference_rel_to_fp32": self.ref_d,
+                      "reference_top1_vs_fp32": self.ref_t})
+            ok = parity_ok(a, d, self.ref_d, t, self.ref_t)
+        error = None
+        if not ok:
+            error = ("non-finite logits" if not a["finite"] else
+                     f"logits off the reference (correlation {a['correlation']:.3f}, max "
+                     f"|diff| {a['rel']:.3f} of the logit scale)")
+        return {"ok": ok, "agreement": a, "fault": None, "error": error, "launched": launched}
+
+
+PHASES = ("decode", "prefill")
+
+
+def launch_census(model, opset, settings, *, context: int = DECODE_CONTEXT,
+                  prefill_len: int = PREFILL_LEN) -> dict | None:
+    """``{"decode": Counter, "prefill": Counter}`` of the kernel launches
+    (``first_contact.launch_key``) the timed work makes with exactly ``opset`` allowed,
+    under ``settings``: two decode steps after a ``context``-token prefill (the decode
+    steps through the compiled path's Python, untraced: ``first_contact.census``) and a
+    ``prefill_len``-token prefill, built and not evaluated. None when building failed."""
+    from . import first_contact, kernels
+
+    try:
+        with variant_settings(settings), kernels.only_ops(opset), \
+                first_contact.census() as keys:
+            cache = model.make_cache()
+            ids = first_contact.warmup_ids(context, seed=5)
+            model(ids, cache=cache)
+            n0 = len(keys)
+            for _ in range(2):
+                model(ids[:, -1:], cache=cache)
+            n1 = len(keys)
+            model(first_contact.warmup_ids(prefill_len, seed=6), cache=model.make_cache())
+            return {"decode": Counter(keys[n0:n1]), "prefill": Counter(keys[n1:])}
+    except Exception:  # noqa: BLE001  (no census: every phase is timed)
+        return None
+
+
+def same_phases(census: dict | None, base: dict | None) -> set:
+    """The phases whose launches ``census`` and ``base`` share exactly (none when either
+    is unknown): there the op set's work is the base set's, and it is not timed again."""
+    if census is None or base is None:
+        return set()
+    return {ph for ph in PHASES if census[ph] == base[ph]}
+
+
+def _blank(base_ms=None) -> dict:
+    return {"passed": False, "faster": False, "error": None, "agreement": None,
+            "launched": None, "kernel_ms": None, "base_ms": base_ms, "speedup": None,
+            "timing": None}
+
+
+def _ordered(ops) -> list:
+    s = set(ops)
+    return [op for op in _backend.OP_NAMES if op in s]
+
+
 def qualify_model(model, *, ops=None, decode_steps: int = DECODE_STEPS,
                   decode_context: int = DECODE_CONTEXT, prefill_len: int = PREFILL_LEN,
-                  parity_prefill: int = PARITY_PREFILL, seed: int | None = None,
-                  progress=None) -> dict:
-    """Qualify every op (or ``ops``) on the current backend with ``model`` (an unpatched
-    mlx-lm model; patched, forced, while this runs). Returns the result part of a record:
-    ``{"ops": {op: {variant: result}}, "qualified": {op: variant}, "overall": {...},
-    "first_contact": report, "method": str, "seconds": float}``."""
+                  parity_prefill: int = PARITY_PREFILL, prefill_reps: int = PREFILL_REPS,
+                  seed: int | None = None, progress=None) -> dict:
+    """Qualify every op (or ``ops``) in each of its variants (``variants_of``) on the
+    current backend with ``model`` (an unpatched mlx-lm model; patched, forced, while
+    this runs). Returns the result part of a record: ``{"ops": {op: {variant: result}},
+    "qualified": {op: variant}, "overall": {...}, "first_contact": report, "phases":
+    {phase: seconds}, "counts": {...}, "method": str, "seconds": float}``. ``progress``
+    gets one line per step (with the seconds elapsed)."""
     import mlx.core as mx
 
     import mlx_lily
 
     from . import first_contact, kernels
 
-    say = progress or (lambda msg: None)
-    t0 = time.perf_counter()
+    led = _Ledger()
+    say = (lambda msg: progress(f"{msg} ({led.elapsed():.1f} s)")) if progress else (
+        lambda msg: None)
     be = _backend.current_backend()
     seed = int(time.time()) % 100000 if seed is None else seed
     prompt_len = first_contact.PROMPT_LEN
     if mlx_lily.is_patched():
         raise RuntimeError("qualify_model needs an unpatched mlx-lm to time stock")
+    counted = _Counted(model, led)
+
+    def timing(reuse=None):
+        """Times of both phases; a phase in ``reuse`` (``{phase: ms}``) keeps that time
+        (its launches are the base set's) without running."""
+        t = time.perf_counter()
+        detail: dict = {}
+        ms = dict(reuse or {})
+        if "decode" not in ms:
+            ms["decode"] = time_decode(counted, decode_steps, decode_context, detail)
+        if "prefill" not in ms:
+            ms["prefill"] = time_prefill(counted, prefill_len, prefill_reps, detail)
+        led.timed_sets += 1
+        for ph in reuse or {}:
+            led.phases_reused[ph] = led.phases_reused.get(ph, 0) + 1
+        detail["reused"] = sorted(reuse or {})
+        detail["seconds"] = time.perf_counter() - t
+        return ms, detail
+
     say("timing stock mlx-lm")
-    stock_ms = {"decode": time_decode(model, decode_steps, decode_context),
-                "prefill": time_prefill(model, prefill_len)}
-    truth = _fp32_logits(model, prompt_len, parity_prefill, seed)
+    with led.phase("stock"):
+        stock_ms, stock_detail = timing()
     results: dict = {}
-    kept: list = []
     cands = [op for op in _candidates(be) if ops is None or op in ops]
     with mlx_lily.patched(force=True):
         from . import patching
 
-        with kernels.only_ops(ops or _backend.OP_NAMES):  # first contact of each kernel
+        say("warm-up and first contact")
+        with led.phase("warmup"), kernels.only_ops(ops or _backend.OP_NAMES):
             model._lily_warm = True  # prepare only; the warm-up follows here
             mlx_lily.prepare_model(model)  # fused projections
             patching.last_warmup.clear()
@@ -426,64 +713,151 @@ def qualify_model(model, *, ops=None, decode_steps: int = DECODE_STEPS,
             fc = patching.last_warmup.get("first_contact")
             if fc is None:  # a warm-up that ran no first contact (tests stub it)
                 fc = first_contact.check(model, prefill_len=parity_prefill)
-        with kernels.only_ops(()):
-            ref = first_contact.forward_logits(model, prompt_len, parity_prefill, seed=seed)
-            base_ms = {"decode": time_decode(model, decode_steps, decode_context),
-                       "prefill": time_prefill(model, prefill_len)}
-        ref_d, ref_t = _distance(truth, ref)
+        say("references: logits and times")
+        with led.phase("reference"), kernels.only_ops(()):
+            with _backend.compile_suspended():  # eager, as the probed forwards run
+                ref = first_contact.forward_logits(counted, prompt_len, parity_prefill,
+                                                   seed=seed)
+            base_ms, base_detail = timing()
         reference_ms = dict(base_ms)
-        for i, op in enumerate(cands):
-            say(f"[{i + 1}/{len(cands)}] {op}")
-            r: dict = {"passed": False, "faster": False, "error": None, "agreement": None,
-                       "kernel_ms": None, "base_ms": dict(base_ms), "speedup": None}
-            results[op] = {DEFAULT_VARIANT: r}
-            if op in kernels.runtime_disabled():
-                r["error"] = kernels.runtime_disabled()[op]
-                continue
-            with kernels.only_ops(kept + [op]):
-                try:
-                    with first_contact.probing(poison=True):
-                        got = first_contact.forward_logits(model, prompt_len, parity_prefill,
-                                                           seed=seed)
-                except first_contact.KernelFault as f:
-                    r["error"] = str(f)
+        parity = _Parity(model, led, ref, prompt_len, parity_prefill, seed)
+        pending = []
+        for op in cands:
+            results[op] = {name: _blank() for name in variants_of(op)}
+            off = kernels.runtime_disabled().get(op)
+            if off is not None:
+                for r in results[op].values():
+                    r["error"] = off
+            else:
+                pending.append(op)
+        say(f"parity of {len(pending)} ops together (a failing set is bisected)")
+        with led.phase("parity"):
+            good, verdict, failed = first_contact.passing_set(pending, parity.check)
+            for op in good:
+                r = results[op][DEFAULT_VARIANT]
+                r.update(passed=True, agreement=verdict["agreement"],
+                         launched=verdict["launched"].get(op, {}), parity_set=list(good))
+            for op, v in failed.items():
+                r = results[op][DEFAULT_VARIANT]
+                r.update(error=v["error"], agreement=v["agreement"],
+                         launched=v["launched"].get(op, {}))
+            for op in pending:  # other variants: the passing set with this op's variant
+                for name, settings in variants_of(op).items():
+                    if name == DEFAULT_VARIANT:
+                        continue
+                    opset = _ordered(set(good) | {op})
+                    v = parity.check(opset, settings)
+                    results[op][name].update(passed=v["ok"], agreement=v["agreement"],
+                                             error=v["error"], settings=settings,
+                                             launched=v["launched"].get(op, {}),
+                                             parity_set=opset)
+        n_var = sum(len(v) for v in results.values())
+        say(f"parity: {len(good)} of {len(pending)} ops passed"
+            + (f", failed: {', '.join(failed)}" if failed else "")
+            + f" ({led.parity_forwards} probed forwards for {n_var} op variants)")
+        kept: list = []
+        chosen: dict = {}
+        timed = [op for op in pending if any(r["passed"] for r in results[op].values())]
+
+        def env_of(opset):
+            env: dict = {}
+            for o in opset:
+                env.update(variants_of(o)[chosen[o]])
+            return env
+
+        base_census = {ph: Counter() for ph in PHASES}  # no kernel launches at all
+
+        def census_of(opset, settings):
+            with led.phase("census"):
+                return launch_census(counted, opset, settings, context=decode_context,
+                                     prefill_len=prefill_len)
+
+        with led.phase("timing"):
+            for i, op in enumerate(timed):
+                missing = [q for q in first_contact.requires(op) if q not in kept]
+                if missing:
+                    for r in results[op].values():
+                        if r["passed"]:
+                            r["error"] = (f"not timed: requires {', '.join(missing)}, "
+                                          "not qualified")
+                    say(f"[{i + 1}/{len(timed)}] {op}: skipped (requires "
+                        f"{', '.join(missing)})")
                     continue
-                a = first_contact.agree(got, ref)
-                d, t = _distance(truth, got) if a["finite"] else (None, None)
-                a.update({"rel_to_fp32": d, "top1_vs_fp32": t,
-                          "reference_rel_to_fp32": ref_d, "reference_top1_vs_fp32": ref_t})
-                r["agreement"] = a
-                r["passed"] = parity_ok(a, d, ref_d, t, ref_t)
-                if not r["passed"]:
-                    continue
-                r["kernel_ms"] = {"decode": time_decode(model, decode_steps, decode_context),
-                                  "prefill": time_prefill(model, prefill_len)}
-            r["faster"], r["speedup"] = faster(r["kernel_ms"], base_ms)
-            if r["faster"]:
-                kept.append(op)
-                base_ms = dict(r["kernel_ms"])
-        qualified = decide(results)
+                notes = []
+                for name, settings in variants_of(op).items():
+                    r = results[op][name]
+                    if not r["passed"]:
+                        continue
+                    r["base_ms"] = dict(base_ms)
+                    env = {**env_of(kept), **settings}
+                    r["census"] = census_of(kept + [op], env)
+                    same = same_phases(r["census"], base_census)
+                    if same == set(PHASES):
+                        r["error"] = ("not timed: no kernel launch differs from the set "
+                                      "without it at these shapes")
+                        notes.append(f"{name} changes no launch")
+                        continue
+                    with variant_settings(env), kernels.only_ops(kept + [op]):
+                        r["kernel_ms"], r["timing"] = timing(
+                            {ph: base_ms[ph] for ph in same})
+                    r["faster"], r["speedup"] = faster(r["kernel_ms"], base_ms)
+                    notes.append(f"{name} " + " ".join(
+                        f"{k} x{s:.3f}" for k, s in (r["speedup"] or {}).items())
+                        + (f" (first step {r['timing']['decode_first_ms']:.0f} ms)"
+                           if "decode_first_ms" in r["timing"] else "")
+                        + "".join(f" ({ph}: same launches, not timed)" for ph in sorted(same)))
+                best = decide({op: results[op]}).get(op)
+                say(f"[{i + 1}/{len(timed)}] {op}: {'; '.join(notes)} -> "
+                    f"{best or 'not faster'}")
+                if best is not None:
+                    kept.append(op)
+                    chosen[op] = best
+                    base_ms = dict(results[op][best]["kernel_ms"])
+                    base_census = results[op][best]["census"]
+                for r in results[op].values():  # counts in the record, not the Counters
+                    if r.get("census") is not None:
+                        r["census"] = {ph: sum(c.values()) for ph, c in r["census"].items()}
         overall = {"stock_ms": stock_ms, "reference_ms": reference_ms,
-                   "qualified_ms": base_ms if kept else None, "speedup_vs_stock": None}
-        if kept:
-            with kernels.only_ops(kept):
-                lily_ms = {"decode": time_decode(model, decode_steps, decode_context),
-                           "prefill": time_prefill(model, prefill_len)}
-            overall["qualified_ms"] = lily_ms
-            ok, overall["speedup_vs_stock"] = faster(lily_ms, stock_ms)
-            if min(overall["speedup_vs_stock"].values()) < 1 - SLOWER_TOL:
-                overall["dropped"] = sorted(qualified)
-                qualified = {}
+                   "qualified_ms": None, "speedup_vs_stock": None,
+                   "timing": {"stock": stock_detail, "reference": base_detail}}
+        with led.phase("final"):
+            if kept:
+                say(f"final check of the qualified set ({len(kept)} ops)")
+                v = parity.check(kept, env_of(kept))
+                if not v["ok"]:  # a base op its fusion had hidden from the first check
+                    good2, _, failed2 = first_contact.passing_set(
+                        kept, lambda s: parity.check(s, env_of(s)))
+                    for op, w in failed2.items():
+                        results[op][chosen[op]].update(
+                            passed=False, faster=False, error=f"final check: {w['error']}")
+                    kept = good2
+                    overall["final_check_failed"] = sorted(failed2)
+            if kept:
+                with variant_settings(env_of(kept)), kernels.only_ops(kept):
+                    lily_ms, overall["timing"]["qualified"] = timing()
+                overall["qualified_ms"] = lily_ms
+                _, overall["speedup_vs_stock"] = faster(lily_ms, stock_ms)
+        qualified = {op: chosen[op] for op in kept}
+        sp = overall["speedup_vs_stock"]
+        if qualified and sp and min(sp.values()) < 1 - SLOWER_TOL:
+            overall["dropped"] = sorted(qualified)
+            qualified = {}
+        say(f"qualified {len(qualified)} of {len(cands)} ops"
+            + (f"; vs stock: {' '.join(f'{k} x{s:.3f}' for k, s in sp.items())}" if sp else "")
+            + ("; slower than stock: Lily steps aside" if overall.get("dropped") else ""))
     mx.clear_cache()
     return {"ops": results, "qualified": qualified, "overall": overall,
             "first_contact": {k: v for k, v in fc.items() if k != "launched"},
+            **led.summary(),
             "settings": {"decode_steps": decode_steps, "decode_context": decode_context,
                          "prefill_len": prefill_len, "parity_prefill": parity_prefill,
-                         "seed": seed},
-            "method": ("model-level: parity of the forward with the op on vs every "
-                       "kernel off (NaN-poisoned outputs, fresh random ids); time of a "
-                       "decode step and a prefill chunk with the op on vs off"),
-            "seconds": time.perf_counter() - t0}
+                         "prefill_reps": prefill_reps, "seed": seed},
+            "method": ("model-level: parity of the forward with every candidate op on vs "
+                       "every kernel off (NaN-poisoned outputs, fresh random ids), a "
+                       "failing set bisected; time of a decode step and a prefill chunk "
+                       "with each op on vs off (ops kept before it on in both); the "
+                       "qualified set checked and timed against stock"),
+            "seconds": led.elapsed()}
 
 
 # ----------------------------------------------------------------------------- child
@@ -507,6 +881,7 @@ def _child(opts) -> int:
             model, ops=opts.ops.split(",") if opts.ops else None,
             decode_steps=opts.decode_steps, decode_context=opts.decode_context,
             prefill_len=opts.prefill_len, parity_prefill=opts.parity_prefill,
+            prefill_reps=opts.prefill_reps,
             progress=lambda m: print(f"[mlx-lily] qualify {m}", file=sys.stderr, flush=True))
         res["model"] = desc
         res["identity"] = identity(be)
@@ -615,7 +990,10 @@ def report_rows(record: dict) -> list:
                          "speedup_decode": s.get("decode"),
                          "kernel_prefill_ms": k.get("prefill"),
                          "stock_prefill_ms": b.get("prefill"),
-                         "speedup_prefill": s.get("prefill"), "error": r.get("error")})
+                         "speedup_prefill": s.get("prefill"),
+                         "error": r.get("error") or "".join(
+                             f"{ph}: same launches as without it, not timed; "
+                             for ph in (r.get("timing") or {}).get("reused", ())) or None})
     return rows
 
 
@@ -653,7 +1031,14 @@ def render_markdown(record: dict) -> str:
                       f"{ov.get('speedup_vs_stock')}"
                       + (f"; dropped (slower than stock): {ov['dropped']}"
                          if ov.get("dropped") else "")]
-    lines += ["", f"Qualified: {sorted(record.get('qualified', {}))}"]
+    if record.get("phases"):
+        c = record.get("counts") or {}
+        lines += ["", "Seconds per phase: " + ", ".join(
+            f"{k} {v:.1f}" for k, v in record["phases"].items())
+            + f"; probed parity forwards {c.get('parity_forwards')}, op sets timed "
+              f"{c.get('timed_sets')}; model forwards {c.get('forwards')}; compiled "
+              f"decode-step traces {c.get('traces')}"]
+    lines += ["", f"Qualified: {record.get('qualified', {})}"]
     return "\n".join(lines) + "\n"
 
 
@@ -682,6 +1067,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--decode-context", type=int, default=DECODE_CONTEXT)
     p.add_argument("--prefill-len", type=int, default=PREFILL_LEN)
     p.add_argument("--parity-prefill", type=int, default=PARITY_PREFILL)
+    p.add_argument("--prefill-reps", type=int, default=PREFILL_REPS)
     p.add_argument("--timeout-s", type=float, default=TIMEOUT_S)
     p.add_argument("--report", action="store_true",
                    help="print the table and write qualify.json + qualify.md (--out)")
@@ -701,6 +1087,8 @@ def main(argv=None) -> int:
     if opts.child:
         return _child(opts)
     be = _backend.current_backend()
+    if be == "cpu" and tuning.qualify_emulate:
+        be = "metal"  # the child runs the Metal kernels emulated: a Metal record
     if opts.report_only:
         rec = read_record(be)
         if rec is None:
@@ -715,10 +1103,11 @@ def main(argv=None) -> int:
             opts.synthetic = "qwen3.6-35b-a3b"
         extra = ["--decode-steps", str(opts.decode_steps), "--decode-context",
                  str(opts.decode_context), "--prefill-len", str(opts.prefill_len),
-                 "--parity-prefill", str(opts.parity_prefill), "--model-seed",
+                 "--parity-prefill", str(opts.parity_prefill), "--prefill-reps",
+                 str(opts.prefill_reps), "--model-seed",
                  str(opts.model_seed)] + (["--ops", opts.ops] if opts.ops else [])
         rec = run(opts.model, opts.synthetic, layers=opts.layers, timeout_s=opts.timeout_s,
-                  extra_args=extra)
+                  extra_args=extra, backend=be)
         print(f"[mlx-lily] qualification {rec['status']} in {rec['wall_s']:.1f} s; record "
               f"{record_path(be)}", file=sys.stderr)
     if opts.report or opts.report_only:

@@ -5,6 +5,7 @@ by ``mx.compile`` once per configuration (``_compile_key``) and cache capacity, 
 
 from __future__ import annotations
 
+import contextlib
 import operator
 import weakref
 
@@ -94,6 +95,41 @@ def drop_compiled_steps() -> None:
     _MODELS_WITH_STEPS.clear()
 
 
+#: Python traces of compiled decode steps in this process (a traced function's body runs
+#: once per trace; replays do not run it): qualification's per-phase counts.
+TRACES = [0]
+
+
+_UNCOMPILED = [False]
+
+
+def _traced(fn):
+    """``fn`` counting its calls in ``TRACES`` (wrapped before ``mx.compile``)."""
+    def traced(*args, **kwargs):
+        TRACES[0] += 1
+        return fn(*args, **kwargs)
+
+    return traced
+
+
+def _compile(fn):
+    """``mx.compile(fn)``, counted in ``TRACES``; ``fn`` itself inside ``uncompiled()``."""
+    return fn if _UNCOMPILED[0] else mx.compile(_traced(fn))
+
+
+@contextlib.contextmanager
+def uncompiled():
+    """Within this block the compiled decode steps are built as plain functions, under
+    their own compile key: the same Python builds each step's graph at every call, with
+    nothing traced (qualification's launch census sees the kernels a compiled step
+    launches without paying its trace)."""
+    prev, _UNCOMPILED[0] = _UNCOMPILED[0], True
+    try:
+        yield
+    finally:
+        _UNCOMPILED[0] = prev
+
+
 def _compile_key():
     """What the traced functions depend on beyond shapes: backend, op selection, switches.
     Compiled steps outlive ``unpatch``: a later patch reuses them only under an equal key
@@ -104,7 +140,7 @@ def _compile_key():
     return (be, backend.disabled_ops(), backend.selected_ops(), kernels.allowed_key(),
             config.kernels,
             tuning.decode_pf, norm_qgemv_ops.split_requested(), gdn_ops.proj_split(be),
-            tuning.moe_fused_rpw, tuning.moe_tile_rows)
+            tuning.moe_fused_rpw, tuning.moe_tile_rows, _UNCOMPILED[0])
 
 
 def _gdn_step_fn(layer, pending):
@@ -128,7 +164,7 @@ def _gdn_step_fn(layer, pending):
 
 def _gdn_step(layer, pending):
     """``_gdn_step_fn`` compiled."""
-    return mx.compile(_gdn_step_fn(layer, pending))
+    return _compile(_gdn_step_fn(layer, pending))
 
 
 COMPILE_ATTN_ENV = "MLX_LILY_COMPILE_ATTN"  # tuning.compile_attn
@@ -299,7 +335,7 @@ def _run_whole_step(text_model, cs, layers, cache, h):
     shapes = tuple(c.keys.shape for l, c in zip(layers, cache) if not l.is_linear)
     fn = cs.recent.get(shapes)  # holds cs.whole's function too
     if fn is None:
-        fn = mx.compile(_whole_step_fn(text_model, layers))
+        fn = _compile(_whole_step_fn(text_model, layers))
     args = [h]
     for layer, c in zip(layers, cache):
         args += ([c[0], c[1]] if layer.is_linear else [c.keys, c.values])
@@ -335,7 +371,7 @@ def _run_whole_step(text_model, cs, layers, cache, h):
 
 def _mlp_tail(layer):
     """``(h, r) -> (h', m)`` compiled: ``_layer_tail`` of an attention layer."""
-    return mx.compile(lambda h, r: _layer_tail(layer, h, r))
+    return _compile(lambda h, r: _layer_tail(layer, h, r))
 
 
 def _compiled_steps(model, key):
@@ -415,7 +451,7 @@ def _run_compiled(steps, key, layer, h, x, c, fa_mask):
     whole_attn = len(key) > 2
     if first:
         if whole_attn:
-            fn = mx.compile(_attn_step_fn(layer, pending))
+            fn = _compile(_attn_step_fn(layer, pending))
         else:
             fn = _gdn_step(layer, pending) if layer.is_linear else _mlp_tail(layer)
     if whole_attn:

@@ -127,3 +127,15 @@ def test_load_with_a_broken_kernel_does_not_fail(model, monkeypatch):
     assert info["runtime_disabled"].keys() == {"moe_router_topk"}
     assert info["ops"]["moe_router_topk"] == "reference" and info["ops"]["qgemv"] == "kernel"
     model.__dict__.pop("_lily_warm", None)
+
+
+@needs_emu
+def test_two_wrong_ops_are_both_found(model, monkeypatch):
+    """Two ops giving wrong logits: the bisection finds each (one warning each); the third
+    keeps its kernel."""
+    rep, _, warned = _run(model, monkeypatch, "add_rms_norm:nonfinite,qgemv:wrong")
+    assert rep["failed"].keys() == {"add_rms_norm", "qgemv"}, rep
+    assert rep["failed"]["add_rms_norm"] == "non-finite result"
+    assert rep["failed"]["qgemv"].startswith("wrong result (logit correlation")
+    assert rep["active"] == ["moe_router_topk"]
+    assert len([w for w in warned if "turned off" in w]) == 2, warned

@@ -154,6 +154,173 @@ def test_qualification_fails_only_the_injected_op(monkeypatch, kind):
         assert r["agreement"]["finite"] and r["kernel_ms"]["decode"] > 0
 
 
+
+def test_passing_set_bisects_to_the_breaking_op(monkeypatch):
+    """One check when every op passes; a failing set is bisected over its prefixes (the op
+    whose addition breaks it fails, with the ops that require it); a launch failure names
+    its op without bisecting."""
+    monkeypatch.setattr(first_contact, "requires", lambda op: {"d": ("c",)}.get(op, ()))
+    calls: list = []
+
+    def check(bad=None, fault=None):
+        def run(opset):
+            calls.append(list(opset))
+            if fault in opset:
+                return {"ok": False, "fault": fault, "agreement": None, "error": "launch",
+                        "launched": {}}
+            ok = bad not in opset
+            return {"ok": ok, "fault": None, "agreement": {"ok": ok}, "launched": {},
+                    "error": None if ok else "wrong"}
+        return run
+
+    good, verdict, failed = first_contact.passing_set(list("abcdefgh"), check())
+    assert good == list("abcdefgh") and verdict["ok"] and failed == {} and len(calls) == 1
+    calls.clear()
+    good, verdict, failed = first_contact.passing_set(list("abcdefgh"), check(bad="c"))
+    assert good == list("abefgh") and verdict["ok"]
+    assert failed["c"]["error"] == "wrong" and "requires c" in failed["d"]["error"]
+    assert len(calls) == 1 + 3 + 1, calls  # all, bisection over 8 prefixes, the rest
+    calls.clear()
+    good, _, failed = first_contact.passing_set(list("abcdefgh"), check(fault="f"))
+    assert good == list("abcdegh") and set(failed) == {"f"} and len(calls) == 2
+
+
+def _first_contact_misses(monkeypatch):
+    """First contact at the warm-up turns nothing off (qualification's own parity must
+    find the fault)."""
+    monkeypatch.setattr(first_contact, "check", lambda model, **kw: {
+        "failed": {}, "active": [], "agreement": None, "launched": {}})
+
+
+@needs_emu
+def test_parity_bisection_finds_the_wrong_op(monkeypatch):
+    """With every op on at once the logits are wrong: the bisection names qgemv (and the
+    fusion that requires it), the others pass, in 4 probed forwards instead of one per op."""
+    monkeypatch.setenv(first_contact.INJECT_ENV, "qgemv:wrong")
+    _first_contact_misses(monkeypatch)
+    model = _models.build("qwen3_5_moe", seed=3)
+    ops = ["add_rms_norm", "moe_router_topk", "qgemv", "norm_qgemv"]
+    lines: list = []
+    with emulated_metal():
+        res = qualify.qualify_model(model, ops=ops, decode_steps=1, decode_context=4,
+                                    prefill_len=8, parity_prefill=0, prefill_reps=1, seed=1,
+                                    progress=lines.append)
+    passed = {op: r["default"]["passed"] for op, r in res["ops"].items()}
+    assert passed == {"add_rms_norm": True, "moe_router_topk": True, "qgemv": False,
+                      "norm_qgemv": False}, res["ops"]
+    assert "off the reference" in res["ops"]["qgemv"]["default"]["error"]
+    assert "requires qgemv" in res["ops"]["norm_qgemv"]["default"]["error"]
+    assert res["ops"]["qgemv"]["default"]["kernel_ms"] is None  # failed: not timed
+    assert set(res["qualified"]) <= {"add_rms_norm", "moe_router_topk"}
+    counts = res["counts"]
+    # the parity phase: all, the bisection, the rest; each a prefill and a decode step
+    assert counts["forwards"]["parity"] == 2 * (1 + 2 + 1), counts
+    # plus the final check when an op was kept (timing on this CPU decides)
+    final = res["overall"]["qualified_ms"] is not None
+    assert counts["parity_forwards"] == 1 + 2 + 1 + final, counts
+    assert {"stock", "warmup", "reference", "parity", "timing"} <= set(res["phases"])
+    assert counts["timed_sets"] >= 2 + 2  # stock, references, the two passing ops
+    assert any("parity: 2 of 4 ops passed, failed: qgemv, norm_qgemv" in ln for ln in lines)
+    assert all(ln.endswith(" s)") for ln in lines), lines
+
+
+def test_variant_settings_apply_and_restore(monkeypatch):
+    from mlx_lily.patches import decode_graph
+
+    dropped = []
+    monkeypatch.setattr(decode_graph, "drop_compiled_steps", lambda: dropped.append(1))
+    monkeypatch.setenv("LILY_TEST_A", "before")
+    monkeypatch.delenv("LILY_TEST_B", raising=False)
+    with qualify.variant_settings({"LILY_TEST_A": None, "LILY_TEST_B": 3}):
+        assert "LILY_TEST_A" not in os.environ and os.environ["LILY_TEST_B"] == "3"
+        assert len(dropped) == 1  # no compiled step traced under other settings replays
+    assert os.environ["LILY_TEST_A"] == "before" and "LILY_TEST_B" not in os.environ
+    assert len(dropped) == 2
+    with qualify.variant_settings({}):
+        pass
+    assert len(dropped) == 2
+    assert qualify.variants_of("qgemv")["default"] == {}
+
+
+@needs_emu
+def test_variants_are_checked_timed_and_picked(monkeypatch):
+    """Each variant of an op runs its parity and its timing under its own settings; a
+    variant failing parity is not timed; the fastest passing variant that was faster is
+    the op's qualified variant, and the final timing runs under it."""
+    var = "LILY_TEST_VARIANT"
+    monkeypatch.delenv(var, raising=False)
+    monkeypatch.setattr(qualify, "VARIANTS", {"add_rms_norm": {
+        "wide": {var: "wide"}, "wider": {var: "wider"}, "broken": {var: "broken"}}})
+    real_check = qualify._Parity.check
+    checked = []
+
+    def check(self, opset, settings=None):
+        checked.append((tuple(opset), (settings or {}).get(var)))
+        v = real_check(self, opset, settings)
+        if (settings or {}).get(var) == "broken":
+            v = dict(v, ok=False, error="broken variant")
+        return v
+
+    times = {"wide": 5.0, "wider": 8.0}
+    seen = []
+
+    def fake_decode(model, steps, context, detail=None):
+        seen.append(os.environ.get(var))
+        return times.get(os.environ.get(var), 10.0)
+
+    monkeypatch.setattr(qualify._Parity, "check", check)
+    monkeypatch.setattr(qualify, "time_decode", fake_decode)
+    monkeypatch.setattr(qualify, "time_prefill", lambda model, length, reps, detail=None: 10.0)
+    model = _models.build("qwen3_5_moe", seed=3)
+    with emulated_metal():
+        res = qualify.qualify_model(model, ops=["add_rms_norm"], decode_steps=1,
+                                    decode_context=4, prefill_len=8, parity_prefill=0,
+                                    seed=1)
+    r = res["ops"]["add_rms_norm"]
+    assert list(r) == ["default", "wide", "wider", "broken"]
+    assert [r[v]["passed"] for v in r] == [True, True, True, False]
+    assert r["broken"]["error"] == "broken variant" and r["broken"]["kernel_ms"] is None
+    assert [r[v]["faster"] for v in ("default", "wide", "wider")] == [False, True, True]
+    assert res["qualified"] == {"add_rms_norm": "wide"}
+    assert qualify.decide(res["ops"]) == {"add_rms_norm": "wide"}
+    # stock, references, default, wide, wider, then the final timing under "wide"
+    assert seen == [None, None, None, "wide", "wider", "wide"], seen
+    assert [s for _, s in checked] == [None, "wide", "wider", "broken", "wide"], checked
+    assert var not in os.environ
+    md = qualify.render_markdown({**res, "identity": {}})
+    assert "| add_rms_norm | wide | yes | yes |" in md
+
+
+@needs_emu
+def test_decode_step_compiles_for_the_op_sets_qualification_tries(monkeypatch):
+    """Every op set qualification times traces its decode step: with the attention
+    switches on but the attention kernel off (attention not kept) the step must not fail
+    to trace. ``mx.compile`` is replaced by the identity (the emulator runs eagerly; a
+    trace runs the same Python), so a tracing failure shows as the compile warning."""
+    import warnings
+
+    from mlx_lily.patches import decode_graph
+
+    model = _models.build("qwen3_5_moe", seed=3)
+    names = list(backend.OP_NAMES)
+    sets = [["attn_packed"], [o for o in names if o != "attention"], names]
+    with emulated_metal(), pytest.MonkeyPatch.context() as mp:
+        with mlx_lily.patched(model, force=True):
+            mlx_lily.prepare_model(model)
+            for ops in sets:
+                with kernels.only_ops(ops):
+                    eager = np.array(first_contact.forward_logits(model, 8, 0))
+                    mp.setattr(backend, "compile_mode", lambda be=None: "whole")
+                    mp.setattr(mx, "compile", lambda f, *a, **k: f)
+                    before = decode_graph.TRACES[0]
+                    with warnings.catch_warnings(record=True) as w:
+                        warnings.simplefilter("always")
+                        got = np.array(first_contact.forward_logits(model, 8, 0))
+                    mp.undo()
+                assert decode_graph.TRACES[0] > before, ops
+                assert not [str(x.message) for x in w if "compiling" in str(x.message)], ops
+                np.testing.assert_array_equal(got, eager)
+
 def _child_env(**extra):
     env = dict(os.environ, MLX_LILY_QUALIFY_EMULATE="1", **extra)
     env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parent), *sys.path])
@@ -278,3 +445,65 @@ def test_step_aside_line_waits_for_a_supported_model(monkeypatch, capsys):
     finally:
         mlx_lily.unpatch()
     assert not hasattr(utils.load_model, "__wrapped__")  # the load hook is gone
+
+
+@needs_emu
+def test_launch_census_tells_the_phases_an_op_changes():
+    """The census sees which phase's launches an op set changes: qgemv is decode-only,
+    the packed attention switch changes attention's decode launches only, add+norm both;
+    no op allowed, no launch."""
+    model = _models.build("qwen3_5_moe", seed=3)
+    with emulated_metal():
+        with mlx_lily.patched(model, force=True):
+            mlx_lily.prepare_model(model)
+
+            def census(ops):
+                return qualify.launch_census(model, ops, {}, context=4, prefill_len=40)
+
+            none = census([])
+            assert none == {"decode": {}, "prefill": {}}
+            assert qualify.same_phases(census(["qgemv"]), none) == {"prefill"}
+            assert qualify.same_phases(census(["add_rms_norm"]), none) == set()
+            attn = census(["attention"])
+            assert sum(attn["decode"].values()) > 0 and sum(attn["prefill"].values()) > 0
+            assert qualify.same_phases(census(["attention", "attn_packed"]), attn) == {
+                "prefill"}
+            assert qualify.same_phases(None, none) == set()  # unknown: time everything
+
+
+@needs_emu
+def test_phases_with_the_same_launches_are_not_timed(monkeypatch):
+    """A decode-only op reuses the base set's prefill time; an op that changes no launch
+    at these shapes is not timed and does not qualify."""
+    calls = {"decode": 0, "prefill": 0}
+
+    def fake(phase):
+        def timer(*args, **kwargs):
+            calls[phase] += 1
+            return 10.0
+        return timer
+
+    monkeypatch.setattr(qualify, "time_decode", fake("decode"))
+    monkeypatch.setattr(qualify, "time_prefill", fake("prefill"))
+    model = _models.build("qwen3_5_moe", seed=3)
+    with emulated_metal():
+        res = qualify.qualify_model(model, ops=["add_rms_norm", "moe_route", "qgemv",
+                                                "attn_packed"], decode_steps=1,
+                                    decode_context=4, prefill_len=8, parity_prefill=0, seed=1)
+    ops = res["ops"]
+    # moe_route launches nothing at these shapes (no grouped prefill on 8 tokens)
+    assert ops["moe_route"]["default"]["passed"]
+    assert "no kernel launch differs" in ops["moe_route"]["default"]["error"]
+    assert ops["moe_route"]["default"]["kernel_ms"] is None
+    assert ops["add_rms_norm"]["default"]["timing"]["reused"] == []
+    assert ops["qgemv"]["default"]["timing"]["reused"] == ["prefill"]
+    assert ops["qgemv"]["default"]["speedup"]["prefill"] == 1.0
+    # the packed attention switch without the attention kernel: nothing to time
+    assert ops["attn_packed"]["default"]["passed"]
+    assert ops["attn_packed"]["default"]["kernel_ms"] is None
+    assert "requires attention" in ops["attn_packed"]["default"]["error"]
+    # stock, references, add_rms_norm: both phases; qgemv: decode only
+    assert calls == {"decode": 4, "prefill": 3}, calls
+    assert res["counts"]["phases_reused"] == {"prefill": 1}
+    assert res["counts"]["forwards"]["census"] == 3 * (1 + 2 + 1)  # three op sets
+    assert res["qualified"] == {}
