@@ -112,55 +112,210 @@ def _decode_alone(model, cache, tok, n):
     return toks, np.stack(rows)
 
 
-@needs_emu
-def test_emulated_batched_decode_rows_bit_identical_to_alone(model):
-    """With every Metal kernel on (emulator): prompts of 5 / 37 / 130 tokens prefilled
-    alone, their caches merged as ``BatchGenerator`` merges them (left-padded
-    ``BatchKVCache``), then decoded together: every row's logits are bit-identical to the
-    same sequence decoded alone at every step, also after a row leaves the batch
-    (``filter``, as when a request finishes)."""
-    from mlx_lily.ops import attention as A
+def check_decode_parity(model, lengths=LENGTHS, steps=5, leave_after=2):
+    """Prompts of ``lengths`` prefilled alone, their caches merged as ``BatchGenerator``
+    merges them (left-padded ``BatchKVCache``), then decoded together for ``steps`` steps
+    (the middle row leaves after ``leave_after``, ``filter``, as when a request finishes):
+    every row's logits must be bit-identical to the same sequence decoded alone at every
+    step. Runs under whatever backend and patch the caller set up; returns the kernel
+    names launched by the batched steps."""
     from mlx_lily.testing.dispatch import count_kernel_launches
 
-    steps, leave_after = 5, 2
-    prompts = [prompt_of(n, i) for i, n in enumerate(LENGTHS)]
+    prompts = [prompt_of(n, i) for i, n in enumerate(lengths)]
+    pre = [_prefill_alone(model, p) for p in prompts]
+    alone = [_decode_alone(model, copy.deepcopy(c), t, steps) for c, t in pre]
+    caches = _merge_caches([copy.deepcopy(c) for c, _ in pre])
+    assert any(type(c) is BatchKVCache for c in caches)
+    rows = list(range(len(prompts)))
+    toks = [t for _, t in pre]
+    with pytest.MonkeyPatch.context() as mp:
+        calls = count_kernel_launches(mp)
+        for step in range(steps):
+            if step == leave_after and len(rows) > 2:  # the middle request finishes
+                keep = [0] + list(range(2, len(rows)))
+                rows = [rows[i] for i in keep]
+                for c in caches:
+                    c.filter(keep)
+                toks = [toks[i] for i in keep]
+            logits = model(mx.array(toks)[:, None], cache=caches)[:, -1]
+            mx.eval(logits)
+            got = np.array(logits.astype(mx.float32))
+            for j, r in enumerate(rows):
+                diff = float(np.abs(got[j] - alone[r][1][step]).max())
+                assert np.array_equal(got[j], alone[r][1][step]), (step, r, diff)
+            toks = [int(t) for t in mx.argmax(logits, axis=-1).tolist()]
+            assert toks == [alone[r][0][step] for r in rows]
+    return calls
+
+
+@needs_emu
+def test_emulated_batched_decode_rows_bit_identical_to_alone(model):
+    """With every Metal kernel on (emulator): prompts of 5 / 37 / 130 tokens decoded as
+    one left-padded batch give each row the logits of that sequence decoded alone, bit
+    for bit (``check_decode_parity``), through the attention decode kernels."""
+    from mlx_lily.ops import attention as A
+
     with emulated_metal():
         with mlx_lily.patched(model):
-            pre = [_prefill_alone(model, p) for p in prompts]
-            alone = [_decode_alone(model, copy.deepcopy(c), t, steps) for c, t in pre]
-            caches = _merge_caches([copy.deepcopy(c) for c, _ in pre])
-            assert any(type(c) is BatchKVCache for c in caches)
-            rows = list(range(len(prompts)))
-            toks = [t for _, t in pre]
-            with pytest.MonkeyPatch.context() as mp:
-                calls = count_kernel_launches(mp)
-                for step in range(steps):
-                    if step == leave_after:  # the middle request finishes
-                        rows = [0, 2]
-                        keep = [0, 2]
-                        for c in caches:
-                            c.filter(keep)
-                        toks = [toks[i] for i in keep]
-                    logits = model(mx.array(toks)[:, None], cache=caches)[:, -1]
-                    mx.eval(logits)
-                    got = np.array(logits.astype(mx.float32))
-                    for j, r in enumerate(rows):
-                        assert np.array_equal(got[j], alone[r][1][step]), (step, r)
-                    toks = [int(t) for t in mx.argmax(logits, axis=-1).tolist()]
-                    assert toks == [alone[r][0][step] for r in rows]
+            calls = check_decode_parity(model)
     # the batched steps ran the attention decode kernels (not the stock SDPA)
     assert A.DECODE_PARTIAL.name in calls and A.QK_NORM_ROPE.name in calls
 
 
 @needs_emu
-def test_emulated_batch_generate_equals_alone(model):
+@pytest.mark.parametrize("lengths", [LENGTHS, (37, 37)], ids=["mixed", "equal"])
+def test_emulated_batch_generate_equals_alone(model, lengths):
     """With every Metal kernel on (emulator): BatchGenerator over prompts of 5 / 37 / 130
-    tokens (prefilled together, right-padded, then decoded as a left-padded batch),
-    rows finishing at different steps, gives each prompt the tokens it gets alone."""
-    prompts = [prompt_of(n, i) for i, n in enumerate(LENGTHS)]
-    max_tokens = (6, 4, 5)
+    tokens (prefilled together, right-padded, then decoded as a left-padded batch), rows
+    finishing at different steps, gives each prompt the tokens it gets alone; so do
+    prompts of equal length (no padding: the batch's SSM mask is an all-true array, as in
+    ``mlx_lm.benchmark -b N``)."""
+    prompts = [prompt_of(n, i) for i, n in enumerate(lengths)]
+    max_tokens = (6, 4, 5)[:len(prompts)]
     with emulated_metal():
         with mlx_lily.patched(model):
             alone = [greedy_alone(model, p, n) for p, n in zip(prompts, max_tokens)]
             batch = batch_generate(model, prompts, max_tokens)
+    assert batch == alone
+
+
+# ------------------------------------------------------------------------- op level, both twins
+def _attn_helpers():
+    import test_op_attention as T
+
+    return T
+
+
+OP_BACKENDS = ["metal-emu", "cuda-emu", pytest.param("metal", marks=pytest.mark.gpu),
+               pytest.param("cuda", marks=pytest.mark.gpu)]
+
+
+@pytest.mark.parametrize("backend", OP_BACKENDS)
+def test_qkv_norm_rope_packed_per_row_offsets(backend, monkeypatch):
+    """One ``lily_attn_qk_norm_rope`` launch with one position per batch row: each row is
+    bit-identical to that row launched alone at its own position, and close to the
+    reference (``mx.fast.rope`` with an offset array)."""
+    import mlx_lily.ops.attention as A
+    from mlx_lily import kernels
+
+    T = _attn_helpers()
+    monkeypatch.setenv(kernels.KERNELS_ENV, "all")
+    B, Hq, Hkv, D, R, dt = 3, 16, 2, 256, 64, mx.bfloat16
+    mx.random.seed(5)
+    y = T._packed_row(B, 1, Hq, Hkv, D, dt)
+    wq = (1.0 + 0.1 * mx.random.normal((D,))).astype(dt)
+    wk = (1.0 + 0.1 * mx.random.normal((D,))).astype(dt)
+    offs = mx.array([5, 4100, 77], dtype=mx.int32)
+    kw = dict(n_heads=Hq, n_kv_heads=Hkv, head_dim=D, rope_dims=R, base=1e7)
+    rq, rk, rv = A.qkv_norm_rope_packed_reference(y, wq, wk, 1e-6, **kw, offset=offs)
+    queries, _, keys, _ = A.split_packed(y, Hq, Hkv, D)
+    with T.use_backend(backend, monkeypatch):
+        q, k, v = A.qkv_norm_rope_packed(y, wq, wk, 1e-6, **kw, offset=offs)
+        rows = [A.qkv_norm_rope_packed(y[b:b + 1], wq, wk, 1e-6, **kw, offset=offs[b:b + 1])
+                for b in range(B)]
+        assert A.qkv_norm_rope_packed(y, wq, wk, 1e-6, **kw, offset=offs[:2]) is None
+        mx.eval(q, k, v, rows)
+    for b, (qb, kb, vb) in enumerate(rows):
+        assert mx.array_equal(q[b:b + 1], qb).item(), b
+        assert mx.array_equal(k[b:b + 1], kb).item(), b
+        assert mx.array_equal(v[b:b + 1], vb).item(), b
+    T._assert_qk_close(q, rq, queries, wq, R, dt)
+    T._assert_qk_close(k, rk, keys, wk, R, dt)
+    assert mx.array_equal(v, rv).item()
+
+
+@pytest.mark.parametrize("backend", OP_BACKENDS)
+def test_sdpa_gated_packed_rows_left_padded(backend, monkeypatch):
+    """Decode attention over a left-padded batch cache: row b reads only its keys
+    ``[starts[b], T)`` (the padding holds NaN and never shows), bit-identical to the same
+    row decoded alone over its own keys, and close to the masked fp32 reference."""
+    import mlx_lily.ops.attention as A
+    from mlx_lily import kernels
+
+    T = _attn_helpers()
+    monkeypatch.setenv(kernels.KERNELS_ENV, "all")
+    B, Hq, Hkv, D, n, dt = 3, 16, 2, 256, 300, mx.bfloat16
+    starts = [3, 0, 250]
+    mx.random.seed(9)
+    q = T._rand((B, Hq, 1, D), dt)
+    kb = T._rand((B, Hkv, 512, D), dt)
+    vb = T._rand((B, Hkv, 512, D), dt)
+    pad = mx.arange(512)[None, None, :, None] < mx.array(starts)[:, None, None, None]
+    kb = mx.where(pad, mx.array(float("nan"), dt), kb)
+    vb = mx.where(pad, mx.array(float("nan"), dt), vb)
+    k, v = kb[..., :n, :], vb[..., :n, :]
+    y = T._packed_row(B, 1, Hq, Hkv, D, dt)
+    _, gate, _, _ = A.split_packed(y, Hq, Hkv, D)
+    with T.use_backend(backend, monkeypatch):
+        out = A.sdpa_gated_packed_rows(q, k, v, D ** -0.5, y, starts, Hq, Hkv, D)
+        alone = [A.sdpa_gated_packed(q[b:b + 1], k[b:b + 1, :, s:], v[b:b + 1, :, s:],
+                                     D ** -0.5, y[b:b + 1], Hq, Hkv, D)
+                 for b, s in enumerate(starts)]
+        assert A.sdpa_gated_packed_rows(q, k, v, D ** -0.5, y, [0, 0], Hq, Hkv, D) is None
+        mx.eval(out, alone)
+    assert out.shape == (B, 1, Hq * D)
+    for b in range(B):
+        assert mx.array_equal(out[b:b + 1], alone[b]).item(), b
+    for b, s in enumerate(starts):  # the fp32 truth of each row over its own keys
+        ref = A.sdpa_gated_reference(*T._f32(q[b:b + 1], k[b:b + 1, :, s:], v[b:b + 1, :, s:]),
+                                     D ** -0.5, None, gate[b:b + 1].astype(mx.float32))
+        T._assert_close(out[b:b + 1], ref, dt)
+
+
+# ------------------------------------------------------------------------- GPU (lead's H200)
+def _gpu_backend():
+    from mlx_lily.testing.backends import parity_backends
+
+    have = parity_backends()
+    return "cuda" if "cuda" in have else "metal" if "metal" in have else None
+
+
+needs_gpu = pytest.mark.skipif(_gpu_backend() is None, reason="no GPU backend")
+
+
+@pytest.fixture(scope="module")
+def gpu_model():
+    if _gpu_backend() is None:
+        pytest.skip("no GPU backend")
+    old = mx.default_device()
+    mx.set_default_device(mx.gpu)
+    try:
+        return _models.build("qwen3_5_moe")
+    finally:
+        mx.set_default_device(old)
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("compile_mode", ["default", "off"])
+def test_gpu_batched_decode_rows_bit_identical_to_alone(gpu_model, compile_mode, monkeypatch):
+    """On the GPU with the default kernels: a left-padded batch of 5 / 37 / 130-token
+    sequences decodes each row bit-identically to that sequence alone (the alone steps
+    compiled, ``default``, or eager, ``MLX_LILY_COMPILE=0``; the batch steps eager)."""
+    if compile_mode == "off":
+        monkeypatch.setenv("MLX_LILY_COMPILE", "0")
+    old = mx.default_device()
+    mx.set_default_device(mx.gpu)
+    try:
+        with mlx_lily.patched(gpu_model):
+            check_decode_parity(gpu_model, lengths=(5, 37, 130, 700), steps=6)
+    finally:
+        mx.set_default_device(old)
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_gpu_batch_generate_equals_alone(gpu_model):
+    """On the GPU with the default kernels: BatchGenerator over prompts of 5 / 37 / 130 /
+    2049 tokens, rows finishing at different steps, gives each prompt its tokens alone."""
+    prompts = [prompt_of(n, i) for i, n in enumerate((5, 37, 130, 2049))]
+    max_tokens = (12, 6, 9, 8)
+    old = mx.default_device()
+    mx.set_default_device(mx.gpu)
+    try:
+        with mlx_lily.patched(gpu_model):
+            alone = [greedy_alone(gpu_model, p, n) for p, n in zip(prompts, max_tokens)]
+            batch = batch_generate(gpu_model, prompts, max_tokens)
+    finally:
+        mx.set_default_device(old)
     assert batch == alone
