@@ -225,22 +225,26 @@ def test_qkv_norm_rope_packed_per_row_offsets(backend, monkeypatch):
 
 
 @pytest.mark.parametrize("backend", OP_BACKENDS)
-def test_sdpa_gated_packed_rows_left_padded(backend, monkeypatch):
+@pytest.mark.parametrize("starts,n", [([3, 0, 250], 300), ([4, 4, 4], 2000)],
+                         ids=["mixed", "shared-start"])
+def test_sdpa_gated_packed_rows_left_padded(backend, starts, n, monkeypatch):
     """Decode attention over a left-padded batch cache: row b reads only its keys
     ``[starts[b], T)`` (the padding holds NaN and never shows), bit-identical to the same
-    row decoded alone over its own keys, and close to the masked fp32 reference."""
+    row decoded alone over its own keys, and close to the masked fp32 reference. Rows
+    sharing one start run as one launch pair with the one-sequence split-K block (at
+    2000 keys a 3-row launch would otherwise pick a larger block than one row does)."""
     import mlx_lily.ops.attention as A
     from mlx_lily import kernels
 
     T = _attn_helpers()
     monkeypatch.setenv(kernels.KERNELS_ENV, "all")
-    B, Hq, Hkv, D, n, dt = 3, 16, 2, 256, 300, mx.bfloat16
-    starts = [3, 0, 250]
+    B, Hq, Hkv, D, dt = 3, 16, 2, 256, mx.bfloat16
+    cap = -(-n // 256) * 256 + 256
     mx.random.seed(9)
     q = T._rand((B, Hq, 1, D), dt)
-    kb = T._rand((B, Hkv, 512, D), dt)
-    vb = T._rand((B, Hkv, 512, D), dt)
-    pad = mx.arange(512)[None, None, :, None] < mx.array(starts)[:, None, None, None]
+    kb = T._rand((B, Hkv, cap, D), dt)
+    vb = T._rand((B, Hkv, cap, D), dt)
+    pad = mx.arange(cap)[None, None, :, None] < mx.array(starts)[:, None, None, None]
     kb = mx.where(pad, mx.array(float("nan"), dt), kb)
     vb = mx.where(pad, mx.array(float("nan"), dt), vb)
     k, v = kb[..., :n, :], vb[..., :n, :]
@@ -256,6 +260,10 @@ def test_sdpa_gated_packed_rows_left_padded(backend, monkeypatch):
     assert out.shape == (B, 1, Hq * D)
     for b in range(B):
         assert mx.array_equal(out[b:b + 1], alone[b]).item(), b
+    if len(set(starts)) == 1:  # the case where the batch's own block rule would differ
+        kind = backend.replace("-emu", "")
+        t = n - starts[0]
+        assert A.decode_block(t, B, Hkv, kind) != A.decode_block(t, 1, Hkv, kind)
     for b, s in enumerate(starts):  # the fp32 truth of each row over its own keys
         ref = A.sdpa_gated_reference(*T._f32(q[b:b + 1], k[b:b + 1, :, s:], v[b:b + 1, :, s:]),
                                      D ** -0.5, None, gate[b:b + 1].astype(mx.float32))

@@ -545,9 +545,10 @@ def sdpa_gated_packed(q, k, v, scale, y, n_heads, n_kv_heads, head_dim):
 def sdpa_gated_packed_rows(q, k, v, scale, y, starts, n_heads, n_kv_heads, head_dim):
     """``sdpa_gated_packed`` for a decode step of a left-padded batch: row ``b`` attends
     to its own keys ``k[b, :, starts[b]:]`` only (``starts``: host ints, the rows' left
-    padding), each row through the same launches as that sequence decoding alone (the
-    split-K block from its own key count), so a row's result does not depend on the
-    other rows. q ``[B, Hq, 1, D]``, k/v ``[B, Hkv, T, D]`` (cache views), y the fused
+    padding), each row through the arithmetic of that sequence decoding alone (the
+    split-K block a one-sequence step picks for its key count), so a row's result does
+    not depend on the other rows: one launch pair for all rows when they share one
+    start (no padding), else one per row. q ``[B, Hq, 1, D]``, k/v ``[B, Hkv, T, D]`` (cache views), y the fused
     projection ``[B, 1, Hq*2D + 2*Hkv*D]``. Returns ``[B, 1, Hq*D]``, or None when the
     decode kernels do not serve this call (nothing launched)."""
     backend = current_backend()
@@ -558,10 +559,15 @@ def sdpa_gated_packed_rows(q, k, v, scale, y, starts, n_heads, n_kv_heads, head_
             or _sdpa_route(q, k, v, None, None, backend) != "decode"
             or _kernel(DECODE_PARTIAL, backend) is None):
         return None
+    Hkv = k.shape[1]
+    if len(set(starts)) == 1:  # one launch pair; the block is a one-sequence step's
+        s = int(starts[0])
+        return decode_attention(q, k[:, :, s:], v[:, :, s:], scale, y, backend=backend,
+                                gate_packed=True, block=decode_block(T - s, 1, Hkv, backend))
     rows = [decode_attention(q[b:b + 1], k[b:b + 1, :, int(s):], v[b:b + 1, :, int(s):],
                              scale, y[b:b + 1], backend=backend, gate_packed=True)
             for b, s in enumerate(starts)]
-    return rows[0] if B == 1 else mx.concatenate(rows, axis=0)
+    return mx.concatenate(rows, axis=0)
 
 
 def has_packed_kernel(backend: str) -> bool:
