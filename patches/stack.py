@@ -41,7 +41,7 @@ def make_text_model_call(module, cls_name, layer_cls_name, with_embeddings):
     once, later steps replay it (``MLX_LILY_COMPILE=0`` turns this off,
     ``MLX_LILY_COMPILE_ATTN=0`` keeps attention mixers eager).
 
-    Decode steps of 2..8 sequences in mlx-lm's batch caches (``BatchGenerator``) run
+    Decode steps of 1..8 sequences in mlx-lm's batch caches (``BatchGenerator``) run
     eagerly through the same kernels, row by row the arithmetic of a one-sequence step
     (``_batch_decode_step``).
 
@@ -125,12 +125,13 @@ def make_text_model_call(module, cls_name, layer_cls_name, with_embeddings):
 
 
 def _batch_decode_step(h, cache) -> bool:
-    """Whether this call is a decode step of several sequences in mlx-lm's batch caches
-    (``BatchGenerator``: one token per row, ``BatchKVCache`` for the attention layers).
+    """Whether this call is a decode step of up to ``MAX_BATCH_ROWS`` sequences in
+    mlx-lm's batch caches (``BatchGenerator``, which ``mlx_lm.server`` uses for one
+    request too: one token per row, ``BatchKVCache`` for the attention layers).
     Such a step runs eagerly, each layer with the launch-ordering inputs
     (``_counters_for``, ``_moe_after``) a compiled one-sequence step passes, so that a row
     takes the one-launch kernels that sequence takes decoding alone."""
-    return (h.shape[1] == 1 and 1 < h.shape[0] <= MAX_BATCH_ROWS
+    return (h.shape[1] == 1 and 1 <= h.shape[0] <= MAX_BATCH_ROWS
             and any(type(c) is BatchKVCache for c in cache)
             and all(c is not None for c in cache))
 

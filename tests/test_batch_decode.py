@@ -112,10 +112,11 @@ def _decode_alone(model, cache, tok, n):
     return toks, np.stack(rows)
 
 
-def check_decode_parity(model, lengths=LENGTHS, steps=5, leave_after=2):
+def check_decode_parity(model, lengths=LENGTHS, steps=6, leave_after=2):
     """Prompts of ``lengths`` prefilled alone, their caches merged as ``BatchGenerator``
     merges them (left-padded ``BatchKVCache``), then decoded together for ``steps`` steps
-    (the middle row leaves after ``leave_after``, ``filter``, as when a request finishes):
+    (the second row leaves at step ``leave_after`` and all but the first two steps later,
+    ``filter``, as when requests finish; the last steps are a batch of one):
     every row's logits must be bit-identical to the same sequence decoded alone at every
     step. Runs under whatever backend and patch the caller set up; returns the kernel
     names launched by the batched steps."""
@@ -131,8 +132,12 @@ def check_decode_parity(model, lengths=LENGTHS, steps=5, leave_after=2):
     with pytest.MonkeyPatch.context() as mp:
         calls = count_kernel_launches(mp)
         for step in range(steps):
-            if step == leave_after and len(rows) > 2:  # the middle request finishes
+            keep = None
+            if step == leave_after and len(rows) > 2:  # the second request finishes
                 keep = [0] + list(range(2, len(rows)))
+            elif step == leave_after + 2 and len(rows) > 1:  # one request left
+                keep = [0]
+            if keep is not None:
                 rows = [rows[i] for i in keep]
                 for c in caches:
                     c.filter(keep)
