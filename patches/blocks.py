@@ -31,12 +31,16 @@ def _attention_supported(self, cache) -> bool:
 
 def attention_call(self, x, mask=None, cache=None):
     """Gated GQA attention (``Qwen3NextAttention.__call__`` with Lily ops)."""
+    offset = None
     if type(cache) is BatchKVCache:
         out = _attention_decode_batch(self, x, cache)
         if out is not None:
             return out
-        return _original(qwen3_next.Qwen3NextAttention)(self, resolve(x), mask, cache)
-    if not _attention_supported(self, cache):
+        if not _batch_prefill_unpadded(self, x, cache):
+            return _original(qwen3_next.Qwen3NextAttention)(self, resolve(x), mask, cache)
+        # no left padding: the batch's mask is the causal one, every row at one position
+        mask, offset = "causal", cache._idx
+    elif not _attention_supported(self, cache):
         return _original(qwen3_next.Qwen3NextAttention)(self, resolve(x), mask, cache)
     B, L, _ = x.shape
     Hq, Hkv = self.num_attention_heads, self.num_key_value_heads
@@ -48,7 +52,8 @@ def attention_call(self, x, mask=None, cache=None):
             return out
     q_out, keys, values = _run(proj, x)
     queries, gate = mx.split(q_out.reshape(B, L, Hq, -1), 2, axis=-1)
-    offset = cache.offset if cache is not None else 0
+    if offset is None:
+        offset = cache.offset if cache is not None else 0
     rope = self.rope
     q, k = attn_ops.qk_norm_rope(
         queries, keys.reshape(B, L, Hkv, -1), self.q_norm.weight, self.k_norm.weight,
@@ -109,6 +114,19 @@ def batch_decode_unsupported(self, x, cache) -> str | None:
     if cache.left_padding.shape != (row.shape[0],):
         return "left padding"
     return None
+
+
+def _batch_prefill_unpadded(self, x, cache) -> bool:
+    """Whether a multi-token call on a ``BatchKVCache`` has no left padding in any row
+    (``BatchGenerator``'s prefill: prompts right-padded, rows at one common position
+    ``cache._idx``): its mask is then exactly the causal one, and the call takes the
+    one-sequence prefill path (flash-attention kernel, q/k norm + RoPE kernel) with the
+    causal mask. Right padding needs no mask: a valid row's queries see only keys before
+    them."""
+    row = x.h0 if isinstance(x, PendingNorm) else x
+    return (row.ndim == 3 and row.shape[1] > 1 and _attention_supported(self, None)
+            and cache.left_padding.shape == (row.shape[0],)
+            and not any(_left_padding(cache)))
 
 
 def _left_padding(cache) -> list:
