@@ -397,3 +397,42 @@ def test_gpu_batch_generate_equals_alone(gpu_model):
     finally:
         mx.set_default_device(old)
     assert batch == alone
+
+
+# ------------------------------------------------------------------------- routing rules
+def test_decode_rows_routes_by_tokens_per_sequence():
+    """``qgemv.decode_rows``: a decode step of B <= 8 sequences (one token each) is B GEMV
+    rows; a prefill chunk never is, whatever its row count (so a sequence's projections
+    take one path at every batch size)."""
+    from mlx_lily.ops import qgemv
+
+    z = lambda *s: mx.zeros(s, mx.bfloat16)  # noqa: E731
+    assert qgemv.decode_rows(z(64)) == 1
+    assert qgemv.decode_rows(z(1, 64)) == 1
+    assert qgemv.decode_rows(z(1, 1, 64)) == 1
+    assert qgemv.decode_rows(z(3, 1, 64)) == 3
+    assert qgemv.decode_rows(z(8, 1, 64)) == 8
+    assert qgemv.decode_rows(z(9, 1, 64)) is None  # more rows than the kernel takes
+    assert qgemv.decode_rows(z(1, 4, 64)) is None  # a 4-token prefill chunk
+    assert qgemv.decode_rows(z(2, 3, 64)) is None
+    assert qgemv.decode_rows(z(4, 64)) is None  # 2-D rows: not known to be one per sequence
+
+
+def test_batch_decode_unsupported_reasons(model):
+    """The batched attention decode path names why it does not serve a call."""
+    from mlx_lily.patches.blocks import batch_decode_unsupported
+
+    attn = next(l.self_attn for l in model.language_model.model.layers if not l.is_linear)
+    D = model.language_model.model.layers[0].input_layernorm.weight.shape[0]
+    c = BatchKVCache([0, 2])
+    x = mx.zeros((2, 1, D), mx.bfloat16)
+    assert batch_decode_unsupported(attn, x, c) == "cache not prefilled"
+    k = mx.zeros((2, attn.num_key_value_heads, 3, attn.head_dim), mx.bfloat16)
+    c.update_and_fetch(k, k)
+    assert batch_decode_unsupported(attn, x, c) is None
+    assert batch_decode_unsupported(attn, mx.zeros((2, 2, D), mx.bfloat16), c) == \
+        "not a one-token step"
+    assert batch_decode_unsupported(attn, mx.zeros((9, 1, D), mx.bfloat16), c) == \
+        "more than 8 sequences"
+    assert batch_decode_unsupported(attn, mx.zeros((3, 1, D), mx.bfloat16), c) == \
+        "per-sequence offsets"
