@@ -9,7 +9,7 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models import qwen3_next
-from mlx_lm.models.cache import KVCache
+from mlx_lm.models.cache import BatchKVCache, KVCache
 
 from mlx_lily.backend import op_enabled
 from mlx_lily.ops import attention as attn_ops, gated_delta as gdn_ops
@@ -32,7 +32,16 @@ def _attention_supported(self, cache) -> bool:
 
 def attention_call(self, x, mask=None, cache=None):
     """Gated GQA attention (``Qwen3NextAttention.__call__`` with Lily ops)."""
-    if not _attention_supported(self, cache):
+    offset = None
+    if type(cache) is BatchKVCache:
+        out = _attention_decode_batch(self, x, cache)
+        if out is not None:
+            return out
+        if not _batch_prefill_unpadded(self, x, cache):
+            return _original(qwen3_next.Qwen3NextAttention)(self, resolve(x), mask, cache)
+        # no left padding: the batch's mask is the causal one, every row at one position
+        mask, offset = "causal", cache._idx
+    elif not _attention_supported(self, cache):
         return _original(qwen3_next.Qwen3NextAttention)(self, resolve(x), mask, cache)
     B, L, _ = x.shape
     Hq, Hkv = self.num_attention_heads, self.num_key_value_heads
@@ -44,7 +53,8 @@ def attention_call(self, x, mask=None, cache=None):
             return out
     q_out, keys, values = _run(proj, x)
     queries, gate = mx.split(q_out.reshape(B, L, Hq, -1), 2, axis=-1)
-    offset = cache.offset if cache is not None else 0
+    if offset is None:
+        offset = cache.offset if cache is not None else 0
     rope = self.rope
     q, k = attn_ops.qk_norm_rope(
         queries, keys.reshape(B, L, Hkv, -1), self.q_norm.weight, self.k_norm.weight,
@@ -79,6 +89,100 @@ def _attention_decode_packed(self, proj, x, cache):
     q, k, v = qkv
     k, v = cache.update_and_fetch(k, v)
     out = attn_ops.sdpa_gated_packed(q, k, v, self.scale, y, Hq, Hkv, D)
+    return one_row_linear(self.o_proj, out)
+
+
+#: Most sequences a batched decode step runs through the decode kernels (their row limit).
+MAX_BATCH_ROWS = 8
+
+
+def batch_decode_unsupported(self, x, cache) -> str | None:
+    """Why a step of mlx-lm's ``BatchKVCache`` (``BatchGenerator``: left-padded rows,
+    per-sequence offsets) does not take ``_attention_decode_batch``, or None."""
+    if not op_enabled(attn_ops.NAME) or not op_enabled(attn_ops.PACKED_OP):
+        return "attention switches off"
+    if self.training or type(self.rope) is not nn.RoPE:
+        return "training or a scaled RoPE"
+    row = x.h0 if isinstance(x, PendingNorm) else x
+    if row.ndim != 3 or row.shape[1] != 1:
+        return "not a one-token step"
+    if not 1 <= row.shape[0] <= MAX_BATCH_ROWS:
+        return f"more than {MAX_BATCH_ROWS} sequences"
+    if cache.keys is None or getattr(cache, "_right_padding", None) is not None:
+        return "cache not prefilled"
+    if not isinstance(cache.offset, mx.array) or cache.offset.shape != (row.shape[0],):
+        return "per-sequence offsets"
+    if cache.left_padding.shape != (row.shape[0],):
+        return "left padding"
+    return None
+
+
+def _batch_prefill_unpadded(self, x, cache) -> bool:
+    """Whether a multi-token call on a ``BatchKVCache`` has no left padding in any row
+    (``BatchGenerator``'s prefill: prompts right-padded, rows at one common position
+    ``cache._idx``): its mask is then exactly the causal one, and the call takes the
+    one-sequence prefill path (flash-attention kernel, q/k norm + RoPE kernel) with the
+    causal mask. Right padding needs no mask: a valid row's queries see only keys before
+    them."""
+    row = x.h0 if isinstance(x, PendingNorm) else x
+    return (row.ndim == 3 and row.shape[1] > 1 and _attention_supported(self, None)
+            and cache.left_padding.shape == (row.shape[0],)
+            and not any(_left_padding(cache)))
+
+
+def _left_padding(cache) -> list:
+    """``cache.left_padding`` as host ints, read once per array (it changes only when
+    ``BatchGenerator`` filters or extends the batch; every step reuses the list)."""
+    lp = cache.left_padding
+    hit = cache.__dict__.get("_lily_left_padding")
+    if hit is not None and hit[0] is lp:
+        return hit[1]
+    vals = [int(v) for v in lp.tolist()]
+    cache.__dict__["_lily_left_padding"] = (lp, vals)
+    return vals
+
+
+def _attention_decode_batch(self, x, cache):
+    """A decode step of B <= ``MAX_BATCH_ROWS`` left-padded sequences
+    (``BatchKVCache``) through the packed decode kernels: one fused q|k|v GEMV for the B
+    rows, q/k norm + RoPE at each row's own position (one launch), the cache update, then
+    each row's split-K attention over its own keys (``attn_ops.sdpa_gated_packed_rows``:
+    the left padding is never read) and one ``o_proj`` GEMV. Row b goes through the
+    arithmetic of that sequence decoding alone. None when this path does not serve the
+    call (decided before anything is built or the cache is changed)."""
+    if batch_decode_unsupported(self, x, cache) is not None:
+        return None
+    proj = _proj(self, "qkv", (self.q_proj, self.k_proj, self.v_proj))
+    if not isinstance(proj, QProj):
+        return None
+    Hq, Hkv = self.num_attention_heads, self.num_key_value_heads
+    D = proj.out_features // (2 * Hq + 2 * Hkv)
+    rope = self.rope
+    row = x.h0 if isinstance(x, PendingNorm) else x
+    if not attn_ops.packed_supported(row.dtype, self.q_norm.weight, self.k_norm.weight,
+                                     head_dim=D, rope_dims=rope.dims,
+                                     traditional=rope.traditional):
+        return None
+    starts = _left_padding(cache)
+    if any(s < 0 or s > cache._idx for s in starts):
+        return None
+    (y,) = _run(proj, x, split=False)
+    qkv = attn_ops.qkv_norm_rope_packed(
+        y, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, n_heads=Hq,
+        n_kv_heads=Hkv, head_dim=D, rope_dims=rope.dims, base=rope.base, scale=rope.scale,
+        traditional=rope.traditional, offset=cache.offset)
+    if qkv is None:
+        return None
+    q, k, v = qkv
+    k, v = cache.update_and_fetch(k, v)
+    out = attn_ops.sdpa_gated_packed_rows(q, k, v, self.scale, y, starts, Hq, Hkv, D)
+    if out is None:  # the cache holds this step's keys now: finish with the reference
+        _, gate, _, _ = attn_ops.split_packed(y, Hq, Hkv, D)
+        from mlx_lm.models.base import create_causal_mask
+
+        # the mask stock builds before the update (``BatchKVCache.make_mask(1)``)
+        mask = create_causal_mask(1, offset=cache._idx - 1, left_padding=cache.left_padding)
+        out = attn_ops.sdpa_gated_reference(q, k, v, self.scale, mask, gate)
     return one_row_linear(self.o_proj, out)
 
 

@@ -172,11 +172,12 @@ def one_row_linear(layer, x, attr="_lily_view", owner=None, op=OUT_PROJ_OP):
     through the ``qgemv`` kernel (``QProj.__call__``: MLX's ``quantized_matmul`` exactly as
     ``nn.QuantizedLinear`` computes it wherever the kernel does not serve) while switch
     ``op`` is on and its kernels allowed (None: no switch of its own); any other layer or
-    input: ``layer(x)``. The one-part ``QProj`` view is cached on ``owner`` (default
+    input: ``layer(x)``. A decode step of B sequences (``x [B, 1, in]``, B <= 8) is
+    one-row input per sequence (``qgemv.decode_rows``). The one-part ``QProj`` view is cached on ``owner`` (default
     ``layer``) under ``attr`` per weight array (a weight swap is noticed; ``unpatch``
     drops the views). A many-row input (prefill) takes ``qmm_dequant.linear`` where its
     switch ``prefill_dequant`` serves, else ``layer(x)``."""
-    if x.size != x.shape[-1]:  # many rows (prefill): dequantize + matmul where it serves
+    if _qgemv_ops.decode_rows(x) is None:  # prefill: dequantize + matmul where it serves
         y = qmm_dequant.linear(layer, x)
         return layer(x) if y is None else y
     if type(layer) is not nn.QuantizedLinear or "bias" in layer:

@@ -6,13 +6,15 @@ prefill evaluated in groups of layers) and the top model's forward with its one-
 from __future__ import annotations
 
 import mlx.core as mx
+from mlx_lm.models.cache import BatchKVCache
 
 from mlx_lily.backend import op_enabled
 from mlx_lily.ops.add_rms_norm import add_rms_norm
 from mlx_lily.patching import prefill_eval_layers
 from mlx_lily.qproj import PendingNorm
 from .projections import _CHECKED, _original, lm_head
-from .blocks import _layer_input, _layer_tail, _mixer
+from .blocks import MAX_BATCH_ROWS, _layer_input, _layer_tail, _mixer
+from .launch_order import MOE_AFTER_ATTR, _counters_for, _moe_after
 from .kv_growth import _kv_headroom, _widen_kv_steps
 from .decode_graph import (
     _attn_step_ok,
@@ -38,6 +40,10 @@ def make_text_model_call(module, cls_name, layer_cls_name, with_embeddings):
     else its mixer eagerly and its MoE half compiled): Python builds the layer's graph
     once, later steps replay it (``MLX_LILY_COMPILE=0`` turns this off,
     ``MLX_LILY_COMPILE_ATTN=0`` keeps attention mixers eager).
+
+    Decode steps of 1..8 sequences in mlx-lm's batch caches (``BatchGenerator``) run
+    eagerly through the same kernels, row by row the arithmetic of a one-sequence step
+    (``_batch_decode_step``).
 
     Multi-token calls start evaluating every ``prefill_eval_layers`` layers
     (``mlx_lily.patching.PREFILL_EVAL_LAYERS``) so the GPU overlaps the rest of the build;
@@ -76,6 +82,7 @@ def make_text_model_call(module, cls_name, layer_cls_name, with_embeddings):
                 steps = cs.fns
         _check_weights(self, layers)
         defer = op_enabled("norm_qgemv")
+        batch_step = steps is None and _batch_decode_step(h, cache)
         every = prefill_eval_layers(h.shape[0] * h.shape[1]) if h.shape[1] > 1 else 0
         m = None
         outer, _CHECKED.active = _CHECKED.active, True
@@ -98,6 +105,12 @@ def make_text_model_call(module, cls_name, layer_cls_name, with_embeddings):
                     if steps.get(key_i) is not False:
                         h, m = _run_compiled(steps, key_i, layer, h, x, c, fa_mask)
                         continue
+                if batch_step:  # the launches a compiled one-sequence step makes
+                    ctr, after = _counters_for(layer, c, h), _moe_after(c, h)
+                    h, r = _mixer(layer, x, ssm_mask if layer.is_linear else fa_mask, c, h)
+                    h, m = _layer_tail(layer, h, r, ctr, after)
+                    setattr(c, MOE_AFTER_ATTR, m)
+                    continue
                 h, r = _mixer(layer, x, ssm_mask if layer.is_linear else fa_mask, c, h)
                 h, m = _layer_tail(layer, h, r)
                 if every and (i + 1) % every == 0 and i + 1 < len(layers):
@@ -109,6 +122,18 @@ def make_text_model_call(module, cls_name, layer_cls_name, with_embeddings):
         return add_rms_norm(h, m, self.norm.weight, self.norm.eps)[1]
 
     return text_model_call
+
+
+def _batch_decode_step(h, cache) -> bool:
+    """Whether this call is a decode step of up to ``MAX_BATCH_ROWS`` sequences in
+    mlx-lm's batch caches (``BatchGenerator``, which ``mlx_lm.server`` uses for one
+    request too: one token per row, ``BatchKVCache`` for the attention layers).
+    Such a step runs eagerly, each layer with the launch-ordering inputs
+    (``_counters_for``, ``_moe_after``) a compiled one-sequence step passes, so that a row
+    takes the one-launch kernels that sequence takes decoding alone."""
+    return (h.shape[1] == 1 and 1 <= h.shape[0] <= MAX_BATCH_ROWS
+            and any(type(c) is BatchKVCache for c in cache)
+            and all(c is not None for c in cache))
 
 
 def _eval_ahead(*arrays) -> bool:

@@ -329,8 +329,10 @@ def qkv_norm_rope_packed(y, q_norm_weight, k_norm_weight, eps, *, n_heads, n_kv_
                          kernel=None, init_value=None):
     """One ``lily_attn_qk_norm_rope`` launch (``PACKED=true``) reading q, k and v straight
     from the fused projection ``y [B, L, Hq*2D + 2*Hkv*D]``: results of
-    ``qkv_norm_rope_packed_reference``. Returns None when the kernel does not serve this
-    call (backend, ``attn_packed`` switch, dtypes, dims: as ``qk_norm_rope``); ``kernel``
+    ``qkv_norm_rope_packed_reference``; ``offset`` an int, a 1-element array, or an int32
+    ``[B]`` array of one position per batch row. Returns None when the kernel does not
+    serve this call (backend, ``attn_packed`` switch, dtypes, dims: as ``qk_norm_rope``,
+    an offset array of another size); ``kernel``
     overrides the kernel object (tests), ``init_value`` pre-fills the outputs."""
     D, Hq, Hkv = head_dim, n_heads, n_kv_heads
     if y.ndim != 3 or y.shape[-1] != Hq * 2 * D + 2 * Hkv * D:
@@ -339,12 +341,15 @@ def qkv_norm_rope_packed(y, q_norm_weight, k_norm_weight, eps, *, n_heads, n_kv_
     dt = y.dtype
     if kernel is None:
         if not packed_supported(dt, q_norm_weight, k_norm_weight, head_dim=D,
-                                rope_dims=rope_dims, traditional=traditional, offset=offset):
+                                rope_dims=rope_dims, traditional=traditional):
             return None
         kernel = _kernel(QK_NORM_ROPE, current_backend())
         if kernel is None:
             return None
-    off = (offset.reshape(1).astype(mx.int32) if isinstance(offset, mx.array)
+    if isinstance(offset, mx.array) and offset.size not in (1, B):
+        return None
+    # one position for every row, or one per batch row (a left-padded batch's offsets)
+    off = (offset.reshape(-1).astype(mx.int32) if isinstance(offset, mx.array)
            else kernels.device_scalars(mx.array([int(offset)], dtype=mx.int32))[:1])
     extra = {} if init_value is None else {"init_value": init_value}
     q, k, v = kernel(
@@ -535,6 +540,34 @@ def sdpa_gated_packed(q, k, v, scale, y, n_heads, n_kv_heads, head_dim):
         return decode_attention(q, k, v, scale, y, backend=backend, gate_packed=True)
     _, gate, _, _ = split_packed(y, n_heads, n_kv_heads, head_dim)
     return sdpa_gated(q, k, v, scale, None, gate)
+
+
+def sdpa_gated_packed_rows(q, k, v, scale, y, starts, n_heads, n_kv_heads, head_dim):
+    """``sdpa_gated_packed`` for a decode step of a left-padded batch: row ``b`` attends
+    to its own keys ``k[b, :, starts[b]:]`` only (``starts``: host ints, the rows' left
+    padding), each row through the arithmetic of that sequence decoding alone (the
+    split-K block a one-sequence step picks for its key count), so a row's result does
+    not depend on the other rows: one launch pair for all rows when they share one
+    start (no padding), else one per row. q ``[B, Hq, 1, D]``, k/v ``[B, Hkv, T, D]`` (cache views), y the fused
+    projection ``[B, 1, Hq*2D + 2*Hkv*D]``. Returns ``[B, 1, Hq*D]``, or None when the
+    decode kernels do not serve this call (nothing launched)."""
+    backend = current_backend()
+    B, T = q.shape[0], k.shape[2]
+    if (backend not in ("metal", "cuda") or not kernels.kernels_allowed(PACKED_OP, backend)
+            or y.dtype != q.dtype or len(starts) != B
+            or any(not 0 <= int(s) < T for s in starts)
+            or _sdpa_route(q, k, v, None, None, backend) != "decode"
+            or _kernel(DECODE_PARTIAL, backend) is None):
+        return None
+    Hkv = k.shape[1]
+    if len(set(starts)) == 1:  # one launch pair; the block is a one-sequence step's
+        s = int(starts[0])
+        return decode_attention(q, k[:, :, s:], v[:, :, s:], scale, y, backend=backend,
+                                gate_packed=True, block=decode_block(T - s, 1, Hkv, backend))
+    rows = [decode_attention(q[b:b + 1], k[b:b + 1, :, int(s):], v[b:b + 1, :, int(s):],
+                             scale, y[b:b + 1], backend=backend, gate_packed=True)
+            for b, s in enumerate(starts)]
+    return mx.concatenate(rows, axis=0)
 
 
 def has_packed_kernel(backend: str) -> bool:

@@ -110,7 +110,7 @@ def for_qproj(h0, res, norm_w, eps, proj):
     ``proj`` when it serves on this backend, else None (the caller materialises the norm
     and projects; always under ``MLX_LILY_NORM_GEMV=split``). The launch plan is cached
     on the projection per (backend, shape, dtype)."""
-    if h0.size != h0.shape[-1] or not proj.quantized or split_requested():
+    if _qgemv.decode_rows(h0) is None or not proj.quantized or split_requested():
         return None
     backend = current_backend()
     # the GEMV half is qgemv's: its switches apply too

@@ -110,6 +110,23 @@ def launch_shape(k: int, o: int, bits: int, backend: str) -> tuple[int, int]:
     return nw, rpw
 
 
+def decode_rows(x: mx.array) -> int | None:
+    """Rows of ``x [..., K]`` when it is one token per sequence (``[K]``, ``[B, K]`` with
+    B == 1, or ``[..., 1, K]``: a decode step of B <= ``MAX_ROWS`` sequences), else None
+    (prefill chunks of any length, and more rows than the kernel takes). Routing by this
+    instead of by the row count alone keeps a sequence's projections on the same path at
+    every batch size: a decode row always takes the GEMV, a prefill row never does."""
+    k = x.shape[-1] if x.ndim else 0
+    if not k:
+        return None
+    rows = x.size // k
+    if rows == 1:
+        return 1
+    if x.ndim >= 3 and x.shape[-2] == 1 and rows <= MAX_ROWS:
+        return rows
+    return None
+
+
 def supports(x: mx.array, w: mx.array, scales: mx.array, biases, group_size: int,
              bits: int, mode: str = "affine") -> bool:
     """True when the kernel computes this call (shapes, dtypes, quantization mode)."""
@@ -221,8 +238,10 @@ def for_qproj(x: mx.array, proj) -> mx.array | None:
     """``QProj.__call__``'s fast path: the kernel's ``[..., out]`` for a one-row input of
     a quantized projection when it serves on this backend and ``USE_FOR_QPROJ`` allows,
     else None (the caller runs ``mx.quantized_matmul``). The decision and launch
-    parameters are cached on the projection per (backend, shape, dtype)."""
-    if x.size != x.shape[-1]:
+    parameters are cached on the projection per (backend, shape, dtype). A decode step
+    of B sequences (``x [B, 1, in]``, ``decode_rows``) runs the same kernel with B rows:
+    each row's arithmetic is the one-row GEMV's."""
+    if decode_rows(x) is None:
         return None
     backend = current_backend()
     if (not USE_FOR_QPROJ.get(backend, False) or not switch_on(NAME, backend)

@@ -1,10 +1,11 @@
 // @kernel lily_attn_qk_norm_rope
-// @inputs queries[B,L,HQ,D] keys[B,L,HKV,D] q_weight[D] k_weight[D] rope[3]:float32 offset[1]:int32 (all read through *_strides)
+// @inputs queries[B,L,HQ,D] keys[B,L,HKV,D] q_weight[D] k_weight[D] rope[3]:float32 offset[1]:int32 (all read through *_strides; offset may also hold one position per batch row)
 // @outputs q_out[B,HQ,L,D]:T k_out[B,HKV,L,D]:T v_out[B,HKV,L,D]:T (v_out: [1], unwritten, unless PACKED)
 // @template T=bfloat16 D=256 HQ=16 HKV=2 R=64 PACKED=true
 // @template T=float16 D=128 HQ=8 HKV=2 R=32 PACKED=false
 // @grid (32*B*L*NR, 1, 1)   NR = HQ + HKV (+ HKV when PACKED)
 // @threadgroup (32, 1, 1)
+// offset: one position for every row, or one per batch row b (a left-padded batch).
 // @ensure_row_contiguous false
 // PACKED: queries and keys are both the fused q|k|v projection [B,L,HQ*2D+2*HKV*D]
 // (per query head q then gate, then k, then v); the extra HKV rows copy v into v_out.
@@ -75,7 +76,7 @@
   }
   threadgroup_barrier(mem_flags::mem_threadgroup);
 
-  const float pos = rope[2] * float(offset[0] + t);
+  const float pos = rope[2] * float(offset[offset_shape[0] == 1 ? 0 : b] + t);
   for (int i = 0; i < EPL; ++i) {
     const int e = lane + 32 * i;
     float o = y[e];

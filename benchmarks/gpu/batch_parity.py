@@ -1,0 +1,107 @@
+"""Batch invariance on a real checkpoint: each prompt generated alone (``generate_step``,
+greedy) against the same prompts batched through mlx-lm's ``BatchGenerator`` (what
+``mlx_lm.server`` and ``mlx_lm.benchmark -b N`` use), patched; per row the first token
+index where the batch differs from alone (-1: identical), and the batch's aggregate decode
+tok/s (tokens over the wall time of the batched generation, prefill excluded as far as
+``BatchGenerator`` separates it: the clock starts at the first generated token).
+
+    python benchmarks/gpu/batch_parity.py --model /tmp/q36 --lengths 5,37,130,2049 --gen 32
+
+Writes ``batch_parity.json`` to ``--out`` (default ``$OUT`` or ``.``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+
+def alone(model, prompt, n):
+    import mlx.core as mx
+    from mlx_lm.generate import generate_step
+
+    out = []
+    for (tok, _), _i in zip(generate_step(mx.array(prompt), model, max_tokens=n), range(n)):
+        out.append(int(tok))
+    return out
+
+
+def batched(model, prompts, n):
+    """(tokens per prompt, aggregate decode tok/s after the first generated token)."""
+    from mlx_lm.generate import BatchGenerator
+
+    gen = BatchGenerator(model, stop_tokens=[[-1]], prefill_batch_size=len(prompts),
+                         completion_batch_size=len(prompts))
+    uids = gen.insert(prompts, [n] * len(prompts))
+    out = {u: [] for u in uids}
+    t0, count = None, 0
+    while responses := gen.next_generated():
+        for r in responses:
+            out[r.uid].append(int(r.token))
+        if t0 is None:
+            t0 = time.perf_counter()
+        else:
+            count += len(responses)
+    dt = time.perf_counter() - t0 if t0 is not None else 0.0
+    gen.close()
+    return [out[u] for u in uids], (count / dt if dt > 0 else 0.0)
+
+
+def first_diff(a, b) -> int:
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return -1 if len(a) == len(b) else min(len(a), len(b))
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", required=True, help="checkpoint directory")
+    ap.add_argument("--lengths", default="5,37,130,2049",
+                    help="prompt lengths of one batch, comma-separated (up to 8)")
+    ap.add_argument("--gen", type=int, default=32)
+    ap.add_argument("--stock", action="store_true", help="also run unpatched")
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    a = ap.parse_args(argv)
+
+    import mlx.core as mx
+
+    import mlx_lily
+    from mlx_lily.bench.ab import load_target, synthetic_ids
+
+    target = load_target(a.model)
+    model, config = target.model, target.config
+    vocab = int(config.get("vocab_size") or config["text_config"]["vocab_size"])
+    lengths = [int(x) for x in a.lengths.split(",") if x]
+    prompts = [synthetic_ids(L, vocab, [], seed=i + 1).tolist() for i, L in enumerate(lengths)]
+    res = {"command": " ".join([os.path.basename(sys.argv[0])] + sys.argv[1:]),
+           "tree": os.environ.get("MLX_LILY_TREE_REV"), "mlx": mx.__version__, "arms": {}}
+    os.makedirs(a.out, exist_ok=True)
+    for arm in ["lily"] + (["stock"] if a.stock else []):
+        ctx = mlx_lily.patched(model) if arm == "lily" else _null()
+        with ctx:
+            solo = [alone(model, p, a.gen) for p in prompts]
+            batched(model, prompts, 4)  # warm-up at this batch size
+            toks, tps = batched(model, prompts, a.gen)
+        diffs = [first_diff(s, t) for s, t in zip(solo, toks)]
+        res["arms"][arm] = {"lengths": lengths, "first_diff": diffs, "batch_decode_tps": tps}
+        print(f"{arm}: B={len(prompts)} lengths {lengths}: first differing token per row "
+              f"{diffs} (-1 = identical); batched decode {tps:.1f} tok/s", flush=True)
+        with open(os.path.join(a.out, "batch_parity.json"), "w") as f:
+            json.dump(res, f, indent=1)
+    return 0
+
+
+class _null:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
+
+
+if __name__ == "__main__":
+    sys.exit(main())
