@@ -116,6 +116,10 @@ KNOBS.update({k.attr: k for k in (
             "three integers 1..16 'NW,RPW,SL' with 32*NW*SL <= 1024 (e.g. '4,2,3')",
             "launch shape of the decode MoE down kernel (default: "
             "moe_experts.DOWN_SHAPE)"),
+    Setting("moeg_load", "MLX_LILY_MOEG_LOAD", None, one_of("row", "coop"),
+            "'row', 'coop'",
+            "Metal: how the prefill grouped GEMMs read a weight tile (default: "
+            "moe_grouped.WEIGHT_LOAD)"),
 )})
 
 

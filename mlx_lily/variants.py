@@ -16,6 +16,9 @@ whose parity ``tests/test_variants.py`` checks under the Metal emulator.
 - ``moe_topk_in_experts``: the routed MoE path with the residual add + RMSNorm computed
   once (``add_rms_norm``, then the plain router GEMV and gate+up) instead of folded into
   every gate+up threadgroup.
+- ``moe_grouped``: the prefill grouped GEMMs reading a weight tile cooperatively (two
+  threads per row, 16-byte words: ``moeg_*_coop``, Metal only; MLX ``gather_qmm_rhs``'s
+  pattern) with the automatic tile height or 16 / 32 / 64 rows.
 
 Dispatch-level alternatives that are whole switches are not repeated here: the
 qualifier already times each of ``gdn_proj`` (the GDN decode kernel computes its own
@@ -35,6 +38,7 @@ from __future__ import annotations
 _DOWN = "MLX_LILY_MOE_DOWN_SHAPE"
 _ATTN = "MLX_LILY_ATTN_DECODE"
 _BLOCK = "MLX_LILY_ATTN_FIXED_BLOCK"
+_LOAD = "MLX_LILY_MOEG_LOAD"
 
 VARIANTS: dict = {
     "moe_experts": {
@@ -52,9 +56,17 @@ VARIANTS: dict = {
     "moe_topk_in_experts": {
         "norm_once": {"MLX_LILY_NORM_GEMV": "split"},
     },
+    "moe_grouped": {
+        "coop_load": {_LOAD: "coop"},
+        "coop_load_tile16": {_LOAD: "coop", "MLX_LILY_MOE_TILE_ROWS": "16"},
+        "coop_load_tile32": {_LOAD: "coop", "MLX_LILY_MOE_TILE_ROWS": "32"},
+        "coop_load_tile64": {_LOAD: "coop", "MLX_LILY_MOE_TILE_ROWS": "64"},
+    },
 }
 
-METAL_ONLY = frozenset({("attention", "decode_simd"), ("attention", "decode_simd2")})
+METAL_ONLY = frozenset({("attention", "decode_simd"), ("attention", "decode_simd2"),
+                        *(("moe_grouped", n) for n in ("coop_load", "coop_load_tile16",
+                                                       "coop_load_tile32", "coop_load_tile64"))})
 
 
 def _default(env: str, backend: str):
@@ -64,6 +76,10 @@ def _default(env: str, backend: str):
         from .ops import moe_experts
 
         return moe_experts.DOWN_SHAPE.get(backend)
+    if env == _LOAD:
+        from .ops import moe_grouped
+
+        return moe_grouped.WEIGHT_LOAD.get(backend)
     if env in (_ATTN, _BLOCK):
         from .ops import attention
 

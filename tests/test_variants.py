@@ -286,3 +286,61 @@ def test_norm_once_variant_splits_the_routed_norm(monkeypatch):
     for var, raw in variants.VARIANTS["moe_topk_in_experts"]["norm_once"].items():
         monkeypatch.setenv(var, raw)
     assert norm_qgemv.split_requested()
+
+
+# ----------------------------------------------------------------------------- grouped GEMM
+GROUPED = variants.VARIANTS["moe_grouped"]
+
+
+def _grouped_case(env, *, N, E, tile_rows):
+    """The prefill grouped GEMMs with the coop weight load against the row load (bit
+    for bit) and the reference, D 2048 / I 512 (Qwen3.6's), top-8."""
+    import numpy as np
+    from test_op_moe_grouped import check, getter, make_inputs, make_layer
+    from mlx_lily.ops import moe_grouped as mg
+
+    assert env[variants._LOAD] == "coop"
+    mx.random.seed(N + E + tile_rows)
+    sw, sh = make_layer(2048, 512, E)
+    x, inds, scores, sgate = make_inputs(N, 8, E, 2048, "topk", rng=np.random.default_rng(N))
+    get = getter("metal-emu")
+    launched = []
+
+    def counted(spec):
+        k = get(spec)
+        return lambda **kw: launched.append(spec.name) or k(**kw)
+
+    outs = [mg.grouped_experts(x, inds, scores, sw, sh, sgate, tile_rows=tile_rows,
+                               get_kernel=counted, load=load) for load in ("row", "coop")]
+    mx.eval(outs)
+    assert [n for n in launched if n.startswith("moeg_") and "route" not in n] == [
+        "moeg_gate_up", "moeg_down", "moeg_combine",
+        "moeg_gate_up_coop", "moeg_down_coop", "moeg_combine"], launched
+    assert mx.array_equal(outs[0], outs[1]).item()
+    check(outs[1], x, inds, scores, sw, sh, sgate)
+
+
+@needs_emu
+@pytest.mark.parametrize("tile_rows", [16, 32, 64])
+def test_grouped_coop_load_matches_row_load_and_reference(tile_rows, _aligned):
+    """11 tokens (odd, 88 pairs) over 9 experts: partial tiles at every height."""
+    env = GROUPED[f"coop_load_tile{tile_rows}"]
+    assert env["MLX_LILY_MOE_TILE_ROWS"] == str(tile_rows)
+    _grouped_case(env, N=11, E=9, tile_rows=tile_rows)
+
+
+@needs_emu
+@pytest.mark.slow
+def test_grouped_coop_load_production_experts(_aligned):
+    """256 experts, 301 tokens (2408 pairs), 32-row tiles."""
+    _grouped_case(GROUPED["coop_load"], N=301, E=256, tile_rows=32)
+
+
+def test_grouped_load_knob(monkeypatch):
+    from mlx_lily.ops import moe_grouped as mg
+
+    monkeypatch.delenv("MLX_LILY_MOEG_LOAD", raising=False)
+    assert mg.weight_load("metal") == "row" and mg.weight_load("cuda") == "row"
+    monkeypatch.setenv("MLX_LILY_MOEG_LOAD", "coop")
+    assert mg.weight_load("metal") == "coop"
+    assert mg.weight_load("cuda") == "row"  # no CUDA twin of the coop kernels
