@@ -193,10 +193,14 @@ def test_attention_variant_matches_reference(name, monkeypatch):
 
 @needs_emu
 @pytest.mark.parametrize("hps", ["simd", "simd2"])
-def test_simd_decode_odd_group_fp16_head_dim_128(hps, monkeypatch):
-    """G 3 (odd: simd2's last simdgroup holds one head), D 128, fp16, B 2, T 45."""
-    _attention_case(monkeypatch, {"MLX_LILY_ATTN_DECODE": hps}, B=2, Hq=6, Hkv=2, D=128,
-                    T=45, dt=mx.float16)
+@pytest.mark.parametrize("heads", [(6, 2, 128, mx.float16), (24, 4, 256, mx.bfloat16)],
+                         ids=["G3-D128-fp16", "qwen3_5-G6-D256"])
+def test_simd_decode_other_head_layouts(hps, heads, monkeypatch):
+    """G 3 (odd: simd2's last simdgroup holds one head) at D 128 in fp16, and Qwen3.5's
+    24 q / 4 KV heads of 256; B 2, T 45."""
+    Hq, Hkv, D, dt = heads
+    _attention_case(monkeypatch, {"MLX_LILY_ATTN_DECODE": hps}, B=2, Hq=Hq, Hkv=Hkv, D=D,
+                    T=45, dt=dt)
 
 
 @needs_emu
@@ -229,7 +233,7 @@ def test_attention_variant_production_shape(name, monkeypatch):
     assert mx.array_equal(out, default).item()
 
 
-def _moe_case(monkeypatch, env, *, d, i, e, k, rows):
+def _moe_case(monkeypatch, env, *, d, i, e, k, rows, backend="metal-emu"):
     from test_op_moe_experts import check_close, route, truth
     from _models import moe_block
     from mlx_lily.testing.cuda_emu import kernel_for
@@ -241,10 +245,10 @@ def _moe_case(monkeypatch, env, *, d, i, e, k, rows):
     wts = M.decode_weights(blk.switch_mlp, blk.shared_expert)
     for var, raw in env.items():
         monkeypatch.setenv(var, raw)
-    gu, dn = M.fit_launch_shapes(d, i, k, 4, "metal")
+    gu, dn = M.fit_launch_shapes(d, i, k, 4, "cuda" if backend == "cuda-emu" else "metal")
     assert dn == tuple(int(t) for t in env["MLX_LILY_MOE_DOWN_SHAPE"].split(","))
-    kg, _ = kernel_for(M.GATE_UP_SPEC, "metal-emu")
-    kd, _ = kernel_for(M.DOWN_SPEC, "metal-emu")
+    kg, _ = kernel_for(M.GATE_UP_SPEC, backend)
+    kd, _ = kernel_for(M.DOWN_SPEC, backend)
     y = M.launch_decode(kg, kd, x, inds, scores, shared, wts, res, gate_up=gu, down=dn)
     t, mag = truth(x, inds, scores, shared, wts, res)
     check_close(y, t, mag, mx.bfloat16)
@@ -262,9 +266,19 @@ def _aligned(monkeypatch):
 
 @needs_emu
 @pytest.mark.parametrize("name", sorted(MOE))
-def test_moe_down_variant_matches_truth(name, monkeypatch, _aligned):
-    """D 2048 / I 512 (Qwen3.6's), 9 slots (top-8 + shared) of 11 experts, 3 rows."""
-    _moe_case(monkeypatch, MOE[name], d=2048, i=512, e=11, k=8, rows=3)
+@pytest.mark.parametrize("k,e", [(8, 11), (10, 12)], ids=["top8", "qwen3_next-top10"])
+def test_moe_down_variant_matches_truth(name, k, e, monkeypatch, _aligned):
+    """D 2048 / I 512 (Qwen3.6's and Qwen3-Next's), top-8 + shared (9 slots) and
+    top-10 + shared (11: slot groups of unequal length), 3 rows."""
+    _moe_case(monkeypatch, MOE[name], d=2048, i=512, e=e, k=k, rows=3)
+
+
+@needs_emu
+@pytest.mark.parametrize("name", sorted(MOE))
+def test_moe_down_variant_cuda_twin(name, monkeypatch, _aligned):
+    """The variants apply on CUDA too (``variants.for_backend("cuda")``): the CUDA twin's
+    body under the emulator, at CUDA's register-fitted shapes."""
+    _moe_case(monkeypatch, MOE[name], d=2048, i=512, e=11, k=8, rows=2, backend="cuda-emu")
 
 
 @needs_emu
