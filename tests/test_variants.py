@@ -358,3 +358,33 @@ def test_grouped_load_knob(monkeypatch):
     monkeypatch.setenv("MLX_LILY_MOEG_LOAD", "coop")
     assert mg.weight_load("metal") == "coop"
     assert mg.weight_load("cuda") == "row"  # no CUDA twin of the coop kernels
+
+
+# ----------------------------------------------------------------------------- front end
+_FRONT_END = {  # variant settings -> a kernel (and template value) only they record
+    ("attention", "decode_simd"): ("lily_attn_decode_simd", "HPS", 1),
+    ("attention", "decode_simd2"): ("lily_attn_decode_simd", "HPS", 2),
+    ("moe_experts", "down_sl3"): ("lily_moe_down", "SL", 3),
+    ("moe_experts", "down_sl9"): ("lily_moe_down", "SL", 9),
+    ("moe_grouped", "coop_load"): ("moeg_gate_up_coop", "BM", 32),
+    ("moe_grouped", "coop_load_tile64"): ("moeg_down_coop", "BM", 64),
+}
+
+
+@needs_emu
+@pytest.mark.slow
+@pytest.mark.parametrize("op,name", sorted(_FRONT_END), ids=lambda v: str(v))
+def test_variant_instantiations_pass_the_front_end_check(op, name, monkeypatch):
+    """Qwen3.6-35B-A3B's recorded forward under the variant's settings: every Metal
+    kernel instantiation renders and compiles as MLX 0.32 does
+    (``mlx_lily.testing.msl_frontend``), the variant's kernel among them."""
+    from mlx_lily.testing import msl_frontend as F
+
+    for var, raw in variants.VARIANTS[op][name].items():
+        monkeypatch.setenv(var, raw)
+    calls = F.record_model("qwen3_5_moe")
+    kname, key, want = _FRONT_END[(op, name)]
+    assert any(c.name == kname and dict(c.template).get(key) == want for c in calls)
+    results = F.check_all(F.instantiations(calls))
+    failed = [(r.instantiation.describe(), r.errors[0]) for r in results if not r.ok]
+    assert results and not failed, failed
