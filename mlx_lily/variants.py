@@ -15,7 +15,8 @@ whose parity ``tests/test_variants.py`` checks under the Metal emulator.
   decode context is shorter runs the default kernel for them).
 - ``moe_topk_in_experts``: the routed MoE path with the residual add + RMSNorm computed
   once (``add_rms_norm``, then the plain router GEMV and gate+up) instead of folded into
-  every gate+up threadgroup.
+  every gate+up threadgroup. The setting is global: the one-row projections split their
+  norm the same way and ``gdn_proj`` steps aside while it is set.
 - ``moe_grouped``: the prefill grouped GEMMs reading a weight tile cooperatively (two
   threads per row, 16-byte words: ``moeg_*_coop``, Metal only; MLX ``gather_qmm_rhs``'s
   pattern) with the automatic tile height or 16 / 32 / 64 rows.
