@@ -306,7 +306,7 @@ def test_norm_once_variant_splits_the_routed_norm(monkeypatch):
 GROUPED = variants.VARIANTS["moe_grouped"]
 
 
-def _grouped_case(env, *, N, E, tile_rows):
+def _grouped_case(env, *, N, E, tile_rows, kind="topk"):
     """The prefill grouped GEMMs with the coop weight load against the row load (bit
     for bit) and the reference, D 2048 / I 512 (Qwen3.6's), top-8."""
     import numpy as np
@@ -316,7 +316,7 @@ def _grouped_case(env, *, N, E, tile_rows):
     assert env[variants._LOAD] == "coop"
     mx.random.seed(N + E + tile_rows)
     sw, sh = make_layer(2048, 512, E)
-    x, inds, scores, sgate = make_inputs(N, 8, E, 2048, "topk", rng=np.random.default_rng(N))
+    x, inds, scores, sgate = make_inputs(N, 8, E, 2048, kind, rng=np.random.default_rng(N))
     get = getter("metal-emu")
     launched = []
 
@@ -346,8 +346,10 @@ def test_grouped_coop_load_matches_row_load_and_reference(tile_rows, _aligned):
 @needs_emu
 @pytest.mark.slow
 def test_grouped_coop_load_production_experts(_aligned):
-    """256 experts, 301 tokens (2408 pairs), 32-row tiles."""
-    _grouped_case(GROUPED["coop_load"], N=301, E=256, tile_rows=32)
+    """256 experts (ids up to 255: the weight offsets of the production layer), 33
+    tokens routed with a skewed load (a few experts take most pairs, most get none or
+    one), 32-row tiles."""
+    _grouped_case(GROUPED["coop_load"], N=33, E=256, tile_rows=32, kind="skew")
 
 
 def test_grouped_load_knob(monkeypatch):
