@@ -434,11 +434,11 @@ def decode_attention(q, k, v, scale, gate=None, *, block=None, backend=None,
     simdgroups, one head each, 34 live fp32 per lane), "simd2" 256 x 128 (2 heads per
     simdgroup, 52); no threadgroup memory. Combine: Hq*D/64 = 64 threadgroups x 256
     threads, 2064 B threadgroup memory.
-    MLX competitor: ``sdpa_vector_2pass`` (MLX 0.32, GQA and T >= 4096; 2-pass from 1024
-    on Max/Ultra): pass 1 threadgroup (32, G) per (kv head, block), one simdgroup per
-    query head, keys strided by the block count (64 on base/Pro, 128 on Max): the same
-    8.39 MB of K/V, bf16 partials 0.52-1.05 MB written and read, 128-256 threadgroups x
-    256 threads.
+    MLX competitor: ``sdpa_vector_2pass`` (MLX 0.32, GQA and T >= 4096; from 1024 on GPUs
+    whose architecture name ends in 'd' or 's'): pass 1 threadgroup (32, G) per (kv head,
+    block), one simdgroup per query head, keys strided by the block count (64 or 128 at
+    T 4096, by architecture): the same 8.39 MB of K/V, bf16 partials 0.52-1.05 MB
+    written and read, 128-256 threadgroups x 256 threads.
 
     Args:
         q: ``[B, Hq, 1, D]``; k/v: ``[B, Hkv, T, D]`` (cache views fine); gate: None or
