@@ -233,16 +233,19 @@ def test_attention_variant_production_shape(name, monkeypatch):
     assert mx.array_equal(out, default).item()
 
 
-def _moe_case(monkeypatch, env, *, d, i, e, k, rows, backend="metal-emu"):
+def _moe_case(monkeypatch, env, *, d, i, e, k, rows, backend="metal-emu",
+              random_codes=False):
     from test_op_moe_experts import check_close, route, truth
     from _models import moe_block
+    from mlx_lily.patches import layouts
     from mlx_lily.testing.cuda_emu import kernel_for
 
-    blk = moe_block(d=d, e=e, k=k, i=i, seed=d + i + e + k, dtype=mx.bfloat16)
+    blk = moe_block(d=d, e=e, k=k, i=i, seed=d + i + e + k, dtype=mx.bfloat16,
+                    random_codes=random_codes)
     x = mx.random.normal((rows, 1, d)).astype(mx.bfloat16)
     inds, scores, shared = route(blk, x)
     res = mx.random.normal(x.shape).astype(mx.bfloat16)
-    wts = M.decode_weights(blk.switch_mlp, blk.shared_expert)
+    wts = layouts.decode_weights(blk.switch_mlp, blk.shared_expert)
     for var, raw in env.items():
         monkeypatch.setenv(var, raw)
     gu, dn = M.fit_launch_shapes(d, i, k, 4, "cuda" if backend == "cuda-emu" else "metal")
@@ -285,8 +288,8 @@ def test_moe_down_variant_cuda_twin(name, monkeypatch, _aligned):
 @pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(MOE))
 def test_moe_down_variant_production_shape(name, monkeypatch, _aligned):
-    """Qwen3.6-35B-A3B's experts: 256 of them, top-8, one row."""
-    _moe_case(monkeypatch, MOE[name], d=2048, i=512, e=256, k=8, rows=1)
+    """Qwen3.6-35B-A3B's experts: 256 of them (random codes and scales), top-8, one row."""
+    _moe_case(monkeypatch, MOE[name], d=2048, i=512, e=256, k=8, rows=1, random_codes=True)
 
 
 def test_norm_once_variant_splits_the_routed_norm(monkeypatch):
@@ -310,7 +313,7 @@ def _grouped_case(env, *, N, E, tile_rows, kind="topk"):
     """The prefill grouped GEMMs with the coop weight load against the row load (bit
     for bit) and the reference, D 2048 / I 512 (Qwen3.6's), top-8."""
     import numpy as np
-    from test_op_moe_grouped import check, getter, make_inputs, make_layer
+    from test_op_moe_grouped import check, getter, lay, make_inputs, make_layer
     from mlx_lily.ops import moe_grouped as mg
 
     assert env[variants._LOAD] == "coop"
@@ -324,7 +327,7 @@ def _grouped_case(env, *, N, E, tile_rows, kind="topk"):
         k = get(spec)
         return lambda **kw: launched.append(spec.name) or k(**kw)
 
-    outs = [mg.grouped_experts(x, inds, scores, sw, sh, sgate, tile_rows=tile_rows,
+    outs = [mg.grouped_experts(x, inds, scores, *lay(sw, sh), sgate, tile_rows=tile_rows,
                                get_kernel=counted, load=load) for load in ("row", "coop")]
     mx.eval(outs)
     assert [n for n in launched if n.startswith("moeg_") and "route" not in n] == [
