@@ -393,3 +393,24 @@ def test_variant_instantiations_pass_the_front_end_check(op, name, monkeypatch):
     results = F.check_all(F.instantiations(calls))
     failed = [(r.instantiation.describe(), r.errors[0]) for r in results if not r.ok]
     assert results and not failed, failed
+
+
+# ----------------------------------------------------------------------------- qualifier
+@needs_emu
+def test_qualifier_checks_every_variant_on_the_emulator():
+    """``qualify_model`` on emulated Metal (a tiny Qwen3.6-layout model) runs each
+    variant of attention and moe_experts under its settings: every one is in the record,
+    and passes parity."""
+    import _models
+    from mlx_lily.testing.dispatch import emulated_metal
+
+    ops = ["attention", "moe_experts"]
+    model = _models.build("qwen3_5_moe", seed=3)
+    with emulated_metal():
+        res = qualify.qualify_model(model, ops=ops, decode_steps=1, decode_context=4,
+                                    prefill_len=8, parity_prefill=0, prefill_reps=1, seed=1)
+    for op in ops:
+        want = {qualify.DEFAULT_VARIANT, *variants.VARIANTS[op]}
+        assert set(res["ops"][op]) == want, (op, sorted(res["ops"][op]))
+        failed = {v: r.get("error") for v, r in res["ops"][op].items() if not r["passed"]}
+        assert not failed, (op, failed)
