@@ -95,7 +95,7 @@ QUALIFY_ENV = "MLX_LILY_QUALIFY"
 EMULATE_ENV = "MLX_LILY_QUALIFY_EMULATE"
 #: Candidate variants per op besides ``"default"``: ``{op: {variant: {env name: value}}}``
 #: (``variants_of``).
-VARIANTS: dict = {}
+from .variants import VARIANTS  # noqa: E402
 DEFAULT_VARIANT = "default"
 TIMEOUT_S = 600.0
 REL_TOL = 0.1

@@ -95,6 +95,34 @@ KNOBS: dict = {k.attr: k for k in (
 )}
 
 
+def _down_shape(raw: str) -> tuple:
+    v = int_tuple(3, 1, 16)(raw)
+    if 32 * v[0] * v[2] > 1024:
+        raise BadValue("32*NW*SL threads exceed 1024")
+    return v
+
+
+KNOBS.update({k.attr: k for k in (
+    Setting("attn_decode", "MLX_LILY_ATTN_DECODE", None, one_of("gqa", "simd", "simd2"),
+            "'gqa', 'simd', 'simd2'",
+            "Metal: the decode attention partial kernel (default: "
+            "attention.DECODE_VARIANT)"),
+    Setting("attn_fixed_block", "MLX_LILY_ATTN_FIXED_BLOCK", None,
+            one_of("128", "256", "512", values={"128": 128, "256": 256, "512": 512}),
+            "'128', '256', '512'",
+            "keys per block of long-context decode attention (default: "
+            "attention.FIXED_BLOCK)"),
+    Setting("moe_down_shape", "MLX_LILY_MOE_DOWN_SHAPE", None, _down_shape,
+            "three integers 1..16 'NW,RPW,SL' with 32*NW*SL <= 1024 (e.g. '4,2,3')",
+            "launch shape of the decode MoE down kernel (default: "
+            "moe_experts.DOWN_SHAPE)"),
+    Setting("moeg_load", "MLX_LILY_MOEG_LOAD", None, one_of("row", "coop"),
+            "'row', 'coop'",
+            "Metal: how the prefill grouped GEMMs read a weight tile (default: "
+            "moe_grouped.WEIGHT_LOAD)"),
+)})
+
+
 def value(attr: str):
     """The knob ``attr`` now.
 

@@ -140,7 +140,9 @@ def _compile_key():
     return (be, backend.disabled_ops(), backend.selected_ops(), kernels.allowed_key(),
             config.kernels,
             tuning.decode_pf, norm_qgemv_ops.split_requested(), gdn_ops.proj_split(be),
-            tuning.moe_fused_rpw, tuning.moe_tile_rows, _UNCOMPILED[0])
+            tuning.moe_fused_rpw, tuning.moe_tile_rows, _UNCOMPILED[0],
+            tuning.attn_decode, tuning.attn_fixed_block, tuning.moe_down_shape,
+            tuning.moeg_load)
 
 
 def _gdn_step_fn(layer, pending):

@@ -42,6 +42,10 @@ BAD_KNOBS = {
     "step_aside": "maybe",
     "qualify_emulate": "2",
     "inject_fault": None,  # raw text: mlx_lily.first_contact parses it (tests only)
+    "attn_decode": "fast",
+    "attn_fixed_block": "300",
+    "moe_down_shape": "8,2,9",  # each in range, 2304 threads
+    "moeg_load": "wide",
 }
 
 

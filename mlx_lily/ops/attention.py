@@ -64,6 +64,13 @@ TARGET_SIMDGROUPS = {"cuda": 128, "metal": 320}
 DECODE_PREFETCH = {"cuda": 1, "metal": 1}
 DECODE_PF_ENV = "MLX_LILY_DECODE_PF"
 
+# Decode partial-kernel variants (``MLX_LILY_ATTN_DECODE``, ``tuning.attn_decode``), Metal
+# only: "gqa" (default, ``lily_attn_decode_partial``: a simdgroup holds all G heads of a
+# KV head), "simd" / "simd2" (``lily_attn_decode_simd`` with HPS 1 / 2 heads per
+# simdgroup). Results do not depend on the variant (same per-head arithmetic and blocks).
+DECODE_VARIANTS = {"gqa": 0, "simd": 1, "simd2": 2}
+DECODE_VARIANT = {"cuda": "gqa", "metal": "gqa"}
+
 # Prefill rows (packed query-head rows) per threadgroup, per backend (same grid formula).
 PREFILL_ROWS = {"cuda": 64, "metal": 32}
 PREFILL_THREADS = 128
@@ -85,6 +92,11 @@ QK_NORM_ROPE = KernelSpec(
     ensure_row_contiguous=False)
 DECODE_PARTIAL = KernelSpec(
     "lily_attn_decode_partial", "attn_decode_partial",
+    ("q", "k", "v", "params", "tlen"), ("part_o", "part_ml"), ensure_row_contiguous=False)
+#: One simdgroup per query head (or per pair), MLX ``sdpa_vector_2pass``'s layout; Metal
+#: only, chosen by ``decode_variant``; same partials as ``DECODE_PARTIAL``.
+DECODE_SIMD = KernelSpec(
+    "lily_attn_decode_simd", "attn_decode_simd",
     ("q", "k", "v", "params", "tlen"), ("part_o", "part_ml"), ensure_row_contiguous=False)
 DECODE_COMBINE = KernelSpec(
     "lily_attn_decode_combine", "attn_decode_combine",
@@ -206,14 +218,35 @@ def decode_prefetch(backend: str) -> int:
     return DECODE_PREFETCH.get(backend, 1) if pf is None else pf
 
 
+def decode_variant(backend: str) -> str:
+    """The decode partial kernel on ``backend`` (a ``DECODE_VARIANTS`` key):
+    ``DECODE_VARIANT``, or ``MLX_LILY_ATTN_DECODE`` (``tuning.attn_decode``) on Metal; the
+    other backends have only "gqa"."""
+    from .. import tuning
+
+    v = tuning.attn_decode
+    if backend != "metal" or v is None:
+        return DECODE_VARIANT.get(backend, "gqa")
+    return v
+
+
+def fixed_block(backend: str) -> int:
+    """The fixed decode block on ``backend``: ``FIXED_BLOCK``, or
+    ``MLX_LILY_ATTN_FIXED_BLOCK`` (``tuning.attn_fixed_block``: 128, 256 or 512)."""
+    from .. import tuning
+
+    v = tuning.attn_fixed_block
+    return FIXED_BLOCK.get(backend, 256) if v is None else v
+
+
 def decode_block(T: int, B: int, Hkv: int, backend: str) -> int:
     """Keys per simdgroup (``CH``) for a decode over ``T`` cached tokens.
 
     General rule (``T < SPLIT_K_MIN_CONTEXT``): the smallest power of two >= 32 with
     ``B*Hkv*ceil(T/CH)`` close to ``TARGET_SIMDGROUPS[backend]``, capped at the fixed
-    block. Fixed-block rule (``T >= SPLIT_K_MIN_CONTEXT``): ``FIXED_BLOCK[backend]``.
+    block. Fixed-block rule (``T >= SPLIT_K_MIN_CONTEXT``): ``fixed_block(backend)``.
     """
-    fixed = FIXED_BLOCK.get(backend, 256)
+    fixed = fixed_block(backend)
     if T >= SPLIT_K_MIN_CONTEXT:
         return fixed
     target = TARGET_SIMDGROUPS.get(backend, 320)
@@ -392,8 +425,25 @@ def _sdpa_route(q, k, v, mask, gate, backend="cuda"):
 
 
 def decode_attention(q, k, v, scale, gate=None, *, block=None, backend=None,
-                     gate_packed=False, init_value=None, tlen=None, prefetch=None):
+                     gate_packed=False, init_value=None, tlen=None, prefetch=None,
+                     variant=None):
     """Split-K GQA decode attention with the Lily kernels (no routing checks).
+
+    Static cost at Qwen3.6-35B-A3B's decode shape (B 1, Hq 16, Hkv 2, D 256, bf16) over
+    T = 4096 cached tokens, Metal (block CH 32, NS 128 blocks; the fixed-block path at
+    T >= 32768 keeps NS = T/CH with CH 256): K/V read 8.39 MB (2*Hkv*T*D*2 B, growing
+    with T), q 8 KB; partials written then read by the combine 2.11 MB
+    (Hq*NS*(D+2)*4 B); output and gate 8 KB each.
+    Partial kernel by ``variant``: "gqa" 64 threadgroups x 128 threads (4 simdgroups,
+    each one block of all 8 heads: ~160 live fp32 per lane), "simd" 256 x 256 (8
+    simdgroups, one head each, 34 live fp32 per lane), "simd2" 256 x 128 (2 heads per
+    simdgroup, 52); no threadgroup memory. Combine: Hq*D/64 = 64 threadgroups x 256
+    threads, 2064 B threadgroup memory.
+    MLX competitor: ``sdpa_vector_2pass`` (MLX 0.32, GQA and T >= 4096; from 1024 on GPUs
+    whose architecture name ends in 'd' or 's'): pass 1 threadgroup (32, G) per (kv head,
+    block), one simdgroup per query head, keys strided by the block count (64 or 128 at
+    T 4096, by architecture): the same 8.39 MB of K/V, bf16 partials 0.52-1.05 MB
+    written and read, 128-256 threadgroups x 256 threads.
 
     Args:
         q: ``[B, Hq, 1, D]``; k/v: ``[B, Hkv, T, D]`` (cache views fine); gate: None or
@@ -404,18 +454,26 @@ def decode_attention(q, k, v, scale, gate=None, *, block=None, backend=None,
             tlen: None, or an int32 ``[1]`` array: k/v are whole cache buffers of which
             only the first ``tlen`` keys count (static shapes for a compiled step);
             prefetch: ``PF`` (1 or 2, default ``decode_prefetch``), load groups in
-            flight per warp (the result does not depend on it).
+            flight per warp (the result does not depend on it); variant: a
+            ``DECODE_VARIANTS`` key (default ``decode_variant``; "simd"/"simd2" need the
+            Metal kernel ``lily_attn_decode_simd``, which ignores ``prefetch``).
     Returns:
         ``[B, 1, Hq, D]`` (``attn * sigmoid(gate)`` when gate is given), q's dtype;
         ``[B, 1, Hq*D]`` with ``gate_packed`` (the layout ``o_proj`` reads).
     Raises:
-        ValueError: ``prefetch`` not None, 1 or 2.
+        ValueError: ``prefetch`` not None, 1 or 2; ``variant`` not a ``DECODE_VARIANTS``
+            key.
         RuntimeError: no kernel for the backend.
     """
     if prefetch not in (None, 1, 2):
         raise ValueError(f"decode_attention: prefetch must be 1 or 2, got {prefetch!r}")
+    if variant is not None and variant not in DECODE_VARIANTS:
+        raise ValueError(f"decode_attention: variant must be one of {list(DECODE_VARIANTS)}, "
+                         f"got {variant!r}")
     backend = backend or current_backend()
-    kp = _kernel(DECODE_PARTIAL, backend)
+    hps = DECODE_VARIANTS[variant or decode_variant(backend)]
+    ks = _kernel(DECODE_SIMD, backend) if hps and backend == "metal" else None
+    kp = ks or _kernel(DECODE_PARTIAL, backend)
     kc = _kernel(DECODE_COMBINE, backend)
     if kp is None or kc is None:
         raise RuntimeError(f"no attention decode kernel on backend {backend!r}")
@@ -425,15 +483,23 @@ def decode_attention(q, k, v, scale, gate=None, *, block=None, backend=None,
     dt = q.dtype
     ch = int(block) if block else decode_block(T, B, Hkv, backend)
     ns = -(-T // ch)
-    nsg = DECODE_SIMDGROUPS
-    nblk = -(-ns // nsg)
     dyn = tlen is not None
+    if ks is not None:  # one simdgroup per hps query heads, one threadgroup per block
+        nsg = -(-G // hps)
+        launch = dict(grid=(32 * nsg * ns, Hkv, B), threadgroup=(32 * nsg, 1, 1),
+                      template=[("T", dt), ("D", D), ("G", G), ("CH", ch), ("HPS", hps),
+                                ("DYN_T", dyn)])
+    else:
+        nsg = DECODE_SIMDGROUPS
+        nblk = -(-ns // nsg)
+        launch = dict(grid=(32 * nsg * nblk, Hkv, B), threadgroup=(32 * nsg, 1, 1),
+                      template=[("T", dt), ("D", D), ("G", G), ("CH", ch), ("NSG", nsg),
+                                ("DYN_T", dyn),
+                                ("PF", int(prefetch) if prefetch else decode_prefetch(backend))])
     part_o, part_ml = kp(
         inputs=[q, k, v, _params(scale), tlen if dyn else _dummy_len()],
         output_shapes=[(B, Hq, ns, D), (B, Hq, ns, 2)], output_dtypes=[mx.float32, mx.float32],
-        grid=(32 * nsg * nblk, Hkv, B), threadgroup=(32 * nsg, 1, 1),
-        template=[("T", dt), ("D", D), ("G", G), ("CH", ch), ("NSG", nsg), ("DYN_T", dyn),
-                  ("PF", int(prefetch) if prefetch else decode_prefetch(backend))])
+        **launch)
     gated = gate is not None
     if gate_packed:
         g = gate

@@ -131,11 +131,22 @@ GATE_UP_NW = 4
 assert all(nw == GATE_UP_NW for nw, _ in GATE_UP_SHAPE.values())
 
 
+#: Down launch shapes by slot groups, for the qualifier's variants (``mlx_lily.variants``;
+#: ``MLX_LILY_MOE_DOWN_SHAPE``): SL 1 (each simdgroup walks the 9 slots of Qwen3.6's top-8
+#: + shared expert: Metal's default), 3 (CUDA's default), 9 (one slot per simdgroup; NW 2
+#: keeps 576 threads).
+DOWN_SLOT_SHAPES = {1: (4, 2, 1), 3: (4, 2, 3), 9: (2, 2, 9)}
+
+
 def launch_shapes(backend: str) -> tuple[tuple[int, int], tuple[int, int, int]]:
     """``((NW, RPW) of gate+up, (NW, RPW, SL) of down)`` for ``backend`` (Metal's off
-    CUDA)."""
+    CUDA); ``MLX_LILY_MOE_DOWN_SHAPE`` (``tuning.moe_down_shape``) replaces the down
+    shape on every backend."""
+    from .. import tuning
+
     b = backend if backend in GATE_UP_SHAPE else "metal"
-    return GATE_UP_SHAPE[b], DOWN_SHAPE[b]
+    dn = tuning.moe_down_shape
+    return GATE_UP_SHAPE[b], DOWN_SHAPE[b] if dn is None else tuple(dn)
 
 
 #: CUDA register estimate of the decode kernels, whose bodies hold every 16-byte weight
@@ -331,7 +342,20 @@ def launch_decode(k_gate_up, k_down, x, inds, scores, shared, wts: DecodeWeights
                   init_value: float | None = None):
     """Run the gate+up and down+combine kernel objects (either backend, or the Metal
     emulator's) on a call ``supports_decode`` accepted. Returns ``[..., D]`` in x's
-    dtype (``residual + y`` when ``residual`` is given)."""
+    dtype (``residual + y`` when ``residual`` is given).
+
+    Static cost of ``lily_moe_down`` at Qwen3.6-35B-A3B's decode shape (one row, D 2048,
+    I 512, top-8 + shared = 9 slots, 4-bit group 64, bf16 scales): reads 4.72 MB of
+    weights + 0.59 MB of scales/biases (each once) and h (9 KB, re-read by every
+    threadgroup from cache), writes y (4 KB). Launch by down shape (NW, RPW, SL):
+    (4, 2, 1) 128 threadgroups x 128 threads, 4 B threadgroup memory; (4, 2, 3) 128 x
+    384, 192 B; (2, 2, 9) 256 x 576, 288 B (``DOWN_SLOT_SHAPES``). MLX competitor: the
+    stock block's ``gather_qmm`` down (``gather_qmv_fast``: 8 rows per 64-thread
+    threadgroup, 8 B of weights per lane per step, 2048 threadgroups for 8 experts) plus
+    the shared expert's ``qmv_fast`` (256 threadgroups): the same 5.31 MB of weights,
+    scales and biases, plus the ``[8, 2048]`` per-expert outputs written and re-read by
+    the score-weighted sum (2 x 32 KB).
+    """
     run = decode_plan(k_gate_up, k_down, wts, x.shape, x.dtype, inds.shape[-1],
                       residual is not None, gate_up=gate_up, down=down,
                       init_value=init_value)
@@ -380,7 +404,8 @@ def _decode_run(experts: Experts, x, inds, scores, shared, residual, backend):
         return decode_plan(kg, kd, wts, x.shape, x.dtype, inds.shape[-1], residual is not None)
 
     key = (backend, x.shape, x.dtype, inds.shape, scores.shape,
-           None if shared is None else shared.shape, None if residual is None else residual.shape)
+           None if shared is None else shared.shape, None if residual is None else residual.shape,
+           launch_shapes(backend))
     return _cached_plan(experts, "decode", key, build)
 
 
@@ -484,7 +509,8 @@ def moe_experts_routed(x, router, k: int, norm_topk_prob: bool, experts: Experts
         return mk(False), mk(True)
 
     entry = _cached_plan(experts, "routed",
-                         (backend, id(router), row.shape, row.dtype, k, bool(norm_topk_prob)),
+                         (backend, id(router), row.shape, row.dtype, k, bool(norm_topk_prob),
+                          launch_shapes(backend)),
                          build)
     if entry is None:
         return None

@@ -78,6 +78,23 @@ DOWN = KernelSpec("moeg_down", "moeg_down", ("h", "tiles", "w_down", "s_down", "
 COMBINE = KernelSpec("moeg_combine", "moeg_combine",
                      ("y_pairs", "pair_pos", "scores", "shared_out", "shared_gate"), ("out",))
 SPECS = (GATE_UP, DOWN, COMBINE)
+#: Metal variants of the two GEMMs with the weight tile read cooperatively (16-byte words,
+#: two neighbouring threads per row) instead of one thread per row in 4-byte words: same
+#: launch contract and result (``WEIGHT_LOAD``, ``MLX_LILY_MOEG_LOAD``).
+GATE_UP_COOP = KernelSpec("moeg_gate_up_coop", "moeg_gate_up_coop", GATE_UP.inputs,
+                          GATE_UP.outputs)
+DOWN_COOP = KernelSpec("moeg_down_coop", "moeg_down_coop", DOWN.inputs, DOWN.outputs)
+#: Weight-tile load of the GEMMs per backend: "row" (``moeg_gate_up`` / ``moeg_down``) or
+#: "coop" (Metal only: the ``*_COOP`` kernels).
+WEIGHT_LOAD = {"cuda": "row", "metal": "row"}
+
+
+def weight_load(backend: str) -> str:
+    """``WEIGHT_LOAD``, or on Metal ``MLX_LILY_MOEG_LOAD`` (``tuning.moeg_load``)."""
+    from .. import tuning
+
+    v = tuning.moeg_load
+    return v if backend == "metal" and v is not None else WEIGHT_LOAD.get(backend, "row")
 
 
 def choose_tile_rows(num_pairs: int, num_experts: int, backend: str | None = None) -> int:
@@ -161,10 +178,25 @@ def why_unsupported(x, inds, scores, weights, shared_mlp, shared) -> str | None:
 def grouped_stages(x: mx.array, inds: mx.array, scores: mx.array, weights: GroupedWeights,
                    shared_mlp, shared, *, tile_rows: int,
                    get_kernel: Callable[[KernelSpec], object],
-                   route_kernels: bool = True) -> dict:
+                   route_kernels: bool = True, load: str = "row") -> dict:
     """The grouped-GEMM pipeline as lazy arrays per stage (benchmarks evaluate a prefix).
 
-    Same arguments as ``grouped_experts``. Returns ``{"route": MoeRoute, "pair_pos":
+    Same arguments as ``grouped_experts``; ``load`` "coop" takes the Metal ``*_COOP``
+    GEMMs (where ``get_kernel`` gives none, the row kernels). Static cost of the two GEMMs
+    at Qwen3.6-35B-A3B's 2048-token prefill chunk (16384 pairs over 256 experts: 32-row
+    tiles, Tm <= 768): gate+up grid (128*Tm, 8): up to 6144 threadgroups x 128 threads,
+    each reading its expert's 64 gate + 64 up rows (128 KB of weights + 16 KB of
+    scales/biases) and its tile's x rows (32 x 4 KB); down (128*Tm, 16): up to 12288 x
+    128, each 128 rows (32 KB + 4 KB) and 32 h rows (1 KB each). An expert's weights
+    (1.57 MB; 403 MB for 256 experts) are read once per tile of it, about 2-3 times per
+    chunk at 64 rows per expert (row and coop alike: coop changes the loads, not the
+    bytes). Threadgroup memory (BM + 128) * 72 * 2 B: 23.0 KB at BM 32, 27.6 KB at 64.
+    MLX competitor: ``gather_qmm`` with sorted indices (``gather_qmm_rhs``, MLX 0.32: BM
+    32 or 64, BN 64, BK 64, 128 threads; its 64 x 64 weight tile dequantized into
+    threadgroup memory by two threads per row, 16 bytes each: the coop pattern;
+    ``simdgroup_matrix`` MMA), or ``gather_qmm_nax`` on M5: the same weight bytes per
+    expert tile.
+    Returns ``{"route": MoeRoute, "pair_pos":
     [P] int32, "h": [P, I], "y_pairs": [P, D] (sorted-pair order), "out": [N, D]}``
     with ``N`` the flattened rows of ``x`` and ``P = N * k``.
     """
@@ -184,12 +216,19 @@ def grouped_stages(x: mx.array, inds: mx.array, scores: mx.array, weights: Group
         route = _route.moe_route_reference(inds, E, tile_rows)
         pair_pos = mx.argsort(route.sorted_pairs).astype(mx.int32)
     dt = x.dtype
-    (h,) = get_kernel(GATE_UP)(
+    if load not in ("row", "coop"):
+        raise ValueError(f"load must be 'row' or 'coop', got {load!r}")
+    k_gu = k_dn = None
+    if load == "coop":
+        k_gu, k_dn = get_kernel(GATE_UP_COOP), get_kernel(DOWN_COOP)
+    if k_gu is None or k_dn is None:
+        k_gu, k_dn = get_kernel(GATE_UP), get_kernel(DOWN)
+    (h,) = k_gu(
         inputs=[xf, route.sorted_pairs, route.tiles, *g, *u],
         output_shapes=[(P, I)], output_dtypes=[dt],
         grid=(THREADS * T, I // 64, 1), threadgroup=(THREADS, 1, 1),
         template=[("T", dt), ("DM", D), ("DI", I), ("TOPK", k), ("BM", tile_rows)])
-    (y_pairs,) = get_kernel(DOWN)(
+    (y_pairs,) = k_dn(
         inputs=[h, route.tiles, *d],
         output_shapes=[(P, D)], output_dtypes=[dt],
         grid=(THREADS * T, D // 128, 1), threadgroup=(THREADS, 1, 1),
@@ -216,7 +255,7 @@ def grouped_stages(x: mx.array, inds: mx.array, scores: mx.array, weights: Group
 def grouped_experts(x: mx.array, inds: mx.array, scores: mx.array,
                     weights: GroupedWeights, shared_mlp, shared, *, tile_rows: int,
                     get_kernel: Callable[[KernelSpec], object],
-                    route_kernels: bool = True) -> mx.array:
+                    route_kernels: bool = True, load: str = "row") -> mx.array:
     """The grouped-GEMM pipeline, unconditionally (callers check ``why_unsupported``).
 
     Args:
@@ -229,14 +268,15 @@ def grouped_experts(x: mx.array, inds: mx.array, scores: mx.array,
         get_kernel: ``spec -> kernel object`` (``moe_route.kernel_getter(backend)``, or
             a builder around the Metal emulator in tests).
         route_kernels: False computes the routing with ``moe_route_reference``.
+        load: "row" or "coop" (``grouped_stages``; the result does not depend on it).
     Returns:
         ``[..., D]`` in x's dtype.
     Raises:
-        ValueError: ``tile_rows`` not in ``TILE_ROWS``.
+        ValueError: ``tile_rows`` not in ``TILE_ROWS``; ``load`` neither "row" nor "coop".
     """
     out = grouped_stages(x, inds, scores, weights, shared_mlp, shared,
                          tile_rows=tile_rows, get_kernel=get_kernel,
-                         route_kernels=route_kernels)["out"]
+                         route_kernels=route_kernels, load=load)["out"]
     return out.reshape(x.shape)
 
 
@@ -278,4 +318,4 @@ def try_grouped(x, inds, scores, weights, shared_mlp, shared, *,
         return None
     return grouped_experts(x, inds, scores, weights, shared_mlp, shared,
                            tile_rows=tr, get_kernel=_route.kernel_getter(backend),
-                           route_kernels=op_enabled(_route.NAME))
+                           route_kernels=op_enabled(_route.NAME), load=weight_load(backend))
