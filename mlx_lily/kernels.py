@@ -569,7 +569,8 @@ def verified_ops(backend: str) -> frozenset:
     qualified ops of this device's valid qualification record when there is one
     (``mlx_lily.qualify.record_ops``; ignored with ``MLX_LILY_QUALIFY=0``), else
     ``VERIFIED[backend]`` when ``shipped_matches(backend)``, else none. Cached per
-    backend until ``forget_record`` (or ``VERIFIED[backend]`` is replaced)."""
+    backend until ``forget_record`` (or ``VERIFIED[backend]`` is replaced). Reading a
+    record also applies the settings of the variants it chose (``tuning.QUALIFIED``)."""
     shipped = VERIFIED.get(backend, frozenset())
     hit = _VERIFIED_NOW.get(backend)
     if hit is not None and hit[0] is shipped:
@@ -581,6 +582,10 @@ def verified_ops(backend: str) -> frozenset:
                 from . import qualify
 
                 _RECORD_OPS[backend] = qualify.record_ops(backend)
+                from . import tuning
+
+                tuning.set_qualified(qualify.record_variant_settings(backend)
+                                     if _RECORD_OPS[backend] is not None else {})
             except Exception as e:  # noqa: BLE001  (an unreadable record is no record)
                 import warnings
 
@@ -607,6 +612,9 @@ def forget_record() -> None:
     ``verified_ops`` call."""
     _RECORD_OPS.clear()
     _VERIFIED_NOW.clear()
+    from . import tuning
+
+    tuning.QUALIFIED.clear()
 
 
 def get(spec: KernelSpec, backend: str):

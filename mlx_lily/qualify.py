@@ -226,6 +226,20 @@ def record_ops(backend: str) -> frozenset | None:
     return frozenset(read_record(backend).get("qualified", {}))
 
 
+def record_variant_settings(backend: str) -> dict:
+    """``{MLX_LILY_* name: raw value}``: the settings of the variants this device's valid
+    record chose (``qualified`` op -> variant other than ``"default"``), which serving
+    applies (``tuning.QUALIFIED``); {} without a valid record. A variant name the
+    current table no longer has is skipped."""
+    if record_status(backend) != "valid":
+        return {}
+    out: dict = {}
+    for op, variant in sorted(read_record(backend).get("qualified", {}).items()):
+        if variant != DEFAULT_VARIANT:
+            out.update(variants_of(op, backend).get(variant, {}))
+    return out
+
+
 def write_record(record: dict, path: Path) -> Path:
     """Write ``record`` as JSON to ``path`` atomically (a temporary file in the same
     folder, flushed, then renamed over ``path``)."""
@@ -412,12 +426,17 @@ def time_prefill(model, length: int = PREFILL_LEN, reps: int = PREFILL_REPS,
 
 
 # ----------------------------------------------------------------------------- variants
-def variants_of(op: str) -> dict:
-    """``{variant: settings}`` qualified for ``op``: ``"default"`` (no settings: the
-    shipped choice) and ``VARIANTS.get(op)``'s, each a dict of environment variables
-    (``MLX_LILY_*`` name -> value; None: unset) the variant runs under."""
+def variants_of(op: str, backend: str | None = None) -> dict:
+    """``{variant: settings}`` qualified for ``op`` on ``backend`` (default: the current
+    one): ``"default"`` (no settings: the shipped choice) and ``VARIANTS.get(op)``'s as
+    ``variants.for_backend`` keeps them there (no Metal-only variant elsewhere, none equal
+    to the backend's default), each a dict of environment variables (``MLX_LILY_*`` name
+    -> value; None: unset) the variant runs under."""
+    from .variants import for_backend
+
+    be = backend or _backend.current_backend()
     out = {DEFAULT_VARIANT: {}}
-    out.update({k: dict(v) for k, v in VARIANTS.get(op, {}).items()})
+    out.update({k: dict(v) for k, v in for_backend(be, VARIANTS).get(op, {}).items()})
     return out
 
 
@@ -723,7 +742,7 @@ def qualify_model(model, *, ops=None, decode_steps: int = DECODE_STEPS,
         parity = _Parity(model, led, ref, prompt_len, parity_prefill, seed)
         pending = []
         for op in cands:
-            results[op] = {name: _blank() for name in variants_of(op)}
+            results[op] = {name: _blank() for name in variants_of(op, be)}
             off = kernels.runtime_disabled().get(op)
             if off is not None:
                 for r in results[op].values():
@@ -742,7 +761,7 @@ def qualify_model(model, *, ops=None, decode_steps: int = DECODE_STEPS,
                 r.update(error=v["error"], agreement=v["agreement"],
                          launched=v["launched"].get(op, {}))
             for op in pending:  # other variants: the passing set with this op's variant
-                for name, settings in variants_of(op).items():
+                for name, settings in variants_of(op, be).items():
                     if name == DEFAULT_VARIANT:
                         continue
                     opset = _ordered(set(good) | {op})
@@ -762,7 +781,7 @@ def qualify_model(model, *, ops=None, decode_steps: int = DECODE_STEPS,
         def env_of(opset):
             env: dict = {}
             for o in opset:
-                env.update(variants_of(o)[chosen[o]])
+                env.update(variants_of(o, be)[chosen[o]])
             return env
 
         base_census = {ph: Counter() for ph in PHASES}  # no kernel launches at all
@@ -784,7 +803,7 @@ def qualify_model(model, *, ops=None, decode_steps: int = DECODE_STEPS,
                         f"{', '.join(missing)})")
                     continue
                 notes = []
-                for name, settings in variants_of(op).items():
+                for name, settings in variants_of(op, be).items():
                     r = results[op][name]
                     if not r["passed"]:
                         continue

@@ -96,6 +96,10 @@ OPS: tuple = (
     Op("moe_fused", "fusion", "moe_experts", "has_fused_kernel", stems=("moe_decode",),
        requires=("moe_topk_in_experts", "norm_qgemv", "qgemv"), backends=("cuda",),
        verified=("cuda",), doc="the whole decode MoE block in one launch"),
+    Op("batch_decode", "fusion", "attention", "has_packed_kernel",
+       requires=("attention", "attn_packed", "qgemv"),
+       doc="decode steps of 2-8 sequences in mlx-lm's batch caches (BatchGenerator, "
+           "mlx_lm.server) through the one-sequence kernels, row by row"),
 )
 
 BY_NAME: dict = {op.name: op for op in OPS}

@@ -123,13 +123,35 @@ KNOBS.update({k.attr: k for k in (
 )})
 
 
+#: Knob values this device's qualification record chose (``attr -> raw text``: the
+#: settings of each qualified op's variant, ``qualify.record_variant_settings``), set by
+#: ``kernels.verified_ops`` when it reads the record. A knob whose variable is set in the
+#: environment keeps the environment's value.
+QUALIFIED: dict = {}
+
+
 def value(attr: str):
-    """The knob ``attr`` now.
+    """The knob ``attr`` now: its environment variable when set, else the value the
+    qualification record chose (``QUALIFIED``), else its default.
 
     Raises:
         AttributeError: no knob has that name.
     """
+    if QUALIFIED and attr in QUALIFIED and attr in KNOBS:
+        from .config import env_value, read
+
+        if not env_value(KNOBS[attr].env, ""):
+            return read(KNOBS[attr], QUALIFIED[attr])
     return cached(KNOBS, attr, "mlx_lily.tuning")
+
+
+def set_qualified(env_settings: dict) -> None:
+    """Replace ``QUALIFIED`` with the knobs of ``env_settings`` (``{MLX_LILY_* name: raw
+    value}``; names that are no knob are ignored)."""
+    by_env = {k.env: a for a, k in KNOBS.items()}
+    QUALIFIED.clear()
+    QUALIFIED.update({by_env[v]: raw for v, raw in env_settings.items()
+                      if v in by_env and raw is not None})
 
 
 install_properties(__name__, KNOBS, value)

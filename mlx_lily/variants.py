@@ -101,11 +101,11 @@ def is_default(env: dict, backend: str) -> bool:
     return True
 
 
-def for_backend(backend: str) -> dict:
-    """``VARIANTS`` as ``backend`` qualifies them: without the Metal-only variants
-    elsewhere and without those equal to the backend's default."""
+def for_backend(backend: str, table: dict | None = None) -> dict:
+    """``table`` (default ``VARIANTS``) as ``backend`` qualifies it: without the
+    Metal-only variants elsewhere and without those equal to the backend's default."""
     out = {}
-    for op, vs in VARIANTS.items():
+    for op, vs in (VARIANTS if table is None else table).items():
         keep = {name: env for name, env in vs.items()
                 if (backend == "metal" or (op, name) not in METAL_ONLY)
                 and not is_default(env, backend)}

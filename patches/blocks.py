@@ -11,7 +11,8 @@ import mlx.nn as nn
 from mlx_lm.models import qwen3_next
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
-from mlx_lily.backend import op_enabled
+from mlx_lily.backend import current_backend, op_enabled
+from mlx_lily.registry import switch_on
 from mlx_lily.ops import attention as attn_ops, gated_delta as gdn_ops
 from mlx_lily.ops.add_rms_norm import add_rms_norm
 from mlx_lily.ops.gated_delta import gated_delta, gated_delta_packed
@@ -96,9 +97,22 @@ def _attention_decode_packed(self, proj, x, cache):
 MAX_BATCH_ROWS = 8
 
 
+BATCH_OP = "batch_decode"
+
+
+def batch_kernels_on() -> bool:
+    """Whether calls on mlx-lm's batch caches take the one-sequence kernels: the
+    ``batch_decode`` switch is on and ``MLX_LILY_KERNELS`` allows it here (not in the
+    shipped verified set until its GPU tests pass; ``MLX_LILY_KERNELS=all`` turns it on).
+    Off, such calls take the paths they took before batched decode existed."""
+    return switch_on(BATCH_OP, current_backend())
+
+
 def batch_decode_unsupported(self, x, cache) -> str | None:
     """Why a step of mlx-lm's ``BatchKVCache`` (``BatchGenerator``: left-padded rows,
     per-sequence offsets) does not take ``_attention_decode_batch``, or None."""
+    if not batch_kernels_on():
+        return f"{BATCH_OP} off (MLX_LILY_DISABLE / MLX_LILY_KERNELS)"
     if not op_enabled(attn_ops.NAME) or not op_enabled(attn_ops.PACKED_OP):
         return "attention switches off"
     if self.training or type(self.rope) is not nn.RoPE:
@@ -125,7 +139,8 @@ def _batch_prefill_unpadded(self, x, cache) -> bool:
     causal mask. Right padding needs no mask: a valid row's queries see only keys before
     them."""
     row = x.h0 if isinstance(x, PendingNorm) else x
-    return (row.ndim == 3 and row.shape[1] > 1 and _attention_supported(self, None)
+    return (row.ndim == 3 and row.shape[1] > 1 and batch_kernels_on()
+            and _attention_supported(self, None)
             and cache.left_padding.shape == (row.shape[0],)
             and not any(_left_padding(cache)))
 

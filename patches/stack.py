@@ -13,7 +13,7 @@ from mlx_lily.ops.add_rms_norm import add_rms_norm
 from mlx_lily.patching import prefill_eval_layers
 from mlx_lily.qproj import PendingNorm
 from .projections import _CHECKED, _original, lm_head
-from .blocks import MAX_BATCH_ROWS, _layer_input, _layer_tail, _mixer
+from .blocks import MAX_BATCH_ROWS, _layer_input, _layer_tail, _mixer, batch_kernels_on
 from .launch_order import MOE_AFTER_ATTR, _counters_for, _moe_after
 from .kv_growth import _kv_headroom, _widen_kv_steps
 from .decode_graph import (
@@ -131,7 +131,7 @@ def _batch_decode_step(h, cache) -> bool:
     Such a step runs eagerly, each layer with the launch-ordering inputs
     (``_counters_for``, ``_moe_after``) a compiled one-sequence step passes, so that a row
     takes the one-launch kernels that sequence takes decoding alone."""
-    return (h.shape[1] == 1 and 1 <= h.shape[0] <= MAX_BATCH_ROWS
+    return (h.shape[1] == 1 and 1 <= h.shape[0] <= MAX_BATCH_ROWS and batch_kernels_on()
             and any(type(c) is BatchKVCache for c in cache)
             and all(c is not None for c in cache))
 

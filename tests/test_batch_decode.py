@@ -436,3 +436,46 @@ def test_batch_decode_unsupported_reasons(model):
         "more than 8 sequences"
     assert batch_decode_unsupported(attn, mx.zeros((3, 1, D), mx.bfloat16), c) == \
         "per-sequence offsets"
+
+
+# ------------------------------------------------------------------------- the switch
+def test_batch_decode_switch_off_restores_the_one_sequence_rule(model, monkeypatch):
+    """``MLX_LILY_DISABLE=batch_decode``: a decode step of B > 1 sequences is not GEMV rows,
+    the batched attention path names the switch, and the batched steps launch no attention
+    decode kernel (the paths batch caches took before batched decode existed); a batch of
+    one row is still one GEMV row."""
+    from mlx_lily.ops import attention as A, qgemv
+    from mlx_lily.patches.blocks import batch_decode_unsupported
+    from mlx_lily.testing.dispatch import count_kernel_launches
+
+    z = lambda *s: mx.zeros(s, mx.bfloat16)  # noqa: E731
+    assert qgemv.decode_rows(z(3, 1, 64)) == 3
+    monkeypatch.setenv("MLX_LILY_DISABLE", "batch_decode")
+    assert qgemv.decode_rows(z(3, 1, 64)) is None
+    assert qgemv.decode_rows(z(1, 1, 64)) == 1
+    attn = next(l.self_attn for l in model.language_model.model.layers if not l.is_linear)
+    D = model.language_model.model.layers[0].input_layernorm.weight.shape[0]
+    c = BatchKVCache([0, 2])
+    k = mx.zeros((2, attn.num_key_value_heads, 3, attn.head_dim), mx.bfloat16)
+    c.update_and_fetch(k, k)
+    assert batch_decode_unsupported(attn, z(2, 1, D), c).startswith("batch_decode off")
+
+
+@needs_emu
+def test_emulated_batch_decode_switch_off_launches_no_batched_kernels(model, monkeypatch):
+    """With the switch off (every other Metal kernel on, emulator), a two-row decode step
+    on ``BatchKVCache`` launches neither the attention decode kernels nor the GEMV."""
+    from mlx_lily.ops import attention as A
+    from mlx_lily.testing.dispatch import count_kernel_launches
+
+    pre = [_prefill_alone(model, prompt_of(n, i)) for i, n in enumerate((5, 37))]
+    caches = _merge_caches([copy.deepcopy(cc) for cc, _ in pre])
+    with emulated_metal():  # (which clears MLX_LILY_DISABLE: set it inside)
+        monkeypatch.setenv("MLX_LILY_DISABLE", "batch_decode")
+        with mlx_lily.patched(model):
+            with pytest.MonkeyPatch.context() as mp:
+                calls = count_kernel_launches(mp)
+                mx.eval(model(mx.array([t for _, t in pre])[:, None], cache=caches))
+    assert calls, "the step launched no Lily kernel at all"
+    assert A.DECODE_PARTIAL.name not in calls and A.QK_NORM_ROPE.name not in calls
+    assert not any(n.startswith("lily_qgemv") or n.startswith("lily_norm_qgemv") for n in calls)

@@ -110,6 +110,29 @@ def test_record_applies_until_a_kernel_source_changes(fake_device, monkeypatch):
     assert qualify.record_status("metal") == "off" and not kernels.kernels_allowed("qgemv", "metal")
 
 
+def test_record_variant_settings_apply_when_serving(fake_device, monkeypatch):
+    """A record that chose a non-default variant: reading it (``kernels.verified_ops``)
+    applies that variant's knob values; a knob the user set in the environment keeps the
+    user's value; a record that no longer applies (stale) applies none."""
+    from mlx_lily import tuning
+
+    monkeypatch.delenv("MLX_LILY_MOE_DOWN_SHAPE", raising=False)
+    monkeypatch.delenv("MLX_LILY_ATTN_DECODE", raising=False)
+    qualify.write_record(_record({"moe_experts": "down_sl9", "attention": "decode_simd",
+                                  "qgemv": "default"}), qualify.record_path("metal"))
+    kernels.forget_record()
+    assert tuning.moe_down_shape is None
+    assert kernels.verified_ops("metal") == {"moe_experts", "attention", "qgemv"}
+    assert tuning.moe_down_shape == (2, 2, 9) and tuning.attn_decode == "simd"
+    monkeypatch.setenv("MLX_LILY_ATTN_DECODE", "gqa")
+    assert tuning.attn_decode == "gqa" and tuning.moe_down_shape == (2, 2, 9)
+    f = fake_device / "qgemv.metal"
+    f.write_text(f.read_text() + "\n// edited\n")
+    kernels.forget_record()
+    assert kernels.verified_ops("metal") == frozenset()
+    assert tuning.moe_down_shape is None
+
+
 def test_shipped_record_matches_the_device_name(monkeypatch):
     monkeypatch.setattr(kernels, "_real_backend", lambda: "cuda")
     monkeypatch.setattr(qualify, "record_ops", lambda be: None)

@@ -18,6 +18,8 @@ from .. import kernels
 from ..backend import current_backend, op_enabled
 from ..registry import switch_on
 
+BATCH_OP = "batch_decode"
+
 NAME = "qgemv"
 
 SPEC = kernels.KernelSpec(
@@ -115,14 +117,16 @@ def decode_rows(x: mx.array) -> int | None:
     B == 1, or ``[..., 1, K]``: a decode step of B <= ``MAX_ROWS`` sequences), else None
     (prefill chunks of any length, and more rows than the kernel takes). Routing by this
     instead of by the row count alone keeps a sequence's projections on the same path at
-    every batch size: a decode row always takes the GEMV, a prefill row never does."""
+    every batch size: a decode row always takes the GEMV, a prefill row never does. More
+    than one row only while the ``batch_decode`` switch is on and allowed."""
     k = x.shape[-1] if x.ndim else 0
     if not k:
         return None
     rows = x.size // k
     if rows == 1:
         return 1
-    if x.ndim >= 3 and x.shape[-2] == 1 and rows <= MAX_ROWS:
+    if (x.ndim >= 3 and x.shape[-2] == 1 and rows <= MAX_ROWS
+            and switch_on(BATCH_OP, current_backend())):
         return rows
     return None
 
