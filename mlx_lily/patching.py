@@ -724,7 +724,7 @@ def unpatch(handle: PatchHandle | None = None) -> bool:
     """Restore every patched attribute to its original object (by identity).
 
     Each model's compiled decode steps stay on the model, unused while unpatched, and
-    serve the next patch with the same switches and weights (``_compile_key``, weight
+    serve the next patch with the same switches and weights (``compile_key``, weight
     signatures): a patch toggled around each call, as the A/B does, does not trace the
     decode step again. ``mlx_lily.patches.qwen3_next.drop_compiled_steps()`` releases them.
 

@@ -44,7 +44,7 @@ each a set of environment settings the variant runs under, applied by
    nothing qualifies (Lily steps aside).
 
 The parity forwards and the references' logits run eagerly; each op set timed in decode
-traces its compiled decode step once (a new ``_compile_key``; on CUDA MLX also compiles
+traces its compiled decode step once (a new ``compile_key``; on CUDA MLX also compiles
 the new graph's fused kernels). The record keeps the seconds of each phase
 (``"phases"``), the model forwards and decode-step traces per phase (``"counts"``) and,
 per timed set, its first decode step's and first prefill's ms (trace and compile cost);

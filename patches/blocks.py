@@ -1,7 +1,7 @@
 """Lily forwards of the blocks mlx-lm's ``qwen3_next`` defines and ``qwen3_5`` reuses: gated
 attention, the sparse MoE block, Qwen3-Next's GatedDeltaNet and its shared core, the decoder
-layer, and the per-layer pieces the stack forward composes (``_mixer``, ``_layer_tail``,
-``_layer_input``). Each forward runs the original method unchanged for a call Lily does not
+layer, and the per-layer pieces the stack forward composes (``layer_mixer``, ``layer_tail``,
+``layer_input``). Each forward runs the original method unchanged for a call Lily does not
 serve (training, sharding, unsupported caches, kill switch)."""
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ from mlx_lily.ops.gated_delta import gated_delta, gated_delta_packed
 from mlx_lily.ops.moe_experts import moe_experts, moe_experts_routed
 from mlx_lily.ops.moe_router_topk import PRE_NORM_OP, moe_router_topk, moe_router_topk_pending
 from mlx_lily.qproj import PendingNorm, QProj, resolve
-from .projections import _original, _proj, _run, one_row_linear
-from .launch_order import _moe_counters, gdn_counters
+from .projections import original, projection, run_projection, one_row_linear
+from .launch_order import moe_counters, gdn_counters
 from .layouts import experts as experts_of
 
 
@@ -39,20 +39,20 @@ def attention_call(self, x, mask=None, cache=None):
         if out is not None:
             return out
         if not _batch_prefill_unpadded(self, x, cache):
-            return _original(qwen3_next.Qwen3NextAttention)(self, resolve(x), mask, cache)
+            return original(qwen3_next.Qwen3NextAttention)(self, resolve(x), mask, cache)
         # no left padding: the batch's mask is the causal one, every row at one position
         mask, offset = "causal", cache._idx
     elif not _attention_supported(self, cache):
-        return _original(qwen3_next.Qwen3NextAttention)(self, resolve(x), mask, cache)
+        return original(qwen3_next.Qwen3NextAttention)(self, resolve(x), mask, cache)
     B, L, _ = x.shape
     Hq, Hkv = self.num_attention_heads, self.num_key_value_heads
-    proj = _proj(self, "qkv", (self.q_proj, self.k_proj, self.v_proj))
+    proj = projection(self, "qkv", (self.q_proj, self.k_proj, self.v_proj))
     if L == 1 and mask is None and cache is not None and isinstance(proj, QProj) \
             and op_enabled(attn_ops.PACKED_OP):
         out = _attention_decode_packed(self, proj, x, cache)
         if out is not None:
             return out
-    q_out, keys, values = _run(proj, x)
+    q_out, keys, values = run_projection(proj, x)
     queries, gate = mx.split(q_out.reshape(B, L, Hq, -1), 2, axis=-1)
     if offset is None:
         offset = cache.offset if cache is not None else 0
@@ -80,7 +80,7 @@ def _attention_decode_packed(self, proj, x, cache):
                                      head_dim=D, rope_dims=rope.dims,
                                      traditional=rope.traditional, offset=cache.offset):
         return None  # decided before any graph is built
-    (y,) = _run(proj, x, split=False)
+    (y,) = run_projection(proj, x, split=False)
     qkv = attn_ops.qkv_norm_rope_packed(
         y, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, n_heads=Hq,
         n_kv_heads=Hkv, head_dim=D, rope_dims=rope.dims, base=rope.base, scale=rope.scale,
@@ -167,7 +167,7 @@ def _attention_decode_batch(self, x, cache):
     call (decided before anything is built or the cache is changed)."""
     if batch_decode_unsupported(self, x, cache) is not None:
         return None
-    proj = _proj(self, "qkv", (self.q_proj, self.k_proj, self.v_proj))
+    proj = projection(self, "qkv", (self.q_proj, self.k_proj, self.v_proj))
     if not isinstance(proj, QProj):
         return None
     Hq, Hkv = self.num_attention_heads, self.num_key_value_heads
@@ -181,7 +181,7 @@ def _attention_decode_batch(self, x, cache):
     starts = _left_padding(cache)
     if any(s < 0 or s > cache._idx for s in starts):
         return None
-    (y,) = _run(proj, x, split=False)
+    (y,) = run_projection(proj, x, split=False)
     qkv = attn_ops.qkv_norm_rope_packed(
         y, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, n_heads=Hq,
         n_kv_heads=Hkv, head_dim=D, rope_dims=rope.dims, base=rope.base, scale=rope.scale,
@@ -217,9 +217,9 @@ def moe_call(self, x):
     use_router = op_enabled("moe_router_topk")
     use_experts = op_enabled("moe_experts")
     if self.sharding_group is not None or self.training or not (use_router or use_experts):
-        return _original(qwen3_next.Qwen3NextSparseMoeBlock)(self, resolve(x))
+        return original(qwen3_next.Qwen3NextSparseMoeBlock)(self, resolve(x))
     if use_router:
-        router = _proj(self, "router", (self.gate, self.shared_expert_gate))
+        router = projection(self, "router", (self.gate, self.shared_expert_gate))
         if use_experts and isinstance(router, QProj):
             y = moe_experts_routed(x, router, self.top_k, self.norm_topk_prob,
                                    experts_of(self.switch_mlp, self.shared_expert))
@@ -227,7 +227,7 @@ def moe_call(self, x):
                 return y
         if isinstance(router, list):
             parts = router
-            router = lambda t: _run(parts, t)  # noqa: E731
+            router = lambda t: run_projection(parts, t)  # noqa: E731
         if isinstance(x, PendingNorm):
             inds, scores, shared, x = moe_router_topk_pending(x, router, self.top_k,
                                                               self.norm_topk_prob)
@@ -334,7 +334,7 @@ def next_gdn_call(self, inputs, mask=None, cache=None):
     """Qwen3-Next GatedDeltaNet (fused ``in_proj_qkvz``/``in_proj_ba`` layout)."""
     inputs = resolve(inputs)
     if not gdn_supported(self):
-        return _original(qwen3_next.Qwen3NextGatedDeltaNet)(self, inputs, mask, cache)
+        return original(qwen3_next.Qwen3NextGatedDeltaNet)(self, inputs, mask, cache)
     B, S, _ = inputs.shape
     q, k, v, z, b, a = self.fix_query_key_value_ordering(
         self.in_proj_qkvz(inputs), self.in_proj_ba(inputs))
@@ -349,7 +349,7 @@ def make_decoder_call(cls_getter):
 
     def decoder_call(self, x, mask=None, cache=None):
         if self.training or not op_enabled("add_rms_norm"):
-            return _original(cls_getter())(self, x, mask, cache)
+            return original(cls_getter())(self, x, mask, cache)
         mixer = self.linear_attn if self.is_linear else self.self_attn
         r = mixer(self.input_layernorm(x), mask, cache)
         norm = self.post_attention_layernorm
@@ -359,17 +359,17 @@ def make_decoder_call(cls_getter):
     return decoder_call
 
 
-def _layer_tail(layer, h, r, counters=None, after=None):
+def layer_tail(layer, h, r, counters=None, after=None):
     """``(h, r) -> (h', m)``: the residual add fused into the post-attention RMSNorm (in
     the MoE router's kernel when ``moe_router_norm`` serves), then the MLP/MoE output
     ``m``; the closing residual add is left to the next layer's input norm
-    (``_layer_input``) or the final norm. ``counters``: the layer's cache counters
-    (``_counters_for``) and ``after`` (``_moe_after``), which let the MoE block run as one
+    (``layer_input``) or the final norm. ``counters``: the layer's cache counters
+    (``counters_for``) and ``after`` (``moe_after``), which let the MoE block run as one
     launch (``moe_fused``)."""
     post = layer.post_attention_layernorm
     if type(layer.mlp) is qwen3_next.Qwen3NextSparseMoeBlock and op_enabled(PRE_NORM_OP):
         pending = PendingNorm(h, r, post.weight, post.eps,  # folded into the router
-                              _moe_counters(layer, counters, h.shape[0], after))
+                              moe_counters(layer, counters, h.shape[0], after))
         m = layer.mlp(pending)
         if pending.h is None:
             pending.resolve()
@@ -378,7 +378,7 @@ def _layer_tail(layer, h, r, counters=None, after=None):
     return h, layer.mlp(n)
 
 
-def _layer_input(h, m, norm, defer):
+def layer_input(h, m, norm, defer):
     """The next layer's input from the residual ``h`` and the last MLP output ``m``:
     ``(h, PendingNorm)`` when ``defer`` (its input projection folds the add and the norm
     into its GEMV), else ``add_rms_norm``'s ``(h + m, x)``."""
@@ -387,7 +387,7 @@ def _layer_input(h, m, norm, defer):
     return add_rms_norm(h, m, norm.weight, norm.eps)
 
 
-def _mixer(layer, x, mask, c, h):
+def layer_mixer(layer, x, mask, c, h):
     """Run the layer's mixer on ``x`` (array or ``PendingNorm``); returns ``(h, r)`` with
     the residual the pending norm computed on the way."""
     r = layer.linear_attn(x, mask, c) if layer.is_linear else layer.self_attn(x, mask, c)

@@ -1,7 +1,7 @@
 """Compiled decode steps: each decoder layer's one-token step as a pure function of arrays
 (``_gdn_step_fn``, ``_attn_step_fn``) and the whole stack as one (``_whole_step_fn``), traced
-by ``mx.compile`` once per configuration (``_compile_key``) and cache capacity, kept per model
-(``_CompiledSteps``) and dropped when any weight is replaced (``_check_weights``)."""
+by ``mx.compile`` once per configuration (``compile_key``) and cache capacity, kept per model
+(``_CompiledSteps``) and dropped when any weight is replaced (``check_weights``)."""
 
 from __future__ import annotations
 
@@ -23,9 +23,9 @@ from mlx_lily.ops import (
 )
 from mlx_lily.ops.add_rms_norm import add_rms_norm
 from mlx_lily.qproj import PendingNorm, QProj
-from .projections import WeightSig, _proj, _run, drop_views, one_row_linear, refresh
-from .launch_order import MOE_AFTER_ATTR, _counters_for, _moe_after
-from .blocks import _layer_tail, _mixer, gdn_supported
+from .projections import WeightSig, projection, run_projection, drop_views, one_row_linear, refresh
+from .launch_order import MOE_AFTER_ATTR, counters_for, moe_after
+from .blocks import layer_tail, layer_mixer, gdn_supported
 from .kv_growth import kv_write_index
 from .layouts import drop_plans
 
@@ -130,10 +130,10 @@ def uncompiled():
         _UNCOMPILED[0] = prev
 
 
-def _compile_key():
+def compile_key():
     """What the traced functions depend on beyond shapes: backend, op selection, switches.
     Compiled steps outlive ``unpatch``: a later patch reuses them only under an equal key
-    and unchanged weights (``_check_weights``)."""
+    and unchanged weights (``check_weights``)."""
     be = backend.current_backend()
     if backend.compile_mode(be) == "off":
         return None
@@ -149,16 +149,16 @@ def _gdn_step_fn(layer, pending):
     """One decode step of a GDN decoder layer as a pure function: ``(h, d, conv, state,
     counters, after) -> (h', m, conv', state')``, where ``d`` is the layer's input ``x``
     or, when ``pending``, the previous MLP output (``x = rms_norm(h + d)`` is then folded
-    into the input projection), ``counters`` the cache's ``_counters_for`` and ``after``
-    its ``_moe_after`` (store ``m`` there after the step); mixer, post-attention add+norm
+    into the input projection), ``counters`` the cache's ``counters_for`` and ``after``
+    its ``moe_after`` (store ``m`` there after the step); mixer, post-attention add+norm
     and MLP/MoE."""
     norm = layer.input_layernorm
 
     def step(h, d, conv, state, counters, after):
         c = _StepCache(conv, state, counters)
         x = PendingNorm(h, d, norm.weight, norm.eps) if pending else d
-        h, r = _mixer(layer, x, None, c, h)
-        h, m = _layer_tail(layer, h, r, counters, after)
+        h, r = layer_mixer(layer, x, None, c, h)
+        h, m = layer_tail(layer, h, r, counters, after)
         return h, m, c[0], c[1]
 
     return step
@@ -172,7 +172,7 @@ def _gdn_step(layer, pending):
 COMPILE_ATTN_ENV = "MLX_LILY_COMPILE_ATTN"  # tuning.compile_attn
 
 
-def _attn_step_ok(layer, c, x) -> bool:
+def attn_step_ok(layer, c, x) -> bool:
     """Whether this attention layer's decode step can run as one compiled function
     (on with compiled decode steps; ``MLX_LILY_COMPILE_ATTN=0`` turns it off): a plain
     ``KVCache`` with room for the token (``_attn_cache_ok``), the fused q|k|v projection,
@@ -182,7 +182,7 @@ def _attn_step_ok(layer, c, x) -> bool:
 
 
 def _attn_cache_ok(c, x, head_dim) -> bool:
-    """The per-step part of ``_attn_step_ok``: a plain ``KVCache`` of ``x``'s batch with
+    """The per-step part of ``attn_step_ok``: a plain ``KVCache`` of ``x``'s batch with
     room for one more token, of head size ``head_dim``."""
     return (type(c) is KVCache and c.keys is not None and c.offset + 1 <= c.keys.shape[2]
             and x.shape[1] == 1 and c.keys.shape[0] == x.shape[0]
@@ -190,7 +190,7 @@ def _attn_cache_ok(c, x, head_dim) -> bool:
 
 
 def _attn_static_head_dim(layer, dtype):
-    """The part of ``_attn_step_ok`` that holds for every step of a forward (switches,
+    """The part of ``attn_step_ok`` that holds for every step of a forward (switches,
     modules, dtype): the head size when the compiled attention step serves, else None."""
     if not tuning.compile_attn:
         return None
@@ -226,7 +226,7 @@ def _attn_step_fn(layer, pending):
     ``kernels.device_scalars``): fused add+norm+q|k|v GEMV, q/k norm + RoPE + v, the
     cache write (``kv_write_index``), split-K attention over the first ``offset + 1`` keys (DYN_T),
     ``o_proj``, post-attention add+norm, MLP/MoE (one launch with the cache's
-    ``counters``, ``_counters_for``). Static shapes for a given cache
+    ``counters``, ``counters_for``). Static shapes for a given cache
     capacity, so ``mx.compile`` replays it until the cache grows."""
     attn = layer.self_attn
     norm = layer.input_layernorm
@@ -238,8 +238,8 @@ def _attn_step_fn(layer, pending):
             off4 = device_scalars(offset)
             offset, tlen = off4[:1], (off4 + 1)[:1]
         x = PendingNorm(h, d, norm.weight, norm.eps) if pending else d
-        proj = _proj(attn, "qkv", (attn.q_proj, attn.k_proj, attn.v_proj))
-        (y,) = _run(proj, x, split=False)
+        proj = projection(attn, "qkv", (attn.q_proj, attn.k_proj, attn.v_proj))
+        (y,) = run_projection(proj, x, split=False)
         if pending:
             if x.h is None:
                 x.resolve()
@@ -255,7 +255,7 @@ def _attn_step_fn(layer, pending):
         values = mx.put_along_axis(values, idx, v, axis=2)
         out = attn_ops.decode_attention(q, keys, values, attn.scale, y, gate_packed=True,
                                         tlen=tlen)
-        h, m = _layer_tail(layer, h, one_row_linear(attn.o_proj, out), counters, after)
+        h, m = layer_tail(layer, h, one_row_linear(attn.o_proj, out), counters, after)
         return h, m, keys, values
 
     return step
@@ -265,9 +265,9 @@ def _whole_step_fn(text_model, layers):
     """A whole decode step of the decoder stack as one pure function: ``(h, *states,
     offset) -> (y, *states')`` with ``h`` the token's embedding ``[B, 1, D]``, ``states``
     each layer's cache arrays in order (GDN: conv and recurrent state; attention: the KV
-    cache's key and value buffers; then the cache's ``_counters_for`` and ``_moe_after``,
+    cache's key and value buffers; then the cache's ``counters_for`` and ``moe_after``,
     inputs only; ``states'`` per layer: the two new cache arrays and the layer's MoE
-    output, the next step's ``_moe_after``), ``offset`` the attention layers' common
+    output, the next step's ``moe_after``), ``offset`` the attention layers' common
     position (int32 ``[1]``) and ``y`` the final norm's output. The layers' bodies are ``_gdn_step_fn`` / ``_attn_step_fn`` (every
     layer's input norm but the first pending, folded into its input projection), so
     ``mx.compile`` replays the whole step with one Python call until the KV caches grow."""
@@ -305,10 +305,10 @@ def _whole_step_fn(text_model, layers):
 RECENT_WHOLE_STEPS = 4
 
 
-def _run_whole_step(text_model, cs, layers, cache, h):
+def run_whole_step(text_model, cs, layers, cache, h):
     """The decode step through ``_whole_step_fn`` (compiled on first use, kept in
-    ``cs.whole``, ``cs`` the model's ``_CompiledSteps``) when every layer can run compiled now (``_gdn_step_ok``,
-    ``_attn_step_ok``) with one common KV offset; the caches are updated. None when it
+    ``cs.whole``, ``cs`` the model's ``_CompiledSteps``) when every layer can run compiled now (``gdn_step_ok``,
+    ``attn_step_ok``) with one common KV offset; the caches are updated. None when it
     does not serve this step (the per-layer path then runs; nothing was changed); a
     tracing failure marks it off for this model (one warning)."""
     if backend.compile_mode() != "whole":
@@ -341,7 +341,7 @@ def _run_whole_step(text_model, cs, layers, cache, h):
     args = [h]
     for layer, c in zip(layers, cache):
         args += ([c[0], c[1]] if layer.is_linear else [c.keys, c.values])
-        args += [_counters_for(layer, c, h), _moe_after(c, h)]
+        args += [counters_for(layer, c, h), moe_after(c, h)]
     args.append(mx.array([offset or 0], dtype=mx.int32))
     try:
         out = fn(*args)
@@ -372,11 +372,11 @@ def _run_whole_step(text_model, cs, layers, cache, h):
 
 
 def _mlp_tail(layer):
-    """``(h, r) -> (h', m)`` compiled: ``_layer_tail`` of an attention layer."""
-    return _compile(lambda h, r: _layer_tail(layer, h, r))
+    """``(h, r) -> (h', m)`` compiled: ``layer_tail`` of an attention layer."""
+    return _compile(lambda h, r: layer_tail(layer, h, r))
 
 
-def _compiled_steps(model, key):
+def compiled_steps(model, key):
     st = model.__dict__.get("_lily_steps")
     if st is None or st.key != key:
         st = _CompiledSteps(key)
@@ -401,7 +401,7 @@ def _weights_changed(module) -> bool:
     return sig is not None
 
 
-def _check_weights(text_model, layers) -> None:
+def check_weights(text_model, layers) -> None:
     """Compiled decode functions capture the arrays they were traced with (each layer's
     and the next layer's norm): when any weight or layer was replaced, all are rebuilt.
     One signature over the final norm and every layer answers first (``WeightSig``);
@@ -427,7 +427,7 @@ def _check_weights(text_model, layers) -> None:
                        (tuple(layers), WeightSig(text_model.norm, *layers)))
 
 
-def _gdn_step_ok(layer, c) -> bool:
+def gdn_step_ok(layer, c) -> bool:
     """Whether this GDN layer's decode step can run compiled: a plain ``ArraysCache``
     holding both states, no batch lengths or padding (``_gdn_cache_ok``), and the Lily GDN
     forward serving."""
@@ -439,7 +439,7 @@ def _gdn_cache_ok(c) -> bool:
             and c.cache[0] is not None and c.cache[1] is not None)
 
 
-def _run_compiled(steps, key, layer, h, x, c, fa_mask):
+def run_compiled(steps, key, layer, h, x, c, fa_mask):
     """A layer's decode step through its compiled function, built on first use. ``key`` =
     (layer index, whether ``x`` is a ``PendingNorm``), plus ``"attn"`` for a whole
     attention step (``_attn_step_fn``; the cache's buffers and offset are updated, and
@@ -460,10 +460,10 @@ def _run_compiled(steps, key, layer, h, x, c, fa_mask):
         args = (h, x.res if pending else x, c.keys, c.values,
                 mx.array([c.offset], dtype=mx.int32))
     elif layer.is_linear:
-        args = (h, x.res if pending else x, c[0], c[1], _counters_for(layer, c, h),
-                _moe_after(c, h))
+        args = (h, x.res if pending else x, c[0], c[1], counters_for(layer, c, h),
+                moe_after(c, h))
     else:
-        h, r = _mixer(layer, x, fa_mask, c, h)
+        h, r = layer_mixer(layer, x, fa_mask, c, h)
         args = (h, r)
     if not first:
         out = fn(*args)
@@ -478,9 +478,9 @@ def _run_compiled(steps, key, layer, h, x, c, fa_mask):
                           "runs uncompiled", stacklevel=3)
             steps[key] = False
             if layer.is_linear or whole_attn:
-                h, r = _mixer(layer, x, None if layer.is_linear else fa_mask, c, h)
-                return _layer_tail(layer, h, r)
-            return _layer_tail(layer, *args)
+                h, r = layer_mixer(layer, x, None if layer.is_linear else fa_mask, c, h)
+                return layer_tail(layer, h, r)
+            return layer_tail(layer, *args)
     if whole_attn:
         h, m, c.keys, c.values = out
         c.offset += 1

@@ -44,7 +44,7 @@ def _kv_step() -> int:
     return DEFAULT_KV_STEP if v is None else v
 
 
-def _widen_kv_steps(cache) -> None:
+def widen_kv_steps(cache) -> None:
     """Raise the growth step of every plain ``KVCache`` in ``cache`` to ``_kv_step()``
     (never lower it). Only the capacity changes: ``offset``, the rows up to it and the
     attention results are those of mlx-lm's growth (which trims to the offset before
@@ -67,7 +67,7 @@ def _widen_kv_steps(cache) -> None:
 KV_HEADROOM = 2
 
 
-def _kv_headroom(cache, rows: int = KV_HEADROOM) -> None:
+def kv_headroom(cache, rows: int = KV_HEADROOM) -> None:
     """Grow every plain ``KVCache`` in ``cache`` with fewer than ``rows`` free rows by its
     step (zeros appended along the sequence axis, as mlx-lm's own growth does when the
     offset is a multiple of the step): the growth the next decode step would do, done at

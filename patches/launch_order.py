@@ -46,14 +46,14 @@ def _gdn_counter_count(layer, B):
     return gdn_ops.counters_needed(B, layer.linear_attn.num_v_heads) if layer.is_linear else 0
 
 
-def _counters_for(layer, c, h):
+def counters_for(layer, c, h):
     """The arrival counters of a decoder layer's real cache ``c`` (``gdn_counters``) for a
     step of ``h [B, 1, D]``: the GDN launch's (GDN layers), then the one-launch MoE
     block's."""
     return gdn_counters(c, _gdn_counter_count(layer, h.shape[0]) + FUSED_COUNTERS)
 
 
-def _moe_counters(layer, counters, B, after):
+def moe_counters(layer, counters, B, after):
     """``(counters, offset, after)`` of the MoE block of ``layer`` in its cache's counter
     array (``PendingNorm.counters``), or None without counters or ``after``."""
     off = _gdn_counter_count(layer, B)
@@ -65,7 +65,7 @@ def _moe_counters(layer, counters, B, after):
 MOE_AFTER_ATTR = "_lily_moe_after"
 
 
-def _moe_after(c, h):
+def moe_after(c, h):
     """The last MoE output of the layer whose cache is ``c`` (set by the compiled steps
     after each step), which the next one-launch MoE block on the cache's counters takes as
     an input so that MLX orders the two launches (``moe_experts.fused_plan``): without a

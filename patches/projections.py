@@ -75,13 +75,13 @@ class LilyState:
 
 
 class _CheckedForward(threading.local):
-    """True while a decoder stack whose weights ``_check_weights`` has just validated (and
-    whose stale fused projections it rebuilt) runs: ``_proj`` then skips its own check."""
+    """True while a decoder stack whose weights ``check_weights`` has just validated (and
+    whose stale fused projections it rebuilt) runs: ``projection`` then skips its own check."""
 
     active = False
 
 
-_CHECKED = _CheckedForward()
+CHECKED = _CheckedForward()
 
 
 def refresh(module) -> None:
@@ -99,14 +99,11 @@ def original(cls, name="__call__"):
     return _orig(cls, name)
 
 
-_original = original
-
-
 def projection(module, key, layers):
     """The fused projection prepared for ``module`` under ``key`` (its ``LilyState``,
     rebuilt first when its weights were replaced), or per-layer views of ``layers``."""
     st = getattr(module, "_lily", None)
-    if st is not None and not _CHECKED.active and not st.sig.valid():  # replaced weights
+    if st is not None and not CHECKED.active and not st.sig.valid():  # replaced weights
         refresh(module)
         st = getattr(module, "_lily", None)
     p = getattr(st, key, None) if st is not None else None
@@ -141,12 +138,6 @@ def run_projection(proj, x, split=True):
             out.extend(p(x))
         return out
     return proj(x)
-
-
-_proj = projection
-
-
-_run = run_projection
 
 
 def contiguous_qproj(layer):

@@ -12,18 +12,18 @@ from mlx_lily.backend import op_enabled
 from mlx_lily.ops.add_rms_norm import add_rms_norm
 from mlx_lily.patching import prefill_eval_layers
 from mlx_lily.qproj import PendingNorm
-from .projections import _CHECKED, _original, lm_head
-from .blocks import MAX_BATCH_ROWS, _layer_input, _layer_tail, _mixer, batch_kernels_on
-from .launch_order import MOE_AFTER_ATTR, _counters_for, _moe_after
-from .kv_growth import _kv_headroom, _widen_kv_steps
+from .projections import CHECKED, original, lm_head
+from .blocks import MAX_BATCH_ROWS, layer_input, layer_tail, layer_mixer, batch_kernels_on
+from .launch_order import MOE_AFTER_ATTR, counters_for, moe_after
+from .kv_growth import kv_headroom, widen_kv_steps
 from .decode_graph import (
-    _attn_step_ok,
-    _check_weights,
-    _compile_key,
-    _compiled_steps,
-    _gdn_step_ok,
-    _run_compiled,
-    _run_whole_step,
+    attn_step_ok,
+    check_weights,
+    compile_key,
+    compiled_steps,
+    gdn_step_ok,
+    run_compiled,
+    run_whole_step,
 )
 
 
@@ -57,7 +57,7 @@ def make_text_model_call(module, cls_name, layer_cls_name, with_embeddings):
             return _text_model_forward(self, inputs, cache, input_embeddings)
 
     def _text_model_forward(self, inputs, cache, input_embeddings):
-        stock = _original(getattr(module, cls_name))
+        stock = original(getattr(module, cls_name))
         layers = self.pipeline_layers
         layer_cls = getattr(module, layer_cls_name)
         if (self.pipeline_size > 1 or self.training or not op_enabled("add_rms_norm")
@@ -76,49 +76,49 @@ def make_text_model_call(module, cls_name, layer_cls_name, with_embeddings):
         x = mx.fast.rms_norm(h, first.weight, first.eps)
         steps = cs = None
         if h.shape[1] == 1 and fa_mask is None and ssm_mask is None:
-            key = _compile_key()
+            key = compile_key()
             if key is not None:
-                cs = _compiled_steps(self, key)
+                cs = compiled_steps(self, key)
                 steps = cs.fns
-        _check_weights(self, layers)
+        check_weights(self, layers)
         defer = op_enabled("norm_qgemv")
         batch_step = steps is None and _batch_decode_step(h, cache)
         every = prefill_eval_layers(h.shape[0] * h.shape[1]) if h.shape[1] > 1 else 0
         m = None
-        outer, _CHECKED.active = _CHECKED.active, True
+        outer, CHECKED.active = CHECKED.active, True
         try:
             if cs is not None and defer and cs.whole is not False:
-                y = _run_whole_step(self, cs, layers, cache, h)
+                y = run_whole_step(self, cs, layers, cache, h)
                 if y is not None:
                     return y
-            _widen_kv_steps(cache)  # where caches grow: prefill, or a step without room
+            widen_kv_steps(cache)  # where caches grow: prefill, or a step without room
             for i, (layer, c) in enumerate(zip(layers, cache)):
                 if m is not None:
-                    h, x = _layer_input(h, m, layer.input_layernorm, defer)
-                if steps is not None and (not layer.is_linear or _gdn_step_ok(layer, c)):
+                    h, x = layer_input(h, m, layer.input_layernorm, defer)
+                if steps is not None and (not layer.is_linear or gdn_step_ok(layer, c)):
                     key_i = (i, isinstance(x, PendingNorm))
-                    if not layer.is_linear and _attn_step_ok(layer, c, x):
+                    if not layer.is_linear and attn_step_ok(layer, c, x):
                         key_a = key_i + ("attn",)
                         if steps.get(key_a) is not False:
-                            h, m = _run_compiled(steps, key_a, layer, h, x, c, fa_mask)
+                            h, m = run_compiled(steps, key_a, layer, h, x, c, fa_mask)
                             continue
                     if steps.get(key_i) is not False:
-                        h, m = _run_compiled(steps, key_i, layer, h, x, c, fa_mask)
+                        h, m = run_compiled(steps, key_i, layer, h, x, c, fa_mask)
                         continue
                 if batch_step:  # the launches a compiled one-sequence step makes
-                    ctr, after = _counters_for(layer, c, h), _moe_after(c, h)
-                    h, r = _mixer(layer, x, ssm_mask if layer.is_linear else fa_mask, c, h)
-                    h, m = _layer_tail(layer, h, r, ctr, after)
+                    ctr, after = counters_for(layer, c, h), moe_after(c, h)
+                    h, r = layer_mixer(layer, x, ssm_mask if layer.is_linear else fa_mask, c, h)
+                    h, m = layer_tail(layer, h, r, ctr, after)
                     setattr(c, MOE_AFTER_ATTR, m)
                     continue
-                h, r = _mixer(layer, x, ssm_mask if layer.is_linear else fa_mask, c, h)
-                h, m = _layer_tail(layer, h, r)
+                h, r = layer_mixer(layer, x, ssm_mask if layer.is_linear else fa_mask, c, h)
+                h, m = layer_tail(layer, h, r)
                 if every and (i + 1) % every == 0 and i + 1 < len(layers):
                     every = every if _eval_ahead(h, m) else 0
         finally:
-            _CHECKED.active = outer
+            CHECKED.active = outer
         if h.shape[1] > 1:
-            _kv_headroom(cache)
+            kv_headroom(cache)
         return add_rms_norm(h, m, self.norm.weight, self.norm.eps)[1]
 
     return text_model_call
@@ -129,7 +129,7 @@ def _batch_decode_step(h, cache) -> bool:
     mlx-lm's batch caches (``BatchGenerator``, which ``mlx_lm.server`` uses for one
     request too: one token per row, ``BatchKVCache`` for the attention layers).
     Such a step runs eagerly, each layer with the launch-ordering inputs
-    (``_counters_for``, ``_moe_after``) a compiled one-sequence step passes, so that a row
+    (``counters_for``, ``moe_after``) a compiled one-sequence step passes, so that a row
     takes the one-launch kernels that sequence takes decoding alone."""
     return (h.shape[1] == 1 and 1 <= h.shape[0] <= MAX_BATCH_ROWS and batch_kernels_on()
             and any(type(c) is BatchKVCache for c in cache)
@@ -158,9 +158,9 @@ def make_lm_call(cls_getter, with_embeddings):
                 or self.training or not op_enabled("qgemv")
                 or (input_embeddings is not None and not with_embeddings)):
             if with_embeddings or input_embeddings is not None:  # the original decides
-                return _original(cls_getter())(self, inputs, cache,
+                return original(cls_getter())(self, inputs, cache,
                                               input_embeddings=input_embeddings)
-            return _original(cls_getter())(self, inputs, cache)
+            return original(cls_getter())(self, inputs, cache)
         if with_embeddings:
             out = self.model(inputs, cache, input_embeddings=input_embeddings)
         else:

@@ -313,8 +313,8 @@ def test_attention_decode_step_function_matches_eager_path():
             norm = layer.input_layernorm
             c_eager = copy.deepcopy(c)
             x = PendingNorm(h, d, norm.weight, norm.eps)
-            he, r = nxt._mixer(layer, x, None, c_eager, h)
-            he, me = nxt._layer_tail(layer, he, r)
+            he, r = nxt.layer_mixer(layer, x, None, c_eager, h)
+            he, me = nxt.layer_tail(layer, he, r)
             step = nxt._attn_step_fn(layer, True)
             off = mx.array([c.offset], dtype=mx.int32)
             hs, ms, keys, values = step(h, d, c.keys, c.values, off)
@@ -359,7 +359,7 @@ def test_whole_decode_step_function_matches_eager_path():
         args = [h]
         for l, c in zip(layers, cache):
             args += [c[0], c[1]] if l.is_linear else [c.keys, c.values]
-            args += [nxt._counters_for(l, c, h), nxt._moe_after(c, h)]
+            args += [nxt.counters_for(l, c, h), nxt.moe_after(c, h)]
         step = nxt._whole_step_fn(inner, layers)
         out = step(*args, mx.array([offs.pop()], dtype=mx.int32))
         close(out[0], want, "final hidden")

@@ -224,7 +224,7 @@ def lily_gated_call(attn, x, mask, cache):
 
     B, L, _ = x.shape
     Hq, Hkv = attn.num_attention_heads, attn.num_key_value_heads
-    q_out, keys, values = P._run(P._proj(attn, "qkv", (attn.q_proj, attn.k_proj, attn.v_proj)), x)
+    q_out, keys, values = P.run_projection(P.projection(attn, "qkv", (attn.q_proj, attn.k_proj, attn.v_proj)), x)
     queries, gate = mx.split(q_out.reshape(B, L, Hq, -1), 2, axis=-1)
     rope = attn.rope
     q, k = A.qk_norm_rope(
