@@ -6,8 +6,9 @@ server processed, ``usage.prompt_tokens_details.cached_tokens`` and the time to 
 
 The conversation: a system prompt, three tools and a user task, then ``--steps`` steps, each
 an assistant turn with one tool call (scripted, without reasoning: what a client sends back,
-not what the model generated) and a tool result sized so the last prompt holds about
-``--target-tokens`` tokens. Each step is one streamed chat request (greedy,
+not what the model generated) and a tool result sized from ``--target-tokens`` (the last
+prompt ends up past it: 40,424 tokens for 32,768 with the synthetic checkpoint's
+tokenizer). Each step is one streamed chat request (greedy,
 ``--max-tokens`` tokens). ``new`` is the step's prompt tokens past its longest common prefix
 with the previous step's prompt, ``expected`` the tokens Lily's prefix cache must process
 (``new`` plus the distance back to the deepest snapshot point of the previous prompt).

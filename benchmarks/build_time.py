@@ -16,7 +16,7 @@ every one timed, with mlx-lm's KV growth step (256) and Lily's default
 (``MLX_LILY_KV_STEP``): the steps that grow the cache and retrace show in the mean.
 ``--prefill-tokens N``: also the build of one N-token prefill call into a fresh cache (the
 Python part of a prefill chunk, which runs with the GPU idle: 12-25 ms for a 4095-token
-chunk on the H200's host in session 14).
+chunk on the H200's host).
 """
 
 from __future__ import annotations

@@ -426,17 +426,19 @@ def time_prefill(model, length: int = PREFILL_LEN, reps: int = PREFILL_REPS,
 
 
 # ----------------------------------------------------------------------------- variants
-def variants_of(op: str, backend: str | None = None) -> dict:
+def variants_of(op: str, backend: str | None = None,
+                decode_context: int | None = None) -> dict:
     """``{variant: settings}`` qualified for ``op`` on ``backend`` (default: the current
     one): ``"default"`` (no settings: the shipped choice) and ``VARIANTS.get(op)``'s as
     ``variants.for_backend`` keeps them there (no Metal-only variant elsewhere, none equal
     to the backend's default), each a dict of environment variables (``MLX_LILY_*`` name
-    -> value; None: unset) the variant runs under."""
+    -> value; None: unset) the variant runs under. Given the ``decode_context`` a
+    qualification decodes at, variants that only act at longer contexts are left out."""
     from .variants import for_backend
 
     be = backend or _backend.current_backend()
     out = {DEFAULT_VARIANT: {}}
-    out.update({k: dict(v) for k, v in for_backend(be, VARIANTS).get(op, {}).items()})
+    out.update({k: dict(v) for k, v in for_backend(be, VARIANTS, decode_context).get(op, {}).items()})
     return out
 
 
@@ -742,7 +744,7 @@ def qualify_model(model, *, ops=None, decode_steps: int = DECODE_STEPS,
         parity = _Parity(model, led, ref, prompt_len, parity_prefill, seed)
         pending = []
         for op in cands:
-            results[op] = {name: _blank() for name in variants_of(op, be)}
+            results[op] = {name: _blank() for name in variants_of(op, be, decode_context)}
             off = kernels.runtime_disabled().get(op)
             if off is not None:
                 for r in results[op].values():
@@ -761,7 +763,7 @@ def qualify_model(model, *, ops=None, decode_steps: int = DECODE_STEPS,
                 r.update(error=v["error"], agreement=v["agreement"],
                          launched=v["launched"].get(op, {}))
             for op in pending:  # other variants: the passing set with this op's variant
-                for name, settings in variants_of(op, be).items():
+                for name, settings in variants_of(op, be, decode_context).items():
                     if name == DEFAULT_VARIANT:
                         continue
                     opset = _ordered(set(good) | {op})
@@ -781,7 +783,7 @@ def qualify_model(model, *, ops=None, decode_steps: int = DECODE_STEPS,
         def env_of(opset):
             env: dict = {}
             for o in opset:
-                env.update(variants_of(o, be)[chosen[o]])
+                env.update(variants_of(o, be, decode_context)[chosen[o]])
             return env
 
         base_census = {ph: Counter() for ph in PHASES}  # no kernel launches at all
@@ -803,7 +805,7 @@ def qualify_model(model, *, ops=None, decode_steps: int = DECODE_STEPS,
                         f"{', '.join(missing)})")
                     continue
                 notes = []
-                for name, settings in variants_of(op, be).items():
+                for name, settings in variants_of(op, be, decode_context).items():
                     r = results[op][name]
                     if not r["passed"]:
                         continue

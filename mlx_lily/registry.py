@@ -98,7 +98,7 @@ OPS: tuple = (
        verified=("cuda",), doc="the whole decode MoE block in one launch"),
     Op("batch_decode", "fusion", "attention", "has_packed_kernel",
        requires=("attention", "attn_packed", "qgemv"),
-       doc="decode steps of 2-8 sequences in mlx-lm's batch caches (BatchGenerator, "
+       doc="decode steps of 1-8 sequences in mlx-lm's batch caches (BatchGenerator, "
            "mlx_lm.server) through the one-sequence kernels, row by row"),
 )
 

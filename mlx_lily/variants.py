@@ -101,13 +101,29 @@ def is_default(env: dict, backend: str) -> bool:
     return True
 
 
-def for_backend(backend: str, table: dict | None = None) -> dict:
+#: Variants that act only from ``attention.SPLIT_K_MIN_CONTEXT`` cached tokens (the
+#: fixed-block decode path): a qualification decoding at a shorter context would time
+#: the default kernel under their name.
+LONG_CONTEXT = frozenset({("attention", n) for n in VARIANTS["attention"]
+                          if n.startswith("fixed_block_")})
+
+
+def for_backend(backend: str, table: dict | None = None,
+                decode_context: int | None = None) -> dict:
     """``table`` (default ``VARIANTS``) as ``backend`` qualifies it: without the
-    Metal-only variants elsewhere and without those equal to the backend's default."""
+    Metal-only variants elsewhere, without those equal to the backend's default, and,
+    given a ``decode_context`` (tokens) below ``attention.SPLIT_K_MIN_CONTEXT``, without
+    the ``LONG_CONTEXT`` variants (they would run the default kernel there)."""
+    short = False
+    if decode_context is not None:
+        from .ops import attention
+
+        short = decode_context < attention.SPLIT_K_MIN_CONTEXT
     out = {}
     for op, vs in (VARIANTS if table is None else table).items():
         keep = {name: env for name, env in vs.items()
                 if (backend == "metal" or (op, name) not in METAL_ONLY)
+                and not (short and (op, name) in LONG_CONTEXT)
                 and not is_default(env, backend)}
         if keep:
             out[op] = keep

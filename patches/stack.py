@@ -35,10 +35,10 @@ def make_text_model_call(module, cls_name, layer_cls_name, with_embeddings):
     (one-row decode), else as ``add_rms_norm``. Pipeline-parallel models take the stock
     code.
 
-    Decode steps (one token, no masks, plain caches) on a GPU backend run each layer as
-    an ``mx.compile``d function (an attention layer whole while its KV cache has room,
-    else its mixer eagerly and its MoE half compiled): Python builds the layer's graph
-    once, later steps replay it (``MLX_LILY_COMPILE=0`` turns this off,
+    Decode steps (one token, no masks, plain caches) on a GPU backend run the whole stack
+    as one ``mx.compile``d function where it traces (``run_whole_step``), else each layer
+    as one (an attention layer whole while its KV cache has room, else its mixer eagerly
+    and its MoE half compiled): Python builds the graph once, later steps replay it (``MLX_LILY_COMPILE=0`` turns this off,
     ``MLX_LILY_COMPILE_ATTN=0`` keeps attention mixers eager).
 
     Decode steps of 1..8 sequences in mlx-lm's batch caches (``BatchGenerator``) run

@@ -63,6 +63,14 @@ def test_for_backend_drops_defaults_and_other_backends_variants():
     for table in (metal, cuda):
         for op, vs in table.items():
             assert set(vs) <= set(variants.VARIANTS[op])
+    # a qualification decoding below the fixed-block threshold does not time those blocks
+    short = variants.for_backend("metal", decode_context=64)
+    assert "fixed_block_128" in metal["attention"]
+    assert "fixed_block_128" not in short["attention"] and "decode_simd" in short["attention"]
+    from mlx_lily.ops import attention as A
+
+    long = variants.for_backend("metal", decode_context=A.SPLIT_K_MIN_CONTEXT)
+    assert "fixed_block_128" in long["attention"]
 
 
 def test_dispatch_level_alternatives_are_qualified_as_switches():
@@ -399,8 +407,8 @@ def test_variant_instantiations_pass_the_front_end_check(op, name, monkeypatch):
 @needs_emu
 def test_qualifier_checks_every_variant_on_the_emulator():
     """``qualify_model`` on emulated Metal (a tiny Qwen3.6-layout model) runs each
-    variant of attention and moe_experts under its settings: every one is in the record,
-    and passes parity."""
+    variant of attention and moe_experts under its settings: every one Metal qualifies at
+    that context is in the record, and passes parity."""
     import _models
     from mlx_lily.testing.dispatch import emulated_metal
 
@@ -410,7 +418,12 @@ def test_qualifier_checks_every_variant_on_the_emulator():
         res = qualify.qualify_model(model, ops=ops, decode_steps=1, decode_context=4,
                                     prefill_len=8, parity_prefill=0, prefill_reps=1, seed=1)
     for op in ops:
-        want = {qualify.DEFAULT_VARIANT, *variants.VARIANTS[op]}
+        # Metal's own variants: not those equal to its default, nor the fixed blocks
+        # (they act from 32K cached tokens; this decodes at 4)
+        want = {qualify.DEFAULT_VARIANT,
+                *variants.for_backend("metal", decode_context=4).get(op, {})}
         assert set(res["ops"][op]) == want, (op, sorted(res["ops"][op]))
         failed = {v: r.get("error") for v, r in res["ops"][op].items() if not r["passed"]}
         assert not failed, (op, failed)
+    assert {"decode_simd", "decode_simd2"} <= set(res["ops"]["attention"])
+    assert {"down_sl3", "down_sl9"} <= set(res["ops"]["moe_experts"])

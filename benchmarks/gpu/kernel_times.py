@@ -186,7 +186,7 @@ def parse_ncu_csv(text: str, with_grid: bool = False) -> list:
     ``gpu__time_duration.sum`` metric (lines before the CSV header ignored); with
     ``with_grid`` each name carries its launch's grid (``GRID_SEP``) where the table has a
     "Grid Size" column, so one kernel's launches of different shapes stay apart (MLX's
-    ``qmm_naive_kernel`` served two projections in session 8's prefill table)."""
+    ``qmm_naive_kernel`` served two projections in one prefill table)."""
     rows = _csv_table(text)
     if not rows:
         return []
@@ -234,7 +234,7 @@ def _run_ncu(ncu: str, opts: list, log: Path, arm: str, a) -> tuple:
            "--log-file", str(log), sys.executable, os.path.abspath(__file__), "--child-arm",
            arm, "--preset", a.preset, "--context", str(a.context), "--steps", str(a.steps),
            "--warmup", str(a.warmup), "--phase", a.phase, "--chunk", str(a.chunk)]
-    # kernels replayed from a CUDA graph were not read by ncu on the H200 (session 8: only a
+    # kernels replayed from a CUDA graph were not read by ncu on the H200 (only a
     # stray copy kernel per run), so the child launches them one by one
     env = dict(os.environ, MLX_USE_CUDA_GRAPHS="0")
     try:
@@ -316,7 +316,7 @@ def detail(ncu: str, a) -> dict:
         # the profiler API range first; everything (the first matches) if it read nothing
         for from_start in ("off", "on"):
             # the raw page: one row per launch, one column per metric of the sections
-            # (session 10's details page parsed to launches without metric rows)
+            # (a details page parsed to launches without metric rows)
             opts = ["--profile-from-start", from_start, "-k", f"regex:{a.detail}", "-c",
                     str(a.detail_count), "--page", "raw"]
             for sec in DETAIL_SECTIONS:

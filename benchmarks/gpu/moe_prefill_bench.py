@@ -14,8 +14,8 @@ random (uneven) routing, for N tokens in {512, 2048, 4096, 8192}:
   expert), lily layer for each tile height the backend picks from
   (``moe_grouped.AUTO_TILE_ROWS``) and auto, and lily stage prefixes (routing; + gate/up
   GEMM; + down GEMM; + combine without shared expert). Above ``--stock-max`` tokens the
-  stock path is skipped (MLX 0.32.4's ``gather_qmm`` failed at 8192 on the H200 in
-  session 14: ``cuGraphAddKernelNode`` invalid argument);
+  stock path is skipped (MLX 0.32.4's ``gather_qmm`` failed at 8192 on the H200:
+  ``cuGraphAddKernelNode`` invalid argument);
 * TFLOP/s of the routed experts, 2*N*k*3*D*I flops.
 
 Prints a table and writes ``moe_prefill_bench.json`` to ``--out`` (default ``$OUT``, else

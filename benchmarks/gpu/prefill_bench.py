@@ -3,7 +3,7 @@ and MLX's buffer-cache limit, each through
 ``mlx_lily.bench.timeline.prefill_run`` (``generate_step``'s prefill loop, timed per chunk on
 the host and the GPU), in one process.
 
-Session 14 (H200) also measured ``MLX_LILY_PREFILL_SPLIT=2`` (each chunk as two pieces, the
+The H200 also measured ``MLX_LILY_PREFILL_SPLIT=2`` (each chunk as two pieces, the
 second built while the GPU ran the first): 15,223 tok/s at 4K vs 17,889 whole; removed.
 
 Run on a CUDA machine with mlx-lily installed:
@@ -15,7 +15,7 @@ Variants (``--variants``, comma list; default all):
               ``mlx_lily.patching.PREFILL_STEP_SIZE``)
   base        prefill_step_size 2048 (mlx-lm's default)
   step4096    prefill_step_size 4096
-  step8192    prefill_step_size 8192 (Lily's CUDA default since session 14)
+  step8192    prefill_step_size 8192 (Lily's CUDA default)
   nocache     base with ``mx.set_cache_limit(0)`` for the run (buffers freed as released,
               so ``mx.clear_cache`` between chunks has nothing to free)
   evalN       default with ``MLX_LILY_PREFILL_EVAL_LAYERS=N`` (N = 0, 4, 8): the decoder

@@ -46,7 +46,7 @@ def _weights(o: int, k: int, bits: int):
 
 
 #: The GPU's wait before a timed chain starts, doubled while the host's dispatch of the
-#: chain outlasts it (session 16: 50 ms did not cover it, and the times included host work).
+#: chain outlasts it (50 ms did not always cover it, and the times then included host work).
 SPIN_MS = (50.0, 100.0, 200.0, 400.0, 800.0)
 
 
