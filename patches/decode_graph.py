@@ -6,6 +6,7 @@ by ``mx.compile`` once per configuration (``compile_key``) and cache capacity, k
 from __future__ import annotations
 
 import contextlib
+import functools
 import operator
 import weakref
 
@@ -104,7 +105,9 @@ _UNCOMPILED = [False]
 
 
 def _traced(fn):
-    """``fn`` counting its calls in ``TRACES`` (wrapped before ``mx.compile``)."""
+    """``fn`` counting its calls in ``TRACES`` (wrapped before ``mx.compile``; name and
+    qualified name kept)."""
+    @functools.wraps(fn)
     def traced(*args, **kwargs):
         TRACES[0] += 1
         return fn(*args, **kwargs)
