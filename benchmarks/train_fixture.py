@@ -273,16 +273,34 @@ def make_config(vocab_size: int, args) -> dict:
     }
 
 
+def power_product_inverse(A, C: int):
+    """``(I + A)^-1`` for strictly lower-triangular ``A [..., C, C]`` (C a power of two) as
+    ``(I - A)(I + A^2)(I + A^4)...``: ``log2(C)`` differentiable matmuls. Overflows where
+    ``A``'s powers grow (keys strongly correlated, beta near 1, little decay)."""
+    import mlx.core as mx
+
+    eye = mx.eye(C, dtype=mx.float32)
+    P = -A
+    Tinv = eye + P
+    n = 2
+    while n < C:
+        P = P @ P
+        Tinv = Tinv @ (eye + P)
+        n *= 2
+    return Tinv
+
+
 def chunked_gated_delta_update(q, k, v, a, b, A_log, dt_bias, state=None, mask=None, *,
-                               chunk: int = 32, **_):
+                               chunk: int = 32, inverse=None, **_):
     """Gated delta rule in chunked UT form (training only; same math as gated_delta_ops).
 
     Within a chunk of C steps, with cumulative log-decays ``lg``, the per-step
     corrections ``U`` solve ``(I + A) U = beta * (V - exp(lg) * K S0^T)`` where
     ``A[t, s] = beta_t exp(lg_t - lg_s) k_t . k_s`` (s < t); outputs are
     ``exp(lg) * Q S0^T + (tril(exp(lg_t - lg_s)) * Q K^T) U`` and the state
-    carries to the next chunk.  The unit-triangular inverse is a product of
-    ``log2(C)`` matrix factors, so everything is differentiable matmuls.
+    carries to the next chunk.  The unit-triangular inverse is ``inverse(A, C)``
+    (default ``power_product_inverse``: a product of ``log2(C)`` matrix factors), so
+    everything is differentiable matmuls.
     """
     import mlx.core as mx
     import mlx.nn as nn
@@ -322,14 +340,7 @@ def chunked_gated_delta_update(q, k, v, a, b, A_log, dt_bias, state=None, mask=N
     strict = mx.tri(C, k=-1, dtype=mx.bool_)
     G = mx.exp(mx.where(incl, lg[..., :, None] - lg[..., None, :], -mx.inf))
     A = mx.where(strict, beta[..., :, None] * G * (k @ k.swapaxes(-1, -2)), 0.0)
-    eye = mx.eye(C, dtype=mx.float32)
-    P = -A
-    Tinv = eye + P
-    n = 2
-    while n < C:
-        P = P @ P
-        Tinv = Tinv @ (eye + P)
-        n *= 2
+    Tinv = (inverse or power_product_inverse)(A, C)
     QK = (q @ k.swapaxes(-1, -2)) * G
     eg = mx.exp(lg)
     tail = mx.exp(lg[..., -1:] - lg)

@@ -103,66 +103,19 @@ def unit_lower_inverse(A, C: int):
 
 def chunked_gated_delta_update(q, k, v, a, b, A_log, dt_bias, state=None, mask=None, *,
                                chunk: int = 32, **_):
-    """The gated delta rule in chunked UT form, as ``train_fixture.chunked_gated_delta_update``
+    """The gated delta rule in chunked UT form: ``train_fixture.chunked_gated_delta_update``
     (same math as mlx-lm's ``gated_delta_ops``) with the unit-triangular inverse by
     ``unit_lower_inverse``. Shapes as ``gated_delta_update``: q/k ``[B, T, Hk, Dk]``, v
     ``[B, T, Hv, Dv]``, a/b ``[B, T, Hv]``; returns ``(y [B, T, Hv, Dv], state [B, Hv, Dv,
-    Dk] fp32)``; gates, beta and the state in fp32. ``chunk`` must be a power of two."""
-    import mlx.core as mx
-    import mlx.nn as nn
+    Dk] fp32)``; gates, beta and the state in fp32.
 
-    if mask is not None:
-        from mlx_lm.models.gated_delta import gated_delta_update
-
-        return gated_delta_update(q, k, v, a, b, A_log, dt_bias, state, mask, use_kernel=False)
+    Raises:
+        ValueError: ``chunk`` is not a power of two.
+    """
     if chunk & (chunk - 1):
         raise ValueError(f"chunk must be a power of two, got {chunk}")
-    B, T, Hk, Dk = q.shape
-    Hv, Dv = v.shape[2:]
-    dtype = q.dtype
-    beta = mx.sigmoid(b.astype(mx.float32))
-    logg = -mx.exp(A_log.astype(mx.float32)) * nn.softplus((a + dt_bias).astype(mx.float32))
-    if Hv // Hk > 1:
-        q = mx.repeat(q, Hv // Hk, -2)
-        k = mx.repeat(k, Hv // Hk, -2)
-
-    def heads_first(x):
-        return x.astype(mx.float32).transpose(0, 2, 1, 3)
-
-    q, k, v = heads_first(q), heads_first(k), heads_first(v)
-    beta, logg = beta.transpose(0, 2, 1), logg.transpose(0, 2, 1)
-    C = chunk
-    N = (T + C - 1) // C
-    Tp = N * C
-    if Tp != T:
-        p4 = [(0, 0), (0, 0), (0, Tp - T), (0, 0)]
-        p3 = [(0, 0), (0, 0), (0, Tp - T)]
-        q, k, v = mx.pad(q, p4), mx.pad(k, p4), mx.pad(v, p4)
-        beta, logg = mx.pad(beta, p3), mx.pad(logg, p3)
-    q = q.reshape(B, Hv, N, C, Dk)
-    k = k.reshape(B, Hv, N, C, Dk)
-    v = v.reshape(B, Hv, N, C, Dv)
-    beta = beta.reshape(B, Hv, N, C)
-    lg = mx.cumsum(logg.reshape(B, Hv, N, C), axis=-1)
-    incl = mx.tri(C, dtype=mx.bool_)
-    strict = mx.tri(C, k=-1, dtype=mx.bool_)
-    G = mx.exp(mx.where(incl, lg[..., :, None] - lg[..., None, :], -mx.inf))
-    A = mx.where(strict, beta[..., :, None] * G * (k @ k.swapaxes(-1, -2)), 0.0)
-    Tinv = unit_lower_inverse(A, C)
-    QK = (q @ k.swapaxes(-1, -2)) * G
-    eg = mx.exp(lg)
-    tail = mx.exp(lg[..., -1:] - lg)
-    S = mx.zeros((B, Hv, Dv, Dk), mx.float32) if state is None else state.astype(mx.float32)
-    ys = []
-    for i in range(N):
-        kn, qn = k[:, :, i], q[:, :, i]
-        St = S.swapaxes(-1, -2)
-        rhs = beta[:, :, i, :, None] * (v[:, :, i] - eg[:, :, i, :, None] * (kn @ St))
-        U = Tinv[:, :, i] @ rhs
-        ys.append(eg[:, :, i, :, None] * (qn @ St) + QK[:, :, i] @ U)
-        S = mx.exp(lg[:, :, i, -1])[..., None, None] * S + (U * tail[:, :, i, :, None]).swapaxes(-1, -2) @ kn
-    y = mx.stack(ys, axis=2).reshape(B, Hv, Tp, Dv)[:, :, :T].transpose(0, 2, 1, 3)
-    return y.astype(dtype), S
+    return tf.chunked_gated_delta_update(q, k, v, a, b, A_log, dt_bias, state, mask,
+                                         chunk=chunk, inverse=unit_lower_inverse)
 
 
 def check_chunked_matches_ops(chunk: int = 32):

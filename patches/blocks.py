@@ -80,6 +80,20 @@ def _attention_decode_packed(self, proj, x, cache):
                                      head_dim=D, rope_dims=rope.dims,
                                      traditional=rope.traditional, offset=cache.offset):
         return None  # decided before any graph is built
+    step = _packed_qkv_step(self, proj, x, cache, Hq, Hkv, D)
+    if step is None:
+        return None
+    y, q, k, v = step
+    out = attn_ops.sdpa_gated_packed(q, k, v, self.scale, y, Hq, Hkv, D)
+    return one_row_linear(self.o_proj, out)
+
+
+def _packed_qkv_step(self, proj, x, cache, Hq, Hkv, D):
+    """The packed decode step's shared front: the fused q|k|v|gate GEMV of ``x``, q/k
+    norm + RoPE + v copy at ``cache.offset`` (one position, or one per row of a
+    ``BatchKVCache``) in one kernel, then the cache update. ``(y, q, k, v)``, or None
+    (nothing changed) when the norm + RoPE kernel does not serve."""
+    rope = self.rope
     (y,) = run_projection(proj, x, split=False)
     qkv = attn_ops.qkv_norm_rope_packed(
         y, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, n_heads=Hq,
@@ -89,8 +103,7 @@ def _attention_decode_packed(self, proj, x, cache):
         return None
     q, k, v = qkv
     k, v = cache.update_and_fetch(k, v)
-    out = attn_ops.sdpa_gated_packed(q, k, v, self.scale, y, Hq, Hkv, D)
-    return one_row_linear(self.o_proj, out)
+    return (y, q, k, v)
 
 
 #: Most sequences a batched decode step runs through the decode kernels (their row limit).
@@ -181,15 +194,10 @@ def _attention_decode_batch(self, x, cache):
     starts = _left_padding(cache)
     if any(s < 0 or s > cache._idx for s in starts):
         return None
-    (y,) = run_projection(proj, x, split=False)
-    qkv = attn_ops.qkv_norm_rope_packed(
-        y, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, n_heads=Hq,
-        n_kv_heads=Hkv, head_dim=D, rope_dims=rope.dims, base=rope.base, scale=rope.scale,
-        traditional=rope.traditional, offset=cache.offset)
-    if qkv is None:
+    step = _packed_qkv_step(self, proj, x, cache, Hq, Hkv, D)
+    if step is None:
         return None
-    q, k, v = qkv
-    k, v = cache.update_and_fetch(k, v)
+    y, q, k, v = step
     out = attn_ops.sdpa_gated_packed_rows(q, k, v, self.scale, y, starts, Hq, Hkv, D)
     if out is None:  # the cache holds this step's keys now: finish with the reference
         _, gate, _, _ = attn_ops.split_packed(y, Hq, Hkv, D)

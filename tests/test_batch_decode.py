@@ -16,12 +16,13 @@ import copy
 import mlx.core as mx
 import numpy as np
 import pytest
-from mlx_lm.generate import BatchGenerator, _merge_caches, generate_step
+from mlx_lm.generate import _merge_caches
 from mlx_lm.models.cache import BatchKVCache, make_prompt_cache
 
 import _models
 import mlx_lily
 from mlx_lily.testing.dispatch import emulated_metal
+from mlx_lily.testing.generation import batch_greedy, greedy
 
 try:
     from mlx_lily.testing.metal_emu import available as _emu_available
@@ -39,27 +40,6 @@ def prompt_of(n: int, seed: int) -> list:
     return [(i * 37 + 11 * seed) % 500 + 1 for i in range(n)]
 
 
-def greedy_alone(model, prompt, n):
-    out = []
-    for (tok, _), _i in zip(generate_step(mx.array(prompt), model, max_tokens=n), range(n)):
-        out.append(int(tok))
-    return out
-
-
-def batch_generate(model, prompts, max_tokens):
-    """Greedy tokens per prompt through ``BatchGenerator`` (all prompts prefilled together,
-    each row stopping after its own ``max_tokens``)."""
-    gen = BatchGenerator(model, stop_tokens=[[-1]], prefill_batch_size=len(prompts),
-                         completion_batch_size=len(prompts))
-    uids = gen.insert(prompts, list(max_tokens))
-    out = {u: [] for u in uids}
-    while responses := gen.next_generated():
-        for r in responses:
-            out[r.uid].append(int(r.token))
-    gen.close()
-    return [out[u] for u in uids]
-
-
 @pytest.fixture(scope="module")
 def model():
     return _models.build("qwen3_5_moe")
@@ -71,10 +51,10 @@ def test_cpu_batch_equals_stock_and_alone(model):
     equals its prompt generated alone; rows finish at different steps."""
     prompts = [prompt_of(n, i) for i, n in enumerate(LENGTHS)]
     max_tokens = (8, 5, 7)
-    stock = batch_generate(model, prompts, max_tokens)
+    stock = batch_greedy(model, prompts, max_tokens)
     with mlx_lily.patched(model):
-        lily = batch_generate(model, prompts, max_tokens)
-        alone = [greedy_alone(model, p, n) for p, n in zip(prompts, max_tokens)]
+        lily = batch_greedy(model, prompts, max_tokens)
+        alone = [greedy(model, p, n) for p, n in zip(prompts, max_tokens)]
     assert lily == stock
     assert lily == alone
 
@@ -84,10 +64,10 @@ def test_cpu_batch_with_a_prompt_past_the_prefill_step(model):
     """A 2049-token prompt (two prefill chunks) batched with short ones: same tokens as
     stock's batch and as each prompt alone."""
     prompts = [prompt_of(n, i) for i, n in enumerate((5, 2049, 37))]
-    stock = batch_generate(model, prompts, (4, 4, 4))
+    stock = batch_greedy(model, prompts, (4, 4, 4))
     with mlx_lily.patched(model):
-        lily = batch_generate(model, prompts, (4, 4, 4))
-        alone = [greedy_alone(model, p, 4) for p in prompts]
+        lily = batch_greedy(model, prompts, (4, 4, 4))
+        alone = [greedy(model, p, 4) for p in prompts]
     assert lily == stock
     assert lily == alone
 
@@ -244,8 +224,8 @@ def test_emulated_batch_generate_equals_alone(model, lengths):
     max_tokens = (6, 4, 5)[:len(prompts)]
     with emulated_metal():
         with mlx_lily.patched(model):
-            alone = [greedy_alone(model, p, n) for p, n in zip(prompts, max_tokens)]
-            batch = batch_generate(model, prompts, max_tokens)
+            alone = [greedy(model, p, n) for p, n in zip(prompts, max_tokens)]
+            batch = batch_greedy(model, prompts, max_tokens)
     assert batch == alone
 
 
@@ -392,8 +372,8 @@ def test_gpu_batch_generate_equals_alone(gpu_model):
     mx.set_default_device(mx.gpu)
     try:
         with mlx_lily.patched(gpu_model):
-            alone = [greedy_alone(gpu_model, p, n) for p, n in zip(prompts, max_tokens)]
-            batch = batch_generate(gpu_model, prompts, max_tokens)
+            alone = [greedy(gpu_model, p, n) for p, n in zip(prompts, max_tokens)]
+            batch = batch_greedy(gpu_model, prompts, max_tokens)
     finally:
         mx.set_default_device(old)
     assert batch == alone

@@ -7,13 +7,14 @@ import warnings
 import mlx.core as mx
 import mlx.nn as nn
 import pytest
-from mlx_lm.generate import BatchGenerator, generate_step
+from mlx_lm.generate import generate_step
 from mlx_lm.models import cache as cache_mod
 from mlx_lm.models import qwen3_5, qwen3_next
 
 import _models
 import mlx_lily
 from mlx_lily import backend, config
+from mlx_lily.testing.generation import batch_greedy, greedy
 
 PROMPT = [1, 5, 9, 33, 100, 7, 8, 9, 200, 11, 42, 17]
 KINDS = ("qwen3_5_moe", "qwen3_5", "qwen3_next")
@@ -28,13 +29,6 @@ PATCHED = [
     (qwen3_next.Qwen3NextModel, "__call__"),
     (qwen3_5.Qwen3_5TextModel, "__call__"),
 ]
-
-
-def greedy(model, prompt, n, **kw):
-    out = []
-    for (tok, _), _i in zip(generate_step(mx.array(prompt), model, max_tokens=n, **kw), range(n)):
-        out.append(int(tok))
-    return out
 
 
 def originals():
@@ -347,15 +341,7 @@ def test_prefill_longer_than_prefill_step_size(tiny_models):
 
 
 def _batch(model, prompts, n):
-    gen = BatchGenerator(model, stop_tokens=[[-1]], prefill_batch_size=len(prompts),
-                         completion_batch_size=len(prompts))
-    uids = gen.insert(prompts, [n] * len(prompts))
-    out = {u: [] for u in uids}
-    while responses := gen.next_generated():
-        for r in responses:
-            out[r.uid].append(int(r.token))
-    gen.close()
-    return [out[u] for u in uids]
+    return batch_greedy(model, prompts, [n] * len(prompts))
 
 
 def test_batch_of_two_matches_each_alone_and_stock(tiny_models):

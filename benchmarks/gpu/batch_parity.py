@@ -13,20 +13,11 @@ Writes ``batch_parity.json`` to ``--out`` (default ``$OUT`` or ``.``).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
 import time
-
-
-def alone(model, prompt, n):
-    import mlx.core as mx
-    from mlx_lm.generate import generate_step
-
-    out = []
-    for (tok, _), _i in zip(generate_step(mx.array(prompt), model, max_tokens=n), range(n)):
-        out.append(int(tok))
-    return out
 
 
 def batched(model, prompts, n):
@@ -71,6 +62,7 @@ def main(argv=None) -> int:
 
     import mlx_lily
     from mlx_lily.bench.ab import load_target, synthetic_ids
+    from mlx_lily.testing.generation import greedy
 
     target = load_target(a.model)
     model, config = target.model, target.config
@@ -81,9 +73,9 @@ def main(argv=None) -> int:
            "tree": os.environ.get("MLX_LILY_TREE_REV"), "mlx": mx.__version__, "arms": {}}
     os.makedirs(a.out, exist_ok=True)
     for arm in ["lily"] + (["stock"] if a.stock else []):
-        ctx = mlx_lily.patched(model) if arm == "lily" else _null()
+        ctx = mlx_lily.patched(model) if arm == "lily" else contextlib.nullcontext()
         with ctx:
-            solo = [alone(model, p, a.gen) for p in prompts]
+            solo = [greedy(model, p, a.gen) for p in prompts]
             batched(model, prompts, 4)  # warm-up at this batch size
             toks, tps = batched(model, prompts, a.gen)
         diffs = [first_diff(s, t) for s, t in zip(solo, toks)]
@@ -93,14 +85,6 @@ def main(argv=None) -> int:
         with open(os.path.join(a.out, "batch_parity.json"), "w") as f:
             json.dump(res, f, indent=1)
     return 0
-
-
-class _null:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False
 
 
 if __name__ == "__main__":

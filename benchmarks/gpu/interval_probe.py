@@ -16,6 +16,7 @@ Writes DIR/interval_probe.json; prints one line per round.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -85,7 +86,7 @@ def main(argv=None) -> int:
     for L in [int(x) for x in a.lengths.split(",") if x]:
         prompt = synthetic_ids(L, vocab, [], seed=1)
         for arm in arms:
-            ctx = mlx_lily.patched(model) if arm == "lily" else _null()
+            ctx = mlx_lily.patched(model) if arm == "lily" else contextlib.nullcontext()
             with ctx:
                 one_round(model, tok, prompt, a.gen, a.prefill_step_size, a.top)
                 for r in range(a.rounds):
@@ -100,14 +101,6 @@ def main(argv=None) -> int:
                     with open(os.path.join(a.out, "interval_probe.json"), "w") as f:
                         json.dump(res, f, indent=1)
     return 0
-
-
-class _null:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False
 
 
 if __name__ == "__main__":

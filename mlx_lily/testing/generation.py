@@ -1,0 +1,34 @@
+"""Greedy generation helpers shared by the tests and the GPU benchmarks: one prompt
+through mlx-lm's ``generate_step``, and prompts batched through mlx-lm's
+``BatchGenerator`` (what ``mlx_lm.server`` and ``batch_generate`` use)."""
+
+from __future__ import annotations
+
+
+def greedy(model, prompt, n: int, **kw) -> list:
+    """The first ``n`` greedy token ids (ints) of ``prompt`` (a list of ids) through
+    ``mlx_lm.generate.generate_step`` (``kw`` passed on, e.g. ``prefill_step_size``)."""
+    import mlx.core as mx
+    from mlx_lm.generate import generate_step
+
+    out = []
+    for (tok, _), _i in zip(generate_step(mx.array(prompt), model, max_tokens=n, **kw),
+                            range(n)):
+        out.append(int(tok))
+    return out
+
+
+def batch_greedy(model, prompts, max_tokens) -> list:
+    """Greedy token ids per prompt through ``BatchGenerator``: all prompts prefilled
+    together, row i stopping after ``max_tokens[i]`` tokens (no stop token)."""
+    from mlx_lm.generate import BatchGenerator
+
+    gen = BatchGenerator(model, stop_tokens=[[-1]], prefill_batch_size=len(prompts),
+                         completion_batch_size=len(prompts))
+    uids = gen.insert(prompts, list(max_tokens))
+    out = {u: [] for u in uids}
+    while responses := gen.next_generated():
+        for r in responses:
+            out[r.uid].append(int(r.token))
+    gen.close()
+    return [out[u] for u in uids]
