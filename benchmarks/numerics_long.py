@@ -53,6 +53,9 @@ try:  # an installed mlx-lily (its mlx_lily.patches is mapped from ./patches at 
 except ImportError:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # a checkout: stock arms
 
+from mlx_lily.bench.authority import compare_logits as compare  # noqa: E402
+from mlx_lily.bench.authority import routing_agreement  # noqa: E402,F401 (tests use it)
+
 SCHEMA = "mlx-lily-numerics-long"
 TARGETS = {"ppl_rel_diff_max": 1e-3, "top1_agreement_min": 0.98, "routing_agreement_min": 0.99}
 KERNEL_MODES = {"default": "verified", "all": "all"}
@@ -296,51 +299,6 @@ def fp32_params(model):
 # --------------------------------------------------------------------------
 # metrics
 # --------------------------------------------------------------------------
-def log_softmax(x):
-    import numpy as np
-
-    x = x.astype(np.float64)
-    m = x.max(axis=-1, keepdims=True)
-    return x - m - np.log(np.exp(x - m).sum(axis=-1, keepdims=True))
-
-
-def routing_agreement(ref, test) -> float:
-    """Fraction of ``test``'s (row, expert) choices that ``ref`` also made (``[rows, k]``)."""
-    import numpy as np
-
-    hit = (test[:, :, None] == ref[:, None, :]).any(-1)
-    return float(hit.mean())
-
-
-def compare(ref_logits, test_logits, targets, ref_routing=None, test_routing=None) -> dict:
-    """Metrics of ``test`` against ``ref`` over the rows (row t predicts ``targets[t]``)."""
-    import numpy as np
-
-    tgt = np.asarray(targets, dtype=np.int64)
-    n = len(tgt)
-    lr, lt = log_softmax(ref_logits), log_softmax(test_logits)
-    nll_r, nll_t = -lr[np.arange(n), tgt], -lt[np.arange(n), tgt]
-    kl = (np.exp(lr) * (lr - lt)).sum(axis=-1)
-    top_r, top_t = ref_logits.argmax(-1), test_logits.argmax(-1)
-    d = np.abs(ref_logits.astype(np.float64) - test_logits.astype(np.float64))
-    m = {
-        "positions": int(n),
-        "ppl_ref": math.exp(nll_r.mean()), "ppl_test": math.exp(nll_t.mean()),
-        "ppl_rel_diff": math.exp(nll_t.mean() - nll_r.mean()) - 1.0,
-        "top1_agreement": float((top_r == top_t).mean()),
-        "kl_mean": float(kl.mean()), "kl_max": float(kl.max()),
-        "max_abs_logit_diff": float(d.max()), "mean_abs_logit_diff": float(d.mean()),
-        "top1_accuracy_ref": float((top_r == tgt).mean()),
-        "top1_accuracy_test": float((top_t == tgt).mean()),
-        "all_finite": bool(np.isfinite(ref_logits).all() and np.isfinite(test_logits).all()),
-    }
-    if ref_routing is not None and test_routing is not None:
-        per = [routing_agreement(a, b) for a, b in zip(ref_routing, test_routing)]
-        m["routing_agreement_per_layer"] = per
-        m["routing_agreement_min"] = min(per)
-    return m
-
-
 def sections(P: int, D: int) -> dict:
     return {"prefill": slice(0, P), "decode": slice(P, P + D), "all": slice(0, P + D)}
 

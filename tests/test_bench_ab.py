@@ -393,3 +393,41 @@ def test_missing_local_checkpoint_is_named(tmp_path):
             abm.load_target(p)
     assert not abm._looks_local("mlx-community/Qwen3.6-35B-A3B-4bit")
     assert not abm._looks_local("tiny")
+
+
+def test_gate_authority_decides_on_a_trained_checkpoint(tmp_path):
+    """With a trained authority checkpoint the gate's verdict is that model's teacher-forced
+    check: a correct Lily passes even when the fixed thresholds on the target are made
+    impossible, a wrong Lily fails, and no fp32 anchor runs; ``resolve`` finds the cached
+    model only on GPU backends and names a folder without a reference."""
+    from mlx_lily.bench import ab, authority
+
+    target = ab.load_target(synthetic="tiny")
+    ids = list(range(5, 21))
+    strict = dict(rel_tol=-1.0, top1_min=1.01, greedy_tokens=2)
+    g = ab.correctness_gate(target, ids, ids[:4], authority=FIXTURE, **strict)
+    a = g["authority"]
+    assert g["passed"] and a["passed"] and g["fp32_anchor"] is None
+    assert not all(g["checks"].values())  # the target's own checks are still measured
+    assert a["metrics"]["top1_agreement"] >= authority.THRESHOLDS["top1_agreement_min"]
+    assert a["feed"]["context"] + a["feed"]["decode_steps"] < 320  # shrunk to the reference
+    assert a["metrics"]["positions"] == a["feed"]["measure_prefill"] + a["feed"]["decode_steps"]
+    bad = ab.correctness_gate(target, ids, ids[:4], authority=FIXTURE, inject_wrong=True, **strict)
+    assert not bad["passed"] and not bad["authority"]["passed"] and bad["fp32_anchor"] is None
+
+    assert authority.resolve("none", "cuda") is None
+    assert authority.resolve(str(FIXTURE), "cpu") == FIXTURE
+    with pytest.raises(ValueError, match="numerics_reference.json"):
+        authority.resolve(str(tmp_path), "cuda")
+
+
+def test_gate_authority_auto_uses_the_cached_model_on_gpu_only(tmp_path, monkeypatch):
+    from mlx_lily.bench import authority
+
+    monkeypatch.setattr(authority, "default_checkpoint", lambda: tmp_path)
+    assert authority.resolve("auto", "cuda") is None  # nothing cached yet
+    (tmp_path / authority.REFERENCE_FILE).write_text('{"ids": [1, 2, 3]}')
+    assert authority.resolve("auto", "cuda") == tmp_path
+    assert authority.resolve("auto", "metal") == tmp_path
+    assert authority.resolve("auto", "cpu") is None
+    assert authority.reference_ids(tmp_path) == [1, 2, 3]

@@ -517,7 +517,7 @@ def correctness_gate(target: Target, logits_ids, greedy_ids, *, greedy_tokens: i
                      rel_tol: float = 0.1, top1_min: float = 0.9, greedy_min_prefix: int = 8,
                      inject_wrong: bool = False, ops=None, anchor: str = "fp32",
                      anchor_factor: float = 1.5, anchor_slack: float = 0.05,
-                     anchor_top1_slack: float = 0.1) -> dict:
+                     anchor_top1_slack: float = 0.1, authority=None) -> dict:
     """Compare Lily with stock before any timing.
 
     Checks: (1) logits of one forward over ``logits_ids``: max |lily - stock| divided by
@@ -534,6 +534,11 @@ def correctness_gate(target: Target, logits_ids, greedy_ids, *, greedy_tokens: i
     Random-weight models with near-tied expert routing move logits far under any
     rounding change (stock bf16 itself sits 0.35 of the logit scale from fp32 on the tiny
     test model), so fixed thresholds alone reject correct kernels there.
+
+    With ``authority`` (a trained checkpoint folder, :mod:`mlx_lily.bench.authority`) the
+    verdict is that model's teacher-forced check with fixed thresholds instead: the checks
+    above are still measured and reported on ``target``, whose Lily logits must be finite,
+    and no fp32 anchor runs.
     """
     import numpy as np
 
@@ -566,8 +571,15 @@ def correctness_gate(target: Target, logits_ids, greedy_ids, *, greedy_tokens: i
     }
     finite = bool(np.isfinite(l).all())
     ok = all(checks.values()) and finite
-    anchored = None
-    if anchor == "fp32" and not ok and finite:
+    anchored = authority_result = None
+    if authority is not None:
+        from . import authority as _authority
+
+        authority_result = _authority.authority_gate(
+            Path(authority), lambda mm: arm_context("lily", mm, ops),
+            wrap=_WrongLogits if inject_wrong else None, log=log)
+        ok = finite and authority_result["passed"]
+    elif anchor == "fp32" and not ok and finite:
         t0 = time.perf_counter()
         r = fp32_logits(model, logits_ids)
         log(f"gate: fp32 anchor logits in {time.perf_counter() - t0:.1f}s")
@@ -584,6 +596,7 @@ def correctness_gate(target: Target, logits_ids, greedy_ids, *, greedy_tokens: i
         "passed": bool(ok),
         "checks": checks,
         "fp32_anchor": anchored,
+        "authority": authority_result,
         "injected_wrong": bool(inject_wrong),
         "logits_positions": int(s.shape[0]),
         "max_abs_logit_diff": max_abs,
@@ -1034,6 +1047,16 @@ def _fmt(v, spec="{:.1f}") -> str:
     return "-" if v is None else spec.format(v)
 
 
+def _authority_line(a: dict) -> str:
+    m, f = a["metrics"], a["feed"]
+    return (f"- Gate authority (decides the gate): {a['checkpoint']}, teacher-forced at context "
+            f"{f['context']} ({m['positions']} rows): {'PASSED' if a['passed'] else 'FAILED'}, ppl "
+            f"stock {m['ppl_ref']:.4f} / Lily {m['ppl_test']:.4f} ({m['ppl_rel_diff'] * 100:+.3f}%), "
+            f"top-1 agreement {m['top1_agreement']:.4f}, mean KL {m['kl_mean']:.2e}; thresholds "
+            f"ppl <= {a['thresholds']['ppl_rel_diff_max'] * 100:.1f}%, top-1 >= "
+            f"{a['thresholds']['top1_agreement_min']:.2f}")
+
+
 def render_markdown(result: dict) -> str:
     """A markdown report: header (device, versions, checkpoint, gate) and one table per sweep."""
     ck = result["checkpoint"]
@@ -1063,6 +1086,7 @@ def render_markdown(result: dict) -> str:
         f"- Gate: {'PASSED' if g['passed'] else 'FAILED'} (rel max logit diff "
         f"{_fmt(g.get('rel_max_logit_diff'), '{:.2e}')}, top-1 {_fmt(g.get('top1_agreement'), '{:.3f}')}, "
         f"greedy prefix {g.get('greedy_prefix_match', '-')}/{g.get('greedy_tokens', '-')})",
+        *([_authority_line(g["authority"])] if g.get("authority") else []),
         "",
     ]
     if not g["passed"]:
@@ -1241,6 +1265,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gate-anchor", choices=("fp32", "none"), default="fp32",
                    help="when the fixed thresholds fail, accept Lily if it is no further from "
                         "an fp32 evaluation than stock's bf16 path (see correctness_gate)")
+    p.add_argument("--gate-authority", default="auto", metavar="auto|none|DIR",
+                   help="trained checkpoint whose teacher-forced check (fixed thresholds) decides "
+                        "the gate; auto: the cached production-width model on GPU backends")
     p.add_argument("--inject-wrong", action="store_true", help=argparse.SUPPRESS)
     return p
 
@@ -1276,12 +1303,25 @@ def run(opts) -> tuple[dict, int]:
         greedy_ids = list(target.tokenizer.encode(GATE_TEXT))
     else:
         greedy_ids = list(synthetic_ids(32, hi, exclude, seed=opts.seed + 2))
+    from . import authority as _authority
+
+    try:
+        authority = _authority.resolve(getattr(opts, "gate_authority", "none"), env["backend"])
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
+    if authority is not None:
+        log(f"gate authority: {authority} (fixed thresholds {_authority.THRESHOLDS})")
     gate = correctness_gate(target, gate_logit_ids, greedy_ids, greedy_tokens=opts.gate_tokens,
                             rel_tol=opts.gate_rel_tol, top1_min=opts.gate_top1,
                             greedy_min_prefix=opts.gate_greedy_prefix, inject_wrong=inject, ops=opts.ops,
-                            anchor=opts.gate_anchor)
+                            anchor=opts.gate_anchor, authority=authority)
     log(f"gate {'PASSED' if gate['passed'] else 'FAILED'}: rel max logit diff {gate['rel_max_logit_diff']:.2e}, "
         f"top-1 {gate['top1_agreement']:.3f}, greedy prefix {gate['greedy_prefix_match']}/{gate['greedy_tokens']}")
+    if gate.get("authority"):
+        a, m = gate["authority"], gate["authority"]["metrics"]
+        log(f"gate authority {'PASSED' if a['passed'] else 'FAILED'}: ppl rel diff "
+            f"{m['ppl_rel_diff']:+.2e}, top-1 {m['top1_agreement']:.4f}, KL mean {m['kl_mean']:.2e} "
+            f"over {m['positions']} rows")
     if gate.get("fp32_anchor"):
         a = gate["fp32_anchor"]
         log(f"gate fp32 anchor {'PASSED' if a['passed'] else 'FAILED'}: distance to fp32 stock "
