@@ -120,6 +120,10 @@ KNOBS.update({k.attr: k for k in (
             "'row', 'coop'",
             "Metal: how the prefill grouped GEMMs read a weight tile (default: "
             "moe_grouped.WEIGHT_LOAD)"),
+    Setting("gdn_scan_load", "MLX_LILY_GDN_SCAN_LOAD", None, one_of("direct", "staged"),
+            "'direct', 'staged'",
+            "Metal: the GDN prefill scan reads q/k from device memory per lane group "
+            "(direct, the default) or staged in threadgroup memory per block of steps"),
 )})
 
 

@@ -17,6 +17,9 @@ whose parity ``tests/test_variants.py`` checks under the Metal emulator.
   once (``add_rms_norm``, then the plain router GEMV and gate+up) instead of folded into
   every gate+up threadgroup. The setting is global: the one-row projections split their
   norm the same way and ``gdn_proj`` steps aside while it is set.
+- ``gated_delta``: the prefill scan with q/k staged in threadgroup memory per block of
+  steps (``lily_gdn_scan_staged``, Metal only; the CUDA scan's pattern) instead of read
+  from device memory by every lane group.
 - ``moe_grouped``: the prefill grouped GEMMs reading a weight tile cooperatively (two
   threads per row, 16-byte words: ``moeg_*_coop``, Metal only; MLX ``gather_qmm_rhs``'s
   pattern) with the automatic tile height or 16 / 32 / 64 rows.
@@ -57,6 +60,9 @@ VARIANTS: dict = {
     "moe_topk_in_experts": {
         "norm_once": {"MLX_LILY_NORM_GEMV": "split"},
     },
+    "gated_delta": {
+        "scan_staged": {"MLX_LILY_GDN_SCAN_LOAD": "staged"},
+    },
     "moe_grouped": {
         "coop_load": {_LOAD: "coop"},
         "coop_load_tile16": {_LOAD: "coop", "MLX_LILY_MOE_TILE_ROWS": "16"},
@@ -66,6 +72,7 @@ VARIANTS: dict = {
 }
 
 METAL_ONLY = frozenset({("attention", "decode_simd"), ("attention", "decode_simd2"),
+                        ("gated_delta", "scan_staged"),
                         *(("moe_grouped", n) for n in ("coop_load", "coop_load_tile16",
                                                        "coop_load_tile32", "coop_load_tile64"))})
 

@@ -175,9 +175,10 @@ def check_prefill_parity(model, lengths):
     return bad
 
 
-#: The kernels whose prefill dispatch depends on the call's row count: the one-threadgroup
-#: router kernel serves calls of at most ``moe_router_topk.MAX_ROWS`` (64) token rows, so
-#: a 37-token prompt alone runs it and the same prompt in a 2 x 130 batch the reference.
+#: The kernels whose prefill dispatch depends on the call's row count unless
+#: ``batch_decode`` is on: the one-threadgroup router kernel then serves calls of at most
+#: ``moe_router_topk.MAX_ROWS`` (64) token rows, so a 37-token prompt alone runs it and
+#: the same prompt in a 2 x 130 batch the reference.
 ROW_COUNT_DISPATCH = ("moe_router_topk",)
 
 
@@ -201,11 +202,10 @@ def test_emulated_batched_prefill_rows_bit_identical_to_alone(model):
 
 
 @needs_emu
-@pytest.mark.xfail(strict=True, reason="moe_router_topk's prefill dispatch depends on the "
-                   "call's row count (MAX_ROWS 64): a padded row's router differs")
 def test_emulated_batched_prefill_with_router_kernel(model):
-    """Every Metal kernel on: the 37-token row of a 37 / 130 batch prefill is not yet
-    bit-identical to that prompt alone (``ROW_COUNT_DISPATCH``); passes once it is."""
+    """Every Metal kernel on: the 37-token row of a 37 / 130 batch prefill (260 router
+    rows, over ``MAX_ROWS``) is bit-identical to that prompt alone (37 rows): with
+    ``batch_decode`` on, the router kernel takes any number of rows."""
     with emulated_metal():
         with mlx_lily.patched(model):
             bad = check_prefill_parity(model, (37, 130))

@@ -358,6 +358,69 @@ def test_prefill_kernels(backend, case):
         _check_vs_reference(got, cpu_reference(**inp, **dims))
 
 
+STAGED_CASES = [
+    dict(B=1, S=37, Hk=16, Hv=32, seed=13),  # production heads: 8-step stages, 4 and a part
+    dict(B=1, S=2, seed=20),                 # one partial stage
+    dict(B=2, S=19, seed=21, exotic=True),   # strided views, two sequences
+    dict(B=1, S=16, seed=3, cfg=(16, 1, 4), conv_state=False, state=False),  # whole stages
+    dict(B=1, S=9, seed=23, cfg=(32, 4, 1)),  # E 4, one simdgroup: 2-step stages
+    dict(B=1, S=12, seed=24, D=64, cfg=(8, 2, 2), dtype=mx.float16),
+    dict(B=1, S=5, seed=25, dtype=mx.float32, Hk=1, Hv=3),  # G 3
+]
+
+
+@pytest.mark.parametrize("backend", [_param(b) for b in KERNEL_BACKENDS
+                                     if b in ("metal", "metal-emu")])
+@pytest.mark.parametrize("case", STAGED_CASES, ids=lambda c: _case_id(c))
+def test_prefill_staged_scan(backend, case):
+    """``scan="staged"`` (``lily_gdn_scan_staged``, Metal): q/k staged in threadgroup
+    memory; the float64 oracle and reference checks of the kernel scan, the staged kernel
+    really launched, and the result within summation order of ``lily_gdn_scan``'s."""
+    case = dict(case)
+    cfg = case.pop("cfg", (8, 1, 4))
+    inp, dims = make_inputs(**case)
+    launched = []
+    get = lambda spec: launched.append(spec.name) or _kernel(spec, backend)  # noqa: E731
+    with mx.stream(mx.gpu if backend == "metal" else mx.cpu):
+        init = float("nan") if backend == "metal" else None
+        got = G.gated_delta_fused(**inp, **dims, scan_cfg=cfg, init_value=init,
+                                  get_kernel=get, scan="staged")
+        mx.eval(got)
+    assert "lily_gdn_scan_staged" in launched and "lily_gdn_scan" not in launched, launched
+    _check_vs_oracle(got, oracle(**inp, **dims), inp["qkv"].dtype)
+    if inp["qkv"].dtype == BF:
+        _check_vs_reference(got, cpu_reference(**inp, **dims))
+    plain = run_kernels(backend, inp, dims, scan_cfg=cfg)
+    assert_close(got[2], plain[2], rtol=1e-5, scale="max", what="state vs lily_gdn_scan")
+
+
+def test_staged_scan_falls_back_where_it_cannot_run():
+    """No staged kernel for the backend (``get_kernel`` None: CUDA has none) or ``Dk / LPR``
+    not a multiple of 4: ``lily_gdn_scan`` runs."""
+    inp, dims = make_inputs(1, 3, D=64, seed=30)
+    for cfg, staged_exists in (((8, 1, 4), False), ((32, 4, 1), True)):  # E 8; E 2
+        launched = []
+
+        def get(spec):
+            launched.append(spec.name)
+            if spec is G.SCAN_STAGED and not staged_exists:
+                return None
+            return lambda **kw: [mx.zeros(s, t) for s, t in zip(kw["output_shapes"],
+                                                                 kw["output_dtypes"])]
+        G.gated_delta_fused(**inp, **dims, scan_cfg=cfg, get_kernel=get, scan="staged")
+        assert "lily_gdn_scan" in launched, (cfg, launched)
+    assert launched.count("lily_gdn_scan_staged") == 0  # E 2: not even asked for
+
+
+def test_prefill_scan_choice_staged(monkeypatch):
+    monkeypatch.delenv(G.PREFILL_ENV, raising=False)
+    monkeypatch.setenv("MLX_LILY_GDN_SCAN_LOAD", "staged")
+    assert G.prefill_scan("metal") == "staged"
+    assert G.prefill_scan("cuda") == "kernel"
+    monkeypatch.setenv("MLX_LILY_GDN_SCAN_LOAD", "direct")
+    assert G.prefill_scan("metal") == "kernel"
+
+
 @pytest.mark.parametrize("backend", [_param(b) for b in KERNEL_BACKENDS])
 @pytest.mark.parametrize("case", [PREFILL_CASES[i] for i in (1, 2, 3, 6, 7)]
                          + [dict(B=1, S=150, seed=8)],  # three 64-step chunks, padded

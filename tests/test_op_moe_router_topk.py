@@ -244,21 +244,26 @@ def _linear(d, o):
 
 
 # ------------------------------------------------------------------ dispatch
-def test_supports():
+def test_supports(monkeypatch):
     blk = moe_block(seed=0)
+    monkeypatch.setattr(R, "switch_on", lambda name, backend: False)  # batch_decode off
     router = QProj.fuse([blk.gate, blk.shared_expert_gate])
     x = mx.zeros((1, 1, 256), mx.bfloat16)
     assert R.supports(x, router, 4)
     assert not R.supports(x, lambda t: router(t), 4)  # unfused parts: reference
     assert not R.supports(x, router, 33)
-    assert not R.supports(mx.zeros((R.MAX_ROWS + 1, 256), mx.bfloat16), router, 4)
+    many = mx.zeros((R.MAX_ROWS + 1, 256), mx.bfloat16)
+    assert not R.supports(many, router, 4)
     assert not R.supports(x.astype(mx.int32), router, 4)
+    monkeypatch.setattr(R, "switch_on", lambda name, backend: name == R.BATCH_OP)
+    assert R.supports(many, router, 4)  # batched decode on: any row count
 
 
 @pytest.mark.skipif(not HAS_EMU, reason="Metal emulator unavailable")
 def test_dispatcher_uses_kernel_on_gpu_backend(monkeypatch):
     emulated_metal_dispatch(monkeypatch, R)
     calls = count_kernel_launches(monkeypatch)
+    monkeypatch.setattr(R, "row_limit", lambda backend: R.MAX_ROWS)  # batch_decode off
     proj, wf, _ = exact_router(256, 16, 8, True, seed=3)
     x = grid_x((1, 1, 256), mx.bfloat16, seed=3)
     got = R.moe_router_topk(x, proj, 4, True)
@@ -274,6 +279,9 @@ def test_dispatcher_uses_kernel_on_gpu_backend(monkeypatch):
     got = R.moe_router_topk(x, proj, 4, True)  # cached plan
     assert calls == [R.SPEC.name] * 2
     assert_routing_equal(got, want, mx.bfloat16)
+    monkeypatch.setattr(R, "row_limit", lambda backend: None)  # batch_decode on
+    R.moe_router_topk(x3, proj, 4, True)
+    assert calls == [R.SPEC.name] * 3, calls
 
 
 @pytest.mark.skipif(nvcc_path() is None, reason="nvcc not installed")

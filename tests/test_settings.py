@@ -46,6 +46,7 @@ BAD_KNOBS = {
     "attn_fixed_block": "300",
     "moe_down_shape": "8,2,9",  # each in range, 2304 threads
     "moeg_load": "wide",
+    "gdn_scan_load": "shared",
 }
 
 

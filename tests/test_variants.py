@@ -381,6 +381,7 @@ _FRONT_END = {  # variant settings -> a kernel (and template value) only they re
     ("moe_experts", "down_sl9"): ("lily_moe_down", "SL", 9),
     ("moe_grouped", "coop_load"): ("moeg_gate_up_coop", "BM", 32),
     ("moe_grouped", "coop_load_tile64"): ("moeg_down_coop", "BM", 64),
+    ("gated_delta", "scan_staged"): ("lily_gdn_scan_staged", "LPR", 8),
 }
 
 

@@ -151,6 +151,12 @@ SCAN = _k.KernelSpec(
 NORM = _k.KernelSpec(
     "lily_gdn_norm", "gdn_norm", ("y", "z", "norm_w", "eps"), ("out",),
     ensure_row_contiguous=False)
+#: Metal variant of the scan with q/k staged in threadgroup memory per block of steps
+#: (``MLX_LILY_GDN_SCAN_LOAD=staged``; the CUDA scan stages them already): same launch
+#: contract, needs ``Dk / LPR`` a multiple of 4.
+SCAN_STAGED = _k.KernelSpec(
+    "lily_gdn_scan_staged", "gdn_scan_staged", SCAN.inputs, SCAN.outputs,
+    ensure_row_contiguous=False)
 SPECS = (DECODE, PREP, SCAN, NORM)
 
 _FLOATS = (mx.bfloat16, mx.float16, mx.float32)
@@ -368,7 +374,9 @@ def gated_delta_fused(qkv, z, b, a, conv_weight, conv_state, A_log, dt_bias, sta
     ``[B, 1, C + Hv*Dv + 2*Hv]`` projection row and z, b, a are ignored (see
     ``gated_delta_packed``). ``scan="chunked"`` (S > 1): the recurrence runs as
     ``scan_chunked`` (MLX matmuls, compiled) between the prep and norm kernels instead of
-    ``lily_gdn_scan`` (masked steps reach it as decay 1, beta 0, as the prep kernel writes).
+    ``lily_gdn_scan`` (masked steps reach it as decay 1, beta 0, as the prep kernel writes);
+    ``scan="staged"``: ``lily_gdn_scan_staged`` where ``get_kernel`` has it (Metal) and
+    ``Dk / LPR`` is a multiple of 4, else ``lily_gdn_scan``.
     ``proj`` (a ``DecodeProj``; S == 1, qkv/z/b/a None): the kernel computes the packed
     row itself (``PROJ``) and a fourth result, the residual sum ``h0 + res``, is returned
     (see ``gated_delta_proj``); ``proj_split`` blocks per head share the projection rows
@@ -468,7 +476,10 @@ def gated_delta_fused(qkv, z, b, a, conv_weight, conv_state, A_log, dt_bias, sta
     else:
         lpr, rpl, wpb = scan_cfg
         rb = wpb * (32 // lpr) * rpl
-        y, new_state = get_kernel(SCAN)(
+        k_scan = None
+        if scan == "staged" and (Dk // lpr) % 4 == 0:
+            k_scan = get_kernel(SCAN_STAGED)
+        y, new_state = (k_scan or get_kernel(SCAN))(
             inputs=[qn, kn, vv, g, beta, state],
             template=[("T", T), ("Hk", Hk), ("Hv", Hv), ("Dk", Dk), ("Dv", Dv),
                       ("LPR", lpr), ("RPL", rpl), ("WPB", wpb)],
@@ -538,12 +549,13 @@ def tf32_matmuls(backend: str) -> bool:
 
 def prefill_scan(backend: str) -> str:
     """``"chunked"`` when ``MLX_LILY_GDN_PREFILL=chunked`` (``scan_chunked`` between the
-    prep and norm kernels) and fp32 matmuls are fp32 (``tf32_matmuls`` False), else
-    ``"kernel"`` (``lily_gdn_scan``, the default)."""
+    prep and norm kernels) and fp32 matmuls are fp32 (``tf32_matmuls`` False); else on
+    Metal with ``MLX_LILY_GDN_SCAN_LOAD=staged`` ``"staged"`` (``lily_gdn_scan_staged``);
+    else ``"kernel"`` (``lily_gdn_scan``, the default)."""
     from .. import tuning
 
     if tuning.gdn_prefill != "chunked":
-        return "kernel"
+        return "staged" if backend == "metal" and tuning.gdn_scan_load == "staged" else "kernel"
     if tf32_matmuls(backend):
         import warnings
 

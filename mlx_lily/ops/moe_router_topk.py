@@ -22,7 +22,8 @@ one simdgroup/warp does the fp32 softmax (probabilities rounded to the activatio
 k rounds of a lane-parallel argmax with ties to the lowest id, the renormalisation (sum in
 fp32 rounded to the activation dtype, as MLX's bf16 ``sum`` does) and the sigmoid gate.
 The dispatcher uses it for a fused quantized router (``QProj`` with parts ``(E, 1)`` or
-``(E,)``) and at most ``MAX_ROWS`` rows; everything else runs the reference.
+``(E,)``) and at most ``MAX_ROWS`` rows (any number while ``batch_decode`` is on:
+``row_limit``); everything else runs the reference.
 Source: Qwen3-Next / Qwen3.5 MoE routing (softmax top-k with renormalisation).
 """
 
@@ -92,8 +93,11 @@ MAX_D = 8192
 MAX_THREADGROUP_BYTES = 32768
 
 #: Rows (tokens) per call the kernel takes; one threadgroup per row re-reads the router
-#: weights, so long prefill chunks go to the reference (``quantized_matmul``).
+#: weights, so long prefill chunks go to the reference (``quantized_matmul``). While
+#: batched decode (``BATCH_OP``) is on there is no limit: a prompt prefilled in a batch
+#: is routed by the same kernel as alone (``row_limit``).
 MAX_ROWS = 64
+BATCH_OP = "batch_decode"
 #: Launch shape: warps per threadgroup (one threadgroup per row); rows per lane group
 #: is chosen so the router rows take two passes (``router_rpw``), at most ``MAX_RPW``.
 NW = 16
@@ -139,7 +143,16 @@ def supports(x: mx.array, router, k: int) -> bool:
     if current_backend() == "cuda" and steps > MAX_WORDS_PER_LANE:
         return False  # even one row per lane holds more words than registers allow
     rows = x.size // d
-    return 1 <= rows <= MAX_ROWS
+    limit = row_limit(current_backend())
+    return rows >= 1 and (limit is None or rows <= limit)
+
+
+def row_limit(backend: str) -> int | None:
+    """Rows per call the kernel takes on ``backend``: ``MAX_ROWS``, or None (any) while
+    ``batch_decode`` is on, so that whether a row is routed by the kernel or by the
+    reference (whose logits round differently) never depends on the other rows of the
+    call: a prompt prefilled in a batch is then routed as it is alone."""
+    return None if switch_on(BATCH_OP, backend) else MAX_ROWS
 
 
 def router_rpw(rows: int, d: int, bits: int, nw: int = NW, backend: str | None = None) -> int:
@@ -221,12 +234,12 @@ def moe_router_topk(x, router, k, norm_topk_prob):
     """Dispatcher: the router kernel (one launch; ties to the lowest expert id) when it
     serves this backend and call (``supports``), else the reference with mlx-lm's own
     selection (``tie_break="stock"``), bit-identical to stock. The decision and launch
-    parameters are cached on the ``QProj`` per (backend, shape, dtype, k, norm)."""
+    parameters are cached on the ``QProj`` per (backend, shape, dtype, k, norm, row limit)."""
     backend = current_backend()
     if (backend in ("metal", "cuda") and isinstance(router, Proj)
             and kernels.kernels_allowed(NAME, backend)):
         plans = kernels.plan_cache(router, "_lily_router_plans")
-        key = (backend, x.shape, x.dtype, k, bool(norm_topk_prob))
+        key = (backend, x.shape, x.dtype, k, bool(norm_topk_prob), row_limit(backend))
         run = plans.get(key, False)
         if run is False:
             run = None
@@ -252,7 +265,8 @@ def moe_router_topk_pending(pending, router, k, norm_topk_prob):
     if (backend in ("metal", "cuda") and isinstance(router, Proj)
             and switch_on(PRE_NORM_OP, backend)):
         plans = kernels.plan_cache(router, "_lily_router_plans")
-        key = (backend, h0.shape, h0.dtype, k, bool(norm_topk_prob), "pre_norm")
+        key = (backend, h0.shape, h0.dtype, k, bool(norm_topk_prob), "pre_norm",
+               row_limit(backend))
         run = plans.get(key, False)
         if run is False:
             run = None
