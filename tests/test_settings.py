@@ -46,6 +46,8 @@ BAD_KNOBS = {
     "attn_fixed_block": "300",
     "moe_down_shape": "8,2,9",  # each in range, 2304 threads
     "moeg_load": "wide",
+    "qgemv_shape": "4,9",  # RPW over 8
+    "qgemv_bpl": "4",
 }
 
 
