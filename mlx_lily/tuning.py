@@ -102,7 +102,23 @@ def _down_shape(raw: str) -> tuple:
     return v
 
 
+def _qgemv_shape(raw: str) -> tuple:
+    v = int_tuple(2, 1, 32)(raw)  # NW <= 32: 32*NW <= 1024 threads
+    if v[1] > 8:
+        raise BadValue("RPW above 8")
+    return v
+
+
 KNOBS.update({k.attr: k for k in (
+    Setting("qgemv_shape", "MLX_LILY_QGEMV_SHAPE", None, _qgemv_shape,
+            "two integers 'NW,RPW', NW 1..32 (32*NW <= 1024 threads), RPW 1..8 "
+            "(e.g. '2,4')",
+            "Metal: simdgroups per threadgroup and output rows per lane group of "
+            "lily_qgemv / lily_norm_qgemv (default: qgemv.launch_shape)"),
+    Setting("qgemv_bpl", "MLX_LILY_QGEMV_BPL", None,
+            one_of("16", "8", values={"16": 16, "8": 8}), "'16', '8'",
+            "Metal: weight bytes each lane loads per step in lily_qgemv / "
+            "lily_norm_qgemv (default: qgemv.BYTES_PER_LANE)"),
     Setting("attn_decode", "MLX_LILY_ATTN_DECODE", None, one_of("gqa", "simd", "simd2"),
             "'gqa', 'simd', 'simd2'",
             "Metal: the decode attention partial kernel (default: "

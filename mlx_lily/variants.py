@@ -23,6 +23,11 @@ whose parity ``tests/test_variants.py`` checks under the Metal emulator.
 - ``moe_grouped``: the prefill grouped GEMMs reading a weight tile cooperatively (two
   threads per row, 16-byte words: ``moeg_*_coop``, Metal only; MLX ``gather_qmm_rhs``'s
   pattern) with the automatic tile height or 16 / 32 / 64 rows.
+- ``qgemv`` / ``norm_qgemv``: launch shapes of the one-row GEMVs on Metal (the same
+  variants under both ops; the settings are global, both kernels follow them): 8 or 32
+  rows per threadgroup instead of 16 at K 2048 (``MLX_LILY_QGEMV_SHAPE`` 2,4 / 8,4), 8
+  bytes of weights per lane per step instead of 16 (``MLX_LILY_QGEMV_BPL=8``), and both
+  as MLX's ``qmv_fast`` launches them (8 rows per 64-thread threadgroup, 8-byte loads).
 
 Dispatch-level alternatives that are whole switches are not repeated here: the
 qualifier already times each of ``gdn_proj`` (the GDN decode kernel computes its own
@@ -43,6 +48,16 @@ _DOWN = "MLX_LILY_MOE_DOWN_SHAPE"
 _ATTN = "MLX_LILY_ATTN_DECODE"
 _BLOCK = "MLX_LILY_ATTN_FIXED_BLOCK"
 _LOAD = "MLX_LILY_MOEG_LOAD"
+_QSHAPE = "MLX_LILY_QGEMV_SHAPE"
+_QBPL = "MLX_LILY_QGEMV_BPL"
+
+#: The one-row GEMV variants (``qgemv`` and ``norm_qgemv`` alike).
+_GEMV = {
+    "rows_8": {_QSHAPE: "2,4"},
+    "rows_32": {_QSHAPE: "8,4"},
+    "bpl8": {_QBPL: "8"},
+    "bpl8_rows_8": {_QBPL: "8", _QSHAPE: "2,4"},
+}
 
 VARIANTS: dict = {
     "moe_experts": {
@@ -69,12 +84,15 @@ VARIANTS: dict = {
         "coop_load_tile32": {_LOAD: "coop", "MLX_LILY_MOE_TILE_ROWS": "32"},
         "coop_load_tile64": {_LOAD: "coop", "MLX_LILY_MOE_TILE_ROWS": "64"},
     },
+    "qgemv": {n: dict(e) for n, e in _GEMV.items()},
+    "norm_qgemv": {n: dict(e) for n, e in _GEMV.items()},
 }
 
 METAL_ONLY = frozenset({("attention", "decode_simd"), ("attention", "decode_simd2"),
                         ("gated_delta", "scan_staged"),
                         *(("moe_grouped", n) for n in ("coop_load", "coop_load_tile16",
-                                                       "coop_load_tile32", "coop_load_tile64"))})
+                                                       "coop_load_tile32", "coop_load_tile64")),
+                        *((op, n) for op in ("qgemv", "norm_qgemv") for n in _GEMV)})
 
 
 def _default(env: str, backend: str):
@@ -88,6 +106,12 @@ def _default(env: str, backend: str):
         from .ops import moe_grouped
 
         return moe_grouped.WEIGHT_LOAD.get(backend)
+    if env in (_QSHAPE, _QBPL):
+        if backend != "metal":
+            return None  # the knobs act on Metal only
+        from .ops import qgemv
+
+        return (qgemv.NW, qgemv.RPW) if env == _QSHAPE else qgemv.BYTES_PER_LANE["metal"]
     if env in (_ATTN, _BLOCK):
         from .ops import attention
 

@@ -116,10 +116,10 @@ def _with_old_gather(call):
     head, n = re.subn(r"inline void lily_qgemv_gather\(XP xr, WP w, SP scales, SP biases,"
                       r"[^{]*\{\n", _OLD_GATHER, call.header)
     assert n == 1
-    head = head.replace("typename XP, typename WP,\n          typename SP>\n"
+    head = head.replace("typename XP,\n          typename WP, typename SP>\n"
                         "inline void lily_qgemv_gather", "typename XP>\n"
                         "inline void lily_qgemv_gather")
-    head = head.replace("typedef typename lily_word4_ptr<WP>::type W4P;\n  W4P w4 = "
+    head = head.replace("typedef typename lily_word_ptr<WP, BPL>::type W4P;\n  W4P w4 = "
                         "reinterpret_cast<W4P>(w);",
                         "const device uint4* w4 = reinterpret_cast<const device uint4*>(w);")
     return dataclasses.replace(call, header=head)

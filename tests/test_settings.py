@@ -47,6 +47,8 @@ BAD_KNOBS = {
     "moe_down_shape": "8,2,9",  # each in range, 2304 threads
     "moeg_load": "wide",
     "gdn_scan_load": "shared",
+    "qgemv_shape": "4,9",  # RPW over 8
+    "qgemv_bpl": "4",
 }
 
 

@@ -373,6 +373,212 @@ def test_grouped_load_knob(monkeypatch):
     assert mg.weight_load("cuda") == "row"  # no CUDA twin of the coop kernels
 
 
+# ----------------------------------------------------------------------------- one-row GEMVs
+GEMV = variants.VARIANTS["qgemv"]
+_GEMV_KNOBS = ("MLX_LILY_QGEMV_SHAPE", "MLX_LILY_QGEMV_BPL")
+
+
+def _gemv_env(monkeypatch, env):
+    """Only ``env``'s GEMV knobs set, and the qgemv launcher on the Metal path."""
+    from mlx_lily.ops import qgemv as Q
+
+    for var in _GEMV_KNOBS:
+        monkeypatch.delenv(var, raising=False)
+    for var, raw in env.items():
+        monkeypatch.setenv(var, raw)
+    monkeypatch.setattr(Q, "current_backend", lambda: "metal")
+
+
+def _gemv_want(env) -> dict:
+    """The NW / RPW / BPL template values ``env`` gives the Metal launch at K 2048."""
+    nw, rpw = (int(t) for t in env.get("MLX_LILY_QGEMV_SHAPE", "4,4").split(","))
+    return {"NW": nw, "RPW": rpw, "BPL": int(env.get("MLX_LILY_QGEMV_BPL", "16"))}
+
+
+def _gemv_run(monkeypatch, op, env, *, k, o, dt, rows, sdt=mx.bfloat16, seed=0, bits=4):
+    """``op``'s Metal kernel (emulated: NaN-poisoned outputs) under ``env`` at K ``k`` /
+    O ``o`` (``bits``, group 64) for each row count in ``rows``, checked against the fp32
+    truth; returns the outputs. Asserts that the launch's template carries the
+    variant's NW / RPW / BPL."""
+    from mlx_lily.ops import norm_qgemv as NQ
+    from mlx_lily.ops import qgemv as Q
+    from mlx_lily.testing.cuda_emu import kernel_for
+
+    _gemv_env(monkeypatch, env)
+    mx.random.seed(seed + o)
+    w = (mx.random.normal((o, k)) * k ** -0.5).astype(sdt)
+    q, s, b = mx.quantize(w, 64, bits)
+    outs = []
+    for n in rows:
+        tmpl = dict(Q.launch_args((n, k), dt, q, s, 64, bits)["template"])
+        assert {key: tmpl[key] for key in ("NW", "RPW", "BPL")} == _gemv_want(env), tmpl
+        if op == "qgemv":
+            from test_op_qgemv import check_close, truth
+
+            x = mx.random.normal((n, k)).astype(dt)
+            kern, _ = kernel_for(Q.SPEC, "metal-emu")
+            y = Q.launch(kern, x, q, s, b, 64, bits)
+            mx.eval(y)
+            check_close(y, truth(x, q, s, b, 64, bits), x, q, s, b, 64, bits, dt)
+        else:
+            from test_op_norm_qgemv import check, make_inputs
+
+            h0, res, nw = make_inputs(n, k, dt, seed + n)
+            kern, _ = kernel_for(NQ.SPEC, "metal-emu")
+            y, h = NQ.launch(kern, h0, res, nw, 1e-6, q, s, b, 64, bits)
+            mx.eval(y, h)
+            check(y, h, h0, res, nw, 1e-6, q, s, b, 64, bits, dt)
+        assert not mx.isnan(y).any().item()
+        outs.append(y)
+    return outs
+
+
+@needs_emu
+@pytest.mark.parametrize("dt", [mx.bfloat16, mx.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("name", sorted(GEMV))
+@pytest.mark.parametrize("op", ["qgemv", "norm_qgemv"])
+def test_gemv_variant_matches_reference(op, name, dt, monkeypatch, _aligned):
+    """K 2048 (Qwen3.6's hidden width) into O 1003 (no multiple of 8, 16 or 32 rows: the
+    last threadgroup's clamped rows), 1 and 3 rows. ``qgemv``'s shape variants give the
+    default's result bit for bit (a row's arithmetic does not depend on the launch
+    shape); ``norm_qgemv``'s change the sum-of-squares order only."""
+    assert variants.VARIANTS[op][name] == GEMV[name]
+    out = _gemv_run(monkeypatch, op, GEMV[name], k=2048, o=1003, dt=dt, rows=(1, 3))
+    if op == "qgemv" and "MLX_LILY_QGEMV_BPL" not in GEMV[name]:
+        default = _gemv_run(monkeypatch, op, {}, k=2048, o=1003, dt=dt, rows=(1, 3))
+        for a, b in zip(out, default):
+            assert mx.array_equal(a, b).item()
+
+
+@needs_emu
+@pytest.mark.parametrize("name", [n for n in sorted(GEMV) if "MLX_LILY_QGEMV_BPL" in GEMV[n]])
+@pytest.mark.parametrize("op", ["qgemv", "norm_qgemv"])
+def test_gemv_8_byte_loads_at_8_bits(op, name, monkeypatch, _aligned):
+    """The router + shared-gate shape (2048 -> 257, 8-bit: 8 values per 8-byte word)."""
+    _gemv_run(monkeypatch, op, GEMV[name], k=2048, o=257, dt=mx.bfloat16, rows=(1, 3),
+              bits=8)
+
+
+@needs_emu
+@pytest.mark.parametrize("op", ["qgemv", "norm_qgemv"])
+def test_gemv_8_byte_loads_equal_16_byte_loads(op, monkeypatch, _aligned):
+    """fp32 activations (no output rounding to hide behind): the 8-byte path's result
+    is the 16-byte path's within fp32 summation-order error (the per-lane partial sums
+    split the row differently), K 2048 into O 7 (one clamped threadgroup), 3 rows."""
+    k, o = 2048, 7
+    ys = [_gemv_run(monkeypatch, op, {"MLX_LILY_QGEMV_BPL": bpl}, k=k, o=o,
+                    dt=mx.float32, rows=(3,), seed=5)[0] for bpl in ("16", "8")]
+    assert ys[0].dtype == mx.float32
+    assert not mx.array_equal(ys[0], ys[1]).item()  # the knob changed the kernel's sums
+    # the terms' magnitudes bound the summation-order error: |x| @ |w|^T ~ sqrt(K) here
+    tol = 1e-5 * float(mx.abs(ys[0]).max().item() + k ** 0.5)
+    assert float(mx.abs(ys[0] - ys[1]).max().item()) <= tol
+
+
+@needs_emu
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(GEMV))
+def test_gemv_variant_production_rows(name, monkeypatch, _aligned):
+    """Qwen3.6-35B-A3B's packed q|k|v projection: K 2048 into 9216 rows, one row."""
+    _gemv_run(monkeypatch, "norm_qgemv", GEMV[name], k=2048, o=9216, dt=mx.bfloat16,
+              rows=(1,))
+
+
+def test_gemv_knobs_parse_and_reach_only_metal(monkeypatch):
+    from mlx_lily.ops import qgemv as Q
+
+    shape, bpl = (_KNOB_BY_ENV[v] for v in _GEMV_KNOBS)
+    assert shape.parse("2,4") == (2, 4) and shape.parse("32,8") == (32, 8)
+    for bad in ("33,4", "0,4", "4,9", "4", "4,4,4", "a,b"):
+        with pytest.raises(config.BadValue):
+            shape.parse(bad)
+    assert bpl.parse("8") == 8 and bpl.parse("16") == 16
+    for bad in ("4", "32", "x"):
+        with pytest.raises(config.BadValue):
+            bpl.parse(bad)
+    for var in _GEMV_KNOBS:
+        monkeypatch.delenv(var, raising=False)
+    assert Q.launch_shape(2048, 9216, 4, "metal") == (Q.NW, Q.RPW)
+    assert Q.bytes_per_lane("metal") == 16
+    monkeypatch.setenv("MLX_LILY_QGEMV_SHAPE", "8,2")
+    monkeypatch.setenv("MLX_LILY_QGEMV_BPL", "8")
+    assert Q.launch_shape(2048, 9216, 4, "metal") == (8, 2)
+    assert Q.bytes_per_lane("metal") == 8
+    # CUDA: unchanged (no BPL template on its twin)
+    assert Q.launch_shape(2048, 9216, 4, "cuda") == (Q.NW, Q.RPW)
+    assert Q.bytes_per_lane("cuda") == 16
+    q = mx.zeros((9216, 256), mx.uint32)
+    s = mx.zeros((9216, 32), mx.bfloat16)
+    monkeypatch.setattr(Q, "current_backend", lambda: "cuda")
+    kw = Q.launch_args((1, 2048), mx.bfloat16, q, s, 64, 4)
+    assert [n for n, _ in kw["template"]] == ["T", "S", "K", "O", "BITS", "GS", "NW", "RPW"]
+    with pytest.raises(ValueError, match="8-byte"):
+        Q.launch_args((1, 2048), mx.bfloat16, q, s, 64, 4, bpl=8)
+    monkeypatch.setattr(Q, "current_backend", lambda: "metal")
+    kw = Q.launch_args((1, 2048), mx.bfloat16, q, s, 64, 4)
+    assert dict(kw["template"])["BPL"] == 8 and kw["threadgroup"] == (256, 1, 1)
+    assert kw["grid"] == (-(-9216 // 16) * 256, 1, 1)  # 8 warps x 2 rows
+
+
+def test_bad_gemv_knob_warns_naming_the_variable(monkeypatch):
+    from mlx_lily.ops import qgemv as Q
+
+    monkeypatch.setenv("MLX_LILY_QGEMV_SHAPE", "64,4")
+    monkeypatch.setenv("MLX_LILY_QGEMV_BPL", "4")
+    with pytest.warns(UserWarning, match="MLX_LILY_QGEMV_SHAPE"):
+        assert Q.launch_shape(2048, 9216, 4, "metal") == (Q.NW, Q.RPW)
+    with pytest.warns(UserWarning, match="MLX_LILY_QGEMV_BPL"):
+        assert Q.bytes_per_lane("metal") == 16
+
+
+@needs_emu
+def test_qproj_plan_follows_the_gemv_knobs(monkeypatch, _aligned):
+    """A one-row ``QProj`` call re-plans when a GEMV knob changes (the qualifier runs a
+    variant in the process that ran the default): the launch carries the variant's
+    NW / BPL, and the result stays within the fp32 truth's tolerance."""
+    import mlx.nn as nn
+    from mlx_lily.ops import qgemv as Q
+    from mlx_lily.qproj import QProj
+    from mlx_lily.testing.dispatch import emulated_metal_dispatch
+    from test_op_qgemv import check_close, truth
+
+    emulated_metal_dispatch(monkeypatch, Q)
+    mx.random.seed(9)
+    lin = nn.Linear(2048, 40, bias=False)
+    lin.weight = (mx.random.normal((40, 2048)) * 0.02).astype(mx.bfloat16)
+    proj = QProj.fuse([nn.QuantizedLinear.from_linear(lin, 64, 4)])
+    seen = []
+    real = Q.plan
+
+    def spy(*a, **kw):
+        _, shape, dt, w, sc, _b, gs, bits = a
+        seen.append(dict(Q.launch_args(shape, dt, w, sc, gs, bits)["template"]))
+        return real(*a, **kw)
+
+    monkeypatch.setattr(Q, "plan", spy)
+    x = mx.random.normal((1, 1, 2048)).astype(mx.bfloat16)
+    t = truth(x.reshape(1, 2048), proj.weight, proj.scales, proj.biases, 64, 4)
+    for env in ({}, {"MLX_LILY_QGEMV_BPL": "8", "MLX_LILY_QGEMV_SHAPE": "2,4"}, {}):
+        for var in _GEMV_KNOBS:
+            monkeypatch.delenv(var, raising=False)
+        for var, raw in env.items():
+            monkeypatch.setenv(var, raw)
+        y = mx.concatenate(proj(x), axis=-1).reshape(1, 40)
+        check_close(y, t, x.reshape(1, 2048), proj.weight, proj.scales, proj.biases, 64,
+                    4, mx.bfloat16)
+    assert [(d["NW"], d["BPL"]) for d in seen] == [(4, 16), (2, 8)]  # the third: cached
+
+
+def test_gemv_variants_are_metal_only_and_not_the_default():
+    metal, cuda = variants.for_backend("metal"), variants.for_backend("cuda")
+    for op in ("qgemv", "norm_qgemv"):
+        assert set(metal[op]) == set(GEMV) and op not in cuda
+        assert all((op, n) in variants.METAL_ONLY for n in GEMV)
+    table = {"qgemv": {"same": {"MLX_LILY_QGEMV_SHAPE": "4,4"},
+                       "same_bpl": {"MLX_LILY_QGEMV_BPL": "16"}}}
+    assert variants.for_backend("metal", table) == {}
+
+
 # ----------------------------------------------------------------------------- front end
 _FRONT_END = {  # variant settings -> a kernel (and template value) only they record
     ("attention", "decode_simd"): ("lily_attn_decode_simd", "HPS", 1),
@@ -382,6 +588,8 @@ _FRONT_END = {  # variant settings -> a kernel (and template value) only they re
     ("moe_grouped", "coop_load"): ("moeg_gate_up_coop", "BM", 32),
     ("moe_grouped", "coop_load_tile64"): ("moeg_down_coop", "BM", 64),
     ("gated_delta", "scan_staged"): ("lily_gdn_scan_staged", "LPR", 8),
+    ("qgemv", "bpl8"): ("lily_norm_qgemv", "BPL", 8),
+    ("qgemv", "rows_8"): ("lily_qgemv", "NW", 2),
 }
 
 
@@ -410,10 +618,24 @@ def test_qualifier_checks_every_variant_on_the_emulator():
     """``qualify_model`` on emulated Metal (a tiny Qwen3.6-layout model) runs each
     variant of attention and moe_experts under its settings: every one Metal qualifies at
     that context is in the record, and passes parity."""
+    res = _qualify_on_emu(["attention", "moe_experts"])
+    assert {"decode_simd", "decode_simd2"} <= set(res["ops"]["attention"])
+    assert {"down_sl3", "down_sl9"} <= set(res["ops"]["moe_experts"])
+
+
+@needs_emu
+def test_qualifier_checks_the_gemv_variants_on_the_emulator():
+    """The same for the one-row GEMVs: each of ``qgemv``'s and ``norm_qgemv``'s launch
+    variants is qualified under its settings and passes parity."""
+    res = _qualify_on_emu(["qgemv", "norm_qgemv"])
+    for op in ("qgemv", "norm_qgemv"):
+        assert set(GEMV) <= set(res["ops"][op])
+
+
+def _qualify_on_emu(ops) -> dict:
     import _models
     from mlx_lily.testing.dispatch import emulated_metal
 
-    ops = ["attention", "moe_experts"]
     model = _models.build("qwen3_5_moe", seed=3)
     with emulated_metal():
         res = qualify.qualify_model(model, ops=ops, decode_steps=1, decode_context=4,
@@ -426,5 +648,4 @@ def test_qualifier_checks_every_variant_on_the_emulator():
         assert set(res["ops"][op]) == want, (op, sorted(res["ops"][op]))
         failed = {v: r.get("error") for v, r in res["ops"][op].items() if not r["passed"]}
         assert not failed, (op, failed)
-    assert {"decode_simd", "decode_simd2"} <= set(res["ops"]["attention"])
-    assert {"down_sl3", "down_sl9"} <= set(res["ops"]["moe_experts"])
+    return res

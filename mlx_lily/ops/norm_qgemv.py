@@ -23,7 +23,7 @@ from .add_rms_norm import add_rms_norm_reference
 
 NAME = "norm_qgemv"
 
-# lily_norm_qgemv: template T, S, K, O, BITS, GS, NW, RPW (as lily_qgemv);
+# lily_norm_qgemv: template T, S, K, O, BITS, GS, NW, RPW, BPL (as lily_qgemv);
 # grid (ceil(O/RPB)*32*NW, N, 1), threadgroup (32*NW, 1, 1), RPB = qgemv.rows_per_block.
 SPEC = kernels.KernelSpec(
     name="lily_norm_qgemv", stem="norm_qgemv",
@@ -63,11 +63,11 @@ def supports(h0, res, norm_w, w, scales, biases, group_size, bits, mode="affine"
 
 
 def plan(kernel, x_shape, x_dtype, w, scales, biases, group_size, bits, *, nw=None, rpw=None,
-         init_value=None):
+         bpl=None, init_value=None):
     """A callable ``run(h0, res, norm_w, eps) -> (y, h)`` launching ``kernel`` for inputs
     of one shape and dtype (template, grid and output shapes worked out once)."""
     kw = _qgemv.launch_args(x_shape, x_dtype, w, scales, group_size, bits, nw=nw, rpw=rpw,
-                            init_value=init_value,
+                            bpl=bpl, init_value=init_value,
                             extra_outputs=[(tuple(x_shape), x_dtype)])
 
     def run(h0, res, norm_w, eps):
@@ -78,11 +78,11 @@ def plan(kernel, x_shape, x_dtype, w, scales, biases, group_size, bits, *, nw=No
 
 
 def launch(kernel, h0, res, norm_w, eps, w, scales, biases, group_size, bits, *, nw=None,
-           rpw=None, init_value=None):
+           rpw=None, bpl=None, init_value=None):
     """Run the ``lily_norm_qgemv`` kernel object on a call ``supports`` accepted;
     returns ``(y, h)``."""
     return plan(kernel, h0.shape, h0.dtype, w, scales, biases, group_size, bits, nw=nw,
-                rpw=rpw, init_value=init_value)(h0, res, norm_w, eps)
+                rpw=rpw, bpl=bpl, init_value=init_value)(h0, res, norm_w, eps)
 
 
 def has_kernel(backend: str) -> bool:
@@ -109,7 +109,7 @@ def for_qproj(h0, res, norm_w, eps, proj):
     """The kernel's ``(y [..., out], h)`` for a one-row input of the quantized ``QProj``
     ``proj`` when it serves on this backend, else None (the caller materialises the norm
     and projects; always under ``MLX_LILY_NORM_GEMV=split``). The launch plan is cached
-    on the projection per (backend, shape, dtype)."""
+    on the projection per (backend, shape, dtype, Metal launch knobs)."""
     if _qgemv.decode_rows(h0) is None or not proj.quantized or split_requested():
         return None
     backend = current_backend()
@@ -119,7 +119,8 @@ def for_qproj(h0, res, norm_w, eps, proj):
             or not kernels.stock_result_dtype(h0.dtype, proj.scales.dtype)):
         return None
     plans = kernels.plan_cache(proj, "_lily_norm_qgemv_plans")
-    key = (backend, h0.shape, h0.dtype, res.dtype, norm_w.dtype, norm_w.shape)
+    key = (backend, h0.shape, h0.dtype, res.dtype, norm_w.dtype, norm_w.shape,
+           _qgemv.launch_knobs(backend))
     run = plans.get(key, False)
     if run is False:
         run = None

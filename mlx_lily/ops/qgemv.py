@@ -5,7 +5,8 @@ transpose=True, group_size, bits)`` for MLX affine quantization (``w [O, K*bits/
 uint32, value j of a word at bits ``[bits*j, bits*j+bits)``, ``w = scale*q + bias`` per
 group of ``group_size`` along K). The kernel (``lily_qgemv``, ``shaders/*/qgemv.*``)
 serves 4- and 8-bit, group 32/64/128, up to ``MAX_ROWS`` rows: each group of lanes reads
-a weight row with 16-byte loads and accumulates ``scale*dot(q, x) + bias*sum(x)`` per
+a weight row with 16-byte loads (Metal: 8-byte with ``MLX_LILY_QGEMV_BPL=8``, the
+pattern of MLX's ``qmv_fast``) and accumulates ``scale*dot(q, x) + bias*sum(x)`` per
 quantization group in fp32 (the MLX qmv formulation), one reduction per output row.
 Source: MLX affine quantization (``mx.quantize``); row-parallel GEMV of Lily's decode.
 """
@@ -28,9 +29,14 @@ SPEC = kernels.KernelSpec(
 
 #: Largest number of activation rows the kernel takes (it re-reads W once per row).
 MAX_ROWS = 8
-#: Launch shape: warps per threadgroup and output rows per lane group (``launch_shape``).
+#: Launch shape: warps per threadgroup and output rows per lane group (``launch_shape``;
+#: on Metal ``MLX_LILY_QGEMV_SHAPE`` replaces it).
 NW = 4
 RPW = 4
+#: Weight bytes a lane loads per step, per backend (the Metal kernels' ``BPL`` template:
+#: 16 = uint4, 8 = uint2 as MLX's ``qmv_fast``; ``MLX_LILY_QGEMV_BPL``). The CUDA twin
+#: takes no BPL (always 16).
+BYTES_PER_LANE: dict = {"metal": 16}
 #: Fewest threadgroups ``launch_shape`` spreads a small-O GEMV over, per backend (none
 #: set). Measured against: ncu on the H200 read 17.1 us per call for the
 #: 8-bit router + shared gate (2048 -> 257, ``norm_qgemv``) on 17 threadgroups (NW 4,
@@ -64,12 +70,12 @@ def qgemv_reference(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array
                                group_size=group_size, bits=bits)
 
 
-def lanes_per_row(k: int, bits: int) -> int | None:
-    """Lanes that share one weight row of ``k`` inputs (16-byte words per row, capped at
-    32), or None when the row does not map onto whole aligned lane groups."""
-    if bits not in (4, 8):
+def lanes_per_row(k: int, bits: int, bpl: int = 16) -> int | None:
+    """Lanes that share one weight row of ``k`` inputs (``bpl``-byte words per row,
+    capped at 32), or None when the row does not map onto whole aligned lane groups."""
+    if bits not in (4, 8) or bpl not in (8, 16):
         return None
-    vpl = 128 // bits
+    vpl = 8 * bpl // bits
     if k % vpl:
         return None
     kw = k // vpl
@@ -79,9 +85,9 @@ def lanes_per_row(k: int, bits: int) -> int | None:
     return lpr
 
 
-def rows_per_block(k: int, bits: int, nw: int = NW, rpw: int = RPW) -> int:
+def rows_per_block(k: int, bits: int, nw: int = NW, rpw: int = RPW, bpl: int = 16) -> int:
     """Output rows one threadgroup computes: warps x lane groups per warp x rows each."""
-    return nw * (32 // lanes_per_row(k, bits)) * rpw
+    return nw * (32 // lanes_per_row(k, bits, bpl)) * rpw
 
 
 def words_per_lane(k: int, bits: int) -> int | None:
@@ -93,13 +99,19 @@ def words_per_lane(k: int, bits: int) -> int | None:
 
 
 def launch_shape(k: int, o: int, bits: int, backend: str) -> tuple[int, int]:
-    """``(NW, RPW)`` for an ``o``-row GEMV over ``k`` inputs on ``backend``: ``(NW, RPW)``
-    with RPW capped by ``MAX_WORDS_PER_LANE[backend]``, then RPW and after it NW halved while the grid has fewer than ``MIN_BLOCKS[backend]``
-    threadgroups (small ``o``: the router). Raises ValueError when ``k``/``bits`` do not
-    map onto lane groups (``lanes_per_row``)."""
+    """``(NW, RPW)`` for an ``o``-row GEMV over ``k`` inputs on ``backend``: on Metal
+    ``MLX_LILY_QGEMV_SHAPE`` when set; else ``(NW, RPW)`` with RPW capped by
+    ``MAX_WORDS_PER_LANE[backend]``, then RPW and after it NW halved while the grid has
+    fewer than ``MIN_BLOCKS[backend]`` threadgroups (small ``o``: the router). Raises
+    ValueError when ``k``/``bits`` do not map onto lane groups (``lanes_per_row``)."""
     steps = words_per_lane(k, bits)
     if steps is None:
         raise ValueError(f"qgemv: K={k} at {bits} bits does not map onto lane groups")
+    if backend == "metal":
+        from .. import tuning
+
+        if tuning.qgemv_shape is not None:
+            return tuning.qgemv_shape
     nw, rpw = NW, RPW
     cap = MAX_WORDS_PER_LANE.get(backend)
     if cap:
@@ -110,6 +122,28 @@ def launch_shape(k: int, o: int, bits: int, backend: str) -> tuple[int, int]:
     while -(-o // rows_per_block(k, bits, nw, rpw)) < want and nw > 1:
         nw //= 2
     return nw, rpw
+
+
+def bytes_per_lane(backend: str) -> int:
+    """The Metal kernels' ``BPL`` on ``backend``: ``MLX_LILY_QGEMV_BPL`` on Metal when
+    set, else ``BYTES_PER_LANE[backend]`` (16 where unset)."""
+    if backend == "metal":
+        from .. import tuning
+
+        if tuning.qgemv_bpl is not None:
+            return tuning.qgemv_bpl
+    return BYTES_PER_LANE.get(backend, 16)
+
+
+def launch_knobs(backend: str) -> tuple | None:
+    """What the Metal launch knobs give on ``backend`` (``(MLX_LILY_QGEMV_SHAPE,
+    MLX_LILY_QGEMV_BPL)`` parsed, None where unset), for launch-plan cache keys; None on
+    other backends (the knobs do not act there)."""
+    if backend != "metal":
+        return None
+    from .. import tuning
+
+    return tuning.qgemv_shape, tuning.qgemv_bpl
 
 
 def decode_rows(x: mx.array) -> int | None:
@@ -153,25 +187,34 @@ def supports(x: mx.array, w: mx.array, scales: mx.array, biases, group_size: int
 
 
 def launch_args(x_shape, x_dtype, w, scales, group_size: int, bits: int, *,
-                nw: int | None = None, rpw: int | None = None,
+                nw: int | None = None, rpw: int | None = None, bpl: int | None = None,
                 init_value: float | None = None, extra_outputs=()) -> dict:
     """Template, grid, threadgroup and output shapes/dtypes of a ``lily_qgemv``-family
     launch (``lily_norm_qgemv`` shares them) for activations ``x_shape`` of ``x_dtype``;
-    ``nw``/``rpw`` default to ``launch_shape`` on the current backend; ``extra_outputs``:
-    ``(shape, dtype)`` pairs after ``y``."""
+    ``nw``/``rpw`` default to ``launch_shape``, ``bpl`` (16 or 8) to ``bytes_per_lane`` on
+    the current backend; ``extra_outputs``: ``(shape, dtype)`` pairs after ``y``. The
+    template has ``BPL`` except on CUDA (its twin has none: a ``bpl`` other than 16 is
+    a ValueError there); "cpu" is the emulators'."""
     k = x_shape[-1]
     o = w.shape[0]
+    backend = current_backend()
     if nw is None or rpw is None:
-        nw0, rpw0 = launch_shape(k, o, bits, current_backend())
+        nw0, rpw0 = launch_shape(k, o, bits, backend)
         nw, rpw = nw or nw0, rpw or rpw0
+    bpl = bytes_per_lane(backend) if bpl is None else bpl
+    if bpl not in (8, 16) or (backend == "cuda" and bpl != 16):
+        raise ValueError(f"qgemv: no {bpl}-byte weight loads on {backend}")
     lead = tuple(x_shape[:-1])
     n = 1
     for s_ in lead:
         n *= s_
     tg = 32 * nw
-    nb = -(-o // rows_per_block(k, bits, nw, rpw))
-    kw = dict(template=[("T", x_dtype), ("S", scales.dtype), ("K", k), ("O", o),
-                        ("BITS", bits), ("GS", group_size), ("NW", nw), ("RPW", rpw)],
+    nb = -(-o // rows_per_block(k, bits, nw, rpw, bpl))
+    template = [("T", x_dtype), ("S", scales.dtype), ("K", k), ("O", o), ("BITS", bits),
+                ("GS", group_size), ("NW", nw), ("RPW", rpw)]
+    if backend != "cuda":
+        template.append(("BPL", bpl))
+    kw = dict(template=template,
               grid=(nb * tg, n, 1), threadgroup=(tg, 1, 1),
               output_shapes=[lead + (o,)] + [sh for sh, _ in extra_outputs],
               output_dtypes=[x_dtype] + [dt for _, dt in extra_outputs])
@@ -182,11 +225,11 @@ def launch_args(x_shape, x_dtype, w, scales, group_size: int, bits: int, *,
 
 def plan(kernel, x_shape, x_dtype, w: mx.array, scales: mx.array, biases: mx.array,
          group_size: int, bits: int, *, nw: int | None = None, rpw: int | None = None,
-         init_value: float | None = None):
+         bpl: int | None = None, init_value: float | None = None):
     """A callable ``run(x) -> y`` launching the kernel object for inputs of one shape
     and dtype (template, grid and output shape worked out once)."""
     kw = launch_args(x_shape, x_dtype, w, scales, group_size, bits, nw=nw, rpw=rpw,
-                     init_value=init_value)
+                     bpl=bpl, init_value=init_value)
 
     def run(x):
         return kernel(inputs=[x, w, scales, biases], **kw)[0]
@@ -196,11 +239,11 @@ def plan(kernel, x_shape, x_dtype, w: mx.array, scales: mx.array, biases: mx.arr
 
 def launch(kernel, x: mx.array, w: mx.array, scales: mx.array, biases: mx.array,
            group_size: int, bits: int, *, nw: int | None = None, rpw: int | None = None,
-           init_value: float | None = None) -> mx.array:
+           bpl: int | None = None, init_value: float | None = None) -> mx.array:
     """Run the ``lily_qgemv`` kernel object ``kernel`` (either backend, or the Metal
     emulator's) on a call ``supports`` accepted; returns ``[..., O]`` in x's dtype."""
     return plan(kernel, x.shape, x.dtype, w, scales, biases, group_size, bits, nw=nw,
-                rpw=rpw, init_value=init_value)(x)
+                rpw=rpw, bpl=bpl, init_value=init_value)(x)
 
 
 def has_kernel(backend: str) -> bool:
@@ -242,7 +285,8 @@ def for_qproj(x: mx.array, proj) -> mx.array | None:
     """``QProj.__call__``'s fast path: the kernel's ``[..., out]`` for a one-row input of
     a quantized projection when it serves on this backend and ``USE_FOR_QPROJ`` allows,
     else None (the caller runs ``mx.quantized_matmul``). The decision and launch
-    parameters are cached on the projection per (backend, shape, dtype). A decode step
+    parameters are cached on the projection per (backend, shape, dtype, Metal launch
+    knobs: a qualification's variants run in one process). A decode step
     of B sequences (``x [B, 1, in]``, ``decode_rows``) runs the same kernel with B rows:
     each row's arithmetic is the one-row GEMV's."""
     if decode_rows(x) is None:
@@ -252,7 +296,7 @@ def for_qproj(x: mx.array, proj) -> mx.array | None:
             or not kernels.stock_result_dtype(x.dtype, proj.scales.dtype)):
         return None
     plans = kernels.plan_cache(proj, "_lily_qgemv_plans")
-    key = (backend, x.shape, x.dtype)
+    key = (backend, x.shape, x.dtype, launch_knobs(backend))
     run = plans.get(key, False)
     if run is False:
         run = None
