@@ -616,11 +616,12 @@ def test_variant_instantiations_pass_the_front_end_check(op, name, monkeypatch):
 @needs_emu
 def test_qualifier_checks_every_variant_on_the_emulator():
     """``qualify_model`` on emulated Metal (a tiny Qwen3.6-layout model) runs each
-    variant of attention and moe_experts under its settings: every one Metal qualifies at
-    that context is in the record, and passes parity."""
-    res = _qualify_on_emu(["attention", "moe_experts"])
+    variant of attention, moe_experts and gated_delta under its settings: every one Metal
+    qualifies at that context is in the record, and passes parity."""
+    res = _qualify_on_emu(["attention", "moe_experts", "gated_delta"])
     assert {"decode_simd", "decode_simd2"} <= set(res["ops"]["attention"])
     assert {"down_sl3", "down_sl9"} <= set(res["ops"]["moe_experts"])
+    assert "scan_staged" in res["ops"]["gated_delta"]
 
 
 @needs_emu
