@@ -230,14 +230,25 @@ def record_variant_settings(backend: str) -> dict:
     """``{MLX_LILY_* name: raw value}``: the settings of the variants this device's valid
     record chose (``qualified`` op -> variant other than ``"default"``), which serving
     applies (``tuning.QUALIFIED``); {} without a valid record. A variant name the
-    current table no longer has is skipped."""
+    current table no longer has is skipped; a variable two chosen variants set to
+    different values is applied by neither (one warning: no such pair was timed)."""
     if record_status(backend) != "valid":
         return {}
     out: dict = {}
+    clash: set = set()
     for op, variant in sorted(read_record(backend).get("qualified", {}).items()):
-        if variant != DEFAULT_VARIANT:
-            out.update(variants_of(op, backend).get(variant, {}))
-    return out
+        if variant == DEFAULT_VARIANT:
+            continue
+        for var, raw in variants_of(op, backend).get(variant, {}).items():
+            if var in out and out[var] != raw:
+                clash.add(var)
+            out[var] = raw
+    if clash:
+        import warnings
+
+        warnings.warn(f"mlx-lily: the qualification record's variants set {sorted(clash)} to "
+                      "different values; the defaults apply for them", stacklevel=2)
+    return {k: v for k, v in out.items() if k not in clash}
 
 
 def write_record(record: dict, path: Path) -> Path:

@@ -4,7 +4,8 @@
 writes what ``mlx_lm.convert -q`` writes for the real model (``config.json`` with the
 ``quantization``/``quantization_config`` blocks, ``model*.safetensors`` shards with
 ``{"format": "mlx"}`` metadata and mlx-lm's tensor order, ``model.safetensors.index.json``,
-``generation_config.json``, the real tokenizer and a ChatML template), loadable by
+``generation_config.json``, the real tokenizer and a ChatML template, plus
+``mlx_lily_synthetic.json`` marking the weights random), loadable by
 stock ``mlx_lm.load``. The tensor set comes from mlx-lm itself: its ``qwen3_5_moe``
 model is built lazily (no memory) and quantized with ``mlx_lm.utils.quantize_model``
 (4-bit affine, group 64; ``mlp.gate``/``shared_expert_gate`` 8-bit), then floats are
@@ -73,9 +74,13 @@ def _text_config(**dims) -> dict:
     return tc
 
 
+#: File ``write_checkpoint`` adds to a folder: its weights are random (``is_synthetic``).
+SYNTHETIC_MARKER = "mlx_lily_synthetic.json"
+
 # Preset name -> complete text_config. Small presets keep every structural feature:
 # 3:1 GDN:attention, GQA 8:1, head_dim 256, partial rotary 0.25, GDN heads of 128 with
 # Hv = 2*Hk, routed + shared experts, the real vocab (248320) and tokenizer.
+
 PRESETS: dict[str, dict] = {
     "tiny": _text_config(
         hidden_size=64, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=1,
@@ -326,11 +331,20 @@ def write_checkpoint(
     gen = {"bos_token_id": 248044, "do_sample": True, "eos_token_id": list(_STOP_IDS),
            "pad_token_id": 248044, "temperature": 0.6, "top_k": 20, "top_p": 0.95}
     (out / "generation_config.json").write_text(json.dumps(gen, indent=2))
+    (out / SYNTHETIC_MARKER).write_text(json.dumps(
+        {"random_weights": True, "preset": preset if isinstance(preset, str) else None,
+         "seed": seed}, indent=2))
     if tokenizer:
         from .tokenizer_assets import write_tokenizer_files
 
         write_tokenizer_files(out)
     return out
+
+
+def is_synthetic(path) -> bool:
+    """Whether the checkpoint folder ``path`` was written by :func:`write_checkpoint`
+    (random weights: it holds ``SYNTHETIC_MARKER``)."""
+    return (Path(path) / SYNTHETIC_MARKER).is_file()
 
 
 def build_model(preset: str | dict = "tiny", seed: int = 0):

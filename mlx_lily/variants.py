@@ -23,8 +23,9 @@ whose parity ``tests/test_variants.py`` checks under the Metal emulator.
 - ``moe_grouped``: the prefill grouped GEMMs reading a weight tile cooperatively (two
   threads per row, 16-byte words: ``moeg_*_coop``, Metal only; MLX ``gather_qmm_rhs``'s
   pattern) with the automatic tile height or 16 / 32 / 64 rows.
-- ``qgemv`` / ``norm_qgemv``: launch shapes of the one-row GEMVs on Metal (the same
-  variants under both ops; the settings are global, both kernels follow them): 8 or 32
+- ``qgemv``: launch shapes of the one-row GEMVs on Metal (the settings are global:
+  ``lily_norm_qgemv`` follows the variant ``qgemv`` qualifies, so they are listed under
+  one op, and a timed variant covers both kernels): 8 or 32
   rows per threadgroup instead of 16 at K 2048 (``MLX_LILY_QGEMV_SHAPE`` 2,4 / 8,4), 8
   bytes of weights per lane per step instead of 16 (``MLX_LILY_QGEMV_BPL=8``), and both
   as MLX's ``qmv_fast`` launches them (8 rows per 64-thread threadgroup, 8-byte loads).
@@ -85,14 +86,13 @@ VARIANTS: dict = {
         "coop_load_tile64": {_LOAD: "coop", "MLX_LILY_MOE_TILE_ROWS": "64"},
     },
     "qgemv": {n: dict(e) for n, e in _GEMV.items()},
-    "norm_qgemv": {n: dict(e) for n, e in _GEMV.items()},
 }
 
 METAL_ONLY = frozenset({("attention", "decode_simd"), ("attention", "decode_simd2"),
                         ("gated_delta", "scan_staged"),
                         *(("moe_grouped", n) for n in ("coop_load", "coop_load_tile16",
                                                        "coop_load_tile32", "coop_load_tile64")),
-                        *((op, n) for op in ("qgemv", "norm_qgemv") for n in _GEMV)})
+                        *(("qgemv", n) for n in _GEMV)})
 
 
 def _default(env: str, backend: str):

@@ -21,6 +21,7 @@ from mlx_lily.ops import (
     attention as attn_ops,
     gated_delta as gdn_ops,
     norm_qgemv as norm_qgemv_ops,
+    qgemv as qgemv_ops,
 )
 from mlx_lily.ops.add_rms_norm import add_rms_norm
 from mlx_lily.qproj import PendingNorm, QProj
@@ -145,7 +146,7 @@ def compile_key():
             tuning.decode_pf, norm_qgemv_ops.split_requested(), gdn_ops.proj_split(be),
             tuning.moe_fused_rpw, tuning.moe_tile_rows, _UNCOMPILED[0],
             tuning.attn_decode, tuning.attn_fixed_block, tuning.moe_down_shape,
-            tuning.moeg_load)
+            tuning.moeg_load, qgemv_ops.launch_knobs(be))
 
 
 def _gdn_step_fn(layer, pending):

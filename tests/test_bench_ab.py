@@ -421,13 +421,69 @@ def test_gate_authority_decides_on_a_trained_checkpoint(tmp_path):
         authority.resolve(str(tmp_path), "cuda")
 
 
+def test_gate_authority_adds_to_a_trained_target_s_own_checks():
+    """A target that is not random-weight (the trained fixture's folder: no synth marker)
+    keeps its own checks: with them made impossible (and no anchor) the gate fails even
+    though the authority passes; a NaN Lily never reaches the authority."""
+    from mlx_lily.bench import ab
+
+    target = ab.load_target(str(FIXTURE))
+    assert target.identity["random_weights"] is False
+    ids = list(range(5, 21))
+    g = ab.correctness_gate(target, ids, ids[:4], authority=FIXTURE, anchor="none",
+                            rel_tol=-1.0, top1_min=1.01, greedy_tokens=2)
+    assert g["authority"]["passed"] and not g["passed"]
+    ok = ab.correctness_gate(target, ids, ids[:4], authority=FIXTURE, greedy_tokens=2)
+    assert ok["passed"] and ok["authority"]["passed"]
+
+
+def _authority_folder(tmp_path, ids, vocab=100, summary=True, preset="production-width"):
+    import json as _json
+
+    from mlx_lily.bench import authority
+
+    (tmp_path / authority.REFERENCE_FILE).write_text(_json.dumps({"ids": ids}))
+    (tmp_path / "config.json").write_text(_json.dumps({"text_config": {"vocab_size": vocab}}))
+    if summary:
+        (tmp_path / "summary.json").write_text(_json.dumps(
+            {"schema": authority.TRAINER_SCHEMA, "preset": preset, "steps_done": 3}))
+    return tmp_path
+
+
 def test_gate_authority_auto_uses_the_cached_model_on_gpu_only(tmp_path, monkeypatch):
     from mlx_lily.bench import authority
 
     monkeypatch.setattr(authority, "default_checkpoint", lambda: tmp_path)
     assert authority.resolve("auto", "cuda") is None  # nothing cached yet
-    (tmp_path / authority.REFERENCE_FILE).write_text('{"ids": [1, 2, 3]}')
+    _authority_folder(tmp_path, list(range(70)))
     assert authority.resolve("auto", "cuda") == tmp_path
     assert authority.resolve("auto", "metal") == tmp_path
     assert authority.resolve("auto", "cpu") is None
-    assert authority.reference_ids(tmp_path) == [1, 2, 3]
+    assert authority.reference_ids(tmp_path) == list(range(70))
+    seen = []
+    _authority_folder(tmp_path, list(range(70)), preset="smoke")  # another recipe's model
+    assert authority.resolve("auto", "cuda", log=seen.append) is None
+    assert "preset 'smoke'" in seen[0]
+
+
+def test_gate_authority_names_what_is_wrong_with_a_folder(tmp_path):
+    from mlx_lily.bench import authority
+
+    (tmp_path / "few").mkdir()
+    few = _authority_folder(tmp_path / "few", list(range(10)), summary=False)
+    with pytest.raises(ValueError, match="10 ids"):
+        authority.resolve(str(few), "cuda")
+    (tmp_path / "vocab").mkdir()
+    out = _authority_folder(tmp_path / "vocab", list(range(200)), vocab=100, summary=False)
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        authority.resolve(str(out), "cuda")
+    (tmp_path / "nocfg").mkdir()
+    (tmp_path / "nocfg" / authority.REFERENCE_FILE).write_text('{"ids": [1]}')
+    with pytest.raises(ValueError, match="config.json not found"):
+        authority.resolve(str(tmp_path / "nocfg"), "cuda")
+    # no weights: the gate's authority fails with the reason instead of raising
+    (tmp_path / "noweights").mkdir()
+    nw = _authority_folder(tmp_path / "noweights", list(range(70)), summary=False)
+    r = authority.authority_gate(nw, lambda m: __import__("contextlib").nullcontext(m),
+                                 log=lambda *_: None)
+    assert r["passed"] is False and r["error"] and r["metrics"] is None

@@ -417,6 +417,11 @@ def test_prefill_scan_choice_staged(monkeypatch):
     monkeypatch.setenv("MLX_LILY_GDN_SCAN_LOAD", "staged")
     assert G.prefill_scan("metal") == "staged"
     assert G.prefill_scan("cuda") == "kernel"
+    monkeypatch.setenv(G.PREFILL_ENV, "chunked")  # chunked refused under TF32: staged stays
+    monkeypatch.setattr(G, "tf32_matmuls", lambda backend: True)
+    with pytest.warns(UserWarning, match="TF32"):
+        assert G.prefill_scan("metal") == "staged"
+    monkeypatch.delenv(G.PREFILL_ENV)
     monkeypatch.setenv("MLX_LILY_GDN_SCAN_LOAD", "direct")
     assert G.prefill_scan("metal") == "kernel"
 

@@ -280,8 +280,10 @@ def test_dispatcher_uses_kernel_on_gpu_backend(monkeypatch):
     assert calls == [R.SPEC.name] * 2
     assert_routing_equal(got, want, mx.bfloat16)
     monkeypatch.setattr(R, "row_limit", lambda backend: None)  # batch_decode on
-    R.moe_router_topk(x3, proj, 4, True)
+    got3 = R.moe_router_topk(x3, proj, 4, True)
     assert calls == [R.SPEC.name] * 3, calls
+    want3 = reference_on_cpu(x3, truth_router(wf, 16, mx.bfloat16), 4, True)
+    assert_routing_equal(got3, want3, mx.bfloat16)
 
 
 @pytest.mark.skipif(nvcc_path() is None, reason="nvcc not installed")

@@ -133,6 +133,19 @@ def test_record_variant_settings_apply_when_serving(fake_device, monkeypatch):
     assert tuning.moe_down_shape is None
 
 
+def test_record_variant_settings_drop_a_clash(fake_device, monkeypatch):
+    """Two chosen variants that set one variable to different values: neither value is
+    applied (that pair was never timed together), with one warning; the rest apply."""
+    table = {"qgemv": {"a": {"MLX_LILY_QGEMV_SHAPE": "2,4", "MLX_LILY_QGEMV_BPL": "8"}},
+             "attention": {"b": {"MLX_LILY_QGEMV_SHAPE": "8,4"}}}
+    monkeypatch.setattr(qualify, "variants_of", lambda op, be=None, dc=None: table.get(op, {}))
+    qualify.write_record(_record({"qgemv": "a", "attention": "b"}), qualify.record_path("metal"))
+    kernels.forget_record()
+    with pytest.warns(UserWarning, match="MLX_LILY_QGEMV_SHAPE"):
+        got = qualify.record_variant_settings("metal")
+    assert got == {"MLX_LILY_QGEMV_BPL": "8"}
+
+
 def test_shipped_record_matches_the_device_name(monkeypatch):
     monkeypatch.setattr(kernels, "_real_backend", lambda: "cuda")
     monkeypatch.setattr(qualify, "record_ops", lambda be: None)

@@ -170,7 +170,8 @@ def load_target(path: str | None = None, synthetic: str | None = None, model_see
 
         model, config = synth.build_model(synthetic, seed=model_seed)
         tokenizer = None
-        ident: dict[str, Any] = {"kind": "synthetic", "path": None, "preset": synthetic, "seed": model_seed}
+        ident: dict[str, Any] = {"kind": "synthetic", "path": None, "preset": synthetic,
+                                 "seed": model_seed, "random_weights": True}
     else:
         import mlx_lm
         from mlx_lm.utils import load_config
@@ -181,8 +182,11 @@ def load_target(path: str | None = None, synthetic: str | None = None, model_see
                                     f"(resolved: {p.resolve()})")
         model, tokenizer = mlx_lm.load(str(p))
         config = load_config(p) if p.is_dir() else {}
+        from mlx_lily import synth
+
         ident = {"kind": "path", "path": str(p.resolve()) if p.exists() else str(path),
-                 "preset": None, "seed": None}
+                 "preset": None, "seed": None,
+                 "random_weights": bool(p.is_dir() and synth.is_synthetic(p))}
     th, n = tensor_signature_hash(model)
     ident.update({
         "model_type": config.get("model_type"),
@@ -535,10 +539,11 @@ def correctness_gate(target: Target, logits_ids, greedy_ids, *, greedy_tokens: i
     rounding change (stock bf16 itself sits 0.35 of the logit scale from fp32 on the tiny
     test model), so fixed thresholds alone reject correct kernels there.
 
-    With ``authority`` (a trained checkpoint folder, :mod:`mlx_lily.bench.authority`) the
-    verdict is that model's teacher-forced check with fixed thresholds instead: the checks
-    above are still measured and reported on ``target``, whose Lily logits must be finite,
-    and no fp32 anchor runs.
+    With ``authority`` (a trained checkpoint folder, :mod:`mlx_lily.bench.authority`) that
+    model's teacher-forced check with fixed thresholds must pass too. For a random-weight
+    ``target`` (in-memory synthetic, or a folder ``mlx_lily.synth`` wrote) it replaces the
+    checks above and the fp32 anchor, which are still measured and reported (Lily's logits
+    must be finite); for any other target both must pass.
     """
     import numpy as np
 
@@ -572,13 +577,15 @@ def correctness_gate(target: Target, logits_ids, greedy_ids, *, greedy_tokens: i
     finite = bool(np.isfinite(l).all())
     ok = all(checks.values()) and finite
     anchored = authority_result = None
-    if authority is not None:
+    random_target = bool(target.identity.get("random_weights"))
+    if authority is not None and finite:
         from . import authority as _authority
 
         authority_result = _authority.authority_gate(
             Path(authority), lambda mm: arm_context("lily", mm, ops),
             wrap=_WrongLogits if inject_wrong else None, log=log)
-        ok = finite and authority_result["passed"]
+    if authority is not None and random_target:
+        ok = finite and authority_result is not None and authority_result["passed"]
     elif anchor == "fp32" and not ok and finite:
         t0 = time.perf_counter()
         r = fp32_logits(model, logits_ids)
@@ -592,6 +599,8 @@ def correctness_gate(target: Target, logits_ids, greedy_ids, *, greedy_tokens: i
                            and t_l >= t_s - anchor_top1_slack),
         }
         ok = anchored["passed"]
+    if authority is not None and not random_target:
+        ok = ok and authority_result is not None and authority_result["passed"]
     return {
         "passed": bool(ok),
         "checks": checks,
@@ -1049,7 +1058,9 @@ def _fmt(v, spec="{:.1f}") -> str:
 
 def _authority_line(a: dict) -> str:
     m, f = a["metrics"], a["feed"]
-    return (f"- Gate authority (decides the gate): {a['checkpoint']}, teacher-forced at context "
+    if m is None:
+        return f"- Gate authority: {a['checkpoint']}: FAILED, not evaluated ({a.get('error')})"
+    return (f"- Gate authority: {a['checkpoint']}, teacher-forced at context "
             f"{f['context']} ({m['positions']} rows): {'PASSED' if a['passed'] else 'FAILED'}, ppl "
             f"stock {m['ppl_ref']:.4f} / Lily {m['ppl_test']:.4f} ({m['ppl_rel_diff'] * 100:+.3f}%), "
             f"top-1 agreement {m['top1_agreement']:.4f}, mean KL {m['kl_mean']:.2e}; thresholds "
@@ -1292,6 +1303,13 @@ def run(opts) -> tuple[dict, int]:
     inject = bool(opts.inject_wrong or os.environ.get(INJECT_ENV, "") not in ("", "0"))
 
     opts.t_begin = time.perf_counter()
+    from . import authority as _authority
+
+    try:  # before loading the target: a bad authority folder fails at once
+        authority = _authority.resolve(getattr(opts, "gate_authority", "none"),
+                                       _authority.current_backend(), log=log)
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
     log(f"loading {'synthetic ' + opts.synthetic if opts.synthetic else opts.model}")
     target = load_target(opts.model, opts.synthetic, opts.model_seed)
     env = environment(opts.ops)
@@ -1303,12 +1321,6 @@ def run(opts) -> tuple[dict, int]:
         greedy_ids = list(target.tokenizer.encode(GATE_TEXT))
     else:
         greedy_ids = list(synthetic_ids(32, hi, exclude, seed=opts.seed + 2))
-    from . import authority as _authority
-
-    try:
-        authority = _authority.resolve(getattr(opts, "gate_authority", "none"), env["backend"])
-    except ValueError as e:
-        raise SystemExit(str(e)) from None
     if authority is not None:
         log(f"gate authority: {authority} (fixed thresholds {_authority.THRESHOLDS})")
     gate = correctness_gate(target, gate_logit_ids, greedy_ids, greedy_tokens=opts.gate_tokens,
@@ -1317,7 +1329,7 @@ def run(opts) -> tuple[dict, int]:
                             anchor=opts.gate_anchor, authority=authority)
     log(f"gate {'PASSED' if gate['passed'] else 'FAILED'}: rel max logit diff {gate['rel_max_logit_diff']:.2e}, "
         f"top-1 {gate['top1_agreement']:.3f}, greedy prefix {gate['greedy_prefix_match']}/{gate['greedy_tokens']}")
-    if gate.get("authority"):
+    if gate.get("authority") and gate["authority"]["metrics"] is not None:
         a, m = gate["authority"], gate["authority"]["metrics"]
         log(f"gate authority {'PASSED' if a['passed'] else 'FAILED'}: ppl rel diff "
             f"{m['ppl_rel_diff']:+.2e}, top-1 {m['top1_agreement']:.4f}, KL mean {m['kl_mean']:.2e} "

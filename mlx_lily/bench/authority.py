@@ -9,10 +9,11 @@ stock on that model's held-out reference ids with fixed thresholds (:data:`THRES
 the targets of the production-width numerics: perplexity within 0.1 %, top-1 agreement
 >= 98 %).
 
-The teacher-forced feed (:func:`teacher_forced_logits`) is the one
-``benchmarks/numerics_long.py`` uses: the context prefilled in chunks, one measured
-prefill chunk, then one-token decode steps, every measured row predicting the next
-reference id; :func:`compare_logits` gives the metrics of both.
+The teacher-forced feed (:func:`teacher_forced_logits`) is the feed of
+``benchmarks/numerics_long.py``'s engines (its ``run_engine`` adds routing capture): the
+context prefilled in chunks, one measured prefill chunk, then one-token decode steps,
+every measured row predicting the next reference id; :func:`compare_logits` gives the
+metrics of both (``numerics_long`` uses it too).
 """
 from __future__ import annotations
 
@@ -28,6 +29,18 @@ REFERENCE_FILE = "numerics_reference.json"
 #: Fixed thresholds of the authority check (Lily vs stock over the measured rows).
 THRESHOLDS = {"ppl_rel_diff_max": 1e-3, "top1_agreement_min": 0.98}
 GPU_BACKENDS = ("cuda", "metal")
+#: What ``auto`` accepts as the cached model (``benchmarks/train_production_width.py``'s
+#: ``summary.json``), and the fewest reference ids any authority must hold.
+TRAINER_SCHEMA = "mlx-lily-train-production-width"
+TRAINER_PRESET = "production-width"
+MIN_REFERENCE_IDS = 64
+
+
+def current_backend() -> str:
+    """``mlx_lily.backend.current_backend()``."""
+    from ..backend import current_backend as _cb
+
+    return _cb()
 
 
 def default_checkpoint() -> Path:
@@ -38,26 +51,82 @@ def default_checkpoint() -> Path:
     return Path(config.cache_dir) / "models" / CHECKPOINT_NAME
 
 
-def resolve(spec: str, backend: str) -> Path | None:
+def resolve(spec: str, backend: str, log: Callable | None = None) -> Path | None:
     """The authority checkpoint for ``--gate-authority spec`` on ``backend``.
 
     ``"none"``: none. ``"auto"``: :func:`default_checkpoint` when ``backend`` is a GPU
-    backend and that folder holds ``numerics_reference.json``, else none. Any other value
-    is a checkpoint folder, which must hold ``numerics_reference.json``.
+    backend, that folder holds ``numerics_reference.json`` and it passes
+    :func:`problems` as the production-width trainer's model; else none (``log`` says
+    why a cached folder was passed over). Any other value is a checkpoint folder, which
+    must pass :func:`problems`.
 
     Raises:
-        ValueError: a named folder without ``numerics_reference.json``.
+        ValueError: a named folder with a problem (the message names the file).
     """
     if spec == "none":
         return None
     if spec == "auto":
         p = default_checkpoint()
-        return p if backend in GPU_BACKENDS and (p / REFERENCE_FILE).is_file() else None
+        if backend not in GPU_BACKENDS or not (p / REFERENCE_FILE).is_file():
+            return None
+        bad = problems(p, trainer=True)
+        if bad:
+            if log is not None:
+                log(f"gate authority: {p} passed over ({'; '.join(bad)}); the gate keeps its "
+                    f"own checks")
+            return None
+        return p
     p = Path(spec).expanduser()
-    if not (p / REFERENCE_FILE).is_file():
-        raise ValueError(f"--gate-authority {spec}: {p / REFERENCE_FILE} not found (train the "
-                         f"model with benchmarks/train_production_width.py)")
+    bad = problems(p)
+    if bad:
+        raise ValueError(f"--gate-authority {spec}: {'; '.join(bad)}")
     return p
+
+
+def problems(path: Path, trainer: bool = False) -> list[str]:
+    """What keeps the folder ``path`` from serving as an authority (empty: nothing):
+    ``numerics_reference.json`` with at least ``MIN_REFERENCE_IDS`` ids inside the
+    vocabulary of ``config.json``; with ``trainer``, also the production-width
+    trainer's ``summary.json`` (``TRAINER_SCHEMA``, preset ``TRAINER_PRESET``)."""
+    path = Path(path)
+    ref, cfg = path / REFERENCE_FILE, path / "config.json"
+    if not ref.is_file():
+        return [f"{ref} not found (train the model with benchmarks/train_production_width.py)"]
+    if not cfg.is_file():
+        return [f"{cfg} not found"]
+    try:
+        ids = reference_ids(path)
+        c = json.loads(cfg.read_text())
+    except (ValueError, OSError) as e:
+        return [str(e)]
+    out = []
+    if len(ids) < MIN_REFERENCE_IDS:
+        out.append(f"{ref}: {len(ids)} ids (at least {MIN_REFERENCE_IDS})")
+    vocab = c.get("text_config", c).get("vocab_size") or c.get("vocab_size")
+    if vocab and ids and not 0 <= min(ids) <= max(ids) < int(vocab):
+        out.append(f"{ref}: ids outside the vocabulary of {cfg} ({vocab})")
+    if trainer:
+        summary = path / "summary.json"
+        try:
+            sm = json.loads(summary.read_text())
+        except (ValueError, OSError):
+            sm = None
+        if not isinstance(sm, dict) or sm.get("schema") != TRAINER_SCHEMA:
+            out.append(f"{summary}: not the production-width trainer's summary")
+        elif sm.get("preset") != TRAINER_PRESET:
+            out.append(f"{summary}: preset {sm.get('preset')!r}, not {TRAINER_PRESET!r}")
+    return out
+
+
+def trainer_summary(path: Path) -> dict | None:
+    """The recipe fields of ``path / summary.json`` (steps, early stop, recipe key), or
+    None without one."""
+    try:
+        sm = json.loads((Path(path) / "summary.json").read_text())
+    except (ValueError, OSError):
+        return None
+    keys = ("preset", "seed", "steps_schedule", "steps_done", "stopped_early", "recipe_key")
+    return {k: sm.get(k) for k in keys} if isinstance(sm, dict) else None
 
 
 def reference_ids(path: Path) -> list[int]:
@@ -185,30 +254,40 @@ def authority_gate(path: Path, lily_context: Callable, *, wrap: Callable | None 
 
     ``lily_context(model)`` is the context manager of the Lily arm (``ab.arm_context``);
     ``wrap(model)`` wraps the model inside it (the gate's injected-wrong hook). A reference
-    shorter than the feed shrinks it: context to ``len(ids) - decode_steps - 1``, the
-    measured prefill to at most half of that (``feed`` records what ran). Passes when
-    every logit is finite and the metrics meet :data:`THRESHOLDS`. Returns
-    ``{"checkpoint", "passed", "checks", "metrics", "thresholds", "feed", "times"}``.
+    shorter than the feed shrinks it: decode steps to at most an eighth of the ids, the
+    context to ``len(ids) - decode_steps - 1``, the measured prefill to at most half of it
+    (``feed`` records what ran). Passes when every logit is finite and the metrics meet
+    :data:`THRESHOLDS`. Returns ``{"checkpoint", "passed", "checks", "metrics",
+    "thresholds", "feed", "times", "summary"}``; a checkpoint that cannot be loaded or
+    evaluated gives ``passed`` False with ``"error"`` (no exception).
     """
     import mlx_lm
 
-    ids = reference_ids(path)
-    context = max(2, min(context, len(ids) - decode_steps - 1))
-    measure_prefill = max(1, min(measure_prefill, context // 2))
-    t0 = time.perf_counter()
-    model, _ = mlx_lm.load(str(path))
-    log(f"gate authority: loaded {path} in {time.perf_counter() - t0:.1f}s")
-    feed = {"context": context, "measure_prefill": measure_prefill, "decode_steps": decode_steps,
-            "prefill_step": prefill_step}
-    times = {}
-    stock, times["stock"] = teacher_forced_logits(model, ids, context, measure_prefill,
-                                                  decode_steps, prefill_step)
-    with lily_context(model) as m:
-        m = wrap(m) if wrap else m
-        lily, times["lily"] = teacher_forced_logits(
-            m, ids, context, measure_prefill, decode_steps, prefill_step,
-            one=lambda xs, cache: m(xs, cache=cache))
-    metrics = compare_logits(stock, lily, targets(ids, context, measure_prefill, decode_steps))
+    try:
+        ids = reference_ids(path)
+        n = len(ids)
+        decode_steps = max(1, min(decode_steps, n // 8))
+        context = max(2, min(context, n - decode_steps - 1))
+        measure_prefill = max(1, min(measure_prefill, context // 2))
+        feed = {"context": context, "measure_prefill": measure_prefill,
+                "decode_steps": decode_steps, "prefill_step": prefill_step}
+        t0 = time.perf_counter()
+        model, _ = mlx_lm.load(str(path))
+        log(f"gate authority: loaded {path} in {time.perf_counter() - t0:.1f}s")
+        times = {}
+        stock, times["stock"] = teacher_forced_logits(model, ids, context, measure_prefill,
+                                                      decode_steps, prefill_step)
+        with lily_context(model) as m:
+            m = wrap(m) if wrap else m
+            lily, times["lily"] = teacher_forced_logits(m, ids, context, measure_prefill,
+                                                        decode_steps, prefill_step)
+        metrics = compare_logits(stock, lily,
+                                 targets(ids, context, measure_prefill, decode_steps))
+    except Exception as e:  # noqa: BLE001  (a broken authority fails the gate, with the reason)
+        log(f"gate authority: {path} could not be evaluated: {e!r}")
+        return {"checkpoint": str(path), "passed": False, "error": repr(e), "checks": {},
+                "metrics": None, "thresholds": dict(THRESHOLDS), "feed": None, "times": None,
+                "summary": trainer_summary(path)}
     checks = {
         "ppl": abs(metrics["ppl_rel_diff"]) <= THRESHOLDS["ppl_rel_diff_max"],
         "top1": metrics["top1_agreement"] >= THRESHOLDS["top1_agreement_min"],
@@ -220,4 +299,5 @@ def authority_gate(path: Path, lily_context: Callable, *, wrap: Callable | None 
 
         mx.clear_cache()
     return {"checkpoint": str(path), "passed": all(checks.values()), "checks": checks,
-            "metrics": metrics, "thresholds": dict(THRESHOLDS), "feed": feed, "times": times}
+            "metrics": metrics, "thresholds": dict(THRESHOLDS), "feed": feed, "times": times,
+            "summary": trainer_summary(path)}

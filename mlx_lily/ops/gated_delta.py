@@ -554,14 +554,15 @@ def prefill_scan(backend: str) -> str:
     else ``"kernel"`` (``lily_gdn_scan``, the default)."""
     from .. import tuning
 
+    kernel = "staged" if backend == "metal" and tuning.gdn_scan_load == "staged" else "kernel"
     if tuning.gdn_prefill != "chunked":
-        return "staged" if backend == "metal" and tuning.gdn_scan_load == "staged" else "kernel"
+        return kernel
     if tf32_matmuls(backend):
         import warnings
 
         warnings.warn("mlx-lily: MLX_LILY_GDN_PREFILL=chunked ignored: MLX runs fp32 matmuls "
                       "in TF32 here (set MLX_ENABLE_TF32=0 to use it)", stacklevel=3)
-        return "kernel"
+        return kernel
     return "chunked"
 
 

@@ -98,6 +98,8 @@ MAX_THREADGROUP_BYTES = 32768
 #: is routed by the same kernel as alone (``row_limit``).
 MAX_ROWS = 64
 BATCH_OP = "batch_decode"
+#: Rows one launch can take at all (grid y: CUDA's limit of 65535 blocks).
+MAX_GRID_ROWS = 65535
 #: Launch shape: warps per threadgroup (one threadgroup per row); rows per lane group
 #: is chosen so the router rows take two passes (``router_rpw``), at most ``MAX_RPW``.
 NW = 16
@@ -144,14 +146,17 @@ def supports(x: mx.array, router, k: int) -> bool:
         return False  # even one row per lane holds more words than registers allow
     rows = x.size // d
     limit = row_limit(current_backend())
-    return rows >= 1 and (limit is None or rows <= limit)
+    return 1 <= rows <= (MAX_GRID_ROWS if limit is None else limit)
 
 
 def row_limit(backend: str) -> int | None:
     """Rows per call the kernel takes on ``backend``: ``MAX_ROWS``, or None (any) while
     ``batch_decode`` is on, so that whether a row is routed by the kernel or by the
     reference (whose logits round differently) never depends on the other rows of the
-    call: a prompt prefilled in a batch is then routed as it is alone."""
+    call: a prompt prefilled in a batch is then routed as it is alone (at a cost: each
+    row's threadgroup re-reads the router weights, about 0.5 MB at 2048 -> 257 in 8 bits,
+    where ``quantized_matmul`` reads them about once per tile; a call is still capped at
+    ``MAX_GRID_ROWS``)."""
     return None if switch_on(BATCH_OP, backend) else MAX_ROWS
 
 

@@ -22,8 +22,8 @@
 // 0.5 MB, state 2 MB read + 2 MB written, y 16 MB written; threadgroup memory 2 stages x
 // 8 steps x 2 x 128 fp32 = 16 KiB.
 
-// Column of element j of a lane's E state columns: 16-byte chunks strided by LPR lanes.
-template <int E, int LPR>
+// Column of element j of a lane's state columns: 16-byte chunks strided by LPR lanes.
+template <int LPR>
 inline int lily_scan_col(int li, int j) {
   return ((j / 4) * LPR + li) * 4 + (j % 4);
 }
@@ -41,6 +41,7 @@ inline int lily_scan_col(int li, int j) {
   constexpr int SV4 = TS * 2 * Dk / 4;   // float4s per stage (k then q per step)
   constexpr int PT = (SV4 + NT - 1) / NT;
   static_assert(E % 4 == 0, "gdn_scan_staged: Dk / LPR must be a multiple of 4");
+  static_assert(2 * SV4 * 16 <= 32768, "gdn_scan_staged: threadgroup memory over 32 KiB");
   threadgroup float4 kq_s[2 * SV4];
 
   const int T_ = qn_shape[1];
@@ -60,12 +61,13 @@ inline int lily_scan_col(int li, int j) {
   for (int i = 0; i < RPL; ++i) {
     for (int j = 0; j < E; ++j) {
       s[i][j] = state[sb + (r0 + i) * state_strides[2] +
-                      lily_scan_col<E, LPR>(li, j) * state_strides[3]];
+                      lily_scan_col<LPR>(li, j) * state_strides[3]];
     }
   }
 
   constexpr int QK_STEP = Hk * Dk;
   constexpr int V_STEP = Hv * Dv;
+  // qn / kn are device buffers: S > 1 rows of Hk * Dk floats (never MLX's constant inputs)
   const device float* qbase = qn + (int64_t(bi) * T_ * Hk + hk) * Dk;
   const device float* kbase = kn + (int64_t(bi) * T_ * Hk + hk) * Dk;
   auto vp = vv + (int64_t(bi) * T_ * Hv + h) * Dv + r0;
@@ -86,7 +88,7 @@ inline int lily_scan_col(int li, int j) {
   }
   for (int p = 0; p < PT; ++p) {
     const int f = tid + p * NT;
-    if (f < SV4) {
+    if (f < SV4 && f / (Dk / 2) < T_) {
       kq_s[f] = st[p];
     }
   }
@@ -123,7 +125,7 @@ inline int lily_scan_col(int li, int j) {
       }
       float kc[E], qc[E];
       for (int j = 0; j < E; j += 4) {
-        const int c4 = (u * 2 * Dk + lily_scan_col<E, LPR>(li, j)) / 4;
+        const int c4 = (u * 2 * Dk + lily_scan_col<LPR>(li, j)) / 4;
         const float4 kv = kq_s[buf * SV4 + c4];
         const float4 qv = kq_s[buf * SV4 + c4 + Dk / 4];
         kc[j] = kv.x;
@@ -184,7 +186,7 @@ inline int lily_scan_col(int li, int j) {
     if (t0 + TS < T_) {
       for (int p = 0; p < PT; ++p) {
         const int f = tid + p * NT;
-        if (f < SV4) {
+        if (f < SV4 && t0 + TS + f / (Dk / 2) < T_) {
           kq_s[(buf ^ 1) * SV4 + f] = st[p];
         }
       }
@@ -195,6 +197,6 @@ inline int lily_scan_col(int li, int j) {
   const int64_t ob = (int64_t(n) * Dv + r0) * Dk;
   for (int i = 0; i < RPL; ++i) {
     for (int j = 0; j < E; ++j) {
-      state_out[ob + i * Dk + lily_scan_col<E, LPR>(li, j)] = s[i][j];
+      state_out[ob + i * Dk + lily_scan_col<LPR>(li, j)] = s[i][j];
     }
   }
