@@ -221,6 +221,12 @@ def test_passing_set_bisects_to_the_breaking_op(monkeypatch):
     assert good == list("abcdegh") and set(failed) == {"f"} and len(calls) == 2
 
 
+def _defaults_only(monkeypatch):
+    """Each op qualifies its default variant alone (the counts below are per op set)."""
+    monkeypatch.setattr(qualify, "variants_of", lambda op, backend=None, decode_context=None:
+                        {qualify.DEFAULT_VARIANT: {}})
+
+
 def _first_contact_misses(monkeypatch):
     """First contact at the warm-up turns nothing off (qualification's own parity must
     find the fault)."""
@@ -234,6 +240,7 @@ def test_parity_bisection_finds_the_wrong_op(monkeypatch):
     fusion that requires it), the others pass, in 4 probed forwards instead of one per op."""
     monkeypatch.setenv(first_contact.INJECT_ENV, "qgemv:wrong")
     _first_contact_misses(monkeypatch)
+    _defaults_only(monkeypatch)  # qgemv's launch-shape variants would add their own parity
     model = _models.build("qwen3_5_moe", seed=3)
     ops = ["add_rms_norm", "moe_router_topk", "qgemv", "norm_qgemv"]
     lines: list = []
@@ -521,6 +528,7 @@ def test_phases_with_the_same_launches_are_not_timed(monkeypatch):
 
     monkeypatch.setattr(qualify, "time_decode", fake("decode"))
     monkeypatch.setattr(qualify, "time_prefill", fake("prefill"))
+    _defaults_only(monkeypatch)  # qgemv's launch-shape variants would be timed too
     model = _models.build("qwen3_5_moe", seed=3)
     with emulated_metal():
         res = qualify.qualify_model(model, ops=["add_rms_norm", "moe_route", "qgemv",

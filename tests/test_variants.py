@@ -523,8 +523,12 @@ def test_gemv_knobs_parse_and_reach_only_metal(monkeypatch):
 def test_bad_gemv_knob_warns_naming_the_variable(monkeypatch):
     from mlx_lily.ops import qgemv as Q
 
+    from mlx_lily import config
+
     monkeypatch.setenv("MLX_LILY_QGEMV_SHAPE", "64,4")
     monkeypatch.setenv("MLX_LILY_QGEMV_BPL", "4")
+    for key in (("MLX_LILY_QGEMV_SHAPE", "64,4"), ("MLX_LILY_QGEMV_BPL", "4")):
+        config.WARNED.discard(key)  # each bad value warns once per process
     with pytest.warns(UserWarning, match="MLX_LILY_QGEMV_SHAPE"):
         assert Q.launch_shape(2048, 9216, 4, "metal") == (Q.NW, Q.RPW)
     with pytest.warns(UserWarning, match="MLX_LILY_QGEMV_BPL"):
