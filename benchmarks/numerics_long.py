@@ -55,6 +55,7 @@ except ImportError:
 
 from mlx_lily.bench.authority import THRESHOLDS  # noqa: E402
 from mlx_lily.bench.authority import compare_logits as compare  # noqa: E402
+from mlx_lily.bench.authority import teacher_forced_logits  # noqa: E402
 from mlx_lily.bench.authority import routing_agreement  # noqa: E402,F401 (tests use it)
 
 SCHEMA = "mlx-lily-numerics-long"
@@ -204,57 +205,38 @@ def routing_rows(calls, n_layers: int):
 # --------------------------------------------------------------------------
 def run_engine(model, ids, L: int, P: int, D: int, step: int, *, capture: bool, n_moe: int,
                label: str, log):
-    """Feed ``ids[:L + D]`` as the module doc says; returns ``(logits [P + D, V] float32
-    numpy, routing per layer [P + D, k] or None, seconds per phase)``."""
+    """Feed ``ids[:L + D]`` as the module doc says (``authority.teacher_forced_logits``,
+    each measured forward through the routing capture when ``capture``); returns
+    ``(logits [P + D, V] float32 numpy, routing per layer [P + D, k] or None, seconds per
+    phase)``."""
     import mlx.core as mx
     import numpy as np
-    from mlx_lm.models.cache import make_prompt_cache
 
-    cache = make_prompt_cache(model)
-    x = mx.array(np.asarray(ids[:L + D], dtype=np.int32))
-    t0 = time.perf_counter()
-    for s in range(0, L - P, step):
-        e = min(L - P, s + step)
-        model(x[s:e][None], cache=cache)
-        mx.eval([c.state for c in cache])
-        mx.clear_cache()
-    t1 = time.perf_counter()
-    rows, routes, ok = [], [[] for _ in range(n_moe)], capture
+    routes, ok = [[] for _ in range(n_moe)], capture
     sources: set = set()
 
-    def one(xs):
+    def one(xs, cache):
         nonlocal ok
-        if capture:
-            with REC.forward() as calls:
-                out = model(xs[None], cache=cache)
-                mx.eval(out)
-            r = routing_rows(calls, n_moe)
-            sources.update(c[0] for c in calls)
-            if r is None:
-                if ok:
-                    log(f"{label}: routing capture saw {[c[0] for c in calls]} "
-                        f"(not one per MoE layer): routing not reported")
-                ok = False
-            else:
-                for j in range(n_moe):
-                    routes[j].append(r[j])
+        if not capture:
+            return model(xs, cache=cache)
+        with REC.forward() as calls:
+            out = model(xs, cache=cache)
+            mx.eval(out)
+        r = routing_rows(calls, n_moe)
+        sources.update(c[0] for c in calls)
+        if r is None:
+            if ok:
+                log(f"{label}: routing capture saw {[c[0] for c in calls]} "
+                    f"(not one per MoE layer): routing not reported")
+            ok = False
         else:
-            out = model(xs[None], cache=cache)
-        o = out[0].astype(mx.float32)
-        mx.eval(o)
-        return np.array(o)
+            for j in range(n_moe):
+                routes[j].append(r[j])
+        return out
 
-    rows.append(one(x[L - P:L]))
-    mx.eval([c.state for c in cache])
-    t2 = time.perf_counter()
-    for j in range(D):
-        rows.append(one(x[L + j:L + j + 1]))
-    t3 = time.perf_counter()
-    logits = np.concatenate(rows, axis=0)
+    logits, times = teacher_forced_logits(model, ids, L, P, D, step, one=one)
     routing = [np.concatenate(r, axis=0) for r in routes] if ok else None
-    return logits, routing, {"context_prefill_s": t1 - t0, "measured_prefill_s": t2 - t1,
-                             "decode_s": t3 - t2, "decode_ms_per_step": 1e3 * (t3 - t2) / max(1, D),
-                             "routing_sources": sorted(sources)}
+    return logits, routing, {**times, "routing_sources": sorted(sources)}
 
 
 @contextlib.contextmanager

@@ -52,7 +52,7 @@ _LOAD = "MLX_LILY_MOEG_LOAD"
 _QSHAPE = "MLX_LILY_QGEMV_SHAPE"
 _QBPL = "MLX_LILY_QGEMV_BPL"
 
-#: The one-row GEMV variants (``qgemv`` and ``norm_qgemv`` alike).
+#: The one-row GEMV variants (``qgemv``'s; ``lily_norm_qgemv`` follows the same knobs).
 _GEMV = {
     "rows_8": {_QSHAPE: "2,4"},
     "rows_32": {_QSHAPE: "8,4"},

@@ -9,8 +9,8 @@ stock on that model's held-out reference ids with fixed thresholds (:data:`THRES
 the targets of the production-width numerics: perplexity within 0.1 %, top-1 agreement
 >= 98 %).
 
-The teacher-forced feed (:func:`teacher_forced_logits`) is the feed of
-``benchmarks/numerics_long.py``'s engines (its ``run_engine`` adds routing capture): the
+The teacher-forced feed (:func:`teacher_forced_logits`; ``benchmarks/numerics_long.py``'s
+engines run it too, with routing capture as its ``one`` hook): the
 context prefilled in chunks, one measured prefill chunk, then one-token decode steps,
 every measured row predicting the next reference id; :func:`compare_logits` gives the
 metrics of both (``numerics_long`` uses it too).
