@@ -7,7 +7,9 @@ tok/s (tokens over the wall time of the batched generation, prefill excluded as 
 
     python benchmarks/gpu/batch_parity.py --model /tmp/q36 --lengths 5,37,130,2049 --gen 32
 
-Writes ``batch_parity.json`` to ``--out`` (default ``$OUT`` or ``.``).
+Writes ``batch_parity.json`` to ``--out`` (default ``$OUT`` or ``.``): per arm the tokens
+alone and batched, the first differing index per row, the ops first contact turned off,
+or the error that stopped the arm (the other arm still runs; exit status 1).
 """
 
 from __future__ import annotations
@@ -72,19 +74,31 @@ def main(argv=None) -> int:
     res = {"command": " ".join([os.path.basename(sys.argv[0])] + sys.argv[1:]),
            "tree": os.environ.get("MLX_LILY_TREE_REV"), "mlx": mx.__version__, "arms": {}}
     os.makedirs(a.out, exist_ok=True)
+    from mlx_lily import kernels
+
+    failed = False
     for arm in ["lily"] + (["stock"] if a.stock else []):
         ctx = mlx_lily.patched(model) if arm == "lily" else contextlib.nullcontext()
-        with ctx:
-            solo = [greedy(model, p, a.gen) for p in prompts]
-            batched(model, prompts, 4)  # warm-up at this batch size
-            toks, tps = batched(model, prompts, a.gen)
-        diffs = [first_diff(s, t) for s, t in zip(solo, toks)]
-        res["arms"][arm] = {"lengths": lengths, "first_diff": diffs, "batch_decode_tps": tps}
-        print(f"{arm}: B={len(prompts)} lengths {lengths}: first differing token per row "
-              f"{diffs} (-1 = identical); batched decode {tps:.1f} tok/s", flush=True)
+        entry = {"lengths": lengths}
+        try:
+            with ctx:
+                solo = [greedy(model, p, a.gen) for p in prompts]
+                batched(model, prompts, 4)  # warm-up at this batch size
+                toks, tps = batched(model, prompts, a.gen)
+                entry["runtime_disabled"] = kernels.runtime_disabled()
+            diffs = [first_diff(s, t) for s, t in zip(solo, toks)]
+            entry.update(first_diff=diffs, batch_decode_tps=tps, solo=solo, batched=toks)
+            print(f"{arm}: B={len(prompts)} lengths {lengths}: first differing token per row "
+                  f"{diffs} (-1 = identical); batched decode {tps:.1f} tok/s; ops off at "
+                  f"first contact: {sorted(entry['runtime_disabled']) or 'none'}", flush=True)
+        except Exception as e:  # noqa: BLE001  (the other arm still runs; the JSON says why)
+            failed = True
+            entry["error"] = f"{type(e).__name__}: {e}"
+            print(f"{arm}: failed: {entry['error']}", flush=True)
+        res["arms"][arm] = entry
         with open(os.path.join(a.out, "batch_parity.json"), "w") as f:
             json.dump(res, f, indent=1)
-    return 0
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

@@ -23,7 +23,8 @@ step() {  # step NAME TIMEOUT_S CMD...: one logged, time-limited step
   local name=$1 limit=$2; shift 2
   echo "[$(el) s] $name: start"
   (cd /tmp && timeout "$limit" "$@") > "$W/$name.log" 2>&1
-  echo "[$(el) s] $name: rc=$?"
+  local rc=$?  # before $(el), which would reset $?
+  echo "[$(el) s] $name: rc=$rc"
 }
 PHASES=",${ROUND_PHASES:-1,2},"
 Q36=/tmp/q36
@@ -35,7 +36,8 @@ if [[ $PHASES == *",1,"* ]]; then
     OUT="$W/trained" NO_INSTALL=1 CALL_BUDGET_S=${TRAINED_BUDGET_S:-620} \
       TRAIN_ARGS="${TRAIN_ARGS:---time-budget-s 300}" bash benchmarks/gpu/trained_numerics.sh \
       > "$W/trained.log" 2>&1
-    echo "[$(el) s] trained: rc=$?"
+    rc=$?
+    echo "[$(el) s] trained: rc=$rc"
   ) &
   (
     MLX_LILY_CACHE_DIR=/tmp/qc-cold step qualify-cold 500 \

