@@ -118,6 +118,16 @@ def chunked_gated_delta_update(q, k, v, a, b, A_log, dt_bias, state=None, mask=N
                                          chunk=chunk, inverse=unit_lower_inverse)
 
 
+def _check_limit(limit: float, cuda_limit: float) -> float:
+    """A start-up check's relative-error limit: ``cuda_limit`` on MLX's CUDA backend, where
+    the H200 read 2.6e-3 (chunked GDN) and 2.6e-4 (dense MoE) against 1e-3 / 1e-4 (fp32
+    matmuls there likely run as TF32: MLX_ENABLE_TF32 defaults on), else ``limit``."""
+    import mlx.core as mx
+
+    on_cuda = mx.default_device() == mx.gpu and mx.cuda.is_available()
+    return cuda_limit if on_cuda else limit
+
+
 def check_chunked_matches_ops(chunk: int = 32):
     """Start-up check: ``chunked_gated_delta_update`` == mlx-lm's ``gated_delta_ops`` on
     random gates and on the hard case (keys 0.95-correlated, beta ~ 0.98, decay ~ 1), where
@@ -145,7 +155,7 @@ def check_chunked_matches_ops(chunk: int = 32):
         ey = mx.abs(y1 - y2).max().item() / max(mx.abs(y1).max().item(), 1e-6)
         es = mx.abs(s1 - s2).max().item() / max(mx.abs(s1).max().item(), 1e-6)
         worst = max(worst, ey, es)
-    if not worst <= 1e-2:  # CUDA fp32 matmuls run as TF32 (2.6e-3 measured on the H200)
+    if not worst <= _check_limit(1e-3, 5e-3):
         raise RuntimeError(f"chunked GDN mismatch vs gated_delta_ops: {worst:.2e}")
     return worst
 
@@ -219,7 +229,7 @@ def check_dense_moe_matches(hidden: int = 64, inter: int = 32, experts: int = 8,
     ref = block(x)
     got = dense_moe_block(block, x)
     err = (mx.abs(ref - got).max() / mx.maximum(mx.abs(ref).max(), 1e-6)).item()
-    if err > 1e-2:  # CUDA fp32 matmuls run as TF32 (2.6e-4 measured on the H200)
+    if err > _check_limit(1e-4, 1e-3):
         raise RuntimeError(f"dense MoE block mismatch vs Qwen3NextSparseMoeBlock: {err:.2e}")
     return err
 

@@ -78,6 +78,13 @@ def test_faster_rule_allows_a_loss_inside_the_timings_noise():
     assert not qualify.faster(kernel, base, steady)[0]
     # a loss far outside the noise still fails, whatever the other phase gains
     assert not qualify.faster({"decode": 3.0, "prefill": 30.47}, base, noise)[0]
+    # however noisy the timings, a phase may lose MAX_ALLOWANCE at most
+    wild = {"decode": 1.0, "prefill": 1.0}
+    assert qualify.allowance(wild, "decode") == qualify.MAX_ALLOWANCE
+    assert not qualify.faster({"decode": 2.136 / 0.93, "prefill": 30.47}, base, wild)[0]
+    # a small gain does not excuse a bigger loss inside the allowance: the product counts
+    assert not qualify.faster({"decode": 2.136 / 0.96, "prefill": 142.69 / 1.02}, base, wild)[0]
+    assert qualify.allowance({"decode": float("nan")}, "decode") == qualify.SLOWER_TOL
 
 
 def test_median_standard_error():
@@ -588,3 +595,36 @@ def test_phases_with_the_same_launches_are_not_timed(monkeypatch):
     assert res["counts"]["phases_reused"] == {"prefill": 1}
     assert res["counts"]["forwards"]["census"] == 3 * (1 + 2 + 1)  # three op sets
     assert res["qualified"] == {}
+
+
+@needs_emu
+@pytest.mark.parametrize("spread,kept", [(0.3, True), (0.0, False)], ids=["noisy", "steady"])
+def test_noise_allowance_reaches_the_decision(monkeypatch, spread, kept):
+    """qualify_model passes each timing's spread to the rule: an op 2x faster in prefill
+    and 3 % slower in decode is kept when its decode steps spread by 30 %, not when they
+    are steady; the final check against stock allows SLOWER_TOL only."""
+    decode = iter([10.5, 10.0, 10.3, 10.3])  # stock, references, the op, the final set
+    prefill = iter([10.0, 10.0, 5.0, 5.0])
+
+    def fake_decode(model, steps, context, detail=None):
+        if detail is not None:
+            detail["decode_spread"] = spread
+        return next(decode)
+
+    def fake_prefill(model, length, reps, detail=None):
+        if detail is not None:
+            detail["prefill_spread"] = 0.0
+        return next(prefill)
+
+    monkeypatch.setattr(qualify, "time_decode", fake_decode)
+    monkeypatch.setattr(qualify, "time_prefill", fake_prefill)
+    _defaults_only(monkeypatch)
+    model = _models.build("qwen3_5_moe", seed=3)
+    with emulated_metal():
+        res = qualify.qualify_model(model, ops=["add_rms_norm"], decode_steps=16,
+                                    decode_context=4, prefill_len=8, parity_prefill=0,
+                                    seed=1)
+    r = res["ops"]["add_rms_norm"]["default"]
+    assert r["noise"]["decode"] > 0 if spread else r["noise"]["decode"] == 0
+    assert r["faster"] is kept
+    assert res["qualified"] == ({"add_rms_norm": "default"} if kept else {})

