@@ -33,8 +33,8 @@ each a set of environment settings the variant runs under, applied by
    other loses no more than ``SLOWER_TOL`` or, where the timings' own spread is larger,
    ``NOISE_SIGMAS`` standard errors of the time ratio, at most ``MAX_ALLOWANCE``: a 4.7x
    prefill gain is not thrown away for a 3 % decode loss inside the noise of 16 steps);
-   a fusion whose
-   required ops were not kept is not timed (its kernel could not serve). Before timing,
+   a fusion whose required ops were not kept is not timed (its kernel could not serve).
+   Before timing,
    a launch census (``launch_census``: the timed work's graph built, not evaluated, the
    decode steps through the compiled path's Python without a trace) compares the kernel
    launches (name, template, grid, shapes) with the set without the op: a phase where
@@ -80,6 +80,7 @@ import argparse
 import contextlib
 import hashlib
 import json
+import math
 import os
 import platform
 import statistics
@@ -289,10 +290,8 @@ def faster(kernel_ms: dict, base_ms: dict, noise: dict | None = None) -> tuple[b
              if kernel_ms.get(k) and base_ms.get(k)}
     if not speed:
         return False, speed
-    product = 1.0
-    for x in speed.values():
-        product *= x
-    return (max(speed.values()) >= 1 + FASTER_MARGIN and product >= 1 + FASTER_MARGIN
+    return (max(speed.values()) >= 1 + FASTER_MARGIN
+            and math.prod(speed.values()) >= 1 + FASTER_MARGIN
             and all(x >= 1 - allowance(noise, k) for k, x in speed.items())), speed
 
 
@@ -301,7 +300,7 @@ def allowance(noise: dict | None, phase: str) -> float:
     ``NOISE_SIGMAS`` standard errors of the phase's time ratio when that is larger, at
     most ``MAX_ALLOWANCE``."""
     se = float((noise or {}).get(phase) or 0.0)
-    if se != se:  # NaN
+    if math.isnan(se):
         se = 0.0
     return min(MAX_ALLOWANCE, max(SLOWER_TOL, NOISE_SIGMAS * se))
 
