@@ -474,6 +474,11 @@ def main(argv=None):
     vstarts = vrng.integers(0, val_ids.size - T - 1, size=args.val_windows)
     vx = np.stack([val_ids[s:s + T + 1] for s in vstarts])
 
+    # MLX's CUDA gather_qmm puts (tokens x top-k) on a grid dimension, which CUDA caps at
+    # 65,535 (4 windows of 4,096 tokens x 8 experts fail with "invalid argument"): the
+    # 4-bit model is evaluated in calls of fewer rows
+    q_windows = max(1, 65535 // (T * args.top_k))
+
     def val_ce(m, bs=4):
         losses = []
         for i in range(0, len(vx), bs):
@@ -593,7 +598,7 @@ def main(argv=None):
 
     # ---- reload through mlx_lm.load (stock code) and evaluate the 4-bit checkpoint
     qmodel, qtok = mlx_lm.load(str(tmp))
-    val_q = val_ce(qmodel)
+    val_q = val_ce(qmodel, bs=min(4, q_windows))
     prompt = "def "
     sample = mlx_lm.generate(qmodel, qtok, prompt=prompt, max_tokens=args.sample_tokens, verbose=False)
     log(f"4-bit reload: val ce {val_q:.3f} (ppl {math.exp(val_q):.2f}); sample {prompt + sample!r}")

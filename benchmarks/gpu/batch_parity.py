@@ -23,12 +23,13 @@ import sys
 import time
 
 
-def batched(model, prompts, n):
-    """(tokens per prompt, aggregate decode tok/s after the first generated token)."""
+def batched(model, prompts, n, step):
+    """(tokens per prompt, aggregate decode tok/s after the first generated token);
+    ``step``: prompt tokens per prefill chunk."""
     from mlx_lm.generate import BatchGenerator
 
     gen = BatchGenerator(model, stop_tokens=[[-1]], prefill_batch_size=len(prompts),
-                         completion_batch_size=len(prompts))
+                         completion_batch_size=len(prompts), prefill_step_size=step)
     uids = gen.insert(prompts, [n] * len(prompts))
     out = {u: [] for u in uids}
     t0, count = None, 0
@@ -42,6 +43,16 @@ def batched(model, prompts, n):
     dt = time.perf_counter() - t0 if t0 is not None else 0.0
     gen.close()
     return [out[u] for u in uids], (count / dt if dt > 0 else 0.0)
+
+
+def stock_safe_step(step: int, batch: int, top_k: int) -> int:
+    """``step`` halved until ``batch * step * top_k`` rows fit in 65,535: MLX's CUDA
+    ``gather_qmm`` puts those rows on a grid dimension, which CUDA caps there (a 4 x 2,048
+    chunk of an 8-expert model fails with "invalid argument"). Lily's prefill experts
+    kernel has no such limit."""
+    while step > 1 and batch * step * top_k > 65535:
+        step //= 2
+    return step
 
 
 def first_diff(a, b) -> int:
@@ -58,6 +69,9 @@ def main(argv=None) -> int:
                     help="prompt lengths of one batch, comma-separated (up to 8)")
     ap.add_argument("--gen", type=int, default=32)
     ap.add_argument("--stock", action="store_true", help="also run unpatched")
+    ap.add_argument("--prefill-step", type=int, default=2048,
+                    help="prompt tokens per prefill chunk, alone and batched (the stock arm "
+                         "takes less where MLX's CUDA grid limit needs it)")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     a = ap.parse_args(argv)
 
@@ -69,7 +83,9 @@ def main(argv=None) -> int:
 
     target = load_target(a.model)
     model, config = target.model, target.config
-    vocab = int(config.get("vocab_size") or config["text_config"]["vocab_size"])
+    text = config.get("text_config", config)
+    vocab = int(config.get("vocab_size") or text["vocab_size"])
+    top_k = int(text.get("num_experts_per_tok") or 1)
     lengths = [int(x) for x in a.lengths.split(",") if x]
     prompts = [synthetic_ids(L, vocab, [], seed=i + 1).tolist() for i, L in enumerate(lengths)]
     res = {"command": " ".join([os.path.basename(sys.argv[0])] + sys.argv[1:]),
@@ -80,12 +96,14 @@ def main(argv=None) -> int:
     failed = False
     for arm in ["lily"] + (["stock"] if a.stock else []):
         ctx = mlx_lily.patched(model) if arm == "lily" else contextlib.nullcontext()
-        entry = {"lengths": lengths}
+        step = (a.prefill_step if arm == "lily"
+                else stock_safe_step(a.prefill_step, len(prompts), top_k))
+        entry = {"lengths": lengths, "prefill_step": step}
         try:
             with ctx:
-                solo = [greedy(model, p, a.gen) for p in prompts]
-                batched(model, prompts, 4)  # warm-up at this batch size
-                toks, tps = batched(model, prompts, a.gen)
+                solo = [greedy(model, p, a.gen, prefill_step_size=step) for p in prompts]
+                batched(model, prompts, 4, step)  # warm-up at this batch size
+                toks, tps = batched(model, prompts, a.gen, step)
             diffs = [first_diff(s, t) for s, t in zip(solo, toks)]
             entry.update(first_diff=diffs, batch_decode_tps=tps, solo=solo, batched=toks)
             print(f"{arm}: B={len(prompts)} lengths {lengths}: first differing token per row "

@@ -5,11 +5,11 @@
 # later calls on the warm machine only wait and archive /tmp/w (lease_setup.sh's snap).
 # Phase 1 runs two chains side by side; nothing timed there is used as a speed figure:
 #   trained: train (or reuse) the production-width model, then its long-context numerics
-#   checks:  qualification on an empty record folder (cold: this machine's first MLX JIT),
-#            the GPU batch-decode tests, batch-vs-alone parity, an injected build fault
+#   checks:  batch-vs-alone parity with batched decode on (this machine's first MLX JIT),
+#            then the same without prefill_dequant
 # Phase 2 runs one process at a time (the speed figures): qualification on a fresh record
 # folder (warm), the A/B gate under that record with the trained authority, mlx_lm.benchmark
-# through user_bench.py (Lily default and all kernels, stock), per-token intervals.
+# through user_bench.py (stock and Lily in one run, then Lily alone at longer prompts).
 # ROUND_PHASES (default 1,2) selects phases; each step's log is W/<step>.log, the timeline
 # W/round.log.
 set -u
@@ -30,50 +30,42 @@ PHASES=",${ROUND_PHASES:-1,2},"
 Q36=/tmp/q36
 AUTH="$HOME/.cache/mlx-lily/models"
 
+BATCH_SET=verified,batch_decode  # the default set plus batched decode (not yet verified)
+
 if [[ $PHASES == *",1,"* ]]; then
   (
     echo "[$(el) s] trained: start"
-    OUT="$W/trained" NO_INSTALL=1 CALL_BUDGET_S=${TRAINED_BUDGET_S:-620} \
+    OUT="$W/trained" NO_INSTALL=1 CALL_BUDGET_S=${TRAINED_BUDGET_S:-540} \
       TRAIN_ARGS="${TRAIN_ARGS:---time-budget-s 300}" bash benchmarks/gpu/trained_numerics.sh \
       > "$W/trained.log" 2>&1
     rc=$?
     echo "[$(el) s] trained: rc=$rc"
   ) &
   (
-    MLX_LILY_CACHE_DIR=/tmp/qc-cold step qualify-cold 500 \
-      python3 -m mlx_lily.qualify --model "$Q36" --report --out "$W/qualify-cold" --timeout-s 480
-    MLX_LILY_KERNELS=all step batch-tests 300 \
-      python3 -m pytest -m gpu -q -p no:cacheprovider "$R/tests/test_batch_decode.py"
-    MLX_LILY_KERNELS=all step batch-parity 360 \
+    MLX_LILY_KERNELS=$BATCH_SET step batch-parity 480 \
       python3 "$R/benchmarks/gpu/batch_parity.py" --model "$Q36" --lengths 5,37,130,2049 \
       --gen 32 --stock --out "$W/batch-parity"
-    step fault-attention-build 300 \
-      python3 "$R/benchmarks/first_contact_fault.py" --op attention --kind build
+    MLX_LILY_KERNELS=$BATCH_SET MLX_LILY_DISABLE=prefill_dequant step batch-parity-nodq 150 \
+      python3 "$R/benchmarks/gpu/batch_parity.py" --model "$Q36" --lengths 5,2049 \
+      --gen 16 --out "$W/batch-parity-nodq"
   ) &
   wait
 fi
 
 if [[ $PHASES == *",2,"* ]]; then
-  MLX_LILY_CACHE_DIR=/tmp/qc-warm step qualify-warm 600 \
-    python3 -m mlx_lily.qualify --model "$Q36" --report --out "$W/qualify-warm" --timeout-s 560
+  MLX_LILY_CACHE_DIR=/tmp/qc-warm step qualify-warm 300 \
+    python3 -m mlx_lily.qualify --model "$Q36" --report --out "$W/qualify-warm" --timeout-s 280
   mkdir -p /tmp/qc-warm && ln -sfn "$AUTH" /tmp/qc-warm/models
-  MLX_LILY_CACHE_DIR=/tmp/qc-warm step gate-qualified 600 \
+  MLX_LILY_CACHE_DIR=/tmp/qc-warm step gate-qualified 300 \
     python3 "$R/benchmarks/ab.py" "$Q36" --lengths 1024 --rounds 2 --decode-steps 32 \
     --watchdog-s 120 --out "$W/gate-qualified"
-  step bench-lily-default 600 \
-    python3 "$R/benchmarks/user_bench.py" --model "$Q36" --arms lily --trials 2 \
-    --cases 512:128:1,512:128:2,512:128:4,512:128:8,4096:128:1,4096:128:2,4096:128:4,4096:128:8,32768:128:1,131072:128:1 \
-    --out "$W/bench-lily-default"
-  MLX_LILY_KERNELS=all step bench-lily-all 600 \
-    python3 "$R/benchmarks/user_bench.py" --model "$Q36" --arms lily --trials 2 \
-    --cases 512:128:1,512:128:2,512:128:4,512:128:8,4096:128:1,4096:128:2,4096:128:4,4096:128:8 \
-    --out "$W/bench-lily-all"
-  step bench-stock 600 \
-    python3 "$R/benchmarks/user_bench.py" --model "$Q36" --arms stock --trials 1 \
+  # stock's -b 4 at 4K would fail in MLX (4 x 2,048-token chunks exceed its CUDA grid limit)
+  MLX_LILY_KERNELS=$BATCH_SET step bench-ab 720 \
+    python3 "$R/benchmarks/user_bench.py" --model "$Q36" --arms lily,stock --trials 1 \
     --cases 512:128:1,512:128:2,512:128:4,512:128:8,4096:128:1,4096:128:2 \
-    --out "$W/bench-stock"
-  step interval-probe 300 \
-    python3 "$R/benchmarks/gpu/interval_probe.py" --model "$Q36" --lengths 512,4096 --gen 128 \
-    --rounds 2 --out "$W/interval-probe"
+    --out "$W/bench-ab"
+  MLX_LILY_KERNELS=$BATCH_SET step bench-lily 420 \
+    python3 "$R/benchmarks/user_bench.py" --model "$Q36" --arms lily --trials 1 \
+    --cases 4096:128:4,4096:128:8,32768:128:1,131072:128:1 --out "$W/bench-lily"
 fi
 echo "[$(el) s] round done"
