@@ -12,7 +12,7 @@ import weakref
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.cache import ArraysCache, KVCache
+from mlx_lm.models.cache import ArraysCache, BatchKVCache, KVCache
 
 from mlx_lily import backend, config, kernels, tuning
 from mlx_lily.backend import op_enabled
@@ -28,7 +28,7 @@ from mlx_lily.qproj import PendingNorm, QProj
 from .projections import WeightSig, projection, run_projection, drop_views, one_row_linear, refresh
 from .launch_order import MOE_AFTER_ATTR, counters_for, moe_after
 from .blocks import layer_tail, layer_mixer, gdn_supported
-from .kv_growth import kv_write_index
+from .kv_growth import kv_rows, kv_write_index
 from .layouts import drop_plans
 
 
@@ -186,11 +186,41 @@ def attn_step_ok(layer, c, x) -> bool:
 
 
 def _attn_cache_ok(c, x, head_dim) -> bool:
-    """The per-step part of ``attn_step_ok``: a plain ``KVCache`` of ``x``'s batch with
-    room for one more token, of head size ``head_dim``."""
-    return (type(c) is KVCache and c.keys is not None and c.offset + 1 <= c.keys.shape[2]
+    """The per-step part of ``attn_step_ok``: a plain ``KVCache`` of ``x``'s batch, or an
+    unpadded ``BatchKVCache`` (``batch_unpadded``), with room for one more token, of head
+    size ``head_dim``."""
+    t = type(c)
+    return ((t is KVCache or (t is BatchKVCache and batch_unpadded(c)))
+            and c.keys is not None and kv_rows(c) + 1 <= c.keys.shape[2]
             and x.shape[1] == 1 and c.keys.shape[0] == x.shape[0]
             and c.keys.shape[-1] == head_dim)
+
+
+_PAD_MEMO = "_lily_unpadded"
+
+
+def batch_unpadded(c) -> bool:
+    """Whether no sequence of the ``BatchKVCache`` ``c`` is left-padded, so that each row's
+    keys are the buffer's first ``_idx`` rows and its position is ``_idx``: the cache of
+    one ``BatchGenerator`` request, or of prompts of one length (``mlx_lm.benchmark -b
+    N``). A decode step there is the one-sequence step on B rows. The host reads
+    ``left_padding`` once per array (mlx-lm replaces it when sequences join or leave)."""
+    lp = c.left_padding
+    memo = c.__dict__.get(_PAD_MEMO)
+    if memo is None or memo[0] is not lp:
+        memo = (lp, lp is None or not bool(mx.any(lp != 0).item()))
+        c.__dict__[_PAD_MEMO] = memo
+    return memo[1]
+
+
+def advance_kv(c) -> None:
+    """Count the row a compiled step wrote into ``c``: ``offset`` of a ``KVCache``;
+    ``_idx`` and every sequence's ``offset`` of a ``BatchKVCache``."""
+    if type(c) is BatchKVCache:
+        c._idx += 1
+        c.offset = c.offset + 1
+    else:
+        c.offset += 1
 
 
 def _attn_static_head_dim(layer, dtype):
@@ -257,8 +287,11 @@ def _attn_step_fn(layer, pending):
         idx = kv_write_index(offset, k.shape) if kv_idx is None else kv_idx
         keys = mx.put_along_axis(keys, idx, k, axis=2)
         values = mx.put_along_axis(values, idx, v, axis=2)
+        # the split-K block of one sequence at this capacity: a row's arithmetic does not
+        # depend on how many rows the step has (batch invariance)
+        block = attn_ops.decode_block(keys.shape[2], 1, Hkv, backend.current_backend())
         out = attn_ops.decode_attention(q, keys, values, attn.scale, y, gate_packed=True,
-                                        tlen=tlen)
+                                        tlen=tlen, block=block)
         h, m = layer_tail(layer, h, one_row_linear(attn.o_proj, out), counters, after)
         return h, m, keys, values
 
@@ -331,10 +364,10 @@ def run_whole_step(text_model, cs, layers, cache, h):
         if layer.is_linear:
             if not _gdn_cache_ok(c):
                 return None
-        elif not _attn_cache_ok(c, h, d) or offset not in (None, c.offset):
+        elif not _attn_cache_ok(c, h, d) or offset not in (None, kv_rows(c)):
             return None
         else:
-            offset = c.offset
+            offset = kv_rows(c)
     # one compiled function per cache capacity (MLX would scan every trace a function holds
     # at each call), the last RECENT_WHOLE_STEPS kept: caches of other capacities (requests
     # of other lengths) reuse theirs instead of tracing the stack again
@@ -370,7 +403,7 @@ def run_whole_step(text_model, cs, layers, cache, h):
         else:
             c.keys = next(it)
             c.values = next(it)
-            c.offset += 1
+            advance_kv(c)
         setattr(c, MOE_AFTER_ATTR, next(it))
     return out[0]
 
@@ -433,13 +466,16 @@ def check_weights(text_model, layers) -> None:
 
 def gdn_step_ok(layer, c) -> bool:
     """Whether this GDN layer's decode step can run compiled: a plain ``ArraysCache``
-    holding both states, no batch lengths or padding (``_gdn_cache_ok``), and the Lily GDN
-    forward serving."""
+    holding both states, no batch lengths (``_gdn_cache_ok``), and the Lily GDN forward
+    serving."""
     return _gdn_cache_ok(c) and gdn_supported(layer.linear_attn)
 
 
 def _gdn_cache_ok(c) -> bool:
-    return (type(c) is ArraysCache and c.lengths is None and c.left_padding is None
+    """An ``ArraysCache`` holding both states, without ``lengths`` (its ``left_padding``
+    matters to a one-token step only through the SSM mask, which the caller checked:
+    ``stack._unpadded_batch_step``)."""
+    return (type(c) is ArraysCache and c.lengths is None
             and c.cache[0] is not None and c.cache[1] is not None)
 
 
@@ -462,7 +498,7 @@ def run_compiled(steps, key, layer, h, x, c, fa_mask):
             fn = _gdn_step(layer, pending) if layer.is_linear else _mlp_tail(layer)
     if whole_attn:
         args = (h, x.res if pending else x, c.keys, c.values,
-                mx.array([c.offset], dtype=mx.int32))
+                mx.array([kv_rows(c)], dtype=mx.int32))
     elif layer.is_linear:
         args = (h, x.res if pending else x, c[0], c[1], counters_for(layer, c, h),
                 moe_after(c, h))
@@ -487,7 +523,7 @@ def run_compiled(steps, key, layer, h, x, c, fa_mask):
             return layer_tail(layer, *args)
     if whole_attn:
         h, m, c.keys, c.values = out
-        c.offset += 1
+        advance_kv(c)
         return h, m
     if layer.is_linear:
         h, m, c[0], c[1] = out

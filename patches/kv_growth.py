@@ -6,7 +6,7 @@
 from __future__ import annotations
 
 import mlx.core as mx
-from mlx_lm.models.cache import KVCache
+from mlx_lm.models.cache import BatchKVCache, KVCache
 
 
 
@@ -44,9 +44,23 @@ def _kv_step() -> int:
     return DEFAULT_KV_STEP if v is None else v
 
 
-def widen_kv_steps(cache) -> None:
-    """Raise the growth step of every plain ``KVCache`` in ``cache`` to ``_kv_step()``
-    (never lower it). Only the capacity changes: ``offset``, the rows up to it and the
+def _grows(c, batch: bool) -> bool:
+    """Whether this policy applies to ``c``: a plain ``KVCache``, or with ``batch`` (the
+    ``batch_decode`` switch on) also mlx-lm's ``BatchKVCache``, so a sequence's cache in a
+    batch has the capacity it has alone (the compiled decode step's split-K block follows
+    the capacity)."""
+    return type(c) is KVCache or (batch and type(c) is BatchKVCache)
+
+
+def kv_rows(c) -> int:
+    """Rows written in an attention cache: ``offset`` of a ``KVCache``, ``_idx`` (common to
+    every sequence; left padding included) of a ``BatchKVCache``."""
+    return c._idx if type(c) is BatchKVCache else c.offset
+
+
+def widen_kv_steps(cache, batch: bool = False) -> None:
+    """Raise the growth step of every plain ``KVCache`` in ``cache`` (and ``BatchKVCache``
+    with ``batch``) to ``_kv_step()`` (never lower it). Only the capacity changes: ``offset``, the rows up to it and the
     attention results are those of mlx-lm's growth (which trims to the offset before
     growing when the offset is not a multiple of the step). mlx-lm 0.32's
     ``KVCache.state`` is the whole buffer, so a cache saved with ``save_prompt_cache``
@@ -55,7 +69,7 @@ def widen_kv_steps(cache) -> None:
     if step <= 0:
         return
     for c in cache:
-        if type(c) is KVCache and c.step < step:
+        if _grows(c, batch) and c.step < step:
             c.step = step
 
 
@@ -67,19 +81,20 @@ def widen_kv_steps(cache) -> None:
 KV_HEADROOM = 2
 
 
-def kv_headroom(cache, rows: int = KV_HEADROOM) -> None:
-    """Grow every plain ``KVCache`` in ``cache`` with fewer than ``rows`` free rows by its
-    step (zeros appended along the sequence axis, as mlx-lm's own growth does when the
-    offset is a multiple of the step): the growth the next decode step would do, done at
-    the end of a prefill call instead. ``offset`` and the rows up to it are unchanged."""
+def kv_headroom(cache, rows: int = KV_HEADROOM, batch: bool = False) -> None:
+    """Grow every plain ``KVCache`` in ``cache`` (and ``BatchKVCache`` with ``batch``) with
+    fewer than ``rows`` free rows by its step (zeros appended along the sequence axis, as
+    mlx-lm's own growth does when the offset is a multiple of the step): the growth the
+    next decode step would do, done at the end of a prefill call instead. The written
+    rows (``kv_rows``), ``offset`` and the rows up to it are unchanged."""
     for c in cache or ():
-        if type(c) is not KVCache or c.keys is None or c.step <= 0:
+        if not _grows(c, batch) or c.keys is None or c.step <= 0:
             continue
-        cap = c.keys.shape[2]
-        if cap - c.offset >= rows:
+        cap, used = c.keys.shape[2], kv_rows(c)
+        if cap - used >= rows:
             continue
-        keys, values = c.keys[..., :c.offset, :], c.values[..., :c.offset, :]
-        n = ((c.offset + rows + c.step - 1) // c.step) * c.step - c.offset
+        keys, values = c.keys[..., :used, :], c.values[..., :used, :]
+        n = ((used + rows + c.step - 1) // c.step) * c.step - used
         kz = mx.zeros((*keys.shape[:2], n, keys.shape[3]), keys.dtype)
         vz = mx.zeros((*values.shape[:2], n, values.shape[3]), values.dtype)
         c.keys = mx.concatenate([keys, kz], axis=2)

@@ -18,6 +18,7 @@ from .launch_order import MOE_AFTER_ATTR, counters_for, moe_after
 from .kv_growth import kv_headroom, widen_kv_steps
 from .decode_graph import (
     attn_step_ok,
+    batch_unpadded,
     check_weights,
     compile_key,
     compiled_steps,
@@ -41,9 +42,11 @@ def make_text_model_call(module, cls_name, layer_cls_name, with_embeddings):
     and its MoE half compiled): Python builds the graph once, later steps replay it (``MLX_LILY_COMPILE=0`` turns this off,
     ``MLX_LILY_COMPILE_ATTN=0`` keeps attention mixers eager).
 
-    Decode steps of 1..8 sequences in mlx-lm's batch caches (``BatchGenerator``) run
-    eagerly through the same kernels, row by row the arithmetic of a one-sequence step
-    (``_batch_decode_step``).
+    Decode steps of 1..8 sequences in mlx-lm's batch caches (``BatchGenerator``), with
+    ``batch_decode`` on, take the same compiled steps on B rows when no sequence is
+    left-padded and every cache has room (``_unpadded_batch_step``), else run eagerly
+    through the same kernels; either way each row gets the arithmetic of a one-sequence
+    step (``_batch_decode_step``).
 
     Multi-token calls start evaluating every ``prefill_eval_layers`` layers
     (``mlx_lily.patching.PREFILL_EVAL_LAYERS``) so the GPU overlaps the rest of the build;
@@ -75,7 +78,9 @@ def make_text_model_call(module, cls_name, layer_cls_name, with_embeddings):
         first = layers[0].input_layernorm
         x = mx.fast.rms_norm(h, first.weight, first.eps)
         steps = cs = None
-        if h.shape[1] == 1 and fa_mask is None and ssm_mask is None:
+        batch = batch_kernels_on()
+        if h.shape[1] == 1 and ((fa_mask is None and ssm_mask is None)
+                                or (batch and _unpadded_batch_step(h, cache))):
             key = compile_key()
             if key is not None:
                 cs = compiled_steps(self, key)
@@ -91,7 +96,7 @@ def make_text_model_call(module, cls_name, layer_cls_name, with_embeddings):
                 y = run_whole_step(self, cs, layers, cache, h)
                 if y is not None:
                     return y
-            widen_kv_steps(cache)  # where caches grow: prefill, or a step without room
+            widen_kv_steps(cache, batch)  # where caches grow: prefill, a step without room
             for i, (layer, c) in enumerate(zip(layers, cache)):
                 if m is not None:
                     h, x = layer_input(h, m, layer.input_layernorm, defer)
@@ -118,7 +123,7 @@ def make_text_model_call(module, cls_name, layer_cls_name, with_embeddings):
         finally:
             CHECKED.active = outer
         if h.shape[1] > 1:
-            kv_headroom(cache)
+            kv_headroom(cache, batch=batch)
         return add_rms_norm(h, m, self.norm.weight, self.norm.eps)[1]
 
     return text_model_call
@@ -134,6 +139,27 @@ def _batch_decode_step(h, cache) -> bool:
     return (h.shape[1] == 1 and 1 <= h.shape[0] <= MAX_BATCH_ROWS and batch_kernels_on()
             and any(type(c) is BatchKVCache for c in cache)
             and all(c is not None for c in cache))
+
+
+def _unpadded_batch_step(h, cache) -> bool:
+    """Whether a batch-cache decode step (``_batch_decode_step``) can run as the compiled
+    one-sequence step on B rows, its masks dropped: no sequence left-padded
+    (``batch_unpadded``; the attention mask then hides nothing), room for the token in
+    every ``BatchKVCache`` (a step that must grow a cache runs eagerly, as before), and
+    no ``ArraysCache`` with ``lengths``. Its SSM mask for one token, ``0 >= left_padding``,
+    is then all true: at a decode step every row has consumed more tokens than its
+    padding. (The compiled step leaves an ``ArraysCache``'s ``left_padding`` where the
+    prefill left it, below zero; mlx-lm reads it only through that mask, ``filter`` and
+    ``extend``.)"""
+    if not _batch_decode_step(h, cache):
+        return False
+    for c in cache:
+        if type(c) is BatchKVCache and (c.keys is None or not batch_unpadded(c)
+                                        or c._idx + 1 > c.keys.shape[2]):
+            return False
+        if getattr(c, "lengths", None) is not None:
+            return False
+    return True
 
 
 def _eval_ahead(*arrays) -> bool:

@@ -229,6 +229,38 @@ def test_emulated_batch_generate_equals_alone(model, lengths):
     assert batch == alone
 
 
+@needs_emu
+@pytest.mark.parametrize("lengths", [(37, 37), (37,), LENGTHS], ids=["equal", "one", "mixed"])
+def test_emulated_compiled_batch_steps_equal_alone(model, lengths, monkeypatch):
+    """Compiled decode steps on (``MLX_LILY_COMPILE=1``, built as plain functions by
+    ``uncompiled()``: the emulator cannot run inside ``mx.compile``), every Metal kernel
+    on: BatchGenerator over prompts of one length (``mlx_lm.benchmark -b N``) or one
+    request (how ``mlx_lm.server`` runs a single request) takes the whole-stack decode
+    step on the batch caches, and each prompt gets the tokens it gets alone through the
+    one-sequence whole step, bit for bit; mixed lengths (left-padded) decode eagerly and
+    also match. Through several KV growths (``MLX_LILY_KV_STEP=16``)."""
+    from mlx_lily.patches import decode_graph as dg
+
+    monkeypatch.setenv("MLX_LILY_KV_STEP", "16")
+    prompts = [prompt_of(n, i) for i, n in enumerate(lengths)]
+    max_tokens = (24, 20, 22)[:len(prompts)]
+    inner = model.language_model.model
+    dg.drop_compiled_steps()
+    try:
+        with emulated_metal(), dg.uncompiled():
+            monkeypatch.setenv("MLX_LILY_COMPILE", "1")  # emulated_metal turned it off
+            with mlx_lily.patched(model):
+                alone = [greedy(model, p, n) for p, n in zip(prompts, max_tokens)]
+                assert inner._lily_steps.recent, "the one-sequence whole step did not run"
+                batch = batch_greedy(model, prompts, max_tokens)
+                batch_shapes = [k for k in inner._lily_steps.recent if k[0][0] == len(prompts)]
+    finally:
+        dg.drop_compiled_steps()
+    assert batch == alone
+    if len(set(lengths)) == 1 and len(prompts) > 1:
+        assert batch_shapes, "the batch took no whole-stack step"
+
+
 # ------------------------------------------------------------------------- op level, both twins
 def _attn_helpers():
     import test_op_attention as T
