@@ -204,13 +204,24 @@ def batch_unpadded(c) -> bool:
     keys are the buffer's first ``_idx`` rows and its position is ``_idx``: the cache of
     one ``BatchGenerator`` request, or of prompts of one length (``mlx_lm.benchmark -b
     N``). A decode step there is the one-sequence step on B rows. The host reads
-    ``left_padding`` once per array (mlx-lm replaces it when sequences join or leave)."""
+    ``left_padding`` once per array: ``filter`` and ``extend`` replace it; ``prepare`` and
+    ``finalize`` change it in place (``+=``), and the multi-token call between them drops
+    the answer (``forget_padding``)."""
     lp = c.left_padding
     memo = c.__dict__.get(_PAD_MEMO)
     if memo is None or memo[0] is not lp:
         memo = (lp, lp is None or not bool(mx.any(lp != 0).item()))
         c.__dict__[_PAD_MEMO] = memo
     return memo[1]
+
+
+def forget_padding(cache) -> None:
+    """Drop ``batch_unpadded``'s answer for every ``BatchKVCache`` in ``cache`` (called
+    by each multi-token call: mlx-lm's ``prepare`` / ``finalize`` around it add padding
+    to the same array)."""
+    for c in cache or ():
+        if type(c) is BatchKVCache:
+            c.__dict__.pop(_PAD_MEMO, None)
 
 
 def advance_kv(c) -> None:
@@ -473,8 +484,8 @@ def gdn_step_ok(layer, c) -> bool:
 
 def _gdn_cache_ok(c) -> bool:
     """An ``ArraysCache`` holding both states, without ``lengths`` (its ``left_padding``
-    matters to a one-token step only through the SSM mask, which the caller checked:
-    ``stack._unpadded_batch_step``)."""
+    matters to a one-token step only through the SSM mask, which the caller knows to be
+    None or all true: ``stack._unpadded_batch_step``)."""
     return (type(c) is ArraysCache and c.lengths is None
             and c.cache[0] is not None and c.cache[1] is not None)
 

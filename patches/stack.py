@@ -19,6 +19,7 @@ from .kv_growth import kv_headroom, widen_kv_steps
 from .decode_graph import (
     attn_step_ok,
     batch_unpadded,
+    forget_padding,
     check_weights,
     compile_key,
     compiled_steps,
@@ -124,6 +125,7 @@ def make_text_model_call(module, cls_name, layer_cls_name, with_embeddings):
             CHECKED.active = outer
         if h.shape[1] > 1:
             kv_headroom(cache, batch=batch)
+            forget_padding(cache)  # prepare / finalize change left_padding in place
         return add_rms_norm(h, m, self.norm.weight, self.norm.eps)[1]
 
     return text_model_call
@@ -149,17 +151,20 @@ def _unpadded_batch_step(h, cache) -> bool:
     no ``ArraysCache`` with ``lengths``. Its SSM mask for one token, ``0 >= left_padding``,
     is then all true: at a decode step every row has consumed more tokens than its
     padding. (The compiled step leaves an ``ArraysCache``'s ``left_padding`` where the
-    prefill left it, below zero; mlx-lm reads it only through that mask, ``filter`` and
-    ``extend``.)"""
+    prefill left it: None, zero or below zero; mlx-lm reads it only through that mask,
+    ``filter`` and ``extend``.) Rows stay bit-identical to the sequence alone while the
+    batch cache has the capacity the sequence's own cache would have; after ``filter``
+    or ``extend`` it may not, and the split-K block can then differ."""
     if not _batch_decode_step(h, cache):
         return False
-    for c in cache:
-        if type(c) is BatchKVCache and (c.keys is None or not batch_unpadded(c)
-                                        or c._idx + 1 > c.keys.shape[2]):
-            return False
-        if getattr(c, "lengths", None) is not None:
-            return False
-    return True
+    # lengths first: a one-token prompt chunk between prepare and finalize has them, and
+    # must not leave a batch_unpadded answer that finalize's padding would make stale
+    if any(getattr(c, "lengths", None) is not None for c in cache):
+        return False
+    return all(type(c) is not BatchKVCache
+               or (c.keys is not None and c._idx + 1 <= c.keys.shape[2]
+                   and getattr(c, "_right_padding", None) is None and batch_unpadded(c))
+               for c in cache)
 
 
 def _eval_ahead(*arrays) -> bool:

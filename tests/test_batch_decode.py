@@ -237,11 +237,10 @@ def test_emulated_compiled_batch_steps_equal_alone(model, lengths, monkeypatch):
     on: BatchGenerator over prompts of one length (``mlx_lm.benchmark -b N``) or one
     request (how ``mlx_lm.server`` runs a single request) takes the whole-stack decode
     step on the batch caches, and each prompt gets the tokens it gets alone through the
-    one-sequence whole step, bit for bit; mixed lengths (left-padded) decode eagerly and
-    also match. Through several KV growths (``MLX_LILY_KV_STEP=16``)."""
+    one-sequence whole step (same greedy tokens); mixed lengths (left-padded) decode
+    eagerly and also match. No KV growth inside the decode (capacity 2048)."""
     from mlx_lily.patches import decode_graph as dg
 
-    monkeypatch.setenv("MLX_LILY_KV_STEP", "16")
     prompts = [prompt_of(n, i) for i, n in enumerate(lengths)]
     max_tokens = (24, 20, 22)[:len(prompts)]
     inner = model.language_model.model
@@ -259,6 +258,38 @@ def test_emulated_compiled_batch_steps_equal_alone(model, lengths, monkeypatch):
     assert batch == alone
     if len(set(lengths)) == 1 and len(prompts) > 1:
         assert batch_shapes, "the batch took no whole-stack step"
+
+
+def test_batch_unpadded_answer_dropped_when_padding_changes_in_place():
+    """``batch_unpadded`` keeps its answer per ``left_padding`` array; mlx-lm's
+    ``prepare`` / ``finalize`` add padding to that same array in place, so each
+    multi-token call drops the answer (``forget_padding``), and a one-token call between
+    ``prepare`` and ``finalize`` (``ArraysCache.lengths`` set) never takes the compiled
+    batch step nor stores an answer."""
+    from mlx_lm.models.cache import ArraysCache
+
+    from mlx_lily.patches import decode_graph as dg, stack
+
+    c = BatchKVCache([0, 0])
+    k = mx.zeros((2, 2, 3, 8), mx.bfloat16)
+    c.update_and_fetch(k, k)
+    assert dg.batch_unpadded(c)
+    c.left_padding += mx.array([0, 2])  # what finalize does: the same object
+    assert dg.batch_unpadded(c)  # the stale answer the forget exists for
+    dg.forget_padding([c])
+    assert not dg.batch_unpadded(c)
+
+    c2 = BatchKVCache([0, 0])
+    c2.update_and_fetch(k, k)
+    a = ArraysCache(2)
+    a.lengths = mx.array([3, 1])
+    h = mx.zeros((2, 1, 8), mx.bfloat16)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(stack, "_batch_decode_step", lambda h, cache: True)
+        assert not stack._unpadded_batch_step(h, [a, c2])
+        assert dg._PAD_MEMO not in c2.__dict__
+        a.lengths = None
+        assert stack._unpadded_batch_step(h, [a, c2]) == (c2._idx + 1 <= c2.keys.shape[2])
 
 
 # ------------------------------------------------------------------------- op level, both twins

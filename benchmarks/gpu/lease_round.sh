@@ -3,12 +3,12 @@
 # set up by lease_setup.sh (from the repository root, in the call that sourced it):
 #   setsid nohup bash benchmarks/gpu/lease_round.sh > /tmp/w/round.log 2>&1 < /dev/null &
 # later calls on the warm machine only wait and archive /tmp/w (lease_setup.sh's snap).
-# Phase 1 runs two chains side by side; nothing timed there is used as a speed figure:
+# Phase 1 runs the training chain, then the checks; nothing timed there is a speed figure:
 #   trained: train (or reuse) the production-width model, then its long-context numerics
 #   checks:  batch-vs-alone parity with batched decode on (this machine's first MLX JIT),
 #            then the same without prefill_dequant
 # Phase 2 runs one process at a time (the speed figures): qualification on a fresh record
-# folder (warm), the A/B gate under that record with the trained authority, mlx_lm.benchmark
+# folder (the machine's first, so cold), the A/B gate under that record with the trained authority, mlx_lm.benchmark
 # through user_bench.py (stock and Lily in one run, then Lily alone at longer prompts).
 # ROUND_PHASES (default 1,2) selects phases; each step's log is W/<step>.log, the timeline
 # W/round.log.
@@ -40,7 +40,7 @@ if [[ $PHASES == *",1,"* ]]; then
       > "$W/trained.log" 2>&1
     rc=$?
     echo "[$(el) s] trained: rc=$rc"
-  ) &
+  )  # alone: beside a 35B model on the GPU the trainer ran out of memory
   (
     MLX_LILY_KERNELS=$BATCH_SET step batch-parity 480 \
       python3 "$R/benchmarks/gpu/batch_parity.py" --model "$Q36" --lengths 5,37,130,2049 \
@@ -53,8 +53,9 @@ if [[ $PHASES == *",1,"* ]]; then
 fi
 
 if [[ $PHASES == *",2,"* ]]; then
-  MLX_LILY_CACHE_DIR=/tmp/qc-warm step qualify-warm 300 \
-    python3 -m mlx_lily.qualify --model "$Q36" --report --out "$W/qualify-warm" --timeout-s 280
+  # the machine's first qualification (cold: its variants compile here; 385 s before)
+  MLX_LILY_CACHE_DIR=/tmp/qc-warm step qualify-warm 600 \
+    python3 -m mlx_lily.qualify --model "$Q36" --report --out "$W/qualify-warm" --timeout-s 580
   mkdir -p /tmp/qc-warm && ln -sfn "$AUTH" /tmp/qc-warm/models
   MLX_LILY_CACHE_DIR=/tmp/qc-warm step gate-qualified 300 \
     python3 "$R/benchmarks/ab.py" "$Q36" --lengths 1024 --rounds 2 --decode-steps 32 \
