@@ -25,13 +25,15 @@ def kv_write_index(offset, row_shape):
 KV_STEP_ENV = "MLX_LILY_KV_STEP"  # tuning.kv_step
 
 
-#: KV-cache capacity growth (tokens) for plain ``KVCache`` objects a patched forward sees.
+#: KV-cache capacity growth (tokens) for plain ``KVCache`` objects a patched forward sees
+#: (and mlx-lm's ``BatchKVCache`` of up to 8 sequences while ``batch_decode`` is on).
 #: mlx-lm grows by 256; each growth changes the compiled decode step's shapes, so the step
 #: that grows runs layer by layer and the next one traces the whole stack again
 #: (``benchmarks/build_time.py --layers 40 --growth-steps 1100`` on this repository's CPU
 #: box, stubbed kernels: at 256, 8 steps of 1100 over 5x the median, 37.4 ms
-#: in all, against a 0.32 ms median). 2048 (the prefill chunk) cuts those events 8x for at most 2047 unused cache rows per attention layer (4 MiB per layer for
-#: Qwen3.6-35B-A3B's 2 KV heads x 256 dims, bf16 K and V).
+#: in all, against a 0.32 ms median). 2048 (the prefill chunk) cuts those events 8x for at
+#: most 2047 unused cache rows per attention layer and sequence (4 MiB for Qwen3.6-35B-A3B's
+#: 2 KV heads x 256 dims, bf16 K and V).
 DEFAULT_KV_STEP = 2048
 
 

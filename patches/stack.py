@@ -80,6 +80,7 @@ def make_text_model_call(module, cls_name, layer_cls_name, with_embeddings):
         x = mx.fast.rms_norm(h, first.weight, first.eps)
         steps = cs = None
         batch = batch_kernels_on()
+        grow_batch = batch and h.shape[0] <= MAX_BATCH_ROWS  # batch caches grow as plain
         if h.shape[1] == 1 and ((fa_mask is None and ssm_mask is None)
                                 or (batch and _unpadded_batch_step(h, cache))):
             key = compile_key()
@@ -97,7 +98,7 @@ def make_text_model_call(module, cls_name, layer_cls_name, with_embeddings):
                 y = run_whole_step(self, cs, layers, cache, h)
                 if y is not None:
                     return y
-            widen_kv_steps(cache, batch)  # where caches grow: prefill, a step without room
+            widen_kv_steps(cache, grow_batch)  # where caches grow: prefill, a step without room
             for i, (layer, c) in enumerate(zip(layers, cache)):
                 if m is not None:
                     h, x = layer_input(h, m, layer.input_layernorm, defer)
@@ -124,7 +125,7 @@ def make_text_model_call(module, cls_name, layer_cls_name, with_embeddings):
         finally:
             CHECKED.active = outer
         if h.shape[1] > 1:
-            kv_headroom(cache, batch=batch)
+            kv_headroom(cache, batch=grow_batch)
             forget_padding(cache)  # prepare / finalize change left_padding in place
         return add_rms_norm(h, m, self.norm.weight, self.norm.eps)[1]
 

@@ -260,6 +260,63 @@ def test_emulated_compiled_batch_steps_equal_alone(model, lengths, monkeypatch):
         assert batch_shapes, "the batch took no whole-stack step"
 
 
+@needs_emu
+@pytest.mark.parametrize("lengths", [(37, 37), (2040, 2040)], ids=["short", "kv-growth"])
+def test_emulated_compiled_batch_decode_logits_equal_alone(model, lengths, monkeypatch):
+    """Compiled decode steps on (built uncompiled, as above), every Metal kernel on: two
+    prompts of one length prefilled alone, merged as ``BatchGenerator`` merges them, then
+    decoded together (one row leaves after 4 steps, ``filter``): every step's logits of
+    every row equal those of the sequence decoded alone, bit for bit, and the batch steps
+    after the first (which grows the merged cache) ran the whole-stack step on the batch
+    caches. ``kv-growth``: the decode crosses 2048 tokens, where each sequence's own cache
+    grows (an eager step alone; the merged cache grew at its first step)."""
+    from mlx_lily.patches import decode_graph as dg, stack
+
+    whole_on_batch = []
+    real = stack.run_whole_step
+
+    def counting(text_model, cs, layers, cache, h):
+        y = real(text_model, cs, layers, cache, h)
+        if y is not None and any(type(c) is BatchKVCache for c in cache):
+            whole_on_batch.append(h.shape[0])
+        return y
+
+    monkeypatch.setattr(stack, "run_whole_step", counting)
+    dg.drop_compiled_steps()
+    try:
+        with emulated_metal(), dg.uncompiled():
+            monkeypatch.setenv("MLX_LILY_COMPILE", "1")  # emulated_metal turned it off
+            with mlx_lily.patched(model):
+                check_decode_parity(model, lengths=lengths, steps=10, leave_after=2)
+    finally:
+        dg.drop_compiled_steps()
+    assert 2 in whole_on_batch and 1 in whole_on_batch, whole_on_batch
+
+
+def test_batch_kv_caches_grow_like_plain_ones_only_when_asked(monkeypatch):
+    """``widen_kv_steps`` / ``kv_headroom`` with ``batch`` give a ``BatchKVCache`` the
+    growth step and headroom of a plain cache (written rows, ``_idx``, ``offset`` and
+    ``left_padding`` unchanged); without it the batch cache keeps mlx-lm's."""
+    from mlx_lily.patches.kv_growth import DEFAULT_KV_STEP, kv_headroom, widen_kv_steps
+
+    monkeypatch.delenv("MLX_LILY_KV_STEP", raising=False)
+    c = BatchKVCache([1, 0])
+    k = mx.arange(2 * 2 * 256 * 4, dtype=mx.float32).reshape(2, 2, 256, 4)
+    c.update_and_fetch(k, k + 1)
+    assert c.keys.shape[2] == c._idx == 256
+    widen_kv_steps([c])
+    kv_headroom([c])
+    assert c.step == 256 and c.keys.shape[2] == 256
+    widen_kv_steps([c], batch=True)
+    assert c.step == DEFAULT_KV_STEP
+    offset, lp = c.offset.tolist(), c.left_padding.tolist()
+    kv_headroom([c], batch=True)
+    assert c.keys.shape[2] == DEFAULT_KV_STEP and c._idx == 256
+    assert c.offset.tolist() == offset and c.left_padding.tolist() == lp
+    assert mx.array_equal(c.keys[..., :256, :], k).item()
+    assert mx.array_equal(c.values[..., :256, :], k + 1).item()
+
+
 def test_batch_unpadded_answer_dropped_when_padding_changes_in_place():
     """``batch_unpadded`` keeps its answer per ``left_padding`` array; mlx-lm's
     ``prepare`` / ``finalize`` add padding to that same array in place, so each
