@@ -231,7 +231,7 @@ def test_emulated_batch_generate_equals_alone(model, lengths):
 
 @needs_emu
 @pytest.mark.parametrize("lengths", [(37, 37), (37,), LENGTHS], ids=["equal", "one", "mixed"])
-def test_emulated_compiled_batch_steps_equal_alone(model, lengths, monkeypatch):
+def test_emulated_compiled_batch_steps_equal_alone(model, lengths):
     """Compiled decode steps on (``MLX_LILY_COMPILE=1``, built as plain functions by
     ``uncompiled()``: the emulator cannot run inside ``mx.compile``), every Metal kernel
     on: BatchGenerator over prompts of one length (``mlx_lm.benchmark -b N``) or one
@@ -246,8 +246,8 @@ def test_emulated_compiled_batch_steps_equal_alone(model, lengths, monkeypatch):
     inner = model.language_model.model
     dg.drop_compiled_steps()
     try:
-        with emulated_metal(), dg.uncompiled():
-            monkeypatch.setenv("MLX_LILY_COMPILE", "1")  # emulated_metal turned it off
+        with emulated_metal(), dg.uncompiled(), pytest.MonkeyPatch.context() as mp:
+            mp.setenv("MLX_LILY_COMPILE", "1")  # emulated_metal turned it off (undone first)
             with mlx_lily.patched(model):
                 alone = [greedy(model, p, n) for p, n in zip(prompts, max_tokens)]
                 assert inner._lily_steps.recent, "the one-sequence whole step did not run"
@@ -284,8 +284,8 @@ def test_emulated_compiled_batch_decode_logits_equal_alone(model, lengths, monke
     monkeypatch.setattr(stack, "run_whole_step", counting)
     dg.drop_compiled_steps()
     try:
-        with emulated_metal(), dg.uncompiled():
-            monkeypatch.setenv("MLX_LILY_COMPILE", "1")  # emulated_metal turned it off
+        with emulated_metal(), dg.uncompiled(), pytest.MonkeyPatch.context() as mp:
+            mp.setenv("MLX_LILY_COMPILE", "1")  # emulated_metal turned it off (undone first)
             with mlx_lily.patched(model):
                 check_decode_parity(model, lengths=lengths, steps=10, leave_after=2)
     finally:

@@ -1,7 +1,8 @@
 """Batch invariance on a real checkpoint: each prompt generated alone (``generate_step``,
 greedy) against the same prompts batched through mlx-lm's ``BatchGenerator`` (what
 ``mlx_lm.server`` and ``mlx_lm.benchmark -b N`` use), patched; per row the first token
-index where the batch differs from alone (-1: identical), and the batch's aggregate decode
+index where the batch differs from alone (-1: identical), the largest difference of the
+first token's log-probabilities (0.0: bit-identical there), and the batch's aggregate decode
 tok/s (tokens over the wall time of the batched generation, prefill excluded as far as
 ``BatchGenerator`` separates it: the clock starts at the first generated token).
 
@@ -22,6 +23,9 @@ import os
 import sys
 import time
 
+import mlx.core as mx
+import numpy as np
+
 
 def batched(model, prompts, n, step):
     """(tokens per prompt, aggregate decode tok/s after the first generated token);
@@ -32,17 +36,42 @@ def batched(model, prompts, n, step):
                          completion_batch_size=len(prompts), prefill_step_size=step)
     uids = gen.insert(prompts, [n] * len(prompts))
     out = {u: [] for u in uids}
+    first_lp = {}
     t0, count = None, 0
     while responses := gen.next_generated():
         for r in responses:
             out[r.uid].append(int(r.token))
+            if r.uid not in first_lp:
+                first_lp[r.uid] = np.array(r.logprobs.astype(mx.float32)).reshape(-1)
         if t0 is None:
             t0 = time.perf_counter()
         else:
             count += len(responses)
     dt = time.perf_counter() - t0 if t0 is not None else 0.0
     gen.close()
-    return [out[u] for u in uids], (count / dt if dt > 0 else 0.0)
+    return ([out[u] for u in uids], (count / dt if dt > 0 else 0.0),
+            [first_lp.get(u) for u in uids])
+
+
+def alone(model, prompt, n, step):
+    """(the first ``n`` greedy tokens of ``prompt`` through ``generate_step``, the first
+    token's log-probabilities as fp32 numpy)."""
+    from mlx_lm.generate import generate_step
+
+    toks, first = [], None
+    for (tok, lp), _ in zip(generate_step(mx.array(prompt), model, max_tokens=n,
+                                          prefill_step_size=step), range(n)):
+        toks.append(int(tok))
+        if first is None:
+            first = np.array(lp.astype(mx.float32)).reshape(-1)
+    return toks, first
+
+
+def max_diff(a, b):
+    """max |a - b| (NaN-aware: NaN when either holds NaN), None when either is missing."""
+    if a is None or b is None or a.shape != b.shape:
+        return None
+    return float(np.max(np.abs(a - b)))
 
 
 def stock_safe_step(step: int, batch: int, top_k: int) -> int:
@@ -75,11 +104,8 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     a = ap.parse_args(argv)
 
-    import mlx.core as mx
-
     import mlx_lily
     from mlx_lily.bench.ab import load_target, synthetic_ids
-    from mlx_lily.testing.generation import greedy
 
     target = load_target(a.model)
     model, config = target.model, target.config
@@ -101,13 +127,16 @@ def main(argv=None) -> int:
         entry = {"lengths": lengths, "prefill_step": step}
         try:
             with ctx:
-                solo = [greedy(model, p, a.gen, prefill_step_size=step) for p in prompts]
+                solo, solo_lp = zip(*[alone(model, p, a.gen, step) for p in prompts])
                 batched(model, prompts, 4, step)  # warm-up at this batch size
-                toks, tps = batched(model, prompts, a.gen, step)
+                toks, tps, batch_lp = batched(model, prompts, a.gen, step)
             diffs = [first_diff(s, t) for s, t in zip(solo, toks)]
-            entry.update(first_diff=diffs, batch_decode_tps=tps, solo=solo, batched=toks)
+            lp_diffs = [max_diff(x, y) for x, y in zip(solo_lp, batch_lp)]
+            entry.update(first_diff=diffs, first_logprobs_max_diff=lp_diffs,
+                         batch_decode_tps=tps, solo=list(solo), batched=toks)
             print(f"{arm}: B={len(prompts)} lengths {lengths}: first differing token per row "
-                  f"{diffs} (-1 = identical); batched decode {tps:.1f} tok/s", flush=True)
+                  f"{diffs} (-1 = identical); first token's log-probabilities, max |alone - "
+                  f"batched| per row {lp_diffs}; batched decode {tps:.1f} tok/s", flush=True)
         except Exception as e:  # noqa: BLE001  (the other arm still runs; the JSON says why)
             failed = True
             entry["error"] = f"{type(e).__name__}: {e}"

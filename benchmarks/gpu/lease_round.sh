@@ -6,7 +6,7 @@
 # Phase 1 runs the training chain, then the checks; nothing timed there is a speed figure:
 #   trained: train (or reuse) the production-width model, then its long-context numerics
 #   checks:  batch-vs-alone parity with batched decode on (this machine's first MLX JIT),
-#            then the same without prefill_dequant
+#            prompts of one length (the compiled batch step), without prefill_dequant
 # Phase 2 runs one process at a time (the speed figures): qualification on a fresh record
 # folder (the machine's first, so cold), the A/B gate under that record with the trained authority, mlx_lm.benchmark
 # through user_bench.py (stock and Lily in one run, then Lily alone at longer prompts).
@@ -45,6 +45,10 @@ if [[ $PHASES == *",1,"* ]]; then
     MLX_LILY_KERNELS=$BATCH_SET step batch-parity 480 \
       python3 "$R/benchmarks/gpu/batch_parity.py" --model "$Q36" --lengths 5,37,130,2049 \
       --gen 32 --stock --out "$W/batch-parity"
+    # prompts of one length: the batch decodes through the compiled whole-stack step
+    MLX_LILY_KERNELS=$BATCH_SET step batch-parity-equal 300 \
+      python3 "$R/benchmarks/gpu/batch_parity.py" --model "$Q36" --lengths 130,130,130,130 \
+      --gen 32 --out "$W/batch-parity-equal"
     MLX_LILY_KERNELS=$BATCH_SET MLX_LILY_DISABLE=prefill_dequant step batch-parity-nodq 150 \
       python3 "$R/benchmarks/gpu/batch_parity.py" --model "$Q36" --lengths 5,2049 \
       --gen 16 --out "$W/batch-parity-nodq"
