@@ -62,9 +62,10 @@ def kv_rows(c) -> int:
 
 def widen_kv_steps(cache, batch: bool = False) -> None:
     """Raise the growth step of every plain ``KVCache`` in ``cache`` (and ``BatchKVCache``
-    with ``batch``) to ``_kv_step()`` (never lower it). Only the capacity changes: ``offset``, the rows up to it and the
-    attention results are those of mlx-lm's growth (which trims to the offset before
-    growing when the offset is not a multiple of the step). mlx-lm 0.32's
+    with ``batch``) to ``_kv_step()`` (never lower it). Only the capacity changes:
+    ``offset``, the rows up to it and the attention results are those of mlx-lm's growth
+    (which trims to the offset before growing when the offset is not a multiple of the
+    step). mlx-lm 0.32's
     ``KVCache.state`` is the whole buffer, so a cache saved with ``save_prompt_cache``
     carries up to step - 1 unused rows per attention layer, as it does at 256."""
     step = _kv_step()
