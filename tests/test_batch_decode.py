@@ -202,15 +202,12 @@ def test_emulated_batched_prefill_rows_bit_identical_to_alone(model):
 
 
 @needs_emu
-@pytest.mark.xfail(strict=True, reason="known batch-invariance defect (issue 27): a prompt "
-                   "of <= 8 tokens takes the MoE decode kernels alone and the grouped GEMM "
-                   "inside a batch")
 def test_emulated_short_prompt_prefill_in_a_batch_equals_alone(model):
     """Every Metal kernel on: a 5-token prompt (5 MoE rows, few enough for the decode
-    kernels) prefilled inside a 5 / 37 batch should get the last-token logits it gets
-    alone, bit for bit. It does not yet (max |diff| 1.6 on this model; on the H200 the
-    first generated token differed): alone its MoE takes the decode kernels, in the
-    batch the grouped GEMM."""
+    kernels) prefilled inside a 5 / 37 batch gets the last-token logits it gets alone,
+    bit for bit: a prefill chunk's MoE takes the grouped GEMM at any row count
+    (``moe_experts.prefill_chunk``). With the decode kernels for short prompts this row
+    differed (max 1.6 on this model; on the H200 the first generated token)."""
     with emulated_metal():
         with mlx_lily.patched(model):
             bad = check_prefill_parity(model, (5, 37))

@@ -222,17 +222,17 @@ def test_warmup_survives_a_failing_precompile(monkeypatch):
     assert "read-only home" in patching.last_warmup["skipped"]
 
 
-def _production_launches(monkeypatch, layers=4):
+def _production_launches(monkeypatch, layers=4, kernels_setting="all"):
     """Kernel launches of a production-dims (Qwen3.6-35B-A3B, ``layers`` layers) forward,
     recorded on a lazy model: nothing is evaluated but the fused projections. The decode
     step runs through the compiled layer functions, traced (and so recorded) here first:
-    prepare's own warm-up is skipped."""
+    prepare's own warm-up is skipped. ``kernels_setting``: ``MLX_LILY_KERNELS``."""
     import mlx_lily
     from mlx_lily import patching, synth
 
     _stub_cuda_dispatch(monkeypatch)
     monkeypatch.setattr(patching, "warmup", lambda *a, **k: 0.0)
-    monkeypatch.setenv("MLX_LILY_KERNELS", "all")
+    monkeypatch.setenv("MLX_LILY_KERNELS", kernels_setting)
     model, _ = synth._lazy_model(synth._text_config(num_hidden_layers=layers))
     model.eval()
     model.set_dtype(mx.bfloat16)
@@ -245,13 +245,23 @@ def _production_launches(monkeypatch, layers=4):
 
 @pytest.mark.slow
 def test_production_forward_records_every_op(monkeypatch):
+    """The recorded forward (an 8-token prefill, a decode step, a 2048-token prefill)
+    launches every op's kernels. With every kernel on, the decode step's MoE is the one
+    fused launch (``moe_fused``) and both prefills' the grouped GEMM (a prefill chunk
+    never takes the MoE decode kernels); with ``moe_fused`` off the decode step takes
+    ``moe_experts``' gate+up and down kernels."""
     launches = _production_launches(monkeypatch)
     ops = {kernels.op_of(kernels.KernelSpec(l.name, _stem(l.name), (), ())) for l in launches}
     assert ops >= {"add_rms_norm", "attention", "gated_delta", "moe_router_topk",
-                   "moe_experts", "moe_route", "moe_grouped", "qgemv"}
+                   "moe_fused", "moe_route", "moe_grouped", "qgemv"}
     names = {l.name for l in launches}
-    assert {"lily_gdn_decode", "lily_moe_gate_up", "lily_moe_down",
-            "lily_norm_qgemv"} <= names  # decode step
+    assert {"lily_gdn_decode", "lily_moe_decode", "lily_norm_qgemv"} <= names  # decode step
+    assert not {"lily_moe_gate_up", "lily_moe_down"} & names
+    unfused = _production_launches(monkeypatch, kernels_setting=",".join(
+        op for op in backend.OP_NAMES if op != "moe_fused"))
+    names_unfused = {l.name for l in unfused}
+    assert {"lily_moe_gate_up", "lily_moe_down"} <= names_unfused  # decode step
+    assert "lily_moe_decode" not in names_unfused
     packed = {(l.name, dict(l.template).get("PACKED")) for l in launches}
     assert ("lily_gdn_decode", True) in packed and ("lily_attn_qk_norm_rope", True) in packed
     pre = {dict(l.template).get("PRE_NORM") for l in launches if l.name == "lily_moe_router_topk"}

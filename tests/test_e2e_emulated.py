@@ -181,7 +181,16 @@ def test_decode_output_projections_run_qgemv(stock_run):
     """A decode step runs every layer's output projection (GDN ``out_proj``, attention
     ``o_proj``: switch ``qgemv_out``), the LM head (``patches.qwen3_next.one_row_linear``)
     and the first layer's input projection as ``lily_qgemv``;
-    with ``qgemv`` off none of them does, and the logits agree within rounding."""
+    with ``qgemv`` off none of them does, and the logits agree within rounding: the
+    step's logits with and without ``qgemv`` are correlated >= 0.98, and with it they
+    are no further from the fp32 answer than without it (the file's noise rule).
+
+    A raw on/off bound (5% of the logit scale) does not hold on this chaotic model: over
+    7 prompts (this one and six random ones of 5-20 tokens) the on/off difference was
+    0.028-0.092 of the scale, with the short prompts' MoE on the decode kernels as much
+    as on the grouped GEMM; this prompt sat at 0.049. The correlation was 0.9938-0.9993,
+    the fp32 distance with ``qgemv`` at most 1.45x that without it; a wrong ``qgemv``
+    (``MLX_LILY_INJECT_FAULT=qgemv:wrong``) gives correlation -0.3 and 3.4 of the scale."""
     from mlx_lily.ops import qgemv as Q
 
     model, forced, ref, truth = stock_run
@@ -207,7 +216,11 @@ def test_decode_output_projections_run_qgemv(stock_run):
     assert counts[True] == n_layers + 2, counts
     assert counts[False] == 0, counts
     assert counts["no-out"] == 2, counts  # switch qgemv_out off: the output projections
-    assert_close(logits[True], logits[False], rtol=0.05, scale="max")
+    on, off, fp32 = logits[True][-1], logits[False][-1], truth[len(PROMPT)]
+    assert np.corrcoef(on, off)[0, 1] >= 0.98
+    scale = float(np.abs(fp32).max())
+    err_on, err_off = (float(np.abs(x - fp32).max()) / scale for x in (on, off))
+    assert err_on <= NOISE_FACTOR * err_off + NOISE_SLACK, (err_on, err_off)
 
 
 def test_deepcopy_and_unpatch_after_kernel_decode(stock_run):

@@ -409,18 +409,30 @@ def _decode_run(experts: Experts, x, inds, scores, shared, residual, backend):
     return _cached_plan(experts, "decode", key, build)
 
 
+def prefill_chunk(x_shape) -> bool:
+    """Whether activations of ``x_shape`` (``[B, L, D]``) are a prefill chunk (L > 1
+    tokens per sequence). The decode kernels serve one token per sequence only, so a
+    prompt's MoE rows take one path (the grouped GEMM) at every length and batch size."""
+    return len(x_shape) >= 3 and x_shape[-2] > 1
+
+
 def moe_experts(x, inds, scores, experts: Experts, shared, residual=None):
-    """Dispatcher. Few rows (<= ``MAX_DECODE_ROWS``): the two decode kernels (gate+up
-    with SwiGLU, then down + weighted combine + shared expert, optionally + residual)
-    when they serve this backend and ``experts.decode``; more rows: the prefill grouped
-    GEMM (``moe_grouped.try_grouped``) when it serves; otherwise
-    ``moe_experts_reference``. Arguments as the reference's, with ``experts`` an
+    """Dispatcher. Few rows (<= ``MAX_DECODE_ROWS``) that are not a prefill chunk: the two
+    decode kernels (gate+up with SwiGLU, then down + weighted combine + shared expert,
+    optionally + residual) when they serve this backend and ``experts.decode``; more
+    rows: the prefill grouped GEMM (``moe_grouped.try_grouped``) when it serves;
+    otherwise ``moe_experts_reference``. A prefill chunk (``x [B, L, D]`` with L > 1)
+    takes the grouped GEMM at any row count, so a prompt's MoE rows get the same kernels
+    alone and inside a batch (a 5-token prompt alone would otherwise take the decode
+    kernels, in a batch the GEMM). Arguments as the reference's, with ``experts`` an
     ``Experts`` (``mlx_lily.patches.layouts.experts``)."""
     backend = current_backend()
     if backend in ("metal", "cuda"):
         d = x.shape[-1]
         rows = x.size // d if d else 0
-        if rows <= MAX_DECODE_ROWS and kernels.kernels_allowed(NAME, backend):
+        prefill = prefill_chunk(x.shape)
+        if (rows <= MAX_DECODE_ROWS and not prefill
+                and kernels.kernels_allowed(NAME, backend)):
             run = _decode_run(experts, x, inds, scores, shared, residual, backend)
             if run is not None:
                 return run(x, inds, scores, shared, residual)
@@ -430,7 +442,8 @@ def moe_experts(x, inds, scores, experts: Experts, shared, residual=None):
             except ImportError:
                 try_grouped = None
             if try_grouped is not None:
-                y = try_grouped(x, inds, scores, experts.grouped, experts.shared_rows, shared)
+                y = try_grouped(x, inds, scores, experts.grouped, experts.shared_rows, shared,
+                                **({"min_pairs": 1} if prefill else {}))
                 if y is not None:
                     return y if residual is None else residual + y
     return moe_experts_reference(x, inds, scores, experts.routed, experts.shared_mlp, shared,
@@ -458,7 +471,7 @@ def routed_supported(router, k: int, wts: DecodeWeights | None, x_shape, x_dtype
     rows = 1
     for s_ in x_shape[:-1]:
         rows *= s_
-    return (d == wts.hidden and 1 <= rows <= MAX_DECODE_ROWS
+    return (d == wts.hidden and 1 <= rows <= MAX_DECODE_ROWS and not prefill_chunk(x_shape)
             and d * x_dtype.size + 4 * (k + 4 + GATE_UP_NW) <= MAX_THREADGROUP_BYTES
             and fit_launch_shapes(d, wts.inter, k, wts.bits, current_backend()) is not None)
 
@@ -569,7 +582,8 @@ def fused_supported(router, k: int, wts: DecodeWeights | None, x_shape, x_dtype)
     rows = 1
     for s_ in x_shape[:-1]:
         rows *= s_
-    if fused_tiles(d, i, k, wts.num_experts, bits, rbits, rows) is None:
+    if prefill_chunk(x_shape) or fused_tiles(d, i, k, wts.num_experts, bits, rbits,
+                                              rows) is None:
         return False
     if max(d, (k + 1) * i) * x_dtype.size + 4 * (2 * k + 6) > 48 * 1024:
         return False
