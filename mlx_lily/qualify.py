@@ -34,7 +34,11 @@ each a set of environment settings the variant runs under, applied by
    ``NOISE_SIGMAS`` standard errors of the time ratio, at most ``MAX_ALLOWANCE``: a 4.7x
    prefill gain is not thrown away for a 3 % decode loss inside the noise of 16 steps);
    a fusion whose required ops were not kept is not timed (its kernel could not serve).
-   Before timing,
+   Then each op that passed but was not kept is timed once more together with the ops
+   that require it (``dependent_chain``, default variants, against the set kept so far:
+   an enabler such as ``norm_qgemv``, about even alone, is what the fused projections,
+   the fused MoE and the compiled whole step need); a chain that is faster is kept
+   whole (the record's ``"chains"``). Before timing,
    a launch census (``launch_census``: the timed work's graph built, not evaluated, the
    decode steps through the compiled path's Python without a trace) compares the kernel
    launches (name, template, grid, shapes) with the set without the op: a phase where
@@ -359,6 +363,50 @@ def decide(results: dict) -> dict:
         if best is not None:
             out[op] = best
     return out
+
+
+def dependent_chain(seed: str, candidates: list, kept, requires) -> list:
+    """The ops that can only serve together with ``seed``: ``seed`` plus every op of
+    ``candidates`` (``OP_NAMES`` order, not in ``kept``) that requires an op of the chain,
+    directly or through another, together with its other required ops that are
+    candidates; an op with a required op neither kept nor a candidate stays out (it
+    could not serve). A seed whose own required ops are not all kept has no chain
+    (``[]``). ``requires(op)`` gives an op's required ops
+    (``first_contact.requires``). Returns the chain in ``candidates`` order; ``[seed]``
+    when nothing depends on it. Example, with the registry's ``requires``: seed
+    ``attention`` with candidates ``attention, attn_packed, batch_decode`` and ``qgemv``
+    kept gives all three."""
+    kept = set(kept)
+    if any(r not in kept for r in requires(seed)):
+        return []  # the seed cannot serve: its own requirement's chain covers it
+    pool = [op for op in candidates if op not in kept]
+    chain = {seed}
+
+    def closure(op, seen):
+        """``op`` and the candidate ops it needs (not kept), or None if one is missing."""
+        need = {op}
+        for req in requires(op):
+            if req in kept or req in chain or req in seen:
+                continue
+            if req not in pool:
+                return None
+            sub = closure(req, seen | need)
+            if sub is None:
+                return None
+            need |= sub
+        return need
+
+    grew = True
+    while grew:
+        grew = False
+        for op in pool:
+            if op in chain or not any(r in chain for r in requires(op)):
+                continue
+            need = closure(op, frozenset())
+            if need is not None:
+                chain |= need
+                grew = True
+    return [op for op in pool if op in chain]
 
 
 def parity_ok(agreement: dict, rel_to_fp32: float | None = None,
@@ -850,6 +898,7 @@ def qualify_model(model, *, ops=None, decode_steps: int = DECODE_STEPS,
             + f" ({led.parity_forwards} probed forwards for {n_var} op variants)")
         kept: list = []
         chosen: dict = {}
+        chains: list = []
         timed = [op for op in pending if any(r["passed"] for r in results[op].values())]
 
         def env_of(opset):
@@ -914,6 +963,45 @@ def qualify_model(model, *, ops=None, decode_steps: int = DECODE_STEPS,
                 for r in results[op].values():  # counts in the record, not the Counters
                     if r.get("census") is not None:
                         r["census"] = {ph: sum(c.values()) for ph, c in r["census"].items()}
+            # ops that pay off only together: an op not kept alone (an enabler, e.g.
+            # attention for its packed fusion and the batched step) is timed with the
+            # ops that require it
+            tried: set = set()
+            for op in timed:
+                if op in kept or not results[op][DEFAULT_VARIANT]["passed"]:
+                    continue
+                pool = [o for o in timed if results[o][DEFAULT_VARIANT]["passed"]]
+                chain = dependent_chain(op, pool, kept, first_contact.requires)
+                if len(chain) < 2 or frozenset(chain) in tried:
+                    continue
+                tried.add(frozenset(chain))
+                c = {"seed": op, "ops": chain, "base_ms": dict(base_ms), "kernel_ms": None,
+                     "speedup": None, "faster": False, "error": None}
+                chains.append(c)
+                env = env_of(kept)
+                census = census_of(kept + chain, env)
+                same = same_phases(census, base_census)
+                if same == set(PHASES):
+                    c["error"] = "not timed: no kernel launch differs from the set without it"
+                else:
+                    with variant_settings(env), kernels.only_ops(_ordered(kept + chain)):
+                        c["kernel_ms"], c["timing"] = timing({ph: base_ms[ph] for ph in same})
+                    c["noise"] = ratio_noise(measured_spreads(c["timing"]), base_spreads,
+                                             counts)
+                    c["faster"], c["speedup"] = faster(c["kernel_ms"], base_ms, c["noise"])
+                c["census"] = {ph: sum(n.values()) for ph, n in census.items()}
+                say(f"chain {'+'.join(chain)}: " + (c["error"] or " ".join(
+                    f"{k} x{s:.3f}" for k, s in (c["speedup"] or {}).items()))
+                    + (" -> kept" if c["faster"] else " -> not faster"))
+                if c["faster"]:
+                    for o in chain:
+                        chosen[o] = DEFAULT_VARIANT
+                        results[o][DEFAULT_VARIANT]["error"] = (
+                            f"qualified in the chain {'+'.join(chain)} (not alone)")
+                    kept = _ordered(kept + chain)
+                    base_ms = dict(c["kernel_ms"])
+                    base_spreads = {**base_spreads, **measured_spreads(c["timing"])}
+                    base_census = census
         overall = {"stock_ms": stock_ms, "reference_ms": reference_ms,
                    "qualified_ms": None, "speedup_vs_stock": None,
                    "timing": {"stock": stock_detail, "reference": base_detail}}
@@ -945,7 +1033,7 @@ def qualify_model(model, *, ops=None, decode_steps: int = DECODE_STEPS,
             + (f"; vs stock: {' '.join(f'{k} x{s:.3f}' for k, s in sp.items())}" if sp else "")
             + ("; slower than stock: Lily steps aside" if overall.get("dropped") else ""))
     mx.clear_cache()
-    return {"ops": results, "qualified": qualified, "overall": overall,
+    return {"ops": results, "qualified": qualified, "overall": overall, "chains": chains,
             "first_contact": {k: v for k, v in fc.items() if k != "launched"},
             **led.summary(),
             "settings": {"decode_steps": decode_steps, "decode_context": decode_context,
@@ -954,7 +1042,8 @@ def qualify_model(model, *, ops=None, decode_steps: int = DECODE_STEPS,
             "method": ("model-level: parity of the forward with every candidate op on vs "
                        "every kernel off (NaN-poisoned outputs, fresh random ids), a "
                        "failing set bisected; time of a decode step and a prefill chunk "
-                       "with each op on vs off (ops kept before it on in both); the "
+                       "with each op on vs off (ops kept before it on in both), an op "
+                       "not kept alone timed again with the ops that require it; the "
                        "qualified set checked and timed against stock"),
             "seconds": led.elapsed()}
 
@@ -1122,6 +1211,16 @@ def render_markdown(record: dict) -> str:
                      f"{_ms(r['stock_decode_ms'])} | {sp(r['speedup_decode'])} | "
                      f"{_ms(r['kernel_prefill_ms'])} | {_ms(r['stock_prefill_ms'])} | "
                      f"{sp(r['speedup_prefill'])} | {(r['error'] or '')[:120]} |")
+    if record.get("chains"):
+        lines += ["", "Chains: an op not kept alone, timed with the ops that require it "
+                      "(default variants), against the set kept before it.", "",
+                  "| chain | kept | decode x | prefill x | error |", "|---|---|---|---|---|"]
+        for c in record["chains"]:
+            s_ = c.get("speedup") or {}
+            x = (lambda v: "-" if v is None else f"{v:.3f}")
+            lines.append(f"| {'+'.join(c['ops'])} | {'yes' if c.get('faster') else 'no'} | "
+                         f"{x(s_.get('decode'))} | {x(s_.get('prefill'))} | "
+                         f"{(c.get('error') or '')[:120]} |")
     ov = record.get("overall") or {}
     if ov:
         lines += ["", f"Overall (unpatched mlx-lm vs the qualified set): stock "

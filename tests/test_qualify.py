@@ -628,3 +628,55 @@ def test_noise_allowance_reaches_the_decision(monkeypatch, spread, kept):
     assert r["noise"]["decode"] > 0 if spread else r["noise"]["decode"] == 0
     assert r["faster"] is kept
     assert res["qualified"] == ({"add_rms_norm": "default"} if kept else {})
+
+
+def test_dependent_chain_follows_the_registry():
+    """An enabler's chain holds the ops that require it and their other candidate
+    requirements; an op whose requirement is neither kept nor a candidate stays out."""
+    req = first_contact.requires
+    assert qualify.dependent_chain("attention", ["attention", "attn_packed", "batch_decode"],
+                                   ["qgemv"], req) == ["attention", "attn_packed",
+                                                       "batch_decode"]
+    # batch_decode needs qgemv too: without it (not kept, not a candidate) it stays out
+    assert qualify.dependent_chain("attention", ["attention", "attn_packed", "batch_decode"],
+                                   [], req) == ["attention", "attn_packed"]
+    kept = ["gated_delta", "qgemv", "moe_topk_in_experts", "qgemv_out"]
+    pool = ["norm_qgemv", "gdn_packed", "gdn_proj", "gdn_out_proj", "moe_fused"]
+    assert qualify.dependent_chain("norm_qgemv", pool, kept, req) == pool
+    assert qualify.dependent_chain("norm_qgemv", [o for o in pool if o != "gdn_packed"],
+                                   kept, req) == ["norm_qgemv", "moe_fused"]
+    assert qualify.dependent_chain("qgemv_out", ["qgemv_out"], ["qgemv"], req) == ["qgemv_out"]
+    assert qualify.dependent_chain("gdn_packed", pool, ["qgemv"], req) == []  # no gated_delta
+
+
+@needs_emu
+@pytest.mark.parametrize("together_ms,kept", [(9.0, True), (10.4, False)],
+                         ids=["pays-off", "does-not"])
+def test_an_enabler_qualifies_with_the_ops_that_require_it(monkeypatch, together_ms, kept):
+    """``attention`` alone is slower (10.5 ms against 10); ``attn_packed`` cannot run
+    without it, so it is not timed alone; the two together are timed as a chain against
+    the set kept before, and kept whole only when that is faster."""
+    def fake_decode(model, steps, context, detail=None):
+        on = kernels._OVERRIDE[0] or frozenset()  # the set qualify_model times
+        if "attention" not in on:
+            return 10.0
+        return together_ms if "attn_packed" in on else 10.5
+
+    monkeypatch.setattr(qualify, "time_decode", fake_decode)
+    monkeypatch.setattr(qualify, "time_prefill", lambda model, length, reps, detail=None: 10.0)
+    _defaults_only(monkeypatch)
+    model = _models.build("qwen3_5_moe", seed=3)
+    with emulated_metal():
+        res = qualify.qualify_model(model, ops=["attention", "attn_packed"], decode_steps=1,
+                                    decode_context=4, prefill_len=8, parity_prefill=0, seed=1)
+    att = res["ops"]["attention"]["default"]
+    assert att["passed"] and att["faster"] is False
+    note = res["ops"]["attn_packed"]["default"]["error"]
+    assert ("qualified in the chain attention+attn_packed" if kept else "requires attention") in note
+    [chain] = res["chains"]
+    assert chain["ops"] == ["attention", "attn_packed"] and chain["faster"] is kept
+    assert chain["speedup"]["decode"] == pytest.approx(10.0 / together_ms)
+    assert res["qualified"] == ({"attention": "default", "attn_packed": "default"}
+                                if kept else {})
+    md = qualify.render_markdown({**res, "identity": {}})
+    assert f"| attention+attn_packed | {'yes' if kept else 'no'} |" in md
