@@ -365,7 +365,7 @@ def decide(results: dict) -> dict:
     return out
 
 
-def dependent_chain(seed: str, candidates: list, kept, requires) -> list:
+def dependent_chain(seed: str, candidates: list, kept, requires, exclude=()) -> list:
     """The ops that can only serve together with ``seed``: ``seed`` plus every op of
     ``candidates`` (``OP_NAMES`` order, not in ``kept``) that requires an op of the chain,
     directly or through another, together with its other required ops that are
@@ -373,7 +373,8 @@ def dependent_chain(seed: str, candidates: list, kept, requires) -> list:
     could not serve). A seed whose own required ops are not all kept has no chain
     (``[]``). ``requires(op)`` gives an op's required ops
     (``first_contact.requires``). Returns the chain in ``candidates`` order; ``[seed]``
-    when nothing depends on it. Example, with the registry's ``requires``: seed
+    when nothing depends on it. Ops in ``exclude`` join only as another member's
+    requirement, not as dependents. Example, with the registry's ``requires``: seed
     ``attention`` with candidates ``attention, attn_packed, batch_decode`` and ``qgemv``
     kept gives all three."""
     kept = set(kept)
@@ -400,7 +401,7 @@ def dependent_chain(seed: str, candidates: list, kept, requires) -> list:
     while grew:
         grew = False
         for op in pool:
-            if op in chain or not any(r in chain for r in requires(op)):
+            if op in chain or op in exclude or not any(r in chain for r in requires(op)):
                 continue
             need = closure(op, frozenset())
             if need is not None:
@@ -914,6 +915,27 @@ def qualify_model(model, *, ops=None, decode_steps: int = DECODE_STEPS,
                 return launch_census(counted, opset, settings, context=decode_context,
                                      prefill_len=prefill_len)
 
+        def pruned_chain(seed, pool, kept, env):
+            """``dependent_chain`` without the dependents that change no launch here (a
+            switch for batches, at one sequence): they would serve untimed. Returns
+            (chain, its census)."""
+            exclude: set = set()
+            while True:
+                chain = dependent_chain(seed, pool, kept, first_contact.requires, exclude)
+                if len(chain) < 2:
+                    return chain, None
+                census = census_of(_ordered(kept + chain), env)
+                for m in reversed(chain[1:]):
+                    if any(m in first_contact.requires(o) for o in chain if o != m):
+                        continue  # another member needs it
+                    rest = [o for o in chain if o != m]
+                    if same_phases(census_of(_ordered(kept + rest), env),
+                                   census) == set(PHASES):
+                        exclude.add(m)
+                        break
+                else:
+                    return chain, census
+
         with led.phase("timing"):
             for i, op in enumerate(timed):
                 missing = [q for q in first_contact.requires(op) if q not in kept]
@@ -971,15 +993,14 @@ def qualify_model(model, *, ops=None, decode_steps: int = DECODE_STEPS,
                 if op in kept or not results[op][DEFAULT_VARIANT]["passed"]:
                     continue
                 pool = [o for o in timed if results[o][DEFAULT_VARIANT]["passed"]]
-                chain = dependent_chain(op, pool, kept, first_contact.requires)
+                env = env_of(kept)
+                chain, census = pruned_chain(op, pool, kept, env)
                 if len(chain) < 2 or frozenset(chain) in tried:
                     continue
                 tried.add(frozenset(chain))
                 c = {"seed": op, "ops": chain, "base_ms": dict(base_ms), "kernel_ms": None,
                      "speedup": None, "faster": False, "error": None}
                 chains.append(c)
-                env = env_of(kept)
-                census = census_of(kept + chain, env)
                 same = same_phases(census, base_census)
                 if same == set(PHASES):
                     c["error"] = "not timed: no kernel launch differs from the set without it"

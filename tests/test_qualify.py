@@ -680,3 +680,26 @@ def test_an_enabler_qualifies_with_the_ops_that_require_it(monkeypatch, together
                                 if kept else {})
     md = qualify.render_markdown({**res, "identity": {}})
     assert f"| attention+attn_packed | {'yes' if kept else 'no'} |" in md
+
+
+@needs_emu
+def test_a_chain_leaves_out_a_switch_that_changes_no_launch(monkeypatch):
+    """``batch_decode`` requires ``attention``, ``attn_packed`` and ``qgemv`` but launches
+    nothing different at one sequence: the chain of ``attention`` leaves it (and
+    ``qgemv``, which only it pulled in) out, so it never serves untimed."""
+    def fake_decode(model, steps, context, detail=None):
+        on = kernels._OVERRIDE[0] or frozenset()
+        if "attention" not in on:
+            return 10.0
+        return 9.0 if "attn_packed" in on else 10.5
+
+    monkeypatch.setattr(qualify, "time_decode", fake_decode)
+    monkeypatch.setattr(qualify, "time_prefill", lambda model, length, reps, detail=None: 10.0)
+    _defaults_only(monkeypatch)
+    model = _models.build("qwen3_5_moe", seed=3)
+    with emulated_metal():
+        res = qualify.qualify_model(model, ops=["attention", "qgemv", "attn_packed",
+                                                "batch_decode"], decode_steps=1,
+                                    decode_context=4, prefill_len=8, parity_prefill=0, seed=1)
+    assert [c["ops"] for c in res["chains"]] == [["attention", "attn_packed"]]
+    assert res["qualified"] == {"attention": "default", "attn_packed": "default"}
