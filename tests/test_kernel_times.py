@@ -97,3 +97,31 @@ def test_parse_raw_page_per_launch():
                  "smsp__average_warp_latency_issue_stalled_long_scoreboard.ratio": "11.9",
                  "sm__throughput.avg.pct_of_peak_sustained_elapsed": "30.8 %"}
     assert kt.parse_ncu_raw("no table here") == []
+
+
+def test_batch_of_merges_copies_into_unpadded_batch_caches():
+    """``--batch``: copies of one context merged into mlx-lm's batch caches, no row
+    left-padded; a decode step on them gives each row the logits of the context alone
+    (stock mlx-lm, CPU)."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import ArraysCache, BatchKVCache, make_prompt_cache
+
+    import _models
+    from mlx_lily.bench.ab import copy_cache
+
+    model = _models.build("qwen3_5_moe", seed=2)
+    ids = mx.array([[3, 17, 5, 9, 11, 2, 8]])
+    ctx = make_prompt_cache(model)
+    model(ids, cache=ctx)
+    mx.eval([c.state for c in ctx])
+    alone = model(mx.array([[4]]), cache=kt.batch_of(ctx, 1, copy_cache))
+    cache = kt.batch_of(ctx, 3, copy_cache)
+    kinds = {type(c) for c in cache}
+    assert kinds <= {BatchKVCache, ArraysCache} and BatchKVCache in kinds
+    for c in cache:
+        if isinstance(c, BatchKVCache):
+            assert c.left_padding.tolist() == [0, 0, 0] and c._idx == 7
+    got = model(mx.array([[4]] * 3), cache=cache)
+    assert got.shape[0] == 3
+    for b in range(3):
+        assert mx.allclose(got[b], alone[0], atol=1e-5).item()

@@ -4,6 +4,7 @@ stock and a Lily decode step launch, how many times, and how long each runs on t
 ``--phase prefill`` the same for one prefill chunk.
 
     python benchmarks/gpu/kernel_times.py --context 4096 --steps 2 --out DIR
+    python benchmarks/gpu/kernel_times.py --context 512 --batch 8 --arms lily --out DIR
     python benchmarks/gpu/kernel_times.py --phase prefill --context 2048 --chunk 2048 \
         --arms lily --steps 1 --out DIR
 
@@ -11,7 +12,8 @@ Runs itself under ``ncu --profile-from-start off`` once per arm: the child proce
 (``MLX_USE_CUDA_GRAPHS=0``: ncu read no kernel replayed from MLX's CUDA graphs) loads the
 synthetic model, builds a ``--context``-token cache with Lily's prefill, decodes
 ``--warmup`` steps, then turns the profiler on (``cudaProfilerStart`` through ctypes) for
-``--steps`` decode steps only, between two one-thread marker kernels; if that records
+``--steps`` decode steps only (of ``--batch`` copies of that cache merged into mlx-lm's
+batch caches when it is over 1), between two one-thread marker kernels; if that records
 nothing, once more profiling everything, the rows cut at the markers. The sum over a
 step's kernels is the GPU's busy time with no gaps between kernels (a lower bound on the
 step's device time; the difference to ``decode_profile.py --gpu-only``'s step time is
@@ -133,12 +135,12 @@ def child(a) -> int:
                     rt.cudaProfilerStop()
         return 0
     with arm_context(a.arm, t.model, None):
-        cache = copy_cache(ctx)
-        tok = mx.array([[int(ids[a.context])]])
+        cache = batch_of(ctx, a.batch, copy_cache)
+        tok = mx.array([[int(ids[a.context])]] * a.batch)
         for _ in range(max(1, a.warmup)):
             y = mx.argmax(t.model(tok, cache=cache)[:, -1, :], axis=-1)
             mx.eval(y)
-            tok = y.reshape(1, 1)
+            tok = y.reshape(a.batch, 1)
         mx.synchronize()
         rt.cudaProfilerStart()
         if begin is not None:
@@ -146,12 +148,23 @@ def child(a) -> int:
         for _ in range(a.steps):
             y = mx.argmax(t.model(tok, cache=cache)[:, -1, :], axis=-1)
             mx.eval(y)
-            tok = y.reshape(1, 1)
+            tok = y.reshape(a.batch, 1)
         mx.synchronize()
         if end is not None:
             end()
         rt.cudaProfilerStop()
     return 0
+
+
+def batch_of(ctx: list, batch: int, copy_cache) -> list:
+    """The decode cache of ``--batch`` sequences: ``ctx`` itself copied (``batch`` 1), or
+    ``batch`` copies of it merged per layer as ``BatchGenerator`` merges its rows
+    (``KVCache.merge`` -> ``BatchKVCache``, ``ArraysCache.merge``): one length, so no
+    row is left-padded, as in ``mlx_lm.benchmark -b N``."""
+    if batch == 1:
+        return copy_cache(ctx)
+    copies = [copy_cache(ctx) for _ in range(batch)]
+    return [type(layer[0]).merge(list(layer)) for layer in zip(*copies)]
 
 
 def measured(kernels: list) -> list:
@@ -233,7 +246,8 @@ def _run_ncu(ncu: str, opts: list, log: Path, arm: str, a) -> tuple:
     cmd = [ncu, "--clock-control", "none", *opts, "--csv", "--print-units", "base",
            "--log-file", str(log), sys.executable, os.path.abspath(__file__), "--child-arm",
            arm, "--preset", a.preset, "--context", str(a.context), "--steps", str(a.steps),
-           "--warmup", str(a.warmup), "--phase", a.phase, "--chunk", str(a.chunk)]
+           "--warmup", str(a.warmup), "--phase", a.phase, "--chunk", str(a.chunk),
+           "--batch", str(a.batch)]
     # kernels replayed from a CUDA graph were not read by ncu on the H200 (only a
     # stray copy kernel per run), so the child launches them one by one
     env = dict(os.environ, MLX_USE_CUDA_GRAPHS="0")
@@ -353,6 +367,9 @@ def main(argv=None) -> int:
                    help="prefill: one --chunk-token forward after the --context cache "
                         "(--steps such forwards profiled)")
     p.add_argument("--chunk", type=int, default=2048)
+    p.add_argument("--batch", type=int, default=1,
+                   help="decode: sequences per step (copies of the context in mlx-lm's "
+                        "batch caches)")
     p.add_argument("--detail", default=None, metavar="REGEX",
                    help="instead of the table: Nsight Compute's sections (registers, "
                         "occupancy, throughput, warp states) for launches matching REGEX")
@@ -378,7 +395,7 @@ def main(argv=None) -> int:
             (a.out / "kernel_detail.json").write_text(json.dumps(res, indent=2))
         return 0
     res = {"phase": a.phase, "context": a.context, "chunk": a.chunk if a.phase == "prefill"
-           else None, "steps": a.steps, "ncu": ncu, "arms": {}}
+           else None, "batch": a.batch, "steps": a.steps, "ncu": ncu, "arms": {}}
     for arm in a.arms.split(","):
         log = Path(os.environ.get("TMPDIR", "/tmp")) / f"kernel_times_{arm}.csv"
         # first with the profiler API range only; if that records nothing (the range did

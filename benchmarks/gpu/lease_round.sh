@@ -8,6 +8,7 @@
 #            alone on the GPU (beside a 35B model the trainer ran out of memory)
 #   checks:  batch-vs-alone parity, prompts of one length (the compiled batch step), then
 #            mixed lengths; the first carries this machine's MLX JIT, nothing in it is timed
+#   profile: per-kernel GPU time of Lily's decode step at B = 1, 2, 8 (kernel_times.py, ncu)
 #   bench:   mlx_lm.benchmark through user_bench.py, stock and Lily in one run
 #   qualify: qualification on a fresh record folder, then the A/B gate under that record
 #   long:    Lily alone at B = 1 over 512 / 4K / 32K / 128K (3 trials), then 4K at B = 4 / 8
@@ -49,6 +50,15 @@ if [[ $PHASES == *",checks,"* ]]; then
   MLX_LILY_KERNELS=$BATCH_SET step batch-parity 200 \
     python3 "$R/benchmarks/gpu/batch_parity.py" --model "$Q36" --lengths 5,37,130,2049 \
     --gen 32 --out "$W/batch-parity"
+fi
+
+if [[ $PHASES == *",profile,"* ]]; then
+  # where the batch step's time goes: per-kernel GPU time (ncu) at B = 1, 2, 8
+  for b in 1 2 8; do
+    MLX_LILY_KERNELS=$BATCH_SET step kernel-times-b$b 240 \
+      python3 "$R/benchmarks/gpu/kernel_times.py" --context 512 --batch $b --arms lily \
+      --steps 2 --out "$W/kernel-times-b$b"
+  done
 fi
 
 if [[ $PHASES == *",bench,"* ]]; then
