@@ -121,16 +121,24 @@ def batch_kernels_on() -> bool:
     return switch_on(BATCH_OP, current_backend())
 
 
+def batch_rows_on(rows: int) -> bool:
+    """Whether a call on mlx-lm's batch caches of ``rows`` sequences takes the
+    one-sequence kernels: always for one sequence (``mlx_lm.server`` runs a single
+    request in batch caches of one row, and its step is that sequence's own step), else
+    when ``batch_kernels_on``."""
+    return rows == 1 or batch_kernels_on()
+
+
 def batch_decode_unsupported(self, x, cache) -> str | None:
     """Why a step of mlx-lm's ``BatchKVCache`` (``BatchGenerator``: left-padded rows,
     per-sequence offsets) does not take ``_attention_decode_batch``, or None."""
-    if not batch_kernels_on():
+    row = x.h0 if isinstance(x, PendingNorm) else x
+    if not batch_rows_on(row.shape[0] if row.ndim == 3 else 0):
         return f"{BATCH_OP} off (MLX_LILY_DISABLE / MLX_LILY_KERNELS)"
     if not op_enabled(attn_ops.NAME) or not op_enabled(attn_ops.PACKED_OP):
         return "attention switches off"
     if self.training or type(self.rope) is not nn.RoPE:
         return "training or a scaled RoPE"
-    row = x.h0 if isinstance(x, PendingNorm) else x
     if row.ndim != 3 or row.shape[1] != 1:
         return "not a one-token step"
     if not 1 <= row.shape[0] <= MAX_BATCH_ROWS:
@@ -152,7 +160,8 @@ def _batch_prefill_unpadded(self, x, cache) -> bool:
     causal mask. Right padding needs no mask: a valid row's queries see only keys before
     them."""
     row = x.h0 if isinstance(x, PendingNorm) else x
-    return (row.ndim == 3 and row.shape[1] > 1 and batch_kernels_on()
+    return (row.ndim == 3 and row.shape[1] > 1
+            and batch_rows_on(row.shape[0])
             and _attention_supported(self, None)
             and cache.left_padding.shape == (row.shape[0],)
             and not any(_left_padding(cache)))

@@ -26,7 +26,8 @@ KV_STEP_ENV = "MLX_LILY_KV_STEP"  # tuning.kv_step
 
 
 #: KV-cache capacity growth (tokens) for plain ``KVCache`` objects a patched forward sees
-#: (and mlx-lm's ``BatchKVCache`` of up to 8 sequences while ``batch_decode`` is on).
+#: (and mlx-lm's ``BatchKVCache`` of one sequence, or of up to 8 while ``batch_decode`` is
+#: on).
 #: mlx-lm grows by 256; each growth changes the compiled decode step's shapes, so the step
 #: that grows runs layer by layer and the next one traces the whole stack again
 #: (``benchmarks/build_time.py --layers 40 --growth-steps 1100`` on this repository's CPU
@@ -48,7 +49,8 @@ def _kv_step() -> int:
 
 def _grows(c, batch: bool) -> bool:
     """Whether this policy applies to ``c``: a plain ``KVCache``, or with ``batch`` (the
-    ``batch_decode`` switch on) also mlx-lm's ``BatchKVCache``, so a sequence's cache in a
+    ``batch_decode`` switch on, or a batch of one sequence) also mlx-lm's
+    ``BatchKVCache``, so a sequence's cache in a
     batch has the capacity it has alone (the compiled decode step's split-K block follows
     the capacity)."""
     return type(c) is KVCache or (batch and type(c) is BatchKVCache)

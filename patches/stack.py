@@ -13,7 +13,7 @@ from mlx_lily.ops.add_rms_norm import add_rms_norm
 from mlx_lily.patching import prefill_eval_layers
 from mlx_lily.qproj import PendingNorm
 from .projections import CHECKED, original, lm_head
-from .blocks import MAX_BATCH_ROWS, layer_input, layer_tail, layer_mixer, batch_kernels_on
+from .blocks import MAX_BATCH_ROWS, layer_input, layer_tail, layer_mixer, batch_rows_on
 from .launch_order import MOE_AFTER_ATTR, counters_for, moe_after
 from .kv_growth import kv_headroom, widen_kv_steps
 from .decode_graph import (
@@ -79,10 +79,10 @@ def make_text_model_call(module, cls_name, layer_cls_name, with_embeddings):
         first = layers[0].input_layernorm
         x = mx.fast.rms_norm(h, first.weight, first.eps)
         steps = cs = None
-        batch = batch_kernels_on()
-        grow_batch = batch and h.shape[0] <= MAX_BATCH_ROWS  # batch caches grow as plain
+        # batch caches grow as plain ones where their rows take the one-sequence kernels
+        grow_batch = batch_rows_on(h.shape[0]) and h.shape[0] <= MAX_BATCH_ROWS
         if h.shape[1] == 1 and ((fa_mask is None and ssm_mask is None)
-                                or (batch and _unpadded_batch_step(h, cache))):
+                                or _unpadded_batch_step(h, cache)):
             key = compile_key()
             if key is not None:
                 cs = compiled_steps(self, key)
@@ -135,18 +135,25 @@ def make_text_model_call(module, cls_name, layer_cls_name, with_embeddings):
 def _batch_decode_step(h, cache) -> bool:
     """Whether this call is a decode step of up to ``MAX_BATCH_ROWS`` sequences in
     mlx-lm's batch caches (``BatchGenerator``, which ``mlx_lm.server`` uses for one
-    request too: one token per row, ``BatchKVCache`` for the attention layers).
-    Such a step runs eagerly, each layer with the launch-ordering inputs
+    request too: one token per row, ``BatchKVCache`` for the attention layers) whose
+    rows take the one-sequence kernels (``batch_rows_on``: ``batch_decode`` on, or one
+    sequence). Such a step runs eagerly, each layer with the launch-ordering inputs
     (``counters_for``, ``moe_after``) a compiled one-sequence step passes, so that a row
     takes the one-launch kernels that sequence takes decoding alone."""
-    return (h.shape[1] == 1 and 1 <= h.shape[0] <= MAX_BATCH_ROWS and batch_kernels_on()
+    return batch_rows_on(h.shape[0]) and _batch_caches_step(h, cache)
+
+
+def _batch_caches_step(h, cache) -> bool:
+    """Whether this call is a one-token step of up to ``MAX_BATCH_ROWS`` sequences in
+    mlx-lm's batch caches (a ``BatchKVCache`` among them, no layer without a cache)."""
+    return (h.shape[1] == 1 and 1 <= h.shape[0] <= MAX_BATCH_ROWS
             and any(type(c) is BatchKVCache for c in cache)
             and all(c is not None for c in cache))
 
 
 def _unpadded_batch_step(h, cache) -> bool:
-    """Whether a batch-cache decode step (``_batch_decode_step``) can run as the compiled
-    one-sequence step on B rows, its masks dropped: no sequence left-padded
+    """Whether a batch-cache decode step (``_batch_decode_step``) can run as the
+    compiled one-sequence step on B rows, its masks dropped: no sequence left-padded
     (``batch_unpadded``; the attention mask then hides nothing), room for the token in
     every ``BatchKVCache`` (a step that must grow a cache runs eagerly, as before), and
     no ``ArraysCache`` with ``lengths``. Its SSM mask for one token, ``0 >= left_padding``,

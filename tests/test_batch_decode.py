@@ -610,3 +610,44 @@ def test_emulated_batch_decode_switch_off_launches_no_batched_kernels(model, mon
     assert calls, "the step launched no Lily kernel at all"
     assert A.DECODE_PARTIAL.name not in calls and A.QK_NORM_ROPE.name not in calls
     assert not any(n.startswith("lily_qgemv") or n.startswith("lily_norm_qgemv") for n in calls)
+
+
+@needs_emu
+def test_emulated_batch_of_one_takes_the_one_sequence_step_with_the_switch_off(model,
+                                                                              monkeypatch):
+    """``batch_decode`` off, every other Metal kernel on, compiled steps on (built
+    uncompiled): one request through ``BatchGenerator`` (how ``mlx_lm.server`` runs a
+    single request; mlx-lm's batch caches of one row) prefills and decodes through the
+    one-sequence paths, the decode steps through the whole-stack step, and gets the tokens
+    of the prompt alone; a logits-level check on a merged one-row cache is bit-identical
+    at every step."""
+    from mlx_lily import backend
+    from mlx_lily.patches import decode_graph as dg, stack
+
+    whole_on_batch = []
+    real = stack.run_whole_step
+
+    def counting(text_model, cs, layers, cache, h):
+        y = real(text_model, cs, layers, cache, h)
+        if y is not None and any(type(c) is BatchKVCache for c in cache):
+            whole_on_batch.append(h.shape[0])
+        return y
+
+    monkeypatch.setattr(stack, "run_whole_step", counting)
+    ops = [o for o in backend.OP_NAMES if o != "batch_decode"]
+    prompt = prompt_of(37, 3)
+    dg.drop_compiled_steps()
+    try:
+        with emulated_metal(), dg.uncompiled(), pytest.MonkeyPatch.context() as mp:
+            mp.setenv("MLX_LILY_COMPILE", "1")  # emulated_metal turned it off (undone first)
+            with mlx_lily.patched(model, ops=ops):
+                alone = greedy(model, prompt, 12)
+                assert not whole_on_batch
+                batch = batch_greedy(model, [prompt], [12])
+                assert whole_on_batch and set(whole_on_batch) == {1}, whole_on_batch
+                whole_on_batch.clear()
+                check_decode_parity(model, lengths=(37,), steps=6)
+                assert whole_on_batch, "the merged one-row cache took no whole-stack step"
+    finally:
+        dg.drop_compiled_steps()
+    assert batch == [alone]

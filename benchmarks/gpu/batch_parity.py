@@ -55,16 +55,11 @@ def batched(model, prompts, n, step):
 
 def alone(model, prompt, n, step):
     """(the first ``n`` greedy tokens of ``prompt`` through ``generate_step``, the first
-    token's log-probabilities as fp32 numpy)."""
-    from mlx_lm.generate import generate_step
+    token's log-probabilities as fp32 numpy): ``mlx_lily.testing.generation.greedy_run``."""
+    from mlx_lily.testing.generation import greedy_run
 
-    toks, first = [], None
-    for (tok, lp), _ in zip(generate_step(mx.array(prompt), model, max_tokens=n,
-                                          prefill_step_size=step), range(n)):
-        toks.append(int(tok))
-        if first is None:
-            first = np.array(lp.astype(mx.float32)).reshape(-1)
-    return toks, first
+    toks, first = greedy_run(model, prompt, n, prefill_step_size=step)
+    return toks, None if first is None else np.array(first.astype(mx.float32))
 
 
 def max_diff(a, b):

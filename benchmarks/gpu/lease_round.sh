@@ -6,8 +6,9 @@
 # Phases (ROUND_PHASES, comma-separated names, default checks,bench,qualify,long), in order:
 #   trained: train (or reuse) the production-width model, then its long-context numerics;
 #            alone on the GPU (beside a 35B model the trainer ran out of memory)
-#   checks:  batch-vs-alone parity, prompts of one length (the compiled batch step), then
-#            mixed lengths; the first carries this machine's MLX JIT, nothing in it is timed
+#   checks:  batch-vs-alone parity, prompts of one length (the compiled batch step), one
+#            request (default kernels), then mixed lengths; the first carries this
+#            machine's MLX JIT, nothing in it is timed
 #   profile: per-kernel GPU time of Lily's decode step at B = 1, 2, 8 (kernel_times.py, ncu)
 #   bench:   mlx_lm.benchmark through user_bench.py, stock and Lily in one run
 #   qualify: qualification on a fresh record folder, then the A/B gate under that record
@@ -47,6 +48,10 @@ if [[ $PHASES == *",checks,"* ]]; then
   MLX_LILY_KERNELS=$BATCH_SET step batch-parity-equal 480 \
     python3 "$R/benchmarks/gpu/batch_parity.py" --model "$Q36" --lengths 130,130,130,130 \
     --gen 32 --out "$W/batch-parity-equal"
+  # one request in mlx-lm's batch caches (mlx_lm.server), default kernels
+  step batch-parity-one 200 \
+    python3 "$R/benchmarks/gpu/batch_parity.py" --model "$Q36" --lengths 130 \
+    --gen 32 --out "$W/batch-parity-one"
   MLX_LILY_KERNELS=$BATCH_SET step batch-parity 200 \
     python3 "$R/benchmarks/gpu/batch_parity.py" --model "$Q36" --lengths 5,37,130,2049 \
     --gen 32 --out "$W/batch-parity"
