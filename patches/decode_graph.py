@@ -222,6 +222,7 @@ def forget_padding(cache) -> None:
     for c in cache or ():
         if type(c) is BatchKVCache:
             c.__dict__.pop(_PAD_MEMO, None)
+            c.__dict__.pop("_lily_left_padding", None)  # blocks._left_padding's host copy
 
 
 def advance_kv(c) -> None:
