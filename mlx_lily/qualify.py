@@ -410,6 +410,38 @@ def dependent_chain(seed: str, candidates: list, kept, requires, exclude=()) -> 
     return [op for op in pool if op in chain]
 
 
+def unchained(kept: list, chains: list, results: dict, chosen: dict) -> list:
+    """``kept`` without the rest of every kept chain that lost an op (a chain is kept whole:
+    its enabler was not faster alone) and without the ops that require a removed op, to a
+    fixpoint. Marks each removed op's result (``results[op][chosen[op]]``) and the chain
+    (``"dropped_at_final_check"``). Returns the ops left, in ``kept``'s order."""
+    from . import first_contact
+
+    kept = list(kept)
+    changed = True
+    while changed:
+        changed = False
+        for c in chains:
+            lost = [o for o in c["ops"] if o not in kept]
+            if not c["faster"] or not lost or not any(o in kept for o in c["ops"]):
+                continue
+            for o in c["ops"]:
+                if o in kept:
+                    results[o][chosen[o]].update(
+                        faster=False, error=f"final check: its chain lost {', '.join(lost)}")
+            kept = [o for o in kept if o not in c["ops"]]
+            c["dropped_at_final_check"] = lost
+            changed = True
+        for o in list(kept):
+            missing = [r for r in first_contact.requires(o) if r not in kept]
+            if missing:
+                results[o][chosen[o]].update(
+                    faster=False, error=f"final check: requires {', '.join(missing)}, removed")
+                kept.remove(o)
+                changed = True
+    return kept
+
+
 def parity_ok(agreement: dict, rel_to_fp32: float | None = None,
               ref_rel_to_fp32: float | None = None, top1_fp32: float | None = None,
               ref_top1_fp32: float | None = None) -> bool:
@@ -924,8 +956,9 @@ def qualify_model(model, *, ops=None, decode_steps: int = DECODE_STEPS,
                 chain = dependent_chain(seed, pool, kept, first_contact.requires, exclude)
                 if len(chain) < 2:
                     return chain, None
+                assert seed in chain
                 census = census_of(_ordered(kept + chain), env)
-                for m in reversed(chain[1:]):
+                for m in reversed([o for o in chain if o != seed]):
                     if any(m in first_contact.requires(o) for o in chain if o != m):
                         continue  # another member needs it
                     rest = [o for o in chain if o != m]
@@ -1038,6 +1071,7 @@ def qualify_model(model, *, ops=None, decode_steps: int = DECODE_STEPS,
                             passed=False, faster=False, error=f"final check: {w['error']}")
                     kept = good2
                     overall["final_check_failed"] = sorted(failed2)
+                    kept = unchained(kept, chains, results, chosen)
             if kept:
                 with variant_settings(env_of(kept)), kernels.only_ops(kept):
                     lily_ms, overall["timing"]["qualified"] = timing()

@@ -703,3 +703,23 @@ def test_a_chain_leaves_out_a_switch_that_changes_no_launch(monkeypatch):
                                     decode_context=4, prefill_len=8, parity_prefill=0, seed=1)
     assert [c["ops"] for c in res["chains"]] == [["attention", "attn_packed"]]
     assert res["qualified"] == {"attention": "default", "attn_packed": "default"}
+
+
+def test_a_chain_that_loses_an_op_at_the_final_check_leaves_whole():
+    """A kept chain whose fusion fails the final check takes its enabler (not faster
+    alone) with it, and an op that requires a removed one leaves too; an op outside the
+    chain stays."""
+    chosen = {o: "default" for o in ("qgemv", "attention", "attn_packed", "batch_decode")}
+    results = {o: {"default": {"faster": True, "error": None}} for o in chosen}
+    chains = [{"ops": ["attention", "attn_packed"], "faster": True},
+              {"ops": ["qgemv"], "faster": False}]
+    # attn_packed failed the final check; batch_decode requires attention
+    left = qualify.unchained(["qgemv", "attention", "batch_decode"], chains, results, chosen)
+    assert left == ["qgemv"]
+    assert chains[0]["dropped_at_final_check"] == ["attn_packed"]
+    assert "its chain lost attn_packed" in results["attention"]["default"]["error"]
+    assert "requires attention" in results["batch_decode"]["default"]["error"]
+    assert results["qgemv"]["default"]["error"] is None
+    # nothing lost: the set is unchanged
+    assert qualify.unchained(["qgemv", "attention", "attn_packed"], chains, results,
+                             chosen) == ["qgemv", "attention", "attn_packed"]

@@ -6,12 +6,16 @@
 # Phases (ROUND_PHASES, comma-separated names, default checks,bench,qualify,long), in order:
 #   trained: train (or reuse) the production-width model, then its long-context numerics;
 #            alone on the GPU (beside a 35B model the trainer ran out of memory)
-#   checks:  batch-vs-alone parity, prompts of one length (the compiled batch step), one
-#            request (default kernels), then mixed lengths; the first carries this
-#            machine's MLX JIT, nothing in it is timed
-#   profile: per-kernel GPU time of Lily's decode step at B = 1, 2, 8 (kernel_times.py, ncu)
+#   gputests: the GPU tests of batched decode (pytest -m gpu, a small random model)
+#   checks:  batch-vs-alone parity (parity-equal: prompts of one length, the compiled batch
+#            step; parity-one: one request, default kernels; parity-mixed: mixed lengths;
+#            each also a phase of its own); the first carries this machine's MLX JIT,
+#            nothing in it is timed
+#   profile: per-kernel GPU time of Lily's decode step at B = PROFILE_BATCHES (default
+#            1 2 8; kernel_times.py, ncu)
 #   bench:   mlx_lm.benchmark through user_bench.py, stock and Lily in one run
-#   qualify: qualification on a fresh record folder, then the A/B gate under that record
+#   qualify: qualification on a fresh record folder (QUALIFY_RUNS times, default 1, each on
+#            its own folder), then the A/B gate under the last record
 #   long:    Lily alone at B = 1 over 512 / 4K / 32K / 128K (3 trials), then 4K at B = 4 / 8
 # One process at a time; each step's log is W/<step>.log, the timeline W/round.log.
 set -u
@@ -43,23 +47,34 @@ if [[ $PHASES == *",trained,"* ]]; then
   echo "[$(el) s] trained: rc=$rc"
 fi
 
-if [[ $PHASES == *",checks,"* ]]; then
+if [[ $PHASES == *",gputests,"* ]]; then
+  step gpu-tests-batch 400 python3 -m pytest -m gpu -q -p no:cacheprovider \
+    "$R/tests/test_batch_decode.py"
+fi
+
+[[ $PHASES == *",checks,"* ]] && PHASES="$PHASES,parity-equal,parity-one,parity-mixed,"
+# the first of these to run carries the 35B model's MLX JIT (up to ~320 s)
+if [[ $PHASES == *",parity-equal,"* ]]; then
   # prompts of one length: the batch decodes through the compiled whole-stack step
   MLX_LILY_KERNELS=$BATCH_SET step batch-parity-equal 480 \
     python3 "$R/benchmarks/gpu/batch_parity.py" --model "$Q36" --lengths 130,130,130,130 \
     --gen 32 --out "$W/batch-parity-equal"
+fi
+if [[ $PHASES == *",parity-one,"* ]]; then
   # one request in mlx-lm's batch caches (mlx_lm.server), default kernels
-  step batch-parity-one 200 \
+  step batch-parity-one 480 \
     python3 "$R/benchmarks/gpu/batch_parity.py" --model "$Q36" --lengths 130 \
     --gen 32 --out "$W/batch-parity-one"
-  MLX_LILY_KERNELS=$BATCH_SET step batch-parity 200 \
+fi
+if [[ $PHASES == *",parity-mixed,"* ]]; then
+  MLX_LILY_KERNELS=$BATCH_SET step batch-parity 240 \
     python3 "$R/benchmarks/gpu/batch_parity.py" --model "$Q36" --lengths 5,37,130,2049 \
     --gen 32 --out "$W/batch-parity"
 fi
 
 if [[ $PHASES == *",profile,"* ]]; then
-  # where the batch step's time goes: per-kernel GPU time (ncu) at B = 1, 2, 8
-  for b in 1 2 8; do
+  # where the batch step's time goes: per-kernel GPU time (ncu)
+  for b in ${PROFILE_BATCHES:-1 2 8}; do
     MLX_LILY_KERNELS=$BATCH_SET step kernel-times-b$b 240 \
       python3 "$R/benchmarks/gpu/kernel_times.py" --context 512 --batch $b --arms lily \
       --steps 2 --out "$W/kernel-times-b$b"
@@ -75,10 +90,13 @@ if [[ $PHASES == *",bench,"* ]]; then
 fi
 
 if [[ $PHASES == *",qualify,"* ]]; then
-  MLX_LILY_CACHE_DIR=/tmp/qc step qualify 600 \
-    python3 -m mlx_lily.qualify --model "$Q36" --report --out "$W/qualify" --timeout-s 580
-  mkdir -p /tmp/qc && ln -sfn "$AUTH" /tmp/qc/models
-  MLX_LILY_CACHE_DIR=/tmp/qc step gate-qualified 300 \
+  for n in $(seq 1 "${QUALIFY_RUNS:-1}"); do
+    qd=/tmp/qc$n; [ "$n" = 1 ] && qd=/tmp/qc; d=qualify; [ "$n" = 1 ] || d=qualify-$n
+    MLX_LILY_CACHE_DIR=$qd step $d 600 \
+      python3 -m mlx_lily.qualify --model "$Q36" --report --out "$W/$d" --timeout-s 580
+  done
+  mkdir -p "$qd" && ln -sfn "$AUTH" "$qd/models"
+  MLX_LILY_CACHE_DIR=$qd step gate-qualified 300 \
     python3 "$R/benchmarks/ab.py" "$Q36" --lengths 1024 --rounds 2 --decode-steps 32 \
     --watchdog-s 120 --out "$W/gate-qualified"
 fi
