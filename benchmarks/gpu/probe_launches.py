@@ -1,0 +1,126 @@
+"""Find the Lily kernel launch that faults on a GPU, one child process per case.
+
+A CUDA illegal memory access is sticky: it poisons the process, and every later CUDA
+call fails with it, so the failing op cannot be told from the ones after it. This
+script runs each case in a child of its own under ``first_contact.probing()`` (every
+Lily launch evaluated at once) and prints each launch's ``launch_key`` before it runs,
+so the last key a child printed names the launch that faulted.
+
+Cases on a tiny random test model (``tests/_models.build``): ``first_contact`` (the
+warm-up check ``mlx_lily.patch`` runs), ``stock-L`` (mlx-lm unpatched, an ``L``-token
+prefill and ``--steps`` decode steps), ``lily-L`` (the same patched, first contact
+skipped, probed) for each ``--lengths`` L.
+
+    python3 benchmarks/gpu/probe_launches.py --kind qwen3_5_moe --lengths 5,37,130,700 \
+        --out probe.json
+
+Writes ``{case: {"rc", "last_launch", "tail", "seconds"}}`` to ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _child(case: str, kind: str, steps: int) -> None:
+    sys.path.insert(0, os.path.join(ROOT, "tests"))
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+
+    import _models
+    import mlx_lily
+    from mlx_lily import first_contact
+
+    mx.set_default_device(mx.gpu)
+    model = _models.build(kind)
+    orig = first_contact.launch
+
+    def traced(gk, kw):
+        print("LAUNCH", gk.op, first_contact.launch_key(gk, kw), file=sys.stderr, flush=True)
+        out = orig(gk, kw)
+        print("DONE", gk.spec.name, file=sys.stderr, flush=True)
+        return out
+
+    first_contact.launch = traced
+    if case == "first_contact":
+        from mlx_lily import kernels
+
+        with mlx_lily.patched(model, force=True):  # its warm-up runs first contact
+            print("REPORT", json.dumps({"off": kernels.runtime_disabled()}), flush=True)
+        return
+    arm, n = case.rsplit("-", 1)
+    prompt = [(i * 37) % 500 + 1 for i in range(int(n))]
+
+    def run():
+        cache = make_prompt_cache(model)
+        logits = model(mx.array([prompt]), cache=cache)
+        mx.eval(logits)
+        print("PREFILL OK", flush=True)
+        tok = int(mx.argmax(logits[0, -1]).item())
+        for _ in range(steps):
+            logits = model(mx.array([[tok]]), cache=cache)
+            mx.eval(logits)
+            tok = int(mx.argmax(logits[0, -1]).item())
+        mx.synchronize()
+        print("DECODE OK", tok, flush=True)
+
+    if arm == "stock":
+        run()
+        return
+    model._lily_warm = True  # skip first contact: probe this case's launches directly
+    with mlx_lily.patched(model, force=True), first_contact.probing():
+        run()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--kind", default="qwen3_5_moe")
+    ap.add_argument("--lengths", default="5,37,130,700")
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--timeout-s", type=float, default=240)
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    if a.child:
+        _child(a.child, a.kind, a.steps)
+        return
+    lengths = [int(x) for x in a.lengths.split(",") if x]
+    cases = ["first_contact"] + [f"{arm}-{n}" for n in lengths for arm in ("stock", "lily")]
+    res = {}
+    for case in cases:
+        t0 = time.perf_counter()
+        env = dict(os.environ, CUDA_LAUNCH_BLOCKING="1")
+        try:
+            p = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", case,
+                                "--kind", a.kind, "--steps", str(a.steps)],
+                               capture_output=True, text=True, timeout=a.timeout_s, env=env)
+            rc, out, err = p.returncode, p.stdout, p.stderr
+        except subprocess.TimeoutExpired as e:
+            rc, out, err = "timeout", e.stdout or "", e.stderr or ""
+            out, err = [s.decode() if isinstance(s, bytes) else s for s in (out, err)]
+        launches = [ln for ln in err.splitlines() if ln.startswith("LAUNCH")]
+        done = [ln for ln in err.splitlines() if ln.startswith("DONE")]
+        res[case] = {"rc": rc, "launches": len(launches), "completed": len(done),
+                     "last_launch": launches[-1] if launches else None,
+                     "stdout": out[-2000:],
+                     "tail": "\n".join(ln for ln in err.splitlines()
+                                       if not ln.startswith(("LAUNCH", "DONE")))[-3000:],
+                     "seconds": round(time.perf_counter() - t0, 1)}
+        ok = rc == 0
+        print(f"{case}: rc {rc}, {len(launches)} launches, {res[case]['seconds']} s"
+              + ("" if ok else f"\n  last: {res[case]['last_launch']}\n  "
+                 + res[case]["tail"][-800:].replace("\n", "\n  ")), flush=True)
+        if a.out:
+            with open(a.out, "w") as f:
+                json.dump(res, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
