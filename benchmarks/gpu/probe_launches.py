@@ -29,6 +29,33 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
+#: Kernels whose index inputs are checked before launch (an index out of range is the
+#: usual cause of an illegal address): name -> [(input position, what it indexes)].
+INSPECT = {"moeg_combine": [(1, "pair_pos -> y_pairs rows", 0)],
+           "moeg_gate_up": [(1, "sorted_pairs -> pairs", None), (2, "tiles", None)],
+           "moeg_down": [(1, "tiles", None)],
+           "moeg_route_rank": [(0, "expert ids", None)]}
+
+
+def _inspect(name: str, kw: dict) -> None:
+    import mlx.core as mx
+    import numpy as np
+
+    ins = kw["inputs"]
+    mx.eval(ins)
+    mx.synchronize()
+    for pos, what, target in INSPECT[name]:
+        a = np.array(ins[pos])
+        info = f"{what}: shape {a.shape} min {a.min()} max {a.max()}"
+        if target is not None:
+            rows = ins[target].shape[0]
+            info += f" (rows {rows}; permutation {sorted(a.tolist()) == list(range(rows))})"
+        if what == "tiles":
+            used = a[a[:, 2] > 0]
+            info += f" used {len(used)} max start+cnt {(used[:, 1] + used[:, 2]).max()}"
+        print("INSPECT", name, info, file=sys.stderr, flush=True)
+
+
 def _child(case: str, kind: str, steps: int) -> None:
     sys.path.insert(0, os.path.join(ROOT, "tests"))
     import mlx.core as mx
@@ -44,6 +71,8 @@ def _child(case: str, kind: str, steps: int) -> None:
 
     def traced(gk, kw):
         print("LAUNCH", gk.op, first_contact.launch_key(gk, kw), file=sys.stderr, flush=True)
+        if gk.spec.name in INSPECT:
+            _inspect(gk.spec.name, kw)
         out = orig(gk, kw)
         print("DONE", gk.spec.name, file=sys.stderr, flush=True)
         return out
@@ -55,6 +84,7 @@ def _child(case: str, kind: str, steps: int) -> None:
         with mlx_lily.patched(model, force=True):  # its warm-up runs first contact
             print("REPORT", json.dumps({"off": kernels.runtime_disabled()}), flush=True)
         return
+    case = case.split("@")[0]
     arm, n = case.rsplit("-", 1)
     prompt = [(i * 37) % 500 + 1 for i in range(int(n))]
 
@@ -86,6 +116,9 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--timeout-s", type=float, default=240)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--cases", default=None,
+                    help="comma list of cases instead: first_contact, stock-L, lily-L, "
+                         "each with optional @VAR=VALUE environment settings joined by @")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.child:
@@ -93,10 +126,13 @@ def main() -> None:
         return
     lengths = [int(x) for x in a.lengths.split(",") if x]
     cases = ["first_contact"] + [f"{arm}-{n}" for n in lengths for arm in ("stock", "lily")]
+    if a.cases:
+        cases = a.cases.split(",")
     res = {}
     for case in cases:
         t0 = time.perf_counter()
         env = dict(os.environ, CUDA_LAUNCH_BLOCKING="1")
+        env.update(kv.split("=", 1) for kv in case.split("@")[1:])
         try:
             p = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", case,
                                 "--kind", a.kind, "--steps", str(a.steps)],
@@ -106,15 +142,18 @@ def main() -> None:
             rc, out, err = "timeout", e.stdout or "", e.stderr or ""
             out, err = [s.decode() if isinstance(s, bytes) else s for s in (out, err)]
         launches = [ln for ln in err.splitlines() if ln.startswith("LAUNCH")]
+        inspected = [ln for ln in err.splitlines() if ln.startswith("INSPECT")]
         done = [ln for ln in err.splitlines() if ln.startswith("DONE")]
         res[case] = {"rc": rc, "launches": len(launches), "completed": len(done),
                      "last_launch": launches[-1] if launches else None,
+                     "inspected": inspected[-12:],
                      "stdout": out[-2000:],
                      "tail": "\n".join(ln for ln in err.splitlines()
-                                       if not ln.startswith(("LAUNCH", "DONE")))[-3000:],
+                                       if not ln.startswith(("LAUNCH", "DONE", "INSPECT")))[-3000:],
                      "seconds": round(time.perf_counter() - t0, 1)}
         ok = rc == 0
         print(f"{case}: rc {rc}, {len(launches)} launches, {res[case]['seconds']} s"
+              + "".join(f"\n  {ln}" for ln in inspected[-6:])
               + ("" if ok else f"\n  last: {res[case]['last_launch']}\n  "
                  + res[case]["tail"][-800:].replace("\n", "\n  ")), flush=True)
         if a.out:

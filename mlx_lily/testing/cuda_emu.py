@@ -88,10 +88,12 @@ def cuda_on_emu(spec):
     head, body = kernels.cuda_parts(spec.stem)
     body = re.sub(r"\bthreadIdx\b", "__tid3", body)
     body = re.sub(r"\bblockIdx\b", "__bid3", body)
+    body = re.sub(r"\bblockDim\b", "__bdim3", body)
     body = body.replace("__shared__", "threadgroup").replace(
         "__syncthreads()", "threadgroup_barrier(mem_flags::mem_threadgroup)")
     body = ("const uint3 __tid3 = thread_position_in_threadgroup;\n"
-            "const uint3 __bid3 = threadgroup_position_in_grid;\n" + body)
+            "const uint3 __bid3 = threadgroup_position_in_grid;\n"
+            "const uint3 __bdim3 = dispatch_threads_per_threadgroup;\n" + body)
     return metal_emu.metal_kernel(name=spec.name + "_cu", input_names=list(spec.inputs),
                                   output_names=list(spec.outputs), source=body,
                                   header=CUDA_ON_EMU_HEADER + head,

@@ -98,6 +98,37 @@ def _aligned_empty(shape, dtype) -> np.ndarray:
     return _aligned_bytes(n * dt.itemsize).view(dt).reshape(shape)
 
 
+#: Bytes of canary on each side of every output buffer; a kernel that writes into them
+#: (past either end of an output) fails its launch (``_guarded_empty``, ``_check_guards``).
+GUARD_BYTES = 4096
+GUARD_FILL = 0xA5
+
+
+def _guarded_empty(shape, dtype) -> tuple:
+    """(array of ``shape``/``dtype``, 64-byte aligned, the buffer holding it with
+    ``GUARD_BYTES`` of ``GUARD_FILL`` on each side)."""
+    dt = np.dtype(dtype)
+    n = (int(np.prod(shape, dtype=np.int64)) if len(shape) else 1) * dt.itemsize
+    buf = _aligned_bytes(n + 2 * GUARD_BYTES)
+    buf[:GUARD_BYTES] = GUARD_FILL
+    buf[GUARD_BYTES + n:] = GUARD_FILL
+    return buf[GUARD_BYTES:GUARD_BYTES + n].view(dt).reshape(shape), buf
+
+
+def _check_guards(buf: np.ndarray, nbytes: int) -> str | None:
+    """Where a kernel wrote outside its output (``_guarded_empty``'s buffer holding
+    ``nbytes``), as text, or None."""
+    lo = np.flatnonzero(buf[:GUARD_BYTES] != GUARD_FILL)
+    hi = np.flatnonzero(buf[GUARD_BYTES + nbytes:] != GUARD_FILL)
+    parts = []
+    if lo.size:
+        parts.append(f"bytes {int(lo[0]) - GUARD_BYTES}..{int(lo[-1]) - GUARD_BYTES} "
+                     "before its start")
+    if hi.size:
+        parts.append(f"bytes {int(hi[0])}..{int(hi[-1])} past its end")
+    return " and ".join(parts) or None
+
+
 def _aligned_input(a: np.ndarray) -> np.ndarray:
     """``a`` (any strides) copied so its data pointer is 64-byte aligned, unless it already is.
 
@@ -358,9 +389,11 @@ class EmulatedMetalKernel:
                 a = np.ascontiguousarray(a)
             in_arrays.append(_aligned_input(a))
         outs: list[np.ndarray] = []
+        guarded: list[np.ndarray] = []
         for shape, dt in zip(output_shapes, output_dtypes):
             npdt = _np_dtype(dt)
-            o = _aligned_empty(shape, npdt)
+            o, g = _guarded_empty(shape, npdt)
+            guarded.append(g)
             if init_value is not None:
                 if dt == mx.bfloat16:
                     o[...] = np.asarray(mx.full(shape, init_value, dtype=mx.bfloat16).view(mx.uint16))
@@ -416,4 +449,9 @@ class EmulatedMetalKernel:
             raise MetalEmuError(
                 annotate(f"[metal_emu] kernel '{self.name}' ({kname}): {msg}", self.source, self.header)
             )
+        for name, o, g in zip(self.output_names, outs, guarded):
+            where = _check_guards(g, o.nbytes)
+            if where:
+                raise MetalEmuError(f"[metal_emu] kernel '{self.name}' ({kname}) wrote outside "
+                                    f"output '{name}' {tuple(o.shape)}: {where}")
         return [_from_numpy(o, dt) for o, dt in zip(outs, output_dtypes)]
