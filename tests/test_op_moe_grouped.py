@@ -178,6 +178,8 @@ SMALL = [
     (24, 4, 8, 256, 192, 16, "gated", "topk", None),     # CUDA down: a stage and a half
     (57, 2, 8, 128, 64, 64, "gated", "bounds", None),    # 64-row tiles: loads 16..33, 0, 1
     (90, 4, 8, 256, 192, 64, "gated", "skew", None),     # 64-row tiles, some full, half stage
+    (37, 4, 16, 128, 64, 16, "gated", "topk", (1, 37)),  # the test model's layer at 37 / 48
+    (48, 4, 16, 128, 64, 16, "gated", "topk", (1, 48)),  # tokens (148 / 192 pairs)
 ]
 
 

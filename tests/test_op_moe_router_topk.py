@@ -211,6 +211,30 @@ def test_kernel_ties_go_to_lowest_id(backend):
 
 
 @pytest.mark.parametrize("backend", KERNEL_BACKENDS)
+@pytest.mark.parametrize("e,k", [(16, 4), (40, 8)])
+def test_kernel_nan_rows_give_valid_ids(backend, e, k):
+    """A row whose logits are NaN (a NaN or inf activation upstream) still gets k distinct
+    ids in [0, E) and NaN scores; finite rows around it route as the reference does. An
+    id past E would send the grouped MoE kernels' reads out of bounds."""
+    d = 128
+    proj, wf, _ = exact_router(d, e, 8, True, seed=e + k)
+    x = np.array(grid_x((5, d), mx.float32, seed=3))
+    x[1, 7] = np.nan
+    x[3, :] = np.inf
+    x = mx.array(x).astype(mx.bfloat16)
+    kern, init = kernel_for(R.SPEC, backend)
+    inds, scores, shared = R.launch(kern, x, proj, k, True, init_value=init)
+    ids = np.array(inds)
+    assert ids.max() < e
+    for r in (1, 3):
+        assert len(set(ids[r].tolist())) == k
+        assert np.isnan(np.array(scores[r].astype(mx.float32))).all()
+    keep = mx.array([0, 2, 4])
+    want = reference_on_cpu(x[keep], truth_router(wf, e, mx.bfloat16), k, True)
+    assert_routing_equal((inds[keep], scores[keep], shared[keep]), want, mx.bfloat16)
+
+
+@pytest.mark.parametrize("backend", KERNEL_BACKENDS)
 def test_kernel_random_router_production_width(backend):
     """Random 8-bit router at D=2048, E=256, k=8: the kernel's picks are a top-k of the
     fp32-truth probabilities (logits differ from truth only by summation order)."""

@@ -52,8 +52,35 @@ def _inspect(name: str, kw: dict) -> None:
             info += f" (rows {rows}; permutation {sorted(a.tolist()) == list(range(rows))})"
         if what == "tiles":
             used = a[a[:, 2] > 0]
-            info += f" used {len(used)} max start+cnt {(used[:, 1] + used[:, 2]).max()}"
+            end = (used[:, 1] + used[:, 2]).max() if len(used) else None
+            info += f" used {len(used)} max start+cnt {end}"
         print("INSPECT", name, info, file=sys.stderr, flush=True)
+
+
+def _bad_counts(arrays) -> list:
+    """Non-finite element counts of the floating arrays of more than one element (None
+    for the others: integers and one-element placeholders)."""
+    import mlx.core as mx
+
+    res = []
+    for a in arrays:
+        if not isinstance(a, mx.array) or a.size < 2 or a.dtype not in (
+                mx.float32, mx.float16, mx.bfloat16):
+            res.append(None)
+            continue
+        res.append(int((~mx.isfinite(a)).sum().item()))
+    return res
+
+
+def _report_nonfinite(gk, kw: dict, outs) -> None:
+    """Print ``NONFINITE`` with the launch's non-finite counts per input and output when
+    an output has any (``launches`` after the first such line name its consequences)."""
+    bad_out = _bad_counts(outs)
+    if not any(bad_out):
+        return
+    bad_in = _bad_counts(kw.get("inputs", ()))
+    print("NONFINITE", gk.op, gk.spec.name, "inputs", bad_in, "outputs", bad_out,
+          "of", [tuple(o.shape) for o in outs], file=sys.stderr, flush=True)
 
 
 def _child(case: str, kind: str, steps: int) -> None:
@@ -65,7 +92,8 @@ def _child(case: str, kind: str, steps: int) -> None:
     import mlx_lily
     from mlx_lily import first_contact
 
-    mx.set_default_device(mx.gpu)
+    if mx.is_available(mx.gpu):
+        mx.set_default_device(mx.gpu)
     model = _models.build(kind)
     orig = first_contact.launch
 
@@ -75,6 +103,7 @@ def _child(case: str, kind: str, steps: int) -> None:
             _inspect(gk.spec.name, kw)
         out = orig(gk, kw)
         print("DONE", gk.spec.name, file=sys.stderr, flush=True)
+        _report_nonfinite(gk, kw, out)
         return out
 
     first_contact.launch = traced
@@ -104,8 +133,19 @@ def _child(case: str, kind: str, steps: int) -> None:
     if arm == "stock":
         run()
         return
+    stock = model(mx.array([prompt]), cache=make_prompt_cache(model))
+    mx.eval(stock)
     model._lily_warm = True  # skip first contact: probe this case's launches directly
     with mlx_lily.patched(model, force=True), first_contact.probing():
+        lily = model(mx.array([prompt]), cache=make_prompt_cache(model))
+        mx.eval(lily)
+        diff = mx.abs(lily.astype(mx.float32) - stock.astype(mx.float32))
+        print("PREFILL VS STOCK", json.dumps({
+            "stock_nonfinite": int((~mx.isfinite(stock)).sum().item()),
+            "lily_nonfinite": int((~mx.isfinite(lily)).sum().item()),
+            "max_abs_diff": float(mx.max(diff).item()),
+            "top1_agree": float(mx.mean(mx.argmax(lily, -1) == mx.argmax(stock, -1)).item())}),
+            flush=True)
         run()
 
 
@@ -143,17 +183,19 @@ def main() -> None:
             out, err = [s.decode() if isinstance(s, bytes) else s for s in (out, err)]
         launches = [ln for ln in err.splitlines() if ln.startswith("LAUNCH")]
         inspected = [ln for ln in err.splitlines() if ln.startswith("INSPECT")]
+        nonfinite = [ln for ln in err.splitlines() if ln.startswith("NONFINITE")]
         done = [ln for ln in err.splitlines() if ln.startswith("DONE")]
         res[case] = {"rc": rc, "launches": len(launches), "completed": len(done),
                      "last_launch": launches[-1] if launches else None,
                      "inspected": inspected[-12:],
+                     "nonfinite": nonfinite[:12],
                      "stdout": out[-2000:],
                      "tail": "\n".join(ln for ln in err.splitlines()
-                                       if not ln.startswith(("LAUNCH", "DONE", "INSPECT")))[-3000:],
+                                       if not ln.startswith(("LAUNCH", "DONE", "INSPECT", "NONFINITE")))[-3000:],
                      "seconds": round(time.perf_counter() - t0, 1)}
         ok = rc == 0
         print(f"{case}: rc {rc}, {len(launches)} launches, {res[case]['seconds']} s"
-              + "".join(f"\n  {ln}" for ln in inspected[-6:])
+              + "".join(f"\n  {ln}" for ln in inspected[-6:] + nonfinite[:4])
               + ("" if ok else f"\n  last: {res[case]['last_launch']}\n  "
                  + res[case]["tail"][-800:].replace("\n", "\n  ")), flush=True)
         if a.out:

@@ -23,7 +23,8 @@ __device__ __forceinline__ void lily_swiglu_rows(const LilyRowTile<S, D, BITS, G
 // logits lg[0..E) (already rounded to T), probabilities rounded to T, K rounds of a
 // lane-parallel argmax with ties to the lowest expert id (picks in decreasing order),
 // and with NORM the picks divided by their sum rounded to T. Lane j < K gets pick j in
-// (idx, score); other lanes get (0, 0).
+// (idx, score); other lanes get (0, 0). Ids are always in [0, E): a NaN probability
+// ranks below every number and its pick scores NaN.
 template <typename T, int E, int K, bool NORM, typename LP>
 __device__ __forceinline__ void lily_route_topk(LP lg, int lane, unsigned& idx,
                                                 float& score) {
@@ -51,6 +52,7 @@ __device__ __forceinline__ void lily_route_topk(LP lg, int lane, unsigned& idx,
   for (int i = 0; i < EPL; ++i) {
     const int e = lane + 32 * i;
     p[i] = e < E ? lily_round<T>(p[i] * inv) : -1.f;
+    if (e < E && !(p[i] >= 0.f)) p[i] = -0.5f;  // NaN: picked after every number, scored NaN
   }
   unsigned my_i = 0u;
   float my_v = 0.f;
@@ -71,7 +73,7 @@ __device__ __forceinline__ void lily_route_topk(LP lg, int lane, unsigned& idx,
     for (int i = 0; i < EPL; ++i) {
       if (lane + 32 * i == bi) p[i] = -3.f;
     }
-    if (lane == j) { my_i = (unsigned)bi; my_v = bv; }
+    if (lane == j) { my_i = (unsigned)bi; my_v = bv < 0.f ? __int_as_float(0x7fc00000) : bv; }
   }
   const float tot = lily_group_sum<32>(lane < K ? my_v : 0.f);
   idx = my_i;

@@ -4,7 +4,8 @@
 // logits lg[0..E) (already rounded to T), probabilities rounded to T, K rounds of a
 // lane-parallel argmax with ties to the lowest expert id (picks in decreasing order),
 // and with NORM the picks divided by their sum rounded to T. Lane j < K gets pick j in
-// (idx, score); other lanes get (0, 0).
+// (idx, score); other lanes get (0, 0). Ids are always in [0, E): a NaN probability
+// ranks below every number and its pick scores NaN.
 template <typename T, int E, int K, bool NORM, typename LP>
 inline void lily_route_topk(LP lg, int lane, thread uint& idx, thread float& score) {
   constexpr int EPL = (E + 31) / 32;
@@ -29,6 +30,9 @@ inline void lily_route_topk(LP lg, int lane, thread uint& idx, thread float& sco
   for (int i = 0; i < EPL; ++i) {
     const int e = lane + 32 * i;
     p[i] = e < E ? lily_round<T>(p[i] * inv) : -1.0f;
+    if (e < E && !(p[i] >= 0.0f)) {
+      p[i] = -0.5f;  // NaN: picked after every number, scored NaN
+    }
   }
   uint my_i = 0u;
   float my_v = 0.0f;
@@ -56,7 +60,7 @@ inline void lily_route_topk(LP lg, int lane, thread uint& idx, thread float& sco
     }
     if (lane == j) {
       my_i = uint(bi);
-      my_v = bv;
+      my_v = bv < 0.0f ? NAN : bv;
     }
   }
   const float tot = lily_group_sum<32>(lane < K ? my_v : 0.0f);
