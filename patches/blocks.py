@@ -114,10 +114,11 @@ BATCH_OP = "batch_decode"
 
 
 def batch_kernels_on() -> bool:
-    """Whether calls on mlx-lm's batch caches take the one-sequence kernels: the
-    ``batch_decode`` switch is on and ``MLX_LILY_KERNELS`` allows it here (not in the
-    shipped verified set until its GPU tests pass; ``MLX_LILY_KERNELS=all`` turns it on).
-    Off, such calls take the paths they took before batched decode existed."""
+    """Whether calls on mlx-lm's batch caches of two or more sequences take the
+    one-sequence kernels: the ``batch_decode`` switch is on and ``MLX_LILY_KERNELS``
+    allows it here (not in the shipped verified set until its GPU tests pass;
+    ``MLX_LILY_KERNELS=all`` turns it on). Off, such calls take mlx-lm's paths; one
+    sequence is ``batch_rows_on``'s case."""
     return switch_on(BATCH_OP, current_backend())
 
 

@@ -273,6 +273,24 @@ def test_emulated_compiled_batch_steps_equal_alone(model, lengths):
         assert batch_shapes, "the batch took no whole-stack step"
 
 
+def count_whole_steps_on_batch_caches(monkeypatch) -> list:
+    """A list that gets the batch size of every whole-stack decode step run on mlx-lm's
+    batch caches (``stack.run_whole_step`` wrapped for the test)."""
+    from mlx_lily.patches import stack
+
+    seen = []
+    real = stack.run_whole_step
+
+    def counting(text_model, cs, layers, cache, h):
+        y = real(text_model, cs, layers, cache, h)
+        if y is not None and any(type(c) is BatchKVCache for c in cache):
+            seen.append(h.shape[0])
+        return y
+
+    monkeypatch.setattr(stack, "run_whole_step", counting)
+    return seen
+
+
 @needs_emu
 @pytest.mark.parametrize("lengths", [(37, 37), (2040, 2040)], ids=["short", "kv-growth"])
 def test_emulated_compiled_batch_decode_logits_equal_alone(model, lengths, monkeypatch):
@@ -283,18 +301,9 @@ def test_emulated_compiled_batch_decode_logits_equal_alone(model, lengths, monke
     after the first (which grows the merged cache) ran the whole-stack step on the batch
     caches. ``kv-growth``: the decode crosses 2048 tokens, where each sequence's own cache
     grows (an eager step alone; the merged cache grew at its first step)."""
-    from mlx_lily.patches import decode_graph as dg, stack
+    from mlx_lily.patches import decode_graph as dg
 
-    whole_on_batch = []
-    real = stack.run_whole_step
-
-    def counting(text_model, cs, layers, cache, h):
-        y = real(text_model, cs, layers, cache, h)
-        if y is not None and any(type(c) is BatchKVCache for c in cache):
-            whole_on_batch.append(h.shape[0])
-        return y
-
-    monkeypatch.setattr(stack, "run_whole_step", counting)
+    whole_on_batch = count_whole_steps_on_batch_caches(monkeypatch)
     dg.drop_compiled_steps()
     try:
         with emulated_metal(), dg.uncompiled(), pytest.MonkeyPatch.context() as mp:
@@ -622,18 +631,9 @@ def test_emulated_batch_of_one_takes_the_one_sequence_step_with_the_switch_off(m
     of the prompt alone; a logits-level check on a merged one-row cache is bit-identical
     at every step."""
     from mlx_lily import backend
-    from mlx_lily.patches import decode_graph as dg, stack
+    from mlx_lily.patches import decode_graph as dg
 
-    whole_on_batch = []
-    real = stack.run_whole_step
-
-    def counting(text_model, cs, layers, cache, h):
-        y = real(text_model, cs, layers, cache, h)
-        if y is not None and any(type(c) is BatchKVCache for c in cache):
-            whole_on_batch.append(h.shape[0])
-        return y
-
-    monkeypatch.setattr(stack, "run_whole_step", counting)
+    whole_on_batch = count_whole_steps_on_batch_caches(monkeypatch)
     ops = [o for o in backend.OP_NAMES if o != "batch_decode"]
     prompt = prompt_of(37, 3)
     dg.drop_compiled_steps()

@@ -598,6 +598,18 @@ def test_out_of_bounds_fault_is_reported():
     assert np.all(np.array(run1(ok, [mx.ones((4,))], (4,), mx.float32, (4, 1, 1), (4, 1, 1))) == 2)
 
 
+def test_write_past_an_output_is_reported():
+    """A kernel that writes one element past its output's end (or before its start) fails
+    its launch naming the output: on a GPU that write lands in a neighbour's memory."""
+    for name, idx in (("past", "4u"), ("before", "-1")):
+        src = f"uint i = thread_position_in_grid.x;\nout[i] = 1.0f;\nif (i == 0) out[{idx}] = 2.0f;"
+        k = metal_kernel(f"write_{name}", ["x"], ["out"], src)
+        with pytest.raises(MetalEmuError, match="wrote outside output 'out'"):
+            run1(k, [mx.ones((4,))], (4,), mx.float32, (4, 1, 1), (4, 1, 1))
+    inside = metal_kernel("write_inside", ["x"], ["out"], "out[thread_position_in_grid.x] = 3.0f;")
+    assert np.all(np.array(run1(inside, [mx.ones((4,))], (4,), mx.float32, (4, 1, 1), (4, 1, 1))) == 3)
+
+
 def test_install_patches_and_restores():
     orig_kernel, orig_avail = mx.fast.metal_kernel, mx.metal.is_available
     with metal_emu.install():

@@ -9,7 +9,9 @@ so the last key a child printed names the launch that faulted.
 Cases on a tiny random test model (``tests/_models.build``): ``first_contact`` (the
 warm-up check ``mlx_lily.patch`` runs), ``stock-L`` (mlx-lm unpatched, an ``L``-token
 prefill and ``--steps`` decode steps), ``lily-L`` (the same patched, first contact
-skipped, probed) for each ``--lengths`` L.
+skipped, probed, its prefill logits compared with stock's) for each ``--lengths`` L,
+``qmm`` (MLX's own quantized matmul at the test model's shapes). Non-finite outputs are
+reported per Lily launch (``NONFINITE``) and, for ``stock-L``, per decoder layer.
 
     python3 benchmarks/gpu/probe_launches.py --kind qwen3_5_moe --lengths 5,37,130,700 \
         --out probe.json
@@ -83,6 +85,50 @@ def _report_nonfinite(gk, kw: dict, outs) -> None:
           "of", [tuple(o.shape) for o in outs], file=sys.stderr, flush=True)
 
 
+def _watch_layers(model) -> None:
+    """Print ``LAYER i nonfinite n of size`` after each decoder layer of an unpatched
+    model (its layers list replaced by wrappers that evaluate their output)."""
+    import mlx.core as mx
+
+    inner = model.language_model.model if hasattr(model, "language_model") else model.model
+
+    class Watch:
+        def __init__(self, i, layer):
+            self.i, self.layer = i, layer
+
+        def __getattr__(self, name):
+            return getattr(self.layer, name)
+
+        def __call__(self, *args, **kw):
+            y = self.layer(*args, **kw)
+            mx.eval(y)
+            print("LAYER", self.i, "nonfinite", int((~mx.isfinite(y)).sum().item()), "of",
+                  y.size, file=sys.stderr, flush=True)
+            return y
+
+    inner.layers = [Watch(i, layer) for i, layer in enumerate(inner.layers)]
+
+
+def _qmm_check() -> None:
+    """``mx.quantized_matmul`` (4-bit, group 64) against a matmul of the dequantized
+    weights at the test model's projection shapes and row counts 1..130: prints
+    ``QMM M K N nonfinite max_rel_err`` per shape."""
+    import mlx.core as mx
+
+    for K, N in ((128, 64), (64, 128), (128, 1024), (512, 128), (128, 512)):
+        w = (mx.random.normal((N, K)) * K ** -0.5).astype(mx.bfloat16)
+        wq, sc, bi = mx.quantize(w, 64, 4)
+        wd = mx.dequantize(wq, sc, bi, 64, 4)
+        for M in (1, 5, 8, 9, 16, 20, 31, 32, 33, 37, 48, 64, 65, 130):
+            x = mx.random.normal((M, K)).astype(mx.bfloat16)
+            y = mx.quantized_matmul(x, wq, sc, bi, True, 64, 4)
+            ref = x.astype(mx.float32) @ wd.astype(mx.float32).T
+            bad = int((~mx.isfinite(y)).sum().item())
+            err = float((mx.abs(y.astype(mx.float32) - ref).max()
+                         / (mx.abs(ref).max() + 1e-6)).item())
+            print("QMM", M, K, N, "nonfinite", bad, "max_rel_err", round(err, 4), flush=True)
+
+
 def _child(case: str, kind: str, steps: int) -> None:
     sys.path.insert(0, os.path.join(ROOT, "tests"))
     import mlx.core as mx
@@ -107,6 +153,9 @@ def _child(case: str, kind: str, steps: int) -> None:
         return out
 
     first_contact.launch = traced
+    if case == "qmm":
+        _qmm_check()
+        return
     if case == "first_contact":
         from mlx_lily import kernels
 
@@ -131,6 +180,7 @@ def _child(case: str, kind: str, steps: int) -> None:
         print("DECODE OK", tok, flush=True)
 
     if arm == "stock":
+        _watch_layers(model)
         run()
         return
     stock = model(mx.array([prompt]), cache=make_prompt_cache(model))
@@ -183,15 +233,16 @@ def main() -> None:
             out, err = [s.decode() if isinstance(s, bytes) else s for s in (out, err)]
         launches = [ln for ln in err.splitlines() if ln.startswith("LAUNCH")]
         inspected = [ln for ln in err.splitlines() if ln.startswith("INSPECT")]
-        nonfinite = [ln for ln in err.splitlines() if ln.startswith("NONFINITE")]
+        nonfinite = [ln for ln in err.splitlines() if ln.startswith(("NONFINITE", "LAYER"))
+                     and "nonfinite 0 of" not in ln]
         done = [ln for ln in err.splitlines() if ln.startswith("DONE")]
         res[case] = {"rc": rc, "launches": len(launches), "completed": len(done),
                      "last_launch": launches[-1] if launches else None,
                      "inspected": inspected[-12:],
                      "nonfinite": nonfinite[:12],
-                     "stdout": out[-2000:],
+                     "stdout": out[-8000:],
                      "tail": "\n".join(ln for ln in err.splitlines()
-                                       if not ln.startswith(("LAUNCH", "DONE", "INSPECT", "NONFINITE")))[-3000:],
+                                       if not ln.startswith(("LAUNCH", "DONE", "INSPECT", "NONFINITE", "LAYER")))[-3000:],
                      "seconds": round(time.perf_counter() - t0, 1)}
         ok = rc == 0
         print(f"{case}: rc {rc}, {len(launches)} launches, {res[case]['seconds']} s"

@@ -412,7 +412,8 @@ def _decode_run(experts: Experts, x, inds, scores, shared, residual, backend):
 def prefill_chunk(x_shape) -> bool:
     """Whether activations of ``x_shape`` (``[B, L, D]``) are a prefill chunk (L > 1
     tokens per sequence). The decode kernels serve one token per sequence only, so a
-    prompt's MoE rows take one path (the grouped GEMM) at every length and batch size."""
+    prompt's MoE rows take one path (the grouped GEMM) at every length and batch size.
+    A speculative-decoding verify step (drafts + 1 tokens) counts as a chunk too."""
     return len(x_shape) >= 3 and x_shape[-2] > 1
 
 
