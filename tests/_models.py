@@ -23,6 +23,16 @@ TEXT = dict(
 )
 MOE = dict(num_experts=16, num_experts_per_tok=4, moe_intermediate_size=64,
            shared_expert_intermediate_size=64, norm_topk_prob=True)
+#: Expert widths on MLX's CUDA backend: there MLX 0.32.4's ``quantized_matmul`` with
+#: K = 64 (one quantization group per row) gave wrong or non-finite rows for 5 and more
+#: rows (benchmarks/results/2026-12-03-cuda-h200-router-fault), stock and Lily alike.
+CUDA_MOE_WIDTHS = dict(moe_intermediate_size=128, shared_expert_intermediate_size=128)
+
+
+def _on_cuda() -> bool:
+    from mlx_lily.backend import current_backend
+
+    return current_backend() == "cuda"
 
 
 def _router_predicate(path, module):
@@ -60,7 +70,8 @@ def build(kind: str = "qwen3_5_moe", seed: int = 0, quantize: bool = True, **ove
     if kind == "qwen3_next":
         from mlx_lm.models import qwen3_next as mod
 
-        cfg = dict(TEXT, **MOE, model_type="qwen3_next", intermediate_size=256,
+        cfg = dict(TEXT, **MOE, **(CUDA_MOE_WIDTHS if _on_cuda() else {}),
+                   model_type="qwen3_next", intermediate_size=256,
                    decoder_sparse_step=1, mlp_only_layers=[], rope_theta=10000000,
                    partial_rotary_factor=0.25)
         cfg.pop("rope_parameters")
@@ -72,6 +83,8 @@ def build(kind: str = "qwen3_5_moe", seed: int = 0, quantize: bool = True, **ove
         text = dict(TEXT, model_type=kind + "_text")
         if kind == "qwen3_5_moe":
             text.update(MOE)
+            if _on_cuda():
+                text.update(CUDA_MOE_WIDTHS)
             mod = qwen3_5_moe
         else:
             text.update(intermediate_size=256)

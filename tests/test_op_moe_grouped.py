@@ -42,7 +42,8 @@ BACKENDS = [pytest.param(b, marks=pytest.mark.gpu) if b in HW else b for b in pa
 def make_layer(D, I, E, *, shared=True, bits=4, group=64, dtype=mx.bfloat16):
     """A random SwitchGLU (+ shared expert) quantized like ``mlx_lm.convert -q``."""
     sw = SwitchGLU(D, I, E)
-    sh = Qwen3NextMLP(D, I) if shared else None
+    # at least 128 wide: MLX's CUDA quantized_matmul with K = 64 is wrong (_models.py)
+    sh = Qwen3NextMLP(D, max(I, 128)) if shared else None
     nn.quantize(sw, group_size=group, bits=bits)
     if sh is not None:
         nn.quantize(sh, group_size=64, bits=4)

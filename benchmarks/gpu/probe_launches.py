@@ -129,7 +129,7 @@ def _qmm_check() -> None:
             print("QMM", M, K, N, "nonfinite", bad, "max_rel_err", round(err, 4), flush=True)
 
 
-def _child(case: str, kind: str, steps: int) -> None:
+def _child(case: str, kind: str, steps: int, overrides: dict) -> None:
     sys.path.insert(0, os.path.join(ROOT, "tests"))
     import mlx.core as mx
     from mlx_lm.models.cache import make_prompt_cache
@@ -140,7 +140,7 @@ def _child(case: str, kind: str, steps: int) -> None:
 
     if mx.is_available(mx.gpu):
         mx.set_default_device(mx.gpu)
-    model = _models.build(kind)
+    model = _models.build(kind, **overrides)
     orig = first_contact.launch
 
     def traced(gk, kw):
@@ -209,10 +209,13 @@ def main() -> None:
     ap.add_argument("--cases", default=None,
                     help="comma list of cases instead: first_contact, stock-L, lily-L, "
                          "each with optional @VAR=VALUE environment settings joined by @")
+    ap.add_argument("--override", action="append", default=[], metavar="KEY=INT",
+                    help="test-model config entry (e.g. moe_intermediate_size=64)")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.child:
-        _child(a.child, a.kind, a.steps)
+        _child(a.child, a.kind, a.steps,
+               {k: int(v) for k, v in (o.split("=", 1) for o in a.override)})
         return
     lengths = [int(x) for x in a.lengths.split(",") if x]
     cases = ["first_contact"] + [f"{arm}-{n}" for n in lengths for arm in ("stock", "lily")]
@@ -225,7 +228,8 @@ def main() -> None:
         env.update(kv.split("=", 1) for kv in case.split("@")[1:])
         try:
             p = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", case,
-                                "--kind", a.kind, "--steps", str(a.steps)],
+                                "--kind", a.kind, "--steps", str(a.steps)]
+                               + [f"--override={o}" for o in a.override],
                                capture_output=True, text=True, timeout=a.timeout_s, env=env)
             rc, out, err = p.returncode, p.stdout, p.stderr
         except subprocess.TimeoutExpired as e:
