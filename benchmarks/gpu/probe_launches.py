@@ -59,6 +59,13 @@ def _inspect(name: str, kw: dict) -> None:
         print("INSPECT", name, info, file=sys.stderr, flush=True)
 
 
+def _nonfinite(a) -> int:
+    """Non-finite elements of the array ``a`` (evaluates it)."""
+    import mlx.core as mx
+
+    return int((~mx.isfinite(a)).sum().item())
+
+
 def _bad_counts(arrays) -> list:
     """Non-finite element counts of the floating arrays of more than one element (None
     for the others: integers and one-element placeholders)."""
@@ -70,7 +77,7 @@ def _bad_counts(arrays) -> list:
                 mx.float32, mx.float16, mx.bfloat16):
             res.append(None)
             continue
-        res.append(int((~mx.isfinite(a)).sum().item()))
+        res.append(_nonfinite(a))
     return res
 
 
@@ -88,8 +95,6 @@ def _report_nonfinite(gk, kw: dict, outs) -> None:
 def _watch_layers(model) -> None:
     """Print ``LAYER i nonfinite n of size`` after each decoder layer of an unpatched
     model (its layers list replaced by wrappers that evaluate their output)."""
-    import mlx.core as mx
-
     inner = model.language_model.model if hasattr(model, "language_model") else model.model
 
     class Watch:
@@ -101,8 +106,7 @@ def _watch_layers(model) -> None:
 
         def __call__(self, *args, **kw):
             y = self.layer(*args, **kw)
-            mx.eval(y)
-            print("LAYER", self.i, "nonfinite", int((~mx.isfinite(y)).sum().item()), "of",
+            print("LAYER", self.i, "nonfinite", _nonfinite(y), "of",
                   y.size, file=sys.stderr, flush=True)
             return y
 
@@ -123,7 +127,7 @@ def _qmm_check() -> None:
             x = mx.random.normal((M, K)).astype(mx.bfloat16)
             y = mx.quantized_matmul(x, wq, sc, bi, True, 64, 4)
             ref = x.astype(mx.float32) @ wd.astype(mx.float32).T
-            bad = int((~mx.isfinite(y)).sum().item())
+            bad = _nonfinite(y)
             err = float((mx.abs(y.astype(mx.float32) - ref).max()
                          / (mx.abs(ref).max() + 1e-6)).item())
             print("QMM", M, K, N, "nonfinite", bad, "max_rel_err", round(err, 4), flush=True)
@@ -191,8 +195,8 @@ def _child(case: str, kind: str, steps: int, overrides: dict) -> None:
         mx.eval(lily)
         diff = mx.abs(lily.astype(mx.float32) - stock.astype(mx.float32))
         print("PREFILL VS STOCK", json.dumps({
-            "stock_nonfinite": int((~mx.isfinite(stock)).sum().item()),
-            "lily_nonfinite": int((~mx.isfinite(lily)).sum().item()),
+            "stock_nonfinite": _nonfinite(stock),
+            "lily_nonfinite": _nonfinite(lily),
             "max_abs_diff": float(mx.max(diff).item()),
             "top1_agree": float(mx.mean(mx.argmax(lily, -1) == mx.argmax(stock, -1)).item())}),
             flush=True)

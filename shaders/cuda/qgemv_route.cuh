@@ -52,7 +52,9 @@ __device__ __forceinline__ void lily_route_topk(LP lg, int lane, unsigned& idx,
   for (int i = 0; i < EPL; ++i) {
     const int e = lane + 32 * i;
     p[i] = e < E ? lily_round<T>(p[i] * inv) : -1.f;
-    if (e < E && !(p[i] >= 0.f)) p[i] = -0.5f;  // NaN: picked after every number, scored NaN
+    // NaN (tested on the bits, which fast math cannot fold): picked after every number,
+    // scored NaN
+    if (e < E && (__float_as_uint(p[i]) & 0x7fffffffu) > 0x7f800000u) p[i] = -0.5f;
   }
   unsigned my_i = 0u;
   float my_v = 0.f;

@@ -30,8 +30,10 @@ inline void lily_route_topk(LP lg, int lane, thread uint& idx, thread float& sco
   for (int i = 0; i < EPL; ++i) {
     const int e = lane + 32 * i;
     p[i] = e < E ? lily_round<T>(p[i] * inv) : -1.0f;
-    if (e < E && !(p[i] >= 0.0f)) {
-      p[i] = -0.5f;  // NaN: picked after every number, scored NaN
+    // NaN (tested on the bits, which fast math cannot fold): picked after every number,
+    // scored NaN
+    if (e < E && (as_type<uint>(p[i]) & 0x7fffffffu) > 0x7f800000u) {
+      p[i] = -0.5f;
     }
   }
   uint my_i = 0u;
