@@ -4,9 +4,10 @@
 #   setsid nohup bash benchmarks/gpu/lease_round.sh > /tmp/w/round.log 2>&1 < /dev/null &
 # later calls on the warm machine only wait and archive /tmp/w (lease_setup.sh's snap).
 # Phases (ROUND_PHASES, comma-separated names, default checks,bench,qualify,long), in order:
+#   gputests: the GPU tests of batched decode, the grouped MoE and the router top-k
+#            (pytest -m gpu, a small random model)
 #   trained: train (or reuse) the production-width model, then its long-context numerics;
 #            alone on the GPU (beside a 35B model the trainer ran out of memory)
-#   gputests: the GPU tests of batched decode (pytest -m gpu, a small random model)
 #   checks:  batch-vs-alone parity (parity-equal: prompts of one length, the compiled batch
 #            step; parity-one: one request, default kernels; parity-mixed: mixed lengths;
 #            each also a phase of its own); the first carries this machine's MLX JIT,
@@ -38,6 +39,12 @@ AUTH="$HOME/.cache/mlx-lily/models"
 
 BATCH_SET=verified,batch_decode  # the default set plus batched decode (not yet verified)
 
+if [[ $PHASES == *",gputests,"* ]]; then
+  step gpu-tests-batch 400 python3 -m pytest -m gpu -q -p no:cacheprovider \
+    "$R/tests/test_op_moe_router_topk.py" "$R/tests/test_op_moe_grouped.py" \
+    "$R/tests/test_batch_decode.py"
+fi
+
 if [[ $PHASES == *",trained,"* ]]; then
   echo "[$(el) s] trained: start"
   OUT="$W/trained" NO_INSTALL=1 CALL_BUDGET_S=${TRAINED_BUDGET_S:-540} \
@@ -45,11 +52,6 @@ if [[ $PHASES == *",trained,"* ]]; then
     > "$W/trained.log" 2>&1
   rc=$?
   echo "[$(el) s] trained: rc=$rc"
-fi
-
-if [[ $PHASES == *",gputests,"* ]]; then
-  step gpu-tests-batch 400 python3 -m pytest -m gpu -q -p no:cacheprovider \
-    "$R/tests/test_batch_decode.py"
 fi
 
 [[ $PHASES == *",checks,"* ]] && PHASES="$PHASES,parity-equal,parity-one,parity-mixed,"
