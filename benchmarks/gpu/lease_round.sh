@@ -5,7 +5,8 @@
 # later calls on the warm machine only wait and archive /tmp/w (lease_setup.sh's snap).
 # Phases (ROUND_PHASES, comma-separated names, default checks,bench,qualify,long), in order:
 #   gputests: the GPU tests of batched decode, the grouped MoE and the router top-k
-#            (pytest -m gpu, a small random model)
+#            (pytest -m gpu, a small random model; GPUTESTS_LIMIT_S, default 400: on a fresh
+#            machine 400 s covered 51 of them)
 #   trained: train (or reuse) the production-width model, then its long-context numerics;
 #            alone on the GPU (beside a 35B model the trainer ran out of memory)
 #   checks:  batch-vs-alone parity (parity-equal: prompts of one length, the compiled batch
@@ -40,7 +41,8 @@ AUTH="$HOME/.cache/mlx-lily/models"
 BATCH_SET=verified,batch_decode  # the default set plus batched decode (not yet verified)
 
 if [[ $PHASES == *",gputests,"* ]]; then
-  step gpu-tests-batch 400 python3 -m pytest -m gpu -q -p no:cacheprovider \
+  # -v names each test: a run cut by the limit (a fresh machine's JIT) still says how far it got
+  step gpu-tests-batch ${GPUTESTS_LIMIT_S:-400} python3 -m pytest -m gpu -v -p no:cacheprovider \
     "$R/tests/test_op_moe_router_topk.py" "$R/tests/test_op_moe_grouped.py" \
     "$R/tests/test_batch_decode.py"
 fi
