@@ -5,8 +5,7 @@
 # later calls on the warm machine only wait and archive /tmp/w (lease_setup.sh's snap).
 # Phases (ROUND_PHASES, comma-separated names, default checks,bench,qualify,long), in order:
 #   gputests: the GPU tests of batched decode, the grouped MoE and the router top-k
-#            (pytest -m gpu, a small random model; GPUTESTS_LIMIT_S, default 400: on a fresh
-#            machine 400 s covered 51 of them)
+#            (pytest -m gpu, a small random model; time limit GPUTESTS_LIMIT_S, default 400 s)
 #   trained: train (or reuse) the production-width model, then its long-context numerics;
 #            alone on the GPU (beside a 35B model the trainer ran out of memory)
 #   checks:  batch-vs-alone parity (parity-equal: prompts of one length, the compiled batch
