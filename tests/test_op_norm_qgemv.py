@@ -138,7 +138,57 @@ def test_cuda_twin_compiles():
          ("w", mx.uint32, 2), ("scales", bf, 2), ("biases", bf, 2)],
         [("y", bf), ("h", bf)], body, head,
         template=[("T", bf), ("S", bf), ("K", 2048), ("O", 12352), ("BITS", 4), ("GS", 64),
-                  ("NW", NQ.NW), ("RPW", NQ.RPW)])
+                  ("NW", NQ.NW), ("RPW", NQ.RPW), ("NR", 1)])
+    cuda_check.check(  # the multi-row body: 8 normalised rows in shared memory
+        "lily_norm_qgemv",
+        [("hin", bf, 2), ("res", bf, 2), ("nw", bf, 1), ("eps", mx.float32, 1),
+         ("w", mx.uint32, 2), ("scales", bf, 2), ("biases", bf, 2)],
+        [("y", bf), ("h", bf)], body, head,
+        template=[("T", bf), ("S", bf), ("K", 2048), ("O", 9216), ("BITS", 4), ("GS", 64),
+                  ("NW", NQ.NW), ("RPW", NQ.RPW), ("NR", 8)])
+
+
+@pytest.mark.parametrize("backend", KERNEL_BACKENDS)
+@pytest.mark.parametrize("case", [(2048, 40, 4, 64, 8, mx.bfloat16),
+                                  (256, 24, 8, 32, 3, mx.bfloat16),
+                                  (128, 9, 4, 64, 5, mx.float16)],
+                         ids=lambda c: f"K{c[0]}-O{c[1]}-b{c[2]}-n{c[4]}")
+def test_rows_equal_each_row_alone(backend, case):
+    """Every row of a multi-row launch (several rows per threadgroup, each normalised into
+    its own slice of threadgroup memory) equals that row launched alone, bit for bit, in
+    ``y`` and ``h``; and the results pass the fp32 check."""
+    k, o, bits, gs, rows, dtype = case
+    q, s, b = make_weights(o, k, bits, gs)
+    h0, res, nw = make_inputs(rows, k, dtype, o + rows)
+    kern, init = kernel_for(NQ.SPEC, backend)
+    y, h = NQ.launch(kern, h0, res, nw, 1e-6, q, s, b, gs, bits, init_value=init)
+    check(y, h, h0, res, nw, 1e-6, q, s, b, gs, bits, dtype)
+    for i in range(rows):
+        yi, hi = NQ.launch(kern, h0[i:i + 1], res[i:i + 1], nw, 1e-6, q, s, b, gs, bits,
+                           init_value=init)
+        assert mx.array_equal(y[i:i + 1], yi).item() and mx.array_equal(h[i:i + 1], hi).item()
+
+
+def test_rows_per_threadgroup_fit_threadgroup_memory(monkeypatch):
+    """Metal: 8 rows of 2048 bf16 values (32 KiB) do not fit beside the rest, so a
+    threadgroup takes 4 (two along grid y); CUDA takes all 8 in one."""
+    q = mx.zeros((9216, 256), mx.uint32)
+    s = mx.zeros((9216, 32), mx.bfloat16)
+    seen = {}
+
+    def kern(**kw):
+        seen.update(kw)
+        return [mx.zeros(sh, dt) for sh, dt in zip(kw["output_shapes"], kw["output_dtypes"])]
+
+    x = mx.zeros((8, 1, 2048), mx.bfloat16)
+    nw = mx.ones((2048,), mx.bfloat16)
+    for backend, nr in (("metal", 4), ("cuda", 8)):
+        monkeypatch.setattr(NQ, "current_backend", lambda b=backend: b)
+        monkeypatch.setattr("mlx_lily.ops.qgemv.current_backend", lambda b=backend: b)
+        NQ.launch(kern, x, x, nw, 1e-6, q, s, s, 64, 4)
+        t = dict(seen["template"])
+        assert t["NR"] == nr and seen["grid"][1] == 8 // nr, backend
+        assert nr * 2048 * 2 <= NQ.MAX_ROWS_BYTES.get(backend, NQ.MAX_ROW_BYTES)
 
 
 @pytest.mark.gpu
@@ -148,7 +198,7 @@ def test_gpu_production_shapes():
     """Qwen3.6-35B-A3B's fused projections: GDN in_proj (2048 -> 12352), attention
     q|k|v (2048 -> 9216), at one and two rows."""
     backend = "cuda" if "cuda" in parity_backends() else "metal"
-    for k, o, rows in ((2048, 12352, 1), (2048, 9216, 1), (2048, 12352, 2)):
+    for k, o, rows in ((2048, 12352, 1), (2048, 9216, 1), (2048, 12352, 2), (2048, 9216, 8)):
         mx.random.seed(o + rows)
         q, s, b = make_weights(o, k, 4, 64)
         h0, res, nw = make_inputs(rows, k, mx.bfloat16, o)

@@ -225,7 +225,66 @@ def test_cuda_twin_compiles():
         "lily_qgemv", [("x", bf, 2), ("w", mx.uint32, 2), ("scales", bf, 2), ("biases", bf, 2)],
         [("y", bf)], body, head,
         template=[("T", bf), ("S", bf), ("K", 2048), ("O", 8192), ("BITS", 4), ("GS", 64),
-                  ("NW", Q.NW), ("RPW", Q.RPW)])
+                  ("NW", Q.NW), ("RPW", Q.RPW), ("NR", 1)])
+    cuda_check.check(  # the multi-row body (a decode step of 8 sequences)
+        "lily_qgemv", [("x", bf, 2), ("w", mx.uint32, 2), ("scales", bf, 2), ("biases", bf, 2)],
+        [("y", bf)], body, head,
+        template=[("T", bf), ("S", bf), ("K", 4096), ("O", 2048), ("BITS", 4), ("GS", 64),
+                  ("NW", Q.NW), ("RPW", 2), ("NR", 8)])
+
+
+ROW_CASES = [  # (K, O, bits, gs, rows, dtype): multi-row launches against one-row ones
+    (2048, 40, 4, 64, 8, mx.bfloat16),   # production input width, a batch of 8
+    (4096, 37, 4, 64, 2, mx.bfloat16),   # output projections' width, a batch of 2
+    (2048, 24, 8, 64, 3, mx.bfloat16),   # 8-bit (router), odd batch
+    (128, 17, 8, 128, 5, mx.float16),    # 8 lanes per row, prime batch
+    (64, 7, 4, 64, 4, mx.float32),       # 2 lanes per row, fp32 activations
+]
+
+
+@pytest.mark.parametrize("backend", KERNEL_BACKENDS)
+@pytest.mark.parametrize("case", ROW_CASES, ids=lambda c: f"K{c[0]}-O{c[1]}-b{c[2]}-n{c[4]}")
+def test_rows_equal_each_row_alone(backend, case):
+    """Batch invariance of the GEMV: every row of an n-row launch (one threadgroup taking
+    all n rows: the weights read once) equals that row launched alone, bit for bit, and
+    equals the launch with one row per threadgroup; the results are also near the fp32
+    truth (a wrong multi-row body cannot pass by matching itself)."""
+    k, o, bits, gs, rows, dtype = case
+    mx.random.seed(hash(case) % 1000)
+    q, s, b = make_weights(o, k, bits, gs)
+    x = mx.random.normal((rows, k)).astype(dtype)
+    kern, init = kernel_for(Q.SPEC, backend)
+    kw = Q.launch_args(x.shape, x.dtype, q, s, gs, bits)
+    assert dict(kw["template"])["NR"] == rows and kw["grid"][1] == 1
+    y = Q.launch(kern, x, q, s, b, gs, bits, init_value=init)
+    check_close(y, truth(x, q, s, b, gs, bits), x, q, s, b, gs, bits, dtype)
+    # the one-row launches at the same NW / RPW (RPW does not change a row's arithmetic,
+    # but keeping it equal keeps the comparison to the row loop alone)
+    t = dict(kw["template"])
+    one = Q.launch(kern, x, q, s, b, gs, bits, nw=t["NW"], rpw=t["RPW"], nr=1,
+                   init_value=init)
+    assert mx.array_equal(y, one).item()
+    for i in range(rows):
+        alone = Q.launch(kern, x[i:i + 1], q, s, b, gs, bits, init_value=init)
+        assert mx.array_equal(y[i:i + 1], alone).item(), i
+
+
+def test_rows_per_group_and_row_accumulator_cap(monkeypatch):
+    """All rows of a decode step go to one threadgroup (grid y 1) where the rows' bytes
+    allow; on Metal the default RPW drops so rows x RPW stays within
+    ``MAX_ROW_ACCUMULATORS``; an ``nr`` that does not divide the rows is refused."""
+    assert [Q.rows_per_group(n) for n in range(1, 9)] == list(range(1, 9))
+    assert Q.rows_per_group(8, 4096, 16384) == 4 and Q.rows_per_group(6, 4096, 16384) == 3
+    assert Q.rows_per_group(3, 40000, 16384) == 1
+    q = mx.zeros((2048, 512), mx.uint32)
+    s = mx.zeros((2048, 64), mx.bfloat16)
+    monkeypatch.setattr(Q, "current_backend", lambda: "metal")
+    t = dict(Q.launch_args((8, 1, 4096), mx.bfloat16, q, s, 64, 4)["template"])
+    assert t["NR"] == 8 and t["NR"] * t["RPW"] <= Q.MAX_ROW_ACCUMULATORS["metal"]
+    t1 = dict(Q.launch_args((1, 1, 4096), mx.bfloat16, q, s, 64, 4)["template"])
+    assert t1["NR"] == 1 and t1["RPW"] == Q.launch_shape(4096, 2048, 4, "metal")[1]
+    with pytest.raises(ValueError, match="do not divide"):
+        Q.launch_args((6, 4096), mx.bfloat16, q, s, 64, 4, nr=4)
 
 
 def test_helper_blocks_identical_across_shaders():
@@ -255,3 +314,26 @@ def test_gpu_production_shapes():
         kern, init = kernel_for(Q.SPEC, backend)
         y = Q.launch(kern, x, q, s, b, 64, bits, init_value=init)
         check_close(y, truth(x, q, s, b, 64, bits), x, q, s, b, 64, bits, mx.bfloat16)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not any(b in parity_backends() for b in ("cuda", "metal")),
+                    reason="no GPU backend")
+def test_gpu_rows_equal_each_row_alone():
+    """Qwen3.6-35B-A3B's batched-decode GEMVs (LM head 2048 -> 248320, out_proj / o_proj
+    4096 -> 2048, the 8-bit router 2048 -> 257) at 2 and 8 rows: each row equals that
+    row alone, bit for bit, on the device's own compiler; NaN-poisoned outputs."""
+    backend = "cuda" if "cuda" in parity_backends() else "metal"
+    kern, init = kernel_for(Q.SPEC, backend)
+    for k, o, bits in ((2048, 248320, 4), (4096, 2048, 4), (2048, 257, 8)):
+        mx.random.seed(o)
+        q, s, b = make_weights(o, k, bits, 64)
+        for rows in (2, 8):
+            x = mx.random.normal((rows, 1, k)).astype(mx.bfloat16)
+            y = Q.launch(kern, x, q, s, b, 64, bits, init_value=init)
+            xr = x.reshape(rows, k)
+            check_close(y.reshape(rows, o), truth(xr, q, s, b, 64, bits), xr, q, s, b, 64,
+                        bits, mx.bfloat16)
+            for i in range(rows):
+                alone = Q.launch(kern, x[i:i + 1], q, s, b, 64, bits, init_value=init)
+                assert mx.array_equal(y[i:i + 1], alone).item(), (k, o, rows, i)

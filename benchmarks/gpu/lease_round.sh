@@ -5,7 +5,8 @@
 # later calls on the warm machine only wait and archive /tmp/w (lease_setup.sh's snap).
 # Phases (ROUND_PHASES, comma-separated names, default checks,bench,qualify,long), in order:
 #   gputests: the GPU tests of batched decode, the grouped MoE and the router top-k
-#            (pytest -m gpu, a small random model; time limit GPUTESTS_LIMIT_S, default 400 s)
+#            (pytest -m gpu, a small random model; time limit GPUTESTS_LIMIT_S, default 400 s;
+#            GPUTESTS_FILES, test files relative to the repository, replaces that list)
 #   trained: train (or reuse) the production-width model, then its long-context numerics;
 #            alone on the GPU (beside a 35B model the trainer ran out of memory)
 #   checks:  batch-vs-alone parity (parity-equal: prompts of one length, the compiled batch
@@ -14,7 +15,8 @@
 #            nothing in it is timed
 #   profile: per-kernel GPU time of Lily's decode step at B = PROFILE_BATCHES (default
 #            1 2 8; kernel_times.py, ncu)
-#   bench:   mlx_lm.benchmark through user_bench.py, stock and Lily in one run
+#   bench:   mlx_lm.benchmark through user_bench.py, stock and Lily in one run (BENCH_CASES,
+#            user_bench.py's --cases, replaces the default list; limit BENCH_LIMIT_S)
 #   qualify: qualification on a fresh record folder (QUALIFY_RUNS times, default 1, each on
 #            its own folder), then the A/B gate under the last record
 #   long:    Lily alone at B = 1 over 512 / 4K / 32K / 128K (3 trials), then 4K at B = 4 / 8
@@ -41,9 +43,12 @@ BATCH_SET=verified,batch_decode  # the default set plus batched decode (not yet 
 
 if [[ $PHASES == *",gputests,"* ]]; then
   # -v names each test: a run cut by the limit (a fresh machine's JIT) still says how far it got
+  files=()
+  for f in ${GPUTESTS_FILES:-tests/test_op_moe_router_topk.py tests/test_op_moe_grouped.py tests/test_batch_decode.py}; do
+    files+=("$R/$f")
+  done
   step gpu-tests-batch ${GPUTESTS_LIMIT_S:-400} python3 -m pytest -m gpu -v -p no:cacheprovider \
-    "$R/tests/test_op_moe_router_topk.py" "$R/tests/test_op_moe_grouped.py" \
-    "$R/tests/test_batch_decode.py"
+    "${files[@]}"
 fi
 
 if [[ $PHASES == *",trained,"* ]]; then
@@ -86,9 +91,9 @@ fi
 
 if [[ $PHASES == *",bench,"* ]]; then
   # stock's -b 4 at 4K would fail in MLX (4 x 2,048-token chunks exceed its CUDA grid limit)
-  MLX_LILY_KERNELS=$BATCH_SET step bench-ab 780 \
+  MLX_LILY_KERNELS=$BATCH_SET step bench-ab ${BENCH_LIMIT_S:-780} \
     python3 "$R/benchmarks/user_bench.py" --model "$Q36" --arms lily,stock --trials 1 \
-    --cases 512:128:1,512:128:2,512:128:4,512:128:8,4096:128:1,4096:128:2 \
+    --cases "${BENCH_CASES:-512:128:1,512:128:2,512:128:4,512:128:8,4096:128:1,4096:128:2}" \
     --out "$W/bench-ab"
 fi
 

@@ -131,4 +131,57 @@ inline void lily_qgemv_rows(XP xr, WP w, SP scales, SP biases, device T* yr, int
     }
   }
 }
+// lily_qgemv_rows for NR activation rows x_n = xr + n * ldx (outputs yr + n * ldy): each
+// lane reads its weight words once and applies each to all NR rows; each row's
+// arithmetic is lily_qgemv_gather's, step for step.
+template <typename T, typename S, int K, int O, int BITS, int GS, int RPW, int LPR,
+          int BPL, int NR, typename XP, typename WP, typename SP>
+inline void lily_qgemv_rows_n(XP xr, ulong ldx, WP w, SP scales, SP biases, device T* yr,
+                              ulong ldy, int row0, int sl) {
+  static_assert(BPL == 16 || BPL == 8, "lily_qgemv_rows_n: BPL is 16 or 8");
+  constexpr int VPL = 8 * BPL / BITS;
+  constexpr int KW = K / VPL;
+  constexpr int STEPS = KW / LPR;
+  constexpr int NG = K / GS;
+  typedef typename lily_word_ptr<WP, BPL>::type W4P;
+  W4P w4 = reinterpret_cast<W4P>(w);
+  int rows[RPW];
+  for (int r = 0; r < RPW; ++r) {
+    rows[r] = min(row0 + r, O - 1);
+  }
+  float acc[NR][RPW];
+  for (int n = 0; n < NR; ++n) {
+    for (int r = 0; r < RPW; ++r) {
+      acc[n][r] = 0.0f;
+    }
+  }
+  for (int st = 0; st < STEPS; ++st) {
+    const int c = st * LPR + sl;
+    const int g = (c * VPL) / GS;
+    float xs[NR];
+    for (int n = 0; n < NR; ++n) {
+      float xv[VPL];
+      xs[n] = lily_load_x<VPL>(xr + n * ldx + c * VPL, xv);
+    }
+    for (int r = 0; r < RPW; ++r) {
+      const ulong so = ulong(rows[r]) * NG + g;
+      const typename lily_word<BPL>::type q = w4[ulong(rows[r]) * KW + c];
+      const float sc = static_cast<float>(scales[so]);
+      const float bi = static_cast<float>(biases[so]);
+      for (int n = 0; n < NR; ++n) {
+        float xv[VPL];
+        lily_load_x<VPL>(xr + n * ldx + c * VPL, xv);
+        acc[n][r] += sc * lily_qdot<BITS>(q, xv) + bi * xs[n];
+      }
+    }
+  }
+  for (int n = 0; n < NR; ++n) {
+    for (int r = 0; r < RPW; ++r) {
+      const float v = lily_group_sum<LPR>(acc[n][r]);
+      if (sl == 0 && row0 + r < O) {
+        yr[n * ldy + row0 + r] = static_cast<T>(v);
+      }
+    }
+  }
+}
 // ---- end lily qgemv helpers ----
