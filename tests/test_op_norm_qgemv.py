@@ -139,7 +139,7 @@ def test_cuda_twin_compiles():
         [("y", bf), ("h", bf)], body, head,
         template=[("T", bf), ("S", bf), ("K", 2048), ("O", 12352), ("BITS", 4), ("GS", 64),
                   ("NW", NQ.NW), ("RPW", NQ.RPW), ("NR", 1)])
-    cuda_check.check(  # the multi-row body: 8 normalised rows in shared memory
+    cuda_check.check(  # 8 rows interleaved per weight tile
         "lily_norm_qgemv",
         [("hin", bf, 2), ("res", bf, 2), ("nw", bf, 1), ("eps", mx.float32, 1),
          ("w", mx.uint32, 2), ("scales", bf, 2), ("biases", bf, 2)],
@@ -154,9 +154,9 @@ def test_cuda_twin_compiles():
                                   (128, 9, 4, 64, 5, mx.float16)],
                          ids=lambda c: f"K{c[0]}-O{c[1]}-b{c[2]}-n{c[4]}")
 def test_rows_equal_each_row_alone(backend, case):
-    """Every row of a multi-row launch (several rows per threadgroup, each normalised into
-    its own slice of threadgroup memory) equals that row launched alone, bit for bit, in
-    ``y`` and ``h``; and the results pass the fp32 check."""
+    """Every row of a multi-row launch (the rows' threadgroups interleaved per weight
+    tile) equals that row launched alone, bit for bit, in ``y`` and ``h``; and the
+    results pass the fp32 check."""
     k, o, bits, gs, rows, dtype = case
     q, s, b = make_weights(o, k, bits, gs)
     h0, res, nw = make_inputs(rows, k, dtype, o + rows)
@@ -167,28 +167,6 @@ def test_rows_equal_each_row_alone(backend, case):
         yi, hi = NQ.launch(kern, h0[i:i + 1], res[i:i + 1], nw, 1e-6, q, s, b, gs, bits,
                            init_value=init)
         assert mx.array_equal(y[i:i + 1], yi).item() and mx.array_equal(h[i:i + 1], hi).item()
-
-
-def test_rows_per_threadgroup_fit_threadgroup_memory(monkeypatch):
-    """Metal: 8 rows of 2048 bf16 values (32 KiB) do not fit beside the rest, so a
-    threadgroup takes 4 (two along grid y); CUDA takes all 8 in one."""
-    q = mx.zeros((9216, 256), mx.uint32)
-    s = mx.zeros((9216, 32), mx.bfloat16)
-    seen = {}
-
-    def kern(**kw):
-        seen.update(kw)
-        return [mx.zeros(sh, dt) for sh, dt in zip(kw["output_shapes"], kw["output_dtypes"])]
-
-    x = mx.zeros((8, 1, 2048), mx.bfloat16)
-    nw = mx.ones((2048,), mx.bfloat16)
-    for backend, nr in (("metal", 4), ("cuda", 8)):
-        monkeypatch.setattr(NQ, "current_backend", lambda b=backend: b)
-        monkeypatch.setattr("mlx_lily.ops.qgemv.current_backend", lambda b=backend: b)
-        NQ.launch(kern, x, x, nw, 1e-6, q, s, s, 64, 4)
-        t = dict(seen["template"])
-        assert t["NR"] == nr and seen["grid"][1] == 8 // nr, backend
-        assert nr * 2048 * 2 <= NQ.MAX_ROWS_BYTES.get(backend, NQ.MAX_ROW_BYTES)
 
 
 @pytest.mark.gpu

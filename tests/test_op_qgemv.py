@@ -226,7 +226,7 @@ def test_cuda_twin_compiles():
         [("y", bf)], body, head,
         template=[("T", bf), ("S", bf), ("K", 2048), ("O", 8192), ("BITS", 4), ("GS", 64),
                   ("NW", Q.NW), ("RPW", Q.RPW), ("NR", 1)])
-    cuda_check.check(  # the multi-row body (a decode step of 8 sequences)
+    cuda_check.check(  # 8 rows interleaved per weight tile (a decode step of 8 sequences)
         "lily_qgemv", [("x", bf, 2), ("w", mx.uint32, 2), ("scales", bf, 2), ("biases", bf, 2)],
         [("y", bf)], body, head,
         template=[("T", bf), ("S", bf), ("K", 4096), ("O", 2048), ("BITS", 4), ("GS", 64),
@@ -245,10 +245,10 @@ ROW_CASES = [  # (K, O, bits, gs, rows, dtype): multi-row launches against one-r
 @pytest.mark.parametrize("backend", KERNEL_BACKENDS)
 @pytest.mark.parametrize("case", ROW_CASES, ids=lambda c: f"K{c[0]}-O{c[1]}-b{c[2]}-n{c[4]}")
 def test_rows_equal_each_row_alone(backend, case):
-    """Batch invariance of the GEMV: every row of an n-row launch (one threadgroup taking
-    all n rows: the weights read once) equals that row launched alone, bit for bit, and
-    equals the launch with one row per threadgroup; the results are also near the fp32
-    truth (a wrong multi-row body cannot pass by matching itself)."""
+    """Batch invariance of the GEMV: every row of an n-row launch (the n rows'
+    threadgroups interleaved per weight tile) equals that row launched alone, bit for bit,
+    and equals the launch with the rows along grid y; the results are also near the fp32
+    truth (a wrong row mapping cannot pass by matching itself)."""
     k, o, bits, gs, rows, dtype = case
     mx.random.seed(hash(case) % 1000)
     q, s, b = make_weights(o, k, bits, gs)
@@ -258,31 +258,27 @@ def test_rows_equal_each_row_alone(backend, case):
     assert dict(kw["template"])["NR"] == rows and kw["grid"][1] == 1
     y = Q.launch(kern, x, q, s, b, gs, bits, init_value=init)
     check_close(y, truth(x, q, s, b, gs, bits), x, q, s, b, gs, bits, dtype)
-    # the one-row launches at the same NW / RPW (RPW does not change a row's arithmetic,
-    # but keeping it equal keeps the comparison to the row loop alone)
-    t = dict(kw["template"])
-    one = Q.launch(kern, x, q, s, b, gs, bits, nw=t["NW"], rpw=t["RPW"], nr=1,
-                   init_value=init)
+    one = Q.launch(kern, x, q, s, b, gs, bits, nr=1, init_value=init)
     assert mx.array_equal(y, one).item()
     for i in range(rows):
         alone = Q.launch(kern, x[i:i + 1], q, s, b, gs, bits, init_value=init)
         assert mx.array_equal(y[i:i + 1], alone).item(), i
 
 
-def test_rows_per_group_and_row_accumulator_cap(monkeypatch):
-    """All rows of a decode step go to one threadgroup (grid y 1) where the rows' bytes
-    allow; on Metal the default RPW drops so rows x RPW stays within
-    ``MAX_ROW_ACCUMULATORS``; an ``nr`` that does not divide the rows is refused."""
+def test_rows_interleave_per_weight_tile(monkeypatch):
+    """A decode step's rows are interleaved along grid x (NR of them per weight tile,
+    grid y 1) with the one-row launch shape; an ``nr`` that does not divide the rows is
+    refused."""
     assert [Q.rows_per_group(n) for n in range(1, 9)] == list(range(1, 9))
-    assert Q.rows_per_group(8, 4096, 16384) == 4 and Q.rows_per_group(6, 4096, 16384) == 3
-    assert Q.rows_per_group(3, 40000, 16384) == 1
     q = mx.zeros((2048, 512), mx.uint32)
     s = mx.zeros((2048, 64), mx.bfloat16)
-    monkeypatch.setattr(Q, "current_backend", lambda: "metal")
-    t = dict(Q.launch_args((8, 1, 4096), mx.bfloat16, q, s, 64, 4)["template"])
-    assert t["NR"] == 8 and t["NR"] * t["RPW"] <= Q.MAX_ROW_ACCUMULATORS["metal"]
-    t1 = dict(Q.launch_args((1, 1, 4096), mx.bfloat16, q, s, 64, 4)["template"])
-    assert t1["NR"] == 1 and t1["RPW"] == Q.launch_shape(4096, 2048, 4, "metal")[1]
+    for backend in ("metal", "cuda"):
+        monkeypatch.setattr(Q, "current_backend", lambda b=backend: b)
+        one = Q.launch_args((1, 1, 4096), mx.bfloat16, q, s, 64, 4)
+        kw = Q.launch_args((8, 1, 4096), mx.bfloat16, q, s, 64, 4)
+        t, t1 = dict(kw["template"]), dict(one["template"])
+        assert t["NR"] == 8 and t1["NR"] == 1 and t["RPW"] == t1["RPW"], backend
+        assert kw["grid"] == (8 * one["grid"][0], 1, 1) and kw["threadgroup"] == one["threadgroup"]
     with pytest.raises(ValueError, match="do not divide"):
         Q.launch_args((6, 4096), mx.bfloat16, q, s, 64, 4, nr=4)
 

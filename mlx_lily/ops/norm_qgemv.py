@@ -5,7 +5,7 @@ Contract (``norm_qgemv_reference``): ``h, x = add_rms_norm_reference(h0, res, no
 eps)`` then ``y = qgemv_reference(x, w, scales, biases, group_size, bits)``; returns
 ``(y, h)``. The kernel (``lily_norm_qgemv``, ``shaders/*/norm_qgemv.*``) serves what
 ``lily_qgemv`` serves (4/8-bit affine, group 32/64/128, up to ``qgemv.MAX_ROWS`` rows)
-with ``K <= MAX_K``: every threadgroup recomputes its rows' norms into threadgroup memory
+with ``K <= MAX_K``: every threadgroup recomputes its row's norm into threadgroup memory
 (``K`` values of ``T``, rounded as ``lily_add_rms_norm`` rounds, so ``x`` equals that
 kernel's ``normed`` but for the fp32 sum-of-squares order) and runs the ``lily_qgemv``
 loop on it; the first threadgroup of each row writes ``h``.
@@ -24,7 +24,7 @@ from .add_rms_norm import add_rms_norm_reference
 NAME = "norm_qgemv"
 
 # lily_norm_qgemv: template T, S, K, O, BITS, GS, NW, RPW, BPL, NR (as lily_qgemv);
-# grid (ceil(O/RPB)*32*NW, N/NR, 1), threadgroup (32*NW, 1, 1), RPB = qgemv.rows_per_block.
+# grid (ceil(O/RPB)*NR*32*NW, N/NR, 1), threadgroup (32*NW, 1, 1), RPB = qgemv.rows_per_block.
 SPEC = kernels.KernelSpec(
     name="lily_norm_qgemv", stem="norm_qgemv",
     inputs=("hin", "res", "nw", "eps", "w", "scales", "biases"), outputs=("y", "h"))
@@ -33,10 +33,6 @@ SPEC = kernels.KernelSpec(
 MAX_K = 8192
 #: Threadgroup bytes the row may take (Apple's limit is 32 KiB per threadgroup).
 MAX_ROW_BYTES = 16384
-#: Threadgroup bytes the normalised rows of a multi-row launch may take together, per
-#: backend (``qgemv.rows_per_group``; CUDA's static shared memory limit is 48 KiB);
-#: ``MAX_ROW_BYTES`` where unset.
-MAX_ROWS_BYTES: dict = {"cuda": 32768}
 NW = _qgemv.NW
 RPW = _qgemv.RPW
 
@@ -69,11 +65,10 @@ def supports(h0, res, norm_w, w, scales, biases, group_size, bits, mode="affine"
 def plan(kernel, x_shape, x_dtype, w, scales, biases, group_size, bits, *, nw=None, rpw=None,
          bpl=None, nr=None, init_value=None):
     """A callable ``run(h0, res, norm_w, eps) -> (y, h)`` launching ``kernel`` for inputs
-    of one shape and dtype (template, grid and output shapes worked out once; ``nr``
-    rows per threadgroup default to as many as ``MAX_ROWS_BYTES`` holds)."""
+    of one shape and dtype (template, grid and output shapes worked out once:
+    ``qgemv.launch_args``)."""
     kw = _qgemv.launch_args(x_shape, x_dtype, w, scales, group_size, bits, nw=nw, rpw=rpw,
                             bpl=bpl, nr=nr, init_value=init_value,
-                            max_rows_bytes=MAX_ROWS_BYTES.get(current_backend(), MAX_ROW_BYTES),
                             extra_outputs=[(tuple(x_shape), x_dtype)])
 
     def run(h0, res, norm_w, eps):

@@ -4,11 +4,11 @@ Contract (``qgemv_reference``): exactly ``mx.quantized_matmul(x, w, scales, bias
 transpose=True, group_size, bits)`` for MLX affine quantization (``w [O, K*bits/32]``
 uint32, value j of a word at bits ``[bits*j, bits*j+bits)``, ``w = scale*q + bias`` per
 group of ``group_size`` along K). The kernel (``lily_qgemv``, ``shaders/*/qgemv.*``)
-serves 4- and 8-bit, group 32/64/128, up to ``MAX_ROWS`` rows (a threadgroup takes NR of
-them and reads its weights once for all: the small-M GEMM of batched decode, each row's
-arithmetic the one-row kernel's, so a row's result does not depend on the batch): each
-group of lanes reads a weight row with 16-byte loads (Metal: 8-byte with ``MLX_LILY_QGEMV_BPL=8``, the
-pattern of MLX's ``qmv_fast``) and accumulates ``scale*dot(q, x) + bias*sum(x)`` per
+serves 4- and 8-bit, group 32/64/128, up to ``MAX_ROWS`` rows (the rows' threadgroups
+interleaved, NR per weight tile, so a tile comes from DRAM once for all of them; each
+threadgroup is the one-row kernel's, so a row's result does not depend on the batch):
+each group of lanes reads a weight row with 16-byte loads (Metal: 8-byte with
+``MLX_LILY_QGEMV_BPL=8``, the pattern of MLX's ``qmv_fast``) and accumulates ``scale*dot(q, x) + bias*sum(x)`` per
 quantization group in fp32 (the MLX qmv formulation), one reduction per output row.
 Source: MLX affine quantization (``mx.quantize``); row-parallel GEMV of Lily's decode.
 """
@@ -29,8 +29,8 @@ SPEC = kernels.KernelSpec(
     name="lily_qgemv", stem="qgemv",
     inputs=("x", "w", "scales", "biases"), outputs=("y",))
 
-#: Largest number of activation rows the kernel takes (one threadgroup reads its weight
-#: words once for all of them: ``rows_per_group``).
+#: Largest number of activation rows the kernel takes (``rows_per_group`` interleaves
+#: them in threadgroup order).
 MAX_ROWS = 8
 #: Launch shape: warps per threadgroup and output rows per lane group (``launch_shape``;
 #: on Metal ``MLX_LILY_QGEMV_SHAPE`` replaces it).
@@ -52,10 +52,6 @@ MIN_BLOCKS: dict = {}
 #: out_proj 4096 -> 2048 (4 steps) NW 4 RPW 2 6.3 vs RPW 4 8.5; 8-bit router 2048 -> 257
 #: (4 steps) 6.2 vs 6.9; 2-step shapes (q|k|v, in_proj) best at RPW 4 (7.4, 8.4).
 MAX_WORDS_PER_LANE: dict = {"cuda": 8}
-#: Most accumulators (activation rows x RPW) one lane holds when a threadgroup takes
-#: several rows, per backend: ``launch_args`` lowers the default RPW to ``cap // rows``
-#: (Metal: Apple's register budget; the CUDA twin holds them next to its weight words).
-MAX_ROW_ACCUMULATORS: dict = {"metal": 8, "cuda": 32}
 #: Whether ``QProj.__call__`` routes one-row inputs to this kernel, per backend. The
 #: GPU bench (``benchmarks/gpu/moe_decode_bench.py``) prints kernel vs MLX qmv times;
 #: flip an entry to False where MLX's own qmv is faster.
@@ -193,30 +189,24 @@ def supports(x: mx.array, w: mx.array, scales: mx.array, biases, group_size: int
     return 1 <= rows <= MAX_ROWS and w.size >= 8
 
 
-def rows_per_group(n: int, row_bytes: int = 0, max_bytes: int | None = None) -> int:
-    """Activation rows one threadgroup takes of an ``n``-row call: the largest divisor of
-    ``n`` that is at most ``MAX_ROWS`` and, when ``max_bytes`` is given, whose rows of
-    ``row_bytes`` each fit in it (at least 1). Every row of a call goes through the same
-    per-row arithmetic whatever this gives."""
-    best = 1
-    for d in range(1, min(n, MAX_ROWS) + 1):
-        if n % d == 0 and (max_bytes is None or d * row_bytes <= max_bytes):
-            best = d
-    return best
+def rows_per_group(n: int) -> int:
+    """Activation rows of an ``n``-row call whose threadgroups are interleaved per weight
+    tile (the kernels' NR): the largest divisor of ``n`` that is at most ``MAX_ROWS``.
+    The rest go along grid y. Every row goes through the same per-row arithmetic
+    whatever this gives."""
+    return max(d for d in range(1, min(n, MAX_ROWS) + 1) if n % d == 0)
 
 
 def launch_args(x_shape, x_dtype, w, scales, group_size: int, bits: int, *,
                 nw: int | None = None, rpw: int | None = None, bpl: int | None = None,
-                nr: int | None = None, max_rows_bytes: int | None = None,
-                init_value: float | None = None, extra_outputs=()) -> dict:
+                nr: int | None = None, init_value: float | None = None,
+                extra_outputs=()) -> dict:
     """Template, grid, threadgroup and output shapes/dtypes of a ``lily_qgemv``-family
     launch (``lily_norm_qgemv`` shares them) for activations ``x_shape`` of ``x_dtype``;
-    ``nw``/``rpw`` default to ``launch_shape`` (RPW then lowered to
-    ``MAX_ROW_ACCUMULATORS[backend] // NR`` when a threadgroup takes several rows),
-    ``bpl`` (16 or 8) to ``bytes_per_lane`` on the current backend, ``nr`` (activation
-    rows per threadgroup, a divisor of the row count) to ``rows_per_group`` with rows of
-    K values of x's dtype within ``max_rows_bytes``; ``extra_outputs``: ``(shape,
-    dtype)`` pairs after ``y``. The template has ``BPL`` except on CUDA (its twin has
+    ``nw``/``rpw`` default to ``launch_shape``, ``bpl`` (16 or 8) to ``bytes_per_lane`` on
+    the current backend, ``nr`` (rows interleaved per weight tile, a divisor of the row
+    count) to ``rows_per_group``; ``extra_outputs``: ``(shape, dtype)`` pairs after
+    ``y``. The template has ``BPL`` except on CUDA (its twin has
     none: a ``bpl`` other than 16 is a ValueError there), then ``NR``; "cpu" is the
     emulators'. Raises ValueError for an ``nr`` that does not divide the rows."""
     k = x_shape[-1]
@@ -227,14 +217,11 @@ def launch_args(x_shape, x_dtype, w, scales, group_size: int, bits: int, *,
     for s_ in lead:
         n *= s_
     if nr is None:
-        nr = rows_per_group(n, k * x_dtype.size, max_rows_bytes)
+        nr = rows_per_group(n)
     if nr < 1 or n % nr:
-        raise ValueError(f"qgemv: {nr} rows per threadgroup do not divide {n} rows")
+        raise ValueError(f"qgemv: {nr} interleaved rows do not divide {n} rows")
     if nw is None or rpw is None:
         nw0, rpw0 = launch_shape(k, o, bits, backend)
-        cap = MAX_ROW_ACCUMULATORS.get(backend)
-        if nr > 1 and cap:
-            rpw0 = max(1, min(rpw0, cap // nr))
         nw, rpw = nw or nw0, rpw or rpw0
     bpl = bytes_per_lane(backend) if bpl is None else bpl
     if bpl not in (8, 16) or (backend == "cuda" and bpl != 16):
@@ -247,7 +234,7 @@ def launch_args(x_shape, x_dtype, w, scales, group_size: int, bits: int, *,
         template.append(("BPL", bpl))
     template.append(("NR", nr))
     kw = dict(template=template,
-              grid=(nb * tg, n // nr, 1), threadgroup=(tg, 1, 1),
+              grid=(nb * nr * tg, n // nr, 1), threadgroup=(tg, 1, 1),
               output_shapes=[lead + (o,)] + [sh for sh, _ in extra_outputs],
               output_dtypes=[x_dtype] + [dt for _, dt in extra_outputs])
     if init_value is not None:

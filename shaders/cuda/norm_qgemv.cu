@@ -4,16 +4,17 @@
 // @template T=bfloat16 S=bfloat16 K=2048 O=12352 BITS=4 GS=64 NW=4 RPW=4 NR=1
 // @template T=float16 S=float16 K=256 O=7 BITS=4 GS=64 NW=4 RPW=4 NR=1
 // @template T=bfloat16 S=bfloat16 K=2048 O=9216 BITS=4 GS=64 NW=4 RPW=4 NR=8
-// @template T=float16 S=float16 K=256 O=7 BITS=8 GS=32 NW=4 RPW=2 NR=3
-// @grid (ceil(O/RPB)*32*NW, N/NR, 1)   RPB = NW*(32/LPR)*RPW, LPR = min(32, K*BITS/128)
+// @grid (ceil(O/RPB)*NR*32*NW, N/NR, 1)   RPB = NW*(32/LPR)*RPW, LPR = min(32, K*BITS/128)
 // @threadgroup (32*NW, 1, 1)
 // The residual add and RMSNorm in front of a quantized GEMV, one launch:
 // h = T(hin + res) (written by the first block of each row), x = T(nw * T(h * rsqrt(mean(h^2)
 // + eps))) kept in shared memory (as lily_add_rms_norm rounds), then y = x @ dequant(w)^T
 // exactly as lily_qgemv (LPR lanes per weight row, RPW rows each, fp32 accumulation;
-// the weight loads are issued before the prologue). NR activation rows per block
-// (rows NR*blockIdx.y ..): each row normalised into its own NR*K shared slice, the
-// block's weight words loaded once for all of them (LilyRowTile::dot_rows).
+// the weight loads are issued before the prologue).
+// NR activation rows, interleaved in block order (block b: row b % NR of rows
+// NR*blockIdx.y .., weight tile b / NR): the NR blocks of one weight tile run side by
+// side, so the tile comes from DRAM once and from L2 for the other rows; each block is
+// the one-row kernel's, so a row's result does not depend on the others.
 // @header qgemv_common.cuh
 // @header qgemv_norm.cuh
 // ---- body ----
@@ -26,34 +27,26 @@
   static_assert(KW * VPL == K && STEPS * LPR == KW && SG * LPR == 32, "norm_qgemv: bad K");
   static_assert(GS % VPL == 0, "norm_qgemv: bad GS");
 
-  __shared__ T xs[NR * K];  // first shared array: 16-byte aligned in practice (lily_load_x checks)
+  __shared__ T xs[K];  // first shared array: 16-byte aligned in practice (lily_load_x checks)
   __shared__ float red[NW];
   const int tid = threadIdx.x;
   const int lane = tid & 31;
   const int warp = tid >> 5;
   const int sub = lane / LPR;
   const int sl = lane % LPR;
-  const int n0 = blockIdx.y * NR;
-  const int row0 = blockIdx.x * RPB + (warp * SG + sub) * RPW;
-  if (blockIdx.x * RPB >= O) return;
+  const int n = blockIdx.y * NR + blockIdx.x % NR;
+  const int wt = blockIdx.x / NR;  // weight tile
+  const int row0 = wt * RPB + (warp * SG + sub) * RPW;
+  if (wt * RPB >= O) return;
   // the weights do not depend on the norm: their loads go out first and the prologue's
   // latency hides under them
   LilyRowTile<S, K, BITS, GS, RPW, LPR> tile;
   tile.load(reinterpret_cast<const uint4*>(w), scales, biases, row0, O - 1, sl);
-#pragma unroll 1
-  for (int n = 0; n < NR; ++n) {
-    const size_t ro = (size_t)(n0 + n) * K;
-    lily_add_rms_norm_row<T, K, NW>(hin + ro, res + ro, nw, eps[0], xs + n * K, red,
-                                    blockIdx.x == 0 ? h + ro : nullptr, nullptr, tid, lane,
-                                    warp);
-  }
-  if constexpr (NR == 1) {
-    T* yr = y + (size_t)n0 * O;
-    tile.dot_each(xs, sl, [&](int r, float v) {
-      if (sl == 0 && row0 + r < O) yr[row0 + r] = static_cast<T>(v);
-    });
-  } else {
-    tile.template dot_rows<NR>(xs, (size_t)K, sl, [&](int n, int r, float v) {
-      if (sl == 0 && row0 + r < O) y[(size_t)(n0 + n) * O + row0 + r] = static_cast<T>(v);
-    });
-  }
+  const size_t ro = (size_t)n * K;
+  lily_add_rms_norm_row<T, K, NW>(hin + ro, res + ro, nw, eps[0], xs, red,
+                                  wt == 0 ? h + ro : nullptr, nullptr, tid, lane,
+                                  warp);
+  T* yr = y + (size_t)n * O;
+  tile.dot_each(xs, sl, [&](int r, float v) {
+    if (sl == 0 && row0 + r < O) yr[row0 + r] = static_cast<T>(v);
+  });

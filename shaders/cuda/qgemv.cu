@@ -3,15 +3,16 @@
 // @outputs y[N,O]:T
 // @template T=bfloat16 S=bfloat16 K=2048 O=8192 BITS=4 GS=64 NW=4 RPW=4 NR=1
 // @template T=float16 S=float16 K=64 O=7 BITS=4 GS=64 NW=4 RPW=4 NR=1
-// @template T=bfloat16 S=bfloat16 K=2048 O=8192 BITS=4 GS=64 NW=4 RPW=4 NR=8
-// @template T=float16 S=float16 K=128 O=7 BITS=8 GS=32 NW=4 RPW=2 NR=3
-// @grid (ceil(O/RPB)*32*NW, N/NR, 1)   RPB = NW*(32/LPR)*RPW, LPR = min(32, K*BITS/128)
+// @template T=bfloat16 S=bfloat16 K=4096 O=2048 BITS=4 GS=64 NW=4 RPW=2 NR=8
+// @grid (ceil(O/RPB)*NR*32*NW, N/NR, 1)   RPB = NW*(32/LPR)*RPW, LPR = min(32, K*BITS/128)
 // @threadgroup (32*NW, 1, 1)
 // y = x @ dequant(w)^T for a few rows (MLX affine quantization, transpose=True):
 // each group of LPR lanes owns RPW output rows, 16-byte weight loads,
 // scale*dot(q,x) + bias*sum(x) per quantization group, fp32 accumulation.
-// NR activation rows per block (rows NR*blockIdx.y ..): the block's weight words are
-// loaded once and applied to each of them, each row's arithmetic the one-row kernel's.
+// NR activation rows, interleaved in block order (block b: row b % NR of rows
+// NR*blockIdx.y .., weight tile b / NR): the NR blocks of one weight tile run side by
+// side, so the tile comes from DRAM once and from L2 for the other rows; each block is
+// the one-row kernel's, so a row's result does not depend on the others.
 // @header qgemv_common.cuh
 // ---- body ----
   constexpr int VPL = 128 / BITS;
@@ -27,16 +28,9 @@
   const int warp = threadIdx.x >> 5;
   const int sub = lane / LPR;
   const int sl = lane % LPR;
-  const int n0 = blockIdx.y * NR;
-  const int row0 = blockIdx.x * RPB + (warp * SG + sub) * RPW;
-  if (blockIdx.x * RPB >= O) return;
-  if constexpr (NR == 1) {
-    lily_qgemv_rows<T, S, K, O, BITS, GS, RPW, LPR>(x + (size_t)n0 * K, w, scales, biases,
-                                                    y + (size_t)n0 * O, row0, sl);
-  } else {
-    LilyRowTile<S, K, BITS, GS, RPW, LPR> tile;
-    tile.load(reinterpret_cast<const uint4*>(w), scales, biases, row0, O - 1, sl);
-    tile.template dot_rows<NR>(x + (size_t)n0 * K, (size_t)K, sl, [&](int n, int r, float v) {
-      if (sl == 0 && row0 + r < O) y[(size_t)(n0 + n) * O + row0 + r] = static_cast<T>(v);
-    });
-  }
+  const int n = blockIdx.y * NR + blockIdx.x % NR;
+  const int wt = blockIdx.x / NR;  // weight tile
+  const int row0 = wt * RPB + (warp * SG + sub) * RPW;
+  if (wt * RPB >= O) return;
+  lily_qgemv_rows<T, S, K, O, BITS, GS, RPW, LPR>(x + (size_t)n * K, w, scales, biases,
+                                                  y + (size_t)n * O, row0, sl);

@@ -133,62 +133,6 @@ struct LilyRowTile {
 #pragma unroll
     for (int r = 0; r < RPW; ++r) out(r, lily_group_sum<LPR>(acc[r]));
   }
-  // out(n, r, x_n . dequant(row r)) for NR activation rows x_n = xr + n * ldx: each row's
-  // arithmetic is dot_each's, step for step (the same products and sums in the same
-  // order), but each weight word is unpacked once and applied to all NR rows.
-  template <int NR, typename T, class F>
-  __device__ __forceinline__ void dot_rows(const T* xr, size_t ldx, int sl, F out) const {
-    constexpr int PER = 32 / BITS;
-    constexpr unsigned M = (1u << BITS) - 1u;
-    float acc[NR][RPW];
-#pragma unroll
-    for (int n = 0; n < NR; ++n) {
-#pragma unroll
-      for (int r = 0; r < RPW; ++r) acc[n][r] = 0.f;
-    }
-#pragma unroll
-    for (int st = 0; st < STEPS; ++st) {
-      const int c = (st * LPR + sl) * VPL;
-      float xs[NR];
-#pragma unroll
-      for (int n = 0; n < NR; ++n) {
-        float xv[VPL];
-        xs[n] = lily_load_x<VPL>(xr + n * ldx + c, xv);
-      }
-#pragma unroll
-      for (int r = 0; r < RPW; ++r) {
-        const unsigned ws[4] = {q[st][r].x, q[st][r].y, q[st][r].z, q[st][r].w};
-        float a[NR][4];
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          float qf[PER];
-#pragma unroll
-          for (int j = 0; j < PER; ++j) {
-            qf[j] = __uint_as_float(((ws[i] >> (BITS * j)) & M) | 0x4B000000u) - 8388608.0f;
-          }
-#pragma unroll
-          for (int n = 0; n < NR; ++n) {
-            float xv[PER];
-            lily_load_x<PER>(xr + n * ldx + c + i * PER, xv);
-            float s = 0.f;
-#pragma unroll
-            for (int j = 0; j < PER; ++j) s = fmaf(qf[j], xv[j], s);
-            a[n][i] = s;
-          }
-        }
-#pragma unroll
-        for (int n = 0; n < NR; ++n) {
-          const float qd = (a[n][0] + a[n][1]) + (a[n][2] + a[n][3]);
-          acc[n][r] += 1.f * (lily_f(sc[st][r]) * qd + lily_f(bi[st][r]) * xs[n]);
-        }
-      }
-    }
-#pragma unroll
-    for (int n = 0; n < NR; ++n) {
-#pragma unroll
-      for (int r = 0; r < RPW; ++r) out(n, r, lily_group_sum<LPR>(acc[n][r]));
-    }
-  }
 };
 
 // The GEMV of lily_qgemv / lily_norm_qgemv for one lane group: output rows

@@ -4,16 +4,17 @@
 // @template T=bfloat16 S=bfloat16 K=2048 O=12352 BITS=4 GS=64 NW=4 RPW=4 BPL=16 NR=1
 // @template T=float16 S=float16 K=256 O=7 BITS=4 GS=64 NW=4 RPW=4 BPL=16 NR=1
 // @template T=bfloat16 S=bfloat16 K=2048 O=1000 BITS=4 GS=64 NW=8 RPW=4 BPL=8 NR=1
-// @template T=bfloat16 S=bfloat16 K=2048 O=9216 BITS=4 GS=64 NW=4 RPW=2 BPL=16 NR=4
-// @template T=float16 S=float16 K=256 O=7 BITS=8 GS=32 NW=4 RPW=2 BPL=8 NR=3
-// @grid (ceil(O/RPB)*32*NW, N/NR, 1)   RPB = NW*(32/LPR)*RPW, LPR = min(32, K*BITS/(8*BPL))
+// @template T=bfloat16 S=bfloat16 K=2048 O=9216 BITS=4 GS=64 NW=4 RPW=4 BPL=16 NR=8
+// @grid (ceil(O/RPB)*NR*32*NW, N/NR, 1)   RPB = NW*(32/LPR)*RPW, LPR = min(32, K*BITS/(8*BPL))
 // @threadgroup (32*NW, 1, 1)
 // The residual add and RMSNorm in front of a quantized GEMV, one launch:
 // h = T(hin + res) (written by the first threadgroup of each row), x = T(nw * T(h *
 // rsqrt(mean(h^2) + eps))) kept in threadgroup memory (as lily_add_rms_norm rounds), then
-// y = x @ dequant(w)^T exactly as lily_qgemv (BPL-byte weight loads). NR activation rows
-// per threadgroup (rows NR*y ..), each normalised into its own K-wide slice of xs
-// (NR*K*sizeof(T) bytes), the weights read once for all of them (lily_qgemv_rows_n).
+// y = x @ dequant(w)^T exactly as lily_qgemv (BPL-byte weight loads).
+// NR activation rows, interleaved in threadgroup order (threadgroup b: row b % NR of
+// rows NR*y .., weight tile b / NR): the NR threadgroups of one weight tile run side by
+// side, so the tile comes from DRAM once and from cache for the other rows; each
+// threadgroup is the one-row kernel's, so a row's result does not depend on the others.
 // Cost, q|k|v 2048 -> 9216, 4-bit g64, one row, NW 4 RPW 4: 576 threadgroups x 128
 // threads; reads 9.44 MB weights + 1.18 MB scales/biases once and hin/res/nw (12 KB) in
 // every threadgroup (7.1 MB from cache); writes 18 KB + h 4 KB; 4 KB + 16 B threadgroup
@@ -31,29 +32,23 @@
   static_assert(KW * VPL == K && STEPS * LPR == KW && SG * LPR == 32, "norm_qgemv: bad K");
   static_assert(GS % VPL == 0, "norm_qgemv: bad GS");
 
-  threadgroup T xs[NR * K];
+  threadgroup T xs[K];
   threadgroup float red[NW];
   const int tid = int(thread_position_in_threadgroup.x);
   const int lane = int(thread_index_in_simdgroup);
   const int warp = int(simdgroup_index_in_threadgroup);
   const int sub = lane / LPR;
   const int sl = lane % LPR;
-  const int bx = int(threadgroup_position_in_grid.x);
-  const int n0 = int(threadgroup_position_in_grid.y) * NR;
+  const int n = int(threadgroup_position_in_grid.y) * NR +
+                int(threadgroup_position_in_grid.x) % NR;
+  const int bx = int(threadgroup_position_in_grid.x) / NR;
   const int row0 = bx * RPB + (warp * SG + sub) * RPW;
   if (bx * RPB >= O) {
     return;
   }
-  for (int n = 0; n < NR; ++n) {
-    const ulong ro = ulong(n0 + n) * K;
-    lily_add_rms_norm_row<T, K, NW>(hin + ro, res + ro, nw, eps[0], xs + n * K, red,
-                                    bx == 0 ? h + ro : (device T*)nullptr,
-                                    (device T*)nullptr, tid, lane, warp);
-  }
-  if (NR == 1) {
-    lily_qgemv_rows<T, S, K, O, BITS, GS, RPW, LPR, BPL>(xs, w, scales, biases,
-                                                         y + ulong(n0) * O, row0, sl);
-  } else {
-    lily_qgemv_rows_n<T, S, K, O, BITS, GS, RPW, LPR, BPL, NR>(
-        xs, ulong(K), w, scales, biases, y + ulong(n0) * O, ulong(O), row0, sl);
-  }
+  const ulong ro = ulong(n) * K;
+  lily_add_rms_norm_row<T, K, NW>(hin + ro, res + ro, nw, eps[0], xs, red,
+                                  bx == 0 ? h + ro : (device T*)nullptr, (device T*)nullptr,
+                                  tid, lane, warp);
+  lily_qgemv_rows<T, S, K, O, BITS, GS, RPW, LPR, BPL>(xs, w,
+                                                  scales, biases, y + ulong(n) * O, row0, sl);

@@ -4,16 +4,17 @@
 // @template T=bfloat16 S=bfloat16 K=2048 O=8192 BITS=4 GS=64 NW=4 RPW=4 BPL=16 NR=1
 // @template T=float16 S=float16 K=64 O=7 BITS=4 GS=64 NW=4 RPW=4 BPL=16 NR=1
 // @template T=bfloat16 S=bfloat16 K=2048 O=1000 BITS=4 GS=64 NW=2 RPW=4 BPL=8 NR=1
-// @template T=bfloat16 S=bfloat16 K=2048 O=8192 BITS=4 GS=64 NW=4 RPW=1 BPL=16 NR=8
-// @template T=float16 S=float16 K=128 O=7 BITS=8 GS=32 NW=4 RPW=2 BPL=8 NR=3
-// @grid (ceil(O/RPB)*32*NW, N/NR, 1)   RPB = NW*(32/LPR)*RPW, LPR = min(32, K*BITS/(8*BPL))
+// @template T=bfloat16 S=bfloat16 K=4096 O=2048 BITS=4 GS=64 NW=4 RPW=4 BPL=16 NR=8
+// @grid (ceil(O/RPB)*NR*32*NW, N/NR, 1)   RPB = NW*(32/LPR)*RPW, LPR = min(32, K*BITS/(8*BPL))
 // @threadgroup (32*NW, 1, 1)
 // y = x @ dequant(w)^T for a few rows (MLX affine quantization, transpose=True):
 // each group of LPR lanes owns RPW output rows, BPL-byte weight loads (16: uint4; 8:
 // uint2, MLX qmv_fast's pattern), scale*dot(q,x) + bias*sum(x) per quantization group,
-// fp32 accumulation. NR activation rows per threadgroup (rows NR*y ..): each lane's weight
-// words are read once for all of them (lily_qgemv_rows_n), each row's arithmetic the
-// one-row kernel's.
+// fp32 accumulation.
+// NR activation rows, interleaved in threadgroup order (threadgroup b: row b % NR of
+// rows NR*y .., weight tile b / NR): the NR threadgroups of one weight tile run side by
+// side, so the tile comes from DRAM once and from cache for the other rows; each
+// threadgroup is the one-row kernel's, so a row's result does not depend on the others.
 // Cost, o_proj 4096 -> 2048, 4-bit g64, one row: reads 4.19 MB weights + 0.52 MB
 // scales/biases once, x 8 KB per threadgroup; writes 4 KB; NW 4 RPW 4: 128 threadgroups
 // x 128 threads, no threadgroup memory (Metal: MLX_LILY_QGEMV_SHAPE / _BPL override).
@@ -33,16 +34,12 @@
   const int warp = int(simdgroup_index_in_threadgroup);
   const int sub = lane / LPR;
   const int sl = lane % LPR;
-  const int bx = int(threadgroup_position_in_grid.x);
-  const int n0 = int(threadgroup_position_in_grid.y) * NR;
+  const int n = int(threadgroup_position_in_grid.y) * NR +
+                int(threadgroup_position_in_grid.x) % NR;
+  const int bx = int(threadgroup_position_in_grid.x) / NR;
   const int row0 = bx * RPB + (warp * SG + sub) * RPW;
   if (bx * RPB >= O) {
     return;
   }
-  if (NR == 1) {
-    lily_qgemv_rows<T, S, K, O, BITS, GS, RPW, LPR, BPL>(x + ulong(n0) * K, w, scales,
-                                                         biases, y + ulong(n0) * O, row0, sl);
-  } else {
-    lily_qgemv_rows_n<T, S, K, O, BITS, GS, RPW, LPR, BPL, NR>(
-        x + ulong(n0) * K, ulong(K), w, scales, biases, y + ulong(n0) * O, ulong(O), row0, sl);
-  }
+  lily_qgemv_rows<T, S, K, O, BITS, GS, RPW, LPR, BPL>(x + ulong(n) * K, w, scales, biases,
+                                                  y + ulong(n) * O, row0, sl);

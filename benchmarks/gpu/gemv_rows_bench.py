@@ -1,0 +1,83 @@
+"""Time the decode GEMVs of Qwen3.6-35B-A3B at B rows: the rows' threadgroups interleaved
+per weight tile (``nr`` = B, the default) against the rows along grid y (``nr`` = 1), and
+check that both give the same bits as each row alone.
+
+Shapes: the LM head (2048 -> 248320), the output projections (4096 -> 2048) and the
+attention q|k|v projection behind its input norm (``lily_norm_qgemv``, 2048 -> 9216);
+4-bit, group 64, bf16, random weights. Time per launch is the wall time of ``--iters``
+back-to-back launches in one evaluation, divided by ``--iters`` (a diagnostic: the
+launches queue on one stream, so the figure is device time plus a few microseconds).
+
+    python3 benchmarks/gpu/gemv_rows_bench.py --out DIR    # DIR/gemv_rows.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import mlx.core as mx
+
+from mlx_lily import kernels
+from mlx_lily.ops import norm_qgemv as NQ
+from mlx_lily.ops import qgemv as Q
+
+SHAPES = (("lm_head", Q, 2048, 248320), ("out_proj", Q, 4096, 2048),
+          ("qkv_norm", NQ, 2048, 9216))
+
+
+def _weights(o, k):
+    w = (mx.random.normal((o, k)) * k ** -0.5).astype(mx.bfloat16)
+    return mx.quantize(w, 64, 4)
+
+
+def _time(fn, iters):
+    mx.eval(fn())
+    mx.synchronize()
+    t0 = time.perf_counter()
+    mx.eval([fn() for _ in range(iters)])
+    mx.synchronize()
+    return (time.perf_counter() - t0) / iters * 1e6
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rows", default="1,2,4,8")
+    ap.add_argument("--iters", type=int, default=40)
+    ap.add_argument("--out", type=Path, required=True)
+    args = ap.parse_args()
+    backend = "cuda" if mx.cuda.is_available() else "metal"
+    out = []
+    for name, mod, k, o in SHAPES:
+        mx.random.seed(o)
+        q, s, b = _weights(o, k)
+        kern = kernels.build(mod.SPEC, backend)
+        nw = (1 + 0.1 * mx.random.normal((k,))).astype(mx.bfloat16)
+        for rows in (int(r) for r in args.rows.split(",")):
+            x = mx.random.normal((rows, 1, k)).astype(mx.bfloat16)
+            res = mx.random.normal((rows, 1, k)).astype(mx.bfloat16)
+
+            def run(nr, xx=x, rr=res):
+                if mod is Q:
+                    return Q.launch(kern, xx, q, s, b, 64, 4, nr=nr)
+                return NQ.launch(kern, xx, rr, nw, 1e-6, q, s, b, 64, 4, nr=nr)[0]
+
+            inter, ygrid = run(rows), run(1)
+            alone = mx.concatenate([run(1, x[i:i + 1], res[i:i + 1]) for i in range(rows)])
+            row = dict(op=name, k=k, o=o, rows=rows,
+                       us_interleaved=round(_time(lambda: run(rows), args.iters), 1),
+                       us_grid_y=round(_time(lambda: run(1), args.iters), 1),
+                       bits_equal_grid_y=bool(mx.array_equal(inter, ygrid).item()),
+                       bits_equal_alone=bool(mx.array_equal(inter, alone).item()))
+            print(json.dumps(row), flush=True)
+            out.append(row)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "gemv_rows.json").write_text(json.dumps(
+        dict(backend=backend, device=str(mx.default_device()), iters=args.iters, rows=out),
+        indent=1))
+
+
+if __name__ == "__main__":
+    main()
