@@ -511,8 +511,7 @@ def test_gemv_knobs_parse_and_reach_only_metal(monkeypatch):
     s = mx.zeros((9216, 32), mx.bfloat16)
     monkeypatch.setattr(Q, "current_backend", lambda: "cuda")
     kw = Q.launch_args((1, 2048), mx.bfloat16, q, s, 64, 4)
-    assert [n for n, _ in kw["template"]] == ["T", "S", "K", "O", "BITS", "GS", "NW", "RPW",
-                                              "NR"]
+    assert [n for n, _ in kw["template"]] == ["T", "S", "K", "O", "BITS", "GS", "NW", "RPW"]
     with pytest.raises(ValueError, match="8-byte"):
         Q.launch_args((1, 2048), mx.bfloat16, q, s, 64, 4, bpl=8)
     monkeypatch.setattr(Q, "current_backend", lambda: "metal")

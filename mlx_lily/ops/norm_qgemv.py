@@ -5,7 +5,7 @@ Contract (``norm_qgemv_reference``): ``h, x = add_rms_norm_reference(h0, res, no
 eps)`` then ``y = qgemv_reference(x, w, scales, biases, group_size, bits)``; returns
 ``(y, h)``. The kernel (``lily_norm_qgemv``, ``shaders/*/norm_qgemv.*``) serves what
 ``lily_qgemv`` serves (4/8-bit affine, group 32/64/128, up to ``qgemv.MAX_ROWS`` rows)
-with ``K <= MAX_K``: every threadgroup recomputes its row's norm into threadgroup memory
+with ``K <= MAX_K``: every threadgroup recomputes the row's norm into threadgroup memory
 (``K`` values of ``T``, rounded as ``lily_add_rms_norm`` rounds, so ``x`` equals that
 kernel's ``normed`` but for the fp32 sum-of-squares order) and runs the ``lily_qgemv``
 loop on it; the first threadgroup of each row writes ``h``.
@@ -23,8 +23,8 @@ from .add_rms_norm import add_rms_norm_reference
 
 NAME = "norm_qgemv"
 
-# lily_norm_qgemv: template T, S, K, O, BITS, GS, NW, RPW, BPL, NR (as lily_qgemv);
-# grid (ceil(O/RPB)*NR*32*NW, N/NR, 1), threadgroup (32*NW, 1, 1), RPB = qgemv.rows_per_block.
+# lily_norm_qgemv: template T, S, K, O, BITS, GS, NW, RPW, BPL (as lily_qgemv);
+# grid (ceil(O/RPB)*32*NW, N, 1), threadgroup (32*NW, 1, 1), RPB = qgemv.rows_per_block.
 SPEC = kernels.KernelSpec(
     name="lily_norm_qgemv", stem="norm_qgemv",
     inputs=("hin", "res", "nw", "eps", "w", "scales", "biases"), outputs=("y", "h"))
@@ -63,12 +63,11 @@ def supports(h0, res, norm_w, w, scales, biases, group_size, bits, mode="affine"
 
 
 def plan(kernel, x_shape, x_dtype, w, scales, biases, group_size, bits, *, nw=None, rpw=None,
-         bpl=None, nr=None, init_value=None):
+         bpl=None, init_value=None):
     """A callable ``run(h0, res, norm_w, eps) -> (y, h)`` launching ``kernel`` for inputs
-    of one shape and dtype (template, grid and output shapes worked out once:
-    ``qgemv.launch_args``)."""
+    of one shape and dtype (template, grid and output shapes worked out once)."""
     kw = _qgemv.launch_args(x_shape, x_dtype, w, scales, group_size, bits, nw=nw, rpw=rpw,
-                            bpl=bpl, nr=nr, init_value=init_value,
+                            bpl=bpl, init_value=init_value,
                             extra_outputs=[(tuple(x_shape), x_dtype)])
 
     def run(h0, res, norm_w, eps):
@@ -79,11 +78,11 @@ def plan(kernel, x_shape, x_dtype, w, scales, biases, group_size, bits, *, nw=No
 
 
 def launch(kernel, h0, res, norm_w, eps, w, scales, biases, group_size, bits, *, nw=None,
-           rpw=None, bpl=None, nr=None, init_value=None):
+           rpw=None, bpl=None, init_value=None):
     """Run the ``lily_norm_qgemv`` kernel object on a call ``supports`` accepted;
     returns ``(y, h)``."""
     return plan(kernel, h0.shape, h0.dtype, w, scales, biases, group_size, bits, nw=nw,
-                rpw=rpw, bpl=bpl, nr=nr, init_value=init_value)(h0, res, norm_w, eps)
+                rpw=rpw, bpl=bpl, init_value=init_value)(h0, res, norm_w, eps)
 
 
 def has_kernel(backend: str) -> bool:

@@ -4,11 +4,9 @@ Contract (``qgemv_reference``): exactly ``mx.quantized_matmul(x, w, scales, bias
 transpose=True, group_size, bits)`` for MLX affine quantization (``w [O, K*bits/32]``
 uint32, value j of a word at bits ``[bits*j, bits*j+bits)``, ``w = scale*q + bias`` per
 group of ``group_size`` along K). The kernel (``lily_qgemv``, ``shaders/*/qgemv.*``)
-serves 4- and 8-bit, group 32/64/128, up to ``MAX_ROWS`` rows (the rows' threadgroups
-interleaved, NR per weight tile, so a tile comes from DRAM once for all of them; each
-threadgroup is the one-row kernel's, so a row's result does not depend on the batch):
-each group of lanes reads a weight row with 16-byte loads (Metal: 8-byte with
-``MLX_LILY_QGEMV_BPL=8``, the pattern of MLX's ``qmv_fast``) and accumulates ``scale*dot(q, x) + bias*sum(x)`` per
+serves 4- and 8-bit, group 32/64/128, up to ``MAX_ROWS`` rows: each group of lanes reads
+a weight row with 16-byte loads (Metal: 8-byte with ``MLX_LILY_QGEMV_BPL=8``, the
+pattern of MLX's ``qmv_fast``) and accumulates ``scale*dot(q, x) + bias*sum(x)`` per
 quantization group in fp32 (the MLX qmv formulation), one reduction per output row.
 Source: MLX affine quantization (``mx.quantize``); row-parallel GEMV of Lily's decode.
 """
@@ -29,8 +27,7 @@ SPEC = kernels.KernelSpec(
     name="lily_qgemv", stem="qgemv",
     inputs=("x", "w", "scales", "biases"), outputs=("y",))
 
-#: Largest number of activation rows the kernel takes (``rows_per_group`` interleaves
-#: them in threadgroup order).
+#: Largest number of activation rows the kernel takes (it re-reads W once per row).
 MAX_ROWS = 8
 #: Launch shape: warps per threadgroup and output rows per lane group (``launch_shape``;
 #: on Metal ``MLX_LILY_QGEMV_SHAPE`` replaces it).
@@ -189,52 +186,36 @@ def supports(x: mx.array, w: mx.array, scales: mx.array, biases, group_size: int
     return 1 <= rows <= MAX_ROWS and w.size >= 8
 
 
-def rows_per_group(n: int) -> int:
-    """Activation rows of an ``n``-row call whose threadgroups are interleaved per weight
-    tile (the kernels' NR): the largest divisor of ``n`` that is at most ``MAX_ROWS``.
-    The rest go along grid y. Every row goes through the same per-row arithmetic
-    whatever this gives."""
-    return max(d for d in range(1, min(n, MAX_ROWS) + 1) if n % d == 0)
-
-
 def launch_args(x_shape, x_dtype, w, scales, group_size: int, bits: int, *,
                 nw: int | None = None, rpw: int | None = None, bpl: int | None = None,
-                nr: int | None = None, init_value: float | None = None,
-                extra_outputs=()) -> dict:
+                init_value: float | None = None, extra_outputs=()) -> dict:
     """Template, grid, threadgroup and output shapes/dtypes of a ``lily_qgemv``-family
     launch (``lily_norm_qgemv`` shares them) for activations ``x_shape`` of ``x_dtype``;
     ``nw``/``rpw`` default to ``launch_shape``, ``bpl`` (16 or 8) to ``bytes_per_lane`` on
-    the current backend, ``nr`` (rows interleaved per weight tile, a divisor of the row
-    count) to ``rows_per_group``; ``extra_outputs``: ``(shape, dtype)`` pairs after
-    ``y``. The template has ``BPL`` except on CUDA (its twin has
-    none: a ``bpl`` other than 16 is a ValueError there), then ``NR``; "cpu" is the
-    emulators'. Raises ValueError for an ``nr`` that does not divide the rows."""
+    the current backend; ``extra_outputs``: ``(shape, dtype)`` pairs after ``y``. The
+    template has ``BPL`` except on CUDA (its twin has none: a ``bpl`` other than 16 is
+    a ValueError there); "cpu" is the emulators'."""
     k = x_shape[-1]
     o = w.shape[0]
     backend = current_backend()
-    lead = tuple(x_shape[:-1])
-    n = 1
-    for s_ in lead:
-        n *= s_
-    if nr is None:
-        nr = rows_per_group(n)
-    if nr < 1 or n % nr:
-        raise ValueError(f"qgemv: {nr} interleaved rows do not divide {n} rows")
     if nw is None or rpw is None:
         nw0, rpw0 = launch_shape(k, o, bits, backend)
         nw, rpw = nw or nw0, rpw or rpw0
     bpl = bytes_per_lane(backend) if bpl is None else bpl
     if bpl not in (8, 16) or (backend == "cuda" and bpl != 16):
         raise ValueError(f"qgemv: no {bpl}-byte weight loads on {backend}")
+    lead = tuple(x_shape[:-1])
+    n = 1
+    for s_ in lead:
+        n *= s_
     tg = 32 * nw
     nb = -(-o // rows_per_block(k, bits, nw, rpw, bpl))
     template = [("T", x_dtype), ("S", scales.dtype), ("K", k), ("O", o), ("BITS", bits),
                 ("GS", group_size), ("NW", nw), ("RPW", rpw)]
     if backend != "cuda":
         template.append(("BPL", bpl))
-    template.append(("NR", nr))
     kw = dict(template=template,
-              grid=(nb * nr * tg, n // nr, 1), threadgroup=(tg, 1, 1),
+              grid=(nb * tg, n, 1), threadgroup=(tg, 1, 1),
               output_shapes=[lead + (o,)] + [sh for sh, _ in extra_outputs],
               output_dtypes=[x_dtype] + [dt for _, dt in extra_outputs])
     if init_value is not None:
@@ -244,11 +225,11 @@ def launch_args(x_shape, x_dtype, w, scales, group_size: int, bits: int, *,
 
 def plan(kernel, x_shape, x_dtype, w: mx.array, scales: mx.array, biases: mx.array,
          group_size: int, bits: int, *, nw: int | None = None, rpw: int | None = None,
-         bpl: int | None = None, nr: int | None = None, init_value: float | None = None):
+         bpl: int | None = None, init_value: float | None = None):
     """A callable ``run(x) -> y`` launching the kernel object for inputs of one shape
-    and dtype (template, grid and output shape worked out once; ``launch_args``)."""
+    and dtype (template, grid and output shape worked out once)."""
     kw = launch_args(x_shape, x_dtype, w, scales, group_size, bits, nw=nw, rpw=rpw,
-                     bpl=bpl, nr=nr, init_value=init_value)
+                     bpl=bpl, init_value=init_value)
 
     def run(x):
         return kernel(inputs=[x, w, scales, biases], **kw)[0]
@@ -258,12 +239,11 @@ def plan(kernel, x_shape, x_dtype, w: mx.array, scales: mx.array, biases: mx.arr
 
 def launch(kernel, x: mx.array, w: mx.array, scales: mx.array, biases: mx.array,
            group_size: int, bits: int, *, nw: int | None = None, rpw: int | None = None,
-           bpl: int | None = None, nr: int | None = None,
-           init_value: float | None = None) -> mx.array:
+           bpl: int | None = None, init_value: float | None = None) -> mx.array:
     """Run the ``lily_qgemv`` kernel object ``kernel`` (either backend, or the Metal
     emulator's) on a call ``supports`` accepted; returns ``[..., O]`` in x's dtype."""
     return plan(kernel, x.shape, x.dtype, w, scales, biases, group_size, bits, nw=nw,
-                rpw=rpw, bpl=bpl, nr=nr, init_value=init_value)(x)
+                rpw=rpw, bpl=bpl, init_value=init_value)(x)
 
 
 def has_kernel(backend: str) -> bool:

@@ -1,18 +1,13 @@
 // @kernel lily_qgemv
 // @inputs x[N,K]:T w[O,K*BITS/32]:uint32 scales[O,K/GS]:S biases[O,K/GS]:S
 // @outputs y[N,O]:T
-// @template T=bfloat16 S=bfloat16 K=2048 O=8192 BITS=4 GS=64 NW=4 RPW=4 NR=1
-// @template T=float16 S=float16 K=64 O=7 BITS=4 GS=64 NW=4 RPW=4 NR=1
-// @template T=bfloat16 S=bfloat16 K=4096 O=2048 BITS=4 GS=64 NW=4 RPW=2 NR=8
-// @grid (ceil(O/RPB)*NR*32*NW, N/NR, 1)   RPB = NW*(32/LPR)*RPW, LPR = min(32, K*BITS/128)
+// @template T=bfloat16 S=bfloat16 K=2048 O=8192 BITS=4 GS=64 NW=4 RPW=4
+// @template T=float16 S=float16 K=64 O=7 BITS=4 GS=64 NW=4 RPW=4
+// @grid (ceil(O/RPB)*32*NW, N, 1)   RPB = NW*(32/LPR)*RPW, LPR = min(32, K*BITS/128)
 // @threadgroup (32*NW, 1, 1)
 // y = x @ dequant(w)^T for a few rows (MLX affine quantization, transpose=True):
 // each group of LPR lanes owns RPW output rows, 16-byte weight loads,
 // scale*dot(q,x) + bias*sum(x) per quantization group, fp32 accumulation.
-// NR activation rows, interleaved in block order (block b: row b % NR of rows
-// NR*blockIdx.y .., weight tile b / NR): the NR blocks of one weight tile run side by
-// side, so the tile comes from DRAM once and from L2 for the other rows; each block is
-// the one-row kernel's, so a row's result does not depend on the others.
 // @header qgemv_common.cuh
 // ---- body ----
   constexpr int VPL = 128 / BITS;
@@ -28,9 +23,8 @@
   const int warp = threadIdx.x >> 5;
   const int sub = lane / LPR;
   const int sl = lane % LPR;
-  const int n = blockIdx.y * NR + blockIdx.x % NR;
-  const int wt = blockIdx.x / NR;  // weight tile
-  const int row0 = wt * RPB + (warp * SG + sub) * RPW;
-  if (wt * RPB >= O) return;
+  const int n = blockIdx.y;
+  const int row0 = blockIdx.x * RPB + (warp * SG + sub) * RPW;
+  if (blockIdx.x * RPB >= O) return;
   lily_qgemv_rows<T, S, K, O, BITS, GS, RPW, LPR>(x + (size_t)n * K, w, scales, biases,
                                                   y + (size_t)n * O, row0, sl);

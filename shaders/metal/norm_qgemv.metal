@@ -1,20 +1,15 @@
 // @kernel lily_norm_qgemv
 // @inputs hin[N,K]:T res[N,K]:T nw[K]:T eps[1]:float32 w[O,K*BITS/32]:uint32 scales[O,K/GS]:S biases[O,K/GS]:S
 // @outputs y[N,O]:T h[N,K]:T
-// @template T=bfloat16 S=bfloat16 K=2048 O=12352 BITS=4 GS=64 NW=4 RPW=4 BPL=16 NR=1
-// @template T=float16 S=float16 K=256 O=7 BITS=4 GS=64 NW=4 RPW=4 BPL=16 NR=1
-// @template T=bfloat16 S=bfloat16 K=2048 O=1000 BITS=4 GS=64 NW=8 RPW=4 BPL=8 NR=1
-// @template T=bfloat16 S=bfloat16 K=2048 O=9216 BITS=4 GS=64 NW=4 RPW=4 BPL=16 NR=8
-// @grid (ceil(O/RPB)*NR*32*NW, N/NR, 1)   RPB = NW*(32/LPR)*RPW, LPR = min(32, K*BITS/(8*BPL))
+// @template T=bfloat16 S=bfloat16 K=2048 O=12352 BITS=4 GS=64 NW=4 RPW=4 BPL=16
+// @template T=float16 S=float16 K=256 O=7 BITS=4 GS=64 NW=4 RPW=4 BPL=16
+// @template T=bfloat16 S=bfloat16 K=2048 O=1000 BITS=4 GS=64 NW=8 RPW=4 BPL=8
+// @grid (ceil(O/RPB)*32*NW, N, 1)   RPB = NW*(32/LPR)*RPW, LPR = min(32, K*BITS/(8*BPL))
 // @threadgroup (32*NW, 1, 1)
 // The residual add and RMSNorm in front of a quantized GEMV, one launch:
 // h = T(hin + res) (written by the first threadgroup of each row), x = T(nw * T(h *
 // rsqrt(mean(h^2) + eps))) kept in threadgroup memory (as lily_add_rms_norm rounds), then
 // y = x @ dequant(w)^T exactly as lily_qgemv (BPL-byte weight loads).
-// NR activation rows, interleaved in threadgroup order (threadgroup b: row b % NR of
-// rows NR*y .., weight tile b / NR): the NR threadgroups of one weight tile run side by
-// side, so the tile comes from DRAM once and from cache for the other rows; each
-// threadgroup is the one-row kernel's, so a row's result does not depend on the others.
 // Cost, q|k|v 2048 -> 9216, 4-bit g64, one row, NW 4 RPW 4: 576 threadgroups x 128
 // threads; reads 9.44 MB weights + 1.18 MB scales/biases once and hin/res/nw (12 KB) in
 // every threadgroup (7.1 MB from cache); writes 18 KB + h 4 KB; 4 KB + 16 B threadgroup
@@ -39,9 +34,8 @@
   const int warp = int(simdgroup_index_in_threadgroup);
   const int sub = lane / LPR;
   const int sl = lane % LPR;
-  const int n = int(threadgroup_position_in_grid.y) * NR +
-                int(threadgroup_position_in_grid.x) % NR;
-  const int bx = int(threadgroup_position_in_grid.x) / NR;
+  const int bx = int(threadgroup_position_in_grid.x);
+  const int n = int(threadgroup_position_in_grid.y);
   const int row0 = bx * RPB + (warp * SG + sub) * RPW;
   if (bx * RPB >= O) {
     return;

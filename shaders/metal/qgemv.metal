@@ -1,20 +1,15 @@
 // @kernel lily_qgemv
 // @inputs x[N,K]:T w[O,K*BITS/32]:uint32 scales[O,K/GS]:S biases[O,K/GS]:S
 // @outputs y[N,O]:T
-// @template T=bfloat16 S=bfloat16 K=2048 O=8192 BITS=4 GS=64 NW=4 RPW=4 BPL=16 NR=1
-// @template T=float16 S=float16 K=64 O=7 BITS=4 GS=64 NW=4 RPW=4 BPL=16 NR=1
-// @template T=bfloat16 S=bfloat16 K=2048 O=1000 BITS=4 GS=64 NW=2 RPW=4 BPL=8 NR=1
-// @template T=bfloat16 S=bfloat16 K=4096 O=2048 BITS=4 GS=64 NW=4 RPW=4 BPL=16 NR=8
-// @grid (ceil(O/RPB)*NR*32*NW, N/NR, 1)   RPB = NW*(32/LPR)*RPW, LPR = min(32, K*BITS/(8*BPL))
+// @template T=bfloat16 S=bfloat16 K=2048 O=8192 BITS=4 GS=64 NW=4 RPW=4 BPL=16
+// @template T=float16 S=float16 K=64 O=7 BITS=4 GS=64 NW=4 RPW=4 BPL=16
+// @template T=bfloat16 S=bfloat16 K=2048 O=1000 BITS=4 GS=64 NW=2 RPW=4 BPL=8
+// @grid (ceil(O/RPB)*32*NW, N, 1)   RPB = NW*(32/LPR)*RPW, LPR = min(32, K*BITS/(8*BPL))
 // @threadgroup (32*NW, 1, 1)
 // y = x @ dequant(w)^T for a few rows (MLX affine quantization, transpose=True):
 // each group of LPR lanes owns RPW output rows, BPL-byte weight loads (16: uint4; 8:
 // uint2, MLX qmv_fast's pattern), scale*dot(q,x) + bias*sum(x) per quantization group,
 // fp32 accumulation.
-// NR activation rows, interleaved in threadgroup order (threadgroup b: row b % NR of
-// rows NR*y .., weight tile b / NR): the NR threadgroups of one weight tile run side by
-// side, so the tile comes from DRAM once and from cache for the other rows; each
-// threadgroup is the one-row kernel's, so a row's result does not depend on the others.
 // Cost, o_proj 4096 -> 2048, 4-bit g64, one row: reads 4.19 MB weights + 0.52 MB
 // scales/biases once, x 8 KB per threadgroup; writes 4 KB; NW 4 RPW 4: 128 threadgroups
 // x 128 threads, no threadgroup memory (Metal: MLX_LILY_QGEMV_SHAPE / _BPL override).
@@ -34,9 +29,8 @@
   const int warp = int(simdgroup_index_in_threadgroup);
   const int sub = lane / LPR;
   const int sl = lane % LPR;
-  const int n = int(threadgroup_position_in_grid.y) * NR +
-                int(threadgroup_position_in_grid.x) % NR;
-  const int bx = int(threadgroup_position_in_grid.x) / NR;
+  const int bx = int(threadgroup_position_in_grid.x);
+  const int n = int(threadgroup_position_in_grid.y);
   const int row0 = bx * RPB + (warp * SG + sub) * RPW;
   if (bx * RPB >= O) {
     return;
