@@ -151,6 +151,7 @@ def test_rows_equal_each_row_alone(backend, case):
     row launched alone, bit for bit, in ``y`` and ``h``; and the results pass the fp32
     check."""
     k, o, bits, gs, rows, dtype = case
+    mx.random.seed(o + rows)
     q, s, b = make_weights(o, k, bits, gs)
     h0, res, nw = make_inputs(rows, k, dtype, o + rows)
     kern, init = kernel_for(NQ.SPEC, backend)
@@ -167,7 +168,7 @@ def test_rows_equal_each_row_alone(backend, case):
                     reason="no GPU backend")
 def test_gpu_production_shapes():
     """Qwen3.6-35B-A3B's fused projections: GDN in_proj (2048 -> 12352), attention
-    q|k|v (2048 -> 9216), at one and two rows."""
+    q|k|v (2048 -> 9216), at one, two and eight rows."""
     backend = "cuda" if "cuda" in parity_backends() else "metal"
     for k, o, rows in ((2048, 12352, 1), (2048, 9216, 1), (2048, 12352, 2), (2048, 9216, 8)):
         mx.random.seed(o + rows)

@@ -257,8 +257,8 @@ def test_rows_equal_each_row_alone(backend, case):
 
 @pytest.mark.skipif(nvcc_path() is None, reason="nvcc not installed")
 def test_cuda_twin_resources():
-    """ptxas's report parses: the production LM-head GEMV holds its 8 weight words in
-    registers (at least 8 x 4) and spills nothing."""
+    """ptxas's report parses, and the production LM-head GEMV stays within the register
+    budget that keeps four 128-thread blocks per SM (<= 128) without spilling."""
     from mlx_lily.testing import cuda_check
 
     head, body = kernels.cuda_parts("qgemv")
@@ -269,7 +269,7 @@ def test_cuda_twin_resources():
         template=[("T", bf), ("S", bf), ("K", 2048), ("O", 248320), ("BITS", 4), ("GS", 64),
                   ("NW", Q.NW), ("RPW", Q.RPW)])
     assert set(r) == {"registers", "stack", "spill_stores", "spill_loads"}
-    assert 32 <= r["registers"] <= 255 and r["spill_stores"] == r["spill_loads"] == 0, r
+    assert 0 < r["registers"] <= 128 and r["spill_stores"] == r["spill_loads"] == 0, r
 
 
 def test_helper_blocks_identical_across_shaders():

