@@ -10,6 +10,10 @@ out_proj at 8 rows where this read 55-62 us), so only the LM head's figure is cl
 device time.
 
     python3 benchmarks/gpu/gemv_rows_bench.py --out DIR    # DIR/gemv_rows.json
+    python3 benchmarks/gpu/gemv_rows_bench.py --shaders OTHER/shaders --out DIR2
+
+``--shaders`` builds the kernels from another tree's ``shaders/`` folder (a candidate
+kernel timed against this tree's in the same call).
 """
 
 from __future__ import annotations
@@ -48,7 +52,13 @@ def main() -> None:
     ap.add_argument("--rows", default="1,2,4,8")
     ap.add_argument("--iters", type=int, default=40)
     ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--shaders", type=Path, help="build from this shaders/ folder instead")
     args = ap.parse_args()
+    if args.shaders is not None:
+        root = args.shaders.resolve()
+        if not (root / "cuda" / "qgemv.cu").is_file():
+            raise SystemExit(f"--shaders {args.shaders}: no cuda/qgemv.cu there")
+        kernels.shader_path = lambda backend, filename: root / backend / filename
     backend = "cuda" if mx.cuda.is_available() else "metal"
     out = []
     for name, mod, k, o in SHAPES:
@@ -73,7 +83,8 @@ def main() -> None:
             out.append(row)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "gemv_rows.json").write_text(json.dumps(
-        dict(backend=backend, device=str(mx.default_device()), iters=args.iters, rows=out),
+        dict(backend=backend, device=str(mx.default_device()), iters=args.iters,
+             shaders=str(args.shaders) if args.shaders else None, rows=out),
         indent=1))
 
 
