@@ -466,17 +466,22 @@ def _get_raw(owner, name):
     return getattr(owner, name)
 
 
+def kernel_cache_dir():
+    """The folder ``patch()`` points MLX's on-disk CUDA kernel cache at when
+    ``MLX_PTX_CACHE_DIR`` is unset: ``<cache_dir>/cuda-kernels`` (a ``Path``)."""
+    return config.cache_dir / "cuda-kernels"
+
+
 def _default_kernel_cache_dir() -> None:
     """Point MLX's on-disk cache of compiled CUDA kernels (``MLX_PTX_CACHE_DIR``, default
-    a temp dir that reboots clear) at a persistent per-user folder, unless the user chose
-    one. MLX keys each entry by kernel name and source hash, so every kernel is compiled
-    once per machine."""
+    a temp dir that reboots clear) at a persistent per-user folder (``kernel_cache_dir``),
+    unless the user chose one. MLX keys each entry by kernel name and source hash, so
+    every kernel is compiled once per machine."""
     import os
-    from pathlib import Path
 
     global _SET_CACHE_ENV
     if "MLX_PTX_CACHE_DIR" not in os.environ:
-        os.environ["MLX_PTX_CACHE_DIR"] = _SET_CACHE_ENV = str(config.cache_dir / "cuda-kernels")
+        os.environ["MLX_PTX_CACHE_DIR"] = _SET_CACHE_ENV = str(kernel_cache_dir())
 
 
 _SET_CACHE_ENV: str | None = None  # the MLX_PTX_CACHE_DIR value patch() set, if it did

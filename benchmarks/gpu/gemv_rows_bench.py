@@ -3,11 +3,11 @@ check that each row gives the same bits as that row alone.
 
 Shapes: the LM head (2048 -> 248320), the output projections (4096 -> 2048) and the
 attention q|k|v projection behind its input norm (``lily_norm_qgemv``, 2048 -> 9216);
-4-bit, group 64, bf16, random weights. Time per launch is the wall time of ``--iters``
-back-to-back launches in one evaluation, divided by ``--iters``: a diagnostic that
-includes launch overhead (tens of microseconds for the small GEMVs: ncu read 21.7 us for
-out_proj at 8 rows where this read 55-62 us), so only the LM head's figure is close to
-device time.
+4-bit, group 64, bf16, random weights. Per launch, over ``--iters`` back-to-back
+launches: ``gpu_us``, the device's own time (``mlx_lily.bench.gpu_clock.time_chain``,
+median of 3; CUDA only, else None), and ``wall_us``, the wall time of one evaluation of
+them, which includes launch overhead (tens of microseconds for the small GEMVs: ncu read
+21.7 us for out_proj at 8 rows where the wall time read 55-62 us).
 
     python3 benchmarks/gpu/gemv_rows_bench.py --out DIR    # DIR/gemv_rows.json
     python3 benchmarks/gpu/gemv_rows_bench.py --shaders OTHER/shaders --out DIR2
@@ -20,12 +20,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import time
 from pathlib import Path
 
 import mlx.core as mx
 
 from mlx_lily import kernels
+from mlx_lily.bench import gpu_clock
 from mlx_lily.ops import norm_qgemv as NQ
 from mlx_lily.ops import qgemv as Q
 
@@ -38,13 +40,21 @@ def _weights(o, k):
     return mx.quantize(w, 64, 4)
 
 
-def _time(fn, iters):
-    mx.eval(fn())
+def _wall_us(fn, x, iters):
+    mx.eval(fn(x))
     mx.synchronize()
     t0 = time.perf_counter()
-    mx.eval([fn() for _ in range(iters)])
+    mx.eval([fn(x) for _ in range(iters)])
     mx.synchronize()
     return (time.perf_counter() - t0) / iters * 1e6
+
+
+def _gpu_us(fn, x, iters):
+    if not gpu_clock.available():
+        return None
+    ts = [gpu_clock.time_chain(lambda x1: [fn(x1) for _ in range(iters)], x)["gpu_s"]
+          for _ in range(3)]
+    return statistics.median(ts) / iters * 1e6
 
 
 def main() -> None:
@@ -77,7 +87,10 @@ def main() -> None:
 
             y = run()
             alone = mx.concatenate([run(x[i:i + 1], res[i:i + 1]) for i in range(rows)])
-            row = dict(op=name, k=k, o=o, rows=rows, us=round(_time(run, args.iters), 1),
+            gpu = _gpu_us(run, x, args.iters)
+            row = dict(op=name, k=k, o=o, rows=rows,
+                       gpu_us=None if gpu is None else round(gpu, 1),
+                       wall_us=round(_wall_us(run, x, args.iters), 1),
                        bits_equal_alone=bool(mx.array_equal(y, alone).item()))
             print(json.dumps(row), flush=True)
             out.append(row)

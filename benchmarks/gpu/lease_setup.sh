@@ -63,7 +63,7 @@ export MLX_LILY_TREE_REV=$(cat .lily-rev 2>/dev/null)
 # points MLX at (a record folder of its own, MLX_LILY_CACHE_DIR, keeps its own, cold).
 declare -A PTX_DIRS
 PTX_DIRS[mlx]=$(cd /tmp && python3 -c "from mlx_lily.cuda_cache import mlx_default_cache_dir as d; print(d())")
-PTX_DIRS[lily]=$(cd /tmp && python3 -c "from mlx_lily import config; print(config.cache_dir / 'cuda-kernels')")
+PTX_DIRS[lily]=$(cd /tmp && python3 -c "from mlx_lily.patching import kernel_cache_dir as d; print(d())")
 for a in "$HOME/.mlx-cuda-stash/ptx.txz" .devcache/ptx/ptx.txz; do
   [ -f "$a" ] || continue
   rm -rf /tmp/ptx-in && mkdir -p /tmp/ptx-in
