@@ -24,16 +24,23 @@ each a set of environment settings the variant runs under, applied by
    require it) while the rest is checked again. A non-default variant is checked as the
    passing set with that op in that variant (one forward each).
 2. Speed, measured at model level (per-op stock timing would need each op's stock
-   subgraph in isolation): the median wall time (synchronised: ``mx.eval`` each step)
-   of ``DECODE_STEPS`` decode steps after a ``DECODE_CONTEXT``-token context, and of
-   ``PREFILL_REPS`` ``PREFILL_LEN``-token prefill chunks, with the op on (each passing
-   variant) vs the same set without it (where the op runs its reference: mlx-lm's math
-   for that op), in ``OP_NAMES`` order, the ops kept before it on in both. An op is kept
-   in its fastest variant that was faster (``faster``, ``decide``: one phase gains, the
-   other loses no more than ``SLOWER_TOL`` or, where the timings' own spread is larger,
-   ``NOISE_SIGMAS`` standard errors of the time ratio, at most ``MAX_ALLOWANCE``: a 4.7x
-   prefill gain is not thrown away for a 3 % decode loss inside the noise of 16 steps);
-   a fusion whose required ops were not kept is not timed (its kernel could not serve).
+   subgraph in isolation), with the op on (each passing variant) vs the same set without
+   it (where the op runs its reference: mlx-lm's math for that op), in ``OP_NAMES``
+   order, the ops kept before it on in both. The two arms are timed in alternation
+   (``paired_rounds``: A B, B A, ...), so a drift of the machine's speed weighs on both:
+   ``DECODE_ROUNDS`` rounds of ``DECODE_STEPS`` decode steps pipelined as mlx-lm's
+   ``generate_step`` runs them (``decode_round``), each arm on its own cache after a
+   ``DECODE_CONTEXT``-token context, and ``PREFILL_REPS`` rounds of one
+   ``PREFILL_LEN``-token prefill chunk. Decode runs on ``deep_view``: the loaded layers
+   repeated to the checkpoint's depth, so a kernel's share of a step is its share in the
+   real model (on the layers alone, a step's fixed costs, the LM head and the host's
+   work, took most of it). A phase's speed-up is the median over its rounds of base /
+   kernel, its noise the standard error of that median (``ratio_stats``). An op is kept
+   in its fastest variant that was faster (``faster_speedup``, ``decide``: one phase
+   gains, the other loses no more than ``SLOWER_TOL`` or, where the rounds spread more,
+   ``NOISE_SIGMAS`` standard errors, at most ``MAX_ALLOWANCE``: a 4.7x prefill gain is
+   not thrown away for a 3 % decode loss inside the noise); a fusion whose required ops
+   were not kept is not timed (its kernel could not serve).
    Then each op that passed but was not kept is timed once more together with the ops
    that require it (``dependent_chain``, default variants, against the set kept so far:
    an enabler such as ``norm_qgemv``, about even alone, is what the fused projections,
@@ -42,18 +49,20 @@ each a set of environment settings the variant runs under, applied by
    a launch census (``launch_census``: the timed work's graph built, not evaluated, the
    decode steps through the compiled path's Python without a trace) compares the kernel
    launches (name, template, grid, shapes) with the set without the op: a phase where
-   they are the same is the same work and keeps the base set's time (a prefill-only op
-   costs no decode-step trace, a decode-only op no prefill timing); an op that changes no
-   launch in either phase is not timed and does not qualify.
+   they are the same is the same work and is not timed (speed-up 1; a prefill-only op
+   costs no decode-step trace, a decode-only op no prefill timing); an op that changes
+   no launch in either phase is not timed and does not qualify.
 3. Final check: the kept set, in its chosen variants, passes the parity check once more
    (a fusion can hide a base op's kernel from the all-on check, e.g. a decode path it
    replaces; a failure is bisected as above and drops that op) and is timed against
-   unpatched mlx-lm; if it is slower than stock in either phase beyond ``SLOWER_TOL``
-   nothing qualifies (Lily steps aside).
+   unpatched mlx-lm in the same paired rounds (Lily patched and unpatched round by
+   round); if it is slower than stock in either phase beyond ``SLOWER_TOL`` nothing
+   qualifies (Lily steps aside).
 
 The parity forwards and the references' logits run eagerly; each op set timed in decode
 traces its compiled decode step once (a new ``compile_key``; on CUDA MLX also compiles
-the new graph's fused kernels). The record keeps the seconds of each phase
+the new graph's fused kernels) and the model keeps the last few configurations' traces
+(``decode_graph.RECENT_KEYS``), so alternating rounds replay them. The record keeps the seconds of each phase
 (``"phases"``), the model forwards and decode-step traces per phase (``"counts"``) and,
 per timed set, its first decode step's and first prefill's ms (trace and compile cost);
 the progress lines name each step with the seconds elapsed.
@@ -61,7 +70,8 @@ the progress lines name each step with the seconds elapsed.
 The model is the checkpoint's first ``--layers`` decoder layers (default one
 full-attention cycle, ``full_attention_interval``: 3 GDN layers + 1 attention layer at the
 real widths), loaded lazily so only those layers occupy memory, or a synthetic model
-(``mlx_lily.synth``) of a preset's dims with that many layers.
+(``mlx_lily.synth``) of a preset's dims with that many layers; decode is timed on those
+layers repeated to the checkpoint's (preset's) depth (``--depth``).
 
 The run happens in a child process with a time limit (``--timeout-s``, default
 ``TIMEOUT_S``): a kernel that crashes or hangs kills only the child; the parent then
@@ -99,7 +109,7 @@ from . import backend as _backend
 from . import config, tuning
 
 SCHEMA = "mlx-lily-qualify"
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 QUALIFY_ENV = "MLX_LILY_QUALIFY"
 EMULATE_ENV = "MLX_LILY_QUALIFY_EMULATE"
 #: Candidate variants per op besides ``"default"``: ``{op: {variant: {env name: value}}}``
@@ -111,18 +121,22 @@ REL_TOL = 0.1
 ANCHOR_FACTOR, ANCHOR_SLACK, ANCHOR_TOP1_SLACK = 1.5, 0.05, 0.1
 #: An op is faster when its better phase (decode or prefill) gains >= FASTER_MARGIN, the
 #: product of its phases' speed-ups does too, and no phase loses more than its allowance:
-#: SLOWER_TOL, or NOISE_SIGMAS standard errors of that phase's time ratio where the two
-#: timings' own spread is larger (``ratio_noise``), never more than MAX_ALLOWANCE. The
+#: SLOWER_TOL, or NOISE_SIGMAS standard errors of that phase's speed-up where its paired
+#: rounds spread more (``ratio_stats``), never more than MAX_ALLOWANCE. The
 #: final check against stock allows SLOWER_TOL only.
 FASTER_MARGIN = 0.01
 SLOWER_TOL = 0.02
 NOISE_SIGMAS = 2.0
 MAX_ALLOWANCE = 0.05
 DECODE_CONTEXT = 64
-DECODE_STEPS = 16
+#: Decode timing: pipelined steps per round, paired rounds per comparison, and the most
+#: steps one op set's cache takes before a fresh one (its context stays in one KV block).
+DECODE_STEPS = 8
+DECODE_ROUNDS = 6
+MAX_RUN_STEPS = 160
 PREFILL_LEN = 512
 PARITY_PREFILL = 64
-PREFILL_REPS = 3
+PREFILL_REPS = 3  # paired prefill rounds
 
 
 # ----------------------------------------------------------------------------- settings
@@ -213,13 +227,15 @@ def read_record(backend: str) -> dict | None:
 
 def record_status(backend: str) -> str:
     """``"off"`` (``MLX_LILY_QUALIFY=0``), ``"none"`` (no record), ``"stale"`` (a record
-    for another identity: versions or kernel sources changed) or ``"valid"``."""
+    for another identity: versions or kernel sources changed, or made by another
+    ``SCHEMA_VERSION`` of this method) or ``"valid"``."""
     if not auto_enabled():
         return "off"
     rec = read_record(backend)
     if rec is None or rec.get("schema") != SCHEMA:
         return "none"
-    return "valid" if rec.get("identity") == identity(backend) else "stale"
+    return ("valid" if rec.get("identity") == identity(backend)
+            and rec.get("schema_version") == SCHEMA_VERSION else "stale")
 
 
 def why_none(backend: str) -> str:
@@ -285,18 +301,25 @@ def write_record(record: dict, path: Path) -> Path:
 
 # ----------------------------------------------------------------------------- decisions
 def faster(kernel_ms: dict, base_ms: dict, noise: dict | None = None) -> tuple[bool, dict]:
-    """Whether times ``kernel_ms`` (``{"decode": ms, "prefill": ms}``) beat ``base_ms``:
-    the better phase and the product of the phases' speed-ups gain >= ``FASTER_MARGIN``,
-    and no phase loses more than ``allowance(noise, phase)`` (``noise``: ``{phase:
-    relative standard error of the ratio}``, from ``ratio_noise``; None: ``SLOWER_TOL``
-    alone). Returns ``(faster, {phase: base / kernel})``."""
+    """Whether times ``kernel_ms`` (``{"decode": ms, "prefill": ms}``) beat ``base_ms``
+    (``faster_speedup`` of their ratios). Returns ``(faster, {phase: base / kernel})``."""
     speed = {k: base_ms[k] / kernel_ms[k] for k in kernel_ms
              if kernel_ms.get(k) and base_ms.get(k)}
+    return faster_speedup(speed, noise), speed
+
+
+def faster_speedup(speed: dict, noise: dict | None = None) -> bool:
+    """Whether speed-ups ``speed`` (``{phase: base time / kernel time}``) make an op
+    faster: the better phase and the product of the phases' speed-ups gain >=
+    ``FASTER_MARGIN``, and no phase loses more than ``allowance(noise, phase)``
+    (``noise``: ``{phase: relative standard error of the speed-up}``, ``ratio_stats``;
+    None: ``SLOWER_TOL`` alone)."""
+    speed = {k: v for k, v in (speed or {}).items() if v}
     if not speed:
-        return False, speed
+        return False
     return (max(speed.values()) >= 1 + FASTER_MARGIN
             and math.prod(speed.values()) >= 1 + FASTER_MARGIN
-            and all(x >= 1 - allowance(noise, k) for k, x in speed.items())), speed
+            and all(x >= 1 - allowance(noise, k) for k, x in speed.items()))
 
 
 def allowance(noise: dict | None, phase: str) -> float:
@@ -322,27 +345,6 @@ def median_rel_se(spread_value: float, n: int) -> float:
         return 0.0
     sigma = spread_value / (1.349 if n >= 4 else _RANGE_D2[n])
     return 1.2533 * sigma / n ** 0.5
-
-
-def ratio_noise(spreads_a: dict, spreads_b: dict, counts: dict) -> dict:
-    """``{phase: relative standard error of median_a / median_b}`` for the phases both
-    timings measured: ``spreads_*`` are ``{phase: spread}``, ``counts`` ``{phase: samples
-    per timing}``; the two medians' errors add in quadrature."""
-    out = {}
-    for ph in set(spreads_a) & set(spreads_b):
-        n = int(counts.get(ph, 0))
-        out[ph] = (median_rel_se(spreads_a[ph], n) ** 2
-                   + median_rel_se(spreads_b[ph], n) ** 2) ** 0.5
-    return out
-
-
-def measured_spreads(detail: dict | None) -> dict:
-    """``{phase: spread}`` of the phases a ``timing`` detail measured (reused phases,
-    listed in ``detail["reused"]``, are left out)."""
-    detail = detail or {}
-    reused = set(detail.get("reused") or ())
-    return {ph: detail[f"{ph}_spread"] for ph in PHASES
-            if f"{ph}_spread" in detail and ph not in reused}
 
 
 def decide(results: dict) -> dict:
@@ -499,13 +501,15 @@ def load_model(model: str | None = None, synthetic: str | None = None, layers: i
         tc["layer_types"] = ["linear_attention" if (i + 1) % k else "full_attention"
                              for i in range(n)]
         m, _ = synth.build_model(tc, seed=seed)
-        return m, {"kind": "synthetic", "preset": synthetic, "layers": n, "seed": seed}
+        return m, {"kind": "synthetic", "preset": synthetic, "layers": n, "seed": seed,
+                   "depth": int(synth.PRESETS[synthetic]["num_hidden_layers"])}
     from mlx_lm.utils import load_model as lm_load_model
 
     m = lm_load_model(Path(model), lazy=True)[0]
+    depth = full_depth(m)
     n = truncate_layers(m, default_layers(m) if layers < 0 else layers)
     mx.eval(m.parameters())
-    return m, {"kind": "path", "path": str(model), "layers": n}
+    return m, {"kind": "path", "path": str(model), "layers": n, "depth": depth}
 
 
 # ----------------------------------------------------------------------------- timing
@@ -516,8 +520,8 @@ def _sync_eval(x):
 
 
 def spread(times) -> float:
-    """Timing noise of ``times`` (seconds): the interquartile range over the median (with
-    fewer than 4 samples: max - min over the median; 0 for one)."""
+    """Timing noise of ``times`` (seconds, or ratios): the interquartile range over the
+    median (with fewer than 4 samples: max - min over the median; 0 for one)."""
     med = statistics.median(times)
     if len(times) < 2 or med <= 0:
         return 0.0
@@ -527,53 +531,145 @@ def spread(times) -> float:
     return (q[2] - q[0]) / med
 
 
-def time_decode(model, steps: int = DECODE_STEPS, context: int = DECODE_CONTEXT,
-                detail: dict | None = None) -> float:
-    """Median ms of one decode step (logits evaluated) after a ``context``-token prefill;
-    two untimed steps first (compiled steps are traced there). ``detail`` gets
-    ``decode_spread`` (the steps' ``spread``), ``decode_first_ms`` (the first step: a
-    trace, on CUDA MLX's compile of the new graph) and ``context_ms``."""
-    from .first_contact import warmup_ids
+def full_depth(model) -> int:
+    """The decoder layers the checkpoint's config gives (``num_hidden_layers``), or the
+    layers ``model`` holds when its config does not say."""
+    n = getattr(_text_args(model), "num_hidden_layers", None)
+    return int(n) if n else len(_inner_model(model).layers)
 
-    cache = model.make_cache()
-    ids = warmup_ids(context, seed=5)
-    t0 = time.perf_counter()
-    _sync_eval(model(ids, cache=cache))
-    context_s = time.perf_counter() - t0
-    tok = ids[:, -1:]
-    times, first = [], None
-    for i in range(steps + 2):
+
+def _inner_model(model):
+    """The module holding ``layers`` (mlx-lm's ``Qwen3_5TextModel`` / ``Qwen3NextModel``)."""
+    cur = model
+    for name in ("language_model", "model"):
+        nxt = cur.get(name) if isinstance(cur, dict) else None
+        if nxt is not None and hasattr(nxt, "layers"):
+            cur = nxt
+    return cur
+
+
+def deep_view(model, depth: int):
+    """A model running the decoder layers ``model`` holds repeated in order up to
+    ``depth`` layers (layer ``i`` is loaded layer ``i mod n``), sharing every module and
+    weight with ``model``: a decode step of the checkpoint's real depth for the memory of
+    its first layers. Qualification times decode on it, so that a kernel's share of the
+    step is what it is in the real model rather than drowned by the per-step costs that
+    do not grow with depth (embedding, LM head, host work). Returns ``model`` itself when
+    ``depth`` is not more than the layers it holds.
+
+    ``model`` is an mlx-lm Qwen3.5/3.6/Next model; the view's own caches come from its
+    ``make_cache()`` (one per layer of the view)."""
+    import copy
+
+    inner = _inner_model(model)
+    layers = list(inner.layers)
+    if depth <= len(layers):
+        return model
+
+    def shallow(m):
+        c = copy.copy(m)  # the same children; a __dict__ of its own
+        for k in [k for k in c.__dict__ if k.startswith("_lily")]:
+            del c.__dict__[k]  # compiled steps and signatures belong to the original
+        return c
+
+    root = cur = shallow(model)
+    while cur is not None and _inner_model(cur) is not cur:
+        name = next(n for n in ("language_model", "model")
+                    if isinstance(cur.get(n), dict) and _inner_model(cur[n]) is _inner_model(cur))
+        cur[name] = shallow(cur[name])
+        cur = cur[name]
+    cur.layers = [layers[i % len(layers)] for i in range(depth)]
+    for k in ("_lily_prepared", "_lily_warm"):  # its layers are prepared with the original's
+        if getattr(model, k, False):
+            object.__setattr__(root, k, True)
+    return root
+
+
+def _step_token(i: int) -> int:
+    """Token id of timed decode step ``i``: a fixed sequence (every op set decodes the same
+    tokens), below 500 like ``first_contact.warmup_ids``."""
+    return (11 + 37 * i) % 499 + 1
+
+
+class DecodeRun:
+    """One op set's decode state across timed rounds: its own cache holding a
+    ``context``-token prefill, then steps fed a fixed token sequence (``_step_token``).
+    ``start`` (under the set's settings) prefills and runs two untimed steps (a
+    compiled step is traced there); ``decode_round`` times the next steps."""
+
+    def __init__(self, model, context: int):
+        self.model, self.context = model, int(context)
+        self.cache = None
+        self.steps = 0
+        self.context_ms = self.first_ms = None
+
+    def start(self) -> None:
+        from .first_contact import warmup_ids
+
+        self.cache = self.model.make_cache()
         t0 = time.perf_counter()
-        _sync_eval(model(tok, cache=cache))
-        if i >= 2:
-            times.append(time.perf_counter() - t0)
-        elif i == 0:
-            first = time.perf_counter() - t0
-    if detail is not None:
-        detail.update(decode_spread=spread(times), decode_first_ms=1e3 * first,
-                      context_ms=1e3 * context_s)
-    return 1e3 * statistics.median(times)
+        _sync_eval(self.model(warmup_ids(self.context, seed=5), cache=self.cache))
+        self.context_ms = 1e3 * (time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        _sync_eval(self.step())
+        self.first_ms = 1e3 * (time.perf_counter() - t0)
+        _sync_eval(self.step())
+
+    def step(self):
+        import mlx.core as mx
+
+        tok = mx.array([[_step_token(self.steps)]], dtype=mx.int32)
+        self.steps += 1
+        return self.model(tok, cache=self.cache)
 
 
-def time_prefill(model, length: int = PREFILL_LEN, reps: int = PREFILL_REPS,
-                 detail: dict | None = None) -> float:
-    """Median ms of a ``length``-token prefill chunk on a fresh cache (one untimed first).
-    ``detail`` gets ``prefill_spread`` (the reps' ``spread``) and ``prefill_first_ms``."""
+def decode_round(run: DecodeRun, steps: int) -> float:
+    """Mean ms per decode step over ``steps`` steps of ``run``, pipelined as mlx-lm's
+    ``generate_step`` runs them (each step's graph built and queued with
+    ``mx.async_eval`` while the GPU runs the one before; one wait at the end)."""
+    import mlx.core as mx
+
+    t0 = time.perf_counter()
+    out = None
+    for _ in range(steps):
+        out = run.step()
+        mx.async_eval(out)
+    _sync_eval(out)
+    return 1e3 * (time.perf_counter() - t0) / steps
+
+
+def prefill_round(model, length: int) -> float:
+    """ms of one ``length``-token prefill chunk on a fresh cache, evaluated."""
     from .first_contact import warmup_ids
 
     ids = warmup_ids(length, seed=6)
-    times, first = [], None
-    for i in range(reps + 1):
-        cache = model.make_cache()
-        t0 = time.perf_counter()
-        _sync_eval(model(ids, cache=cache))
-        if i:
-            times.append(time.perf_counter() - t0)
-        else:
-            first = time.perf_counter() - t0
-    if detail is not None:
-        detail.update(prefill_spread=spread(times), prefill_first_ms=1e3 * first)
-    return 1e3 * statistics.median(times)
+    cache = model.make_cache()
+    t0 = time.perf_counter()
+    _sync_eval(model(ids, cache=cache))
+    return 1e3 * (time.perf_counter() - t0)
+
+
+def paired_rounds(arms, measure, rounds: int) -> tuple:
+    """Times of two arms taken in alternation: ``rounds`` rounds, each arm once per round,
+    in the order A B, B A, A B, ... (a drift of the machine's speed during the rounds
+    weighs on both arms alike). ``arms`` are two context-manager factories (the op set
+    and settings of each arm); ``measure(i)`` times arm ``i`` once inside its context.
+    Returns ``(times of arm 0, times of arm 1)``."""
+    out = ([], [])
+    for r in range(rounds):
+        for i in ((0, 1) if r % 2 == 0 else (1, 0)):
+            with arms[i]():
+                out[i].append(measure(i))
+    return out
+
+
+def ratio_stats(base_times, kernel_times) -> tuple:
+    """``(speed-up, its relative standard error)`` of paired timings: the median over the
+    rounds of base / kernel, and ``median_rel_se`` of those ratios' ``spread``."""
+    ratios = [b / k for b, k in zip(base_times, kernel_times) if k > 0]
+    if not ratios:
+        return None, 0.0
+    return statistics.median(ratios), median_rel_se(spread(ratios), len(ratios))
 
 
 # ----------------------------------------------------------------------------- variants
@@ -598,15 +694,18 @@ def variant_settings(settings: dict):
     """Within this block the environment holds ``settings`` (name -> value; None: unset);
     the previous values come back after. ``mlx_lily.config`` / ``tuning`` read the
     environment at use (frozen only within one forward), so the next forward sees them.
-    Compiled decode steps are dropped on entry and on exit when ``settings`` is not
-    empty (their key does not name every knob), so no graph traced under other settings
-    is replayed."""
+    Compiled decode steps are keyed by every variant knob (``variants.KNOB_NAMES``), so
+    switching variants back and forth replays each one's own traces; settings naming any
+    other variable drop the compiled steps on entry and on exit, so no graph traced
+    under other settings is replayed."""
     if not settings:
         yield
         return
     from .patches import decode_graph
+    from .variants import KNOB_NAMES
 
     saved = {k: os.environ.get(k) for k in settings}
+    unkeyed = any(k not in KNOB_NAMES for k in settings)
 
     def put(values):
         for k, v in values.items():
@@ -615,13 +714,15 @@ def variant_settings(settings: dict):
             else:
                 os.environ[k] = str(v)
 
-    decode_graph.drop_compiled_steps()
+    if unkeyed:
+        decode_graph.drop_compiled_steps()
     try:
         put(settings)
         yield
     finally:
         put(saved)
-        decode_graph.drop_compiled_steps()
+        if unkeyed:
+            decode_graph.drop_compiled_steps()
 
 
 # ----------------------------------------------------------------------------- the run
@@ -826,15 +927,18 @@ def _ordered(ops) -> list:
 
 
 def qualify_model(model, *, ops=None, decode_steps: int = DECODE_STEPS,
-                  decode_context: int = DECODE_CONTEXT, prefill_len: int = PREFILL_LEN,
-                  parity_prefill: int = PARITY_PREFILL, prefill_reps: int = PREFILL_REPS,
+                  decode_rounds: int = DECODE_ROUNDS, decode_context: int = DECODE_CONTEXT,
+                  prefill_len: int = PREFILL_LEN, parity_prefill: int = PARITY_PREFILL,
+                  prefill_reps: int = PREFILL_REPS, depth: int | None = None,
                   seed: int | None = None, progress=None) -> dict:
     """Qualify every op (or ``ops``) in each of its variants (``variants_of``) on the
     current backend with ``model`` (an unpatched mlx-lm model; patched, forced, while
-    this runs). Returns the result part of a record: ``{"ops": {op: {variant: result}},
-    "qualified": {op: variant}, "overall": {...}, "first_contact": report, "phases":
-    {phase: seconds}, "counts": {...}, "method": str, "seconds": float}``. ``progress``
-    gets one line per step (with the seconds elapsed)."""
+    this runs). Decode is timed on ``deep_view(model, depth)`` (None: ``model`` as it
+    is), parity and prefill on ``model``. Returns the result part of a record: ``{"ops":
+    {op: {variant: result}}, "qualified": {op: variant}, "overall": {...},
+    "first_contact": report, "phases": {phase: seconds}, "counts": {...}, "method": str,
+    "seconds": float}``. ``progress`` gets one line per step (with the seconds
+    elapsed)."""
     import mlx.core as mx
 
     import mlx_lily
@@ -850,29 +954,72 @@ def qualify_model(model, *, ops=None, decode_steps: int = DECODE_STEPS,
     if mlx_lily.is_patched():
         raise RuntimeError("qualify_model needs an unpatched mlx-lm to time stock")
     counted = _Counted(model, led)
+    deep = deep_view(model, depth) if depth else model
+    timed_depth = len(_inner_model(deep).layers)
+    counted_deep = counted if deep is model else _Counted(deep, led)
+    base_runs: dict = {}  # (op set, settings) -> its DecodeRun, reused while it has room
 
-    def timing(reuse=None):
-        """Times of both phases; a phase in ``reuse`` (``{phase: ms}``) keeps that time
-        (its launches are the base set's) without running."""
+    def decode_run(key, fresh: bool):
+        run = None if fresh else base_runs.get(key)
+        if run is None or run.steps + decode_rounds * decode_steps > MAX_RUN_STEPS:
+            run = DecodeRun(counted_deep, decode_context)
+            if not fresh:
+                base_runs.clear()
+                base_runs[key] = run
+        return run
+
+    def compare(base_arm, kernel_arm, phases, base_key=None) -> dict:
+        """Paired rounds (``paired_rounds``) of the two arms in ``phases``: ``{"base_ms",
+        "kernel_ms" (medians over the rounds), "speedup", "noise" (``ratio_stats``),
+        "timing"}``; phases not timed are left out."""
         t = time.perf_counter()
+        arms = (base_arm, kernel_arm)
         detail: dict = {}
-        ms = dict(reuse or {})
-        if "decode" not in ms:
-            ms["decode"] = time_decode(counted, decode_steps, decode_context, detail)
-        if "prefill" not in ms:
-            ms["prefill"] = time_prefill(counted, prefill_len, prefill_reps, detail)
+        times: dict = {}
+        if "decode" in phases:
+            runs = [decode_run(base_key, base_key is None), decode_run(None, True)]
+            for run, arm in zip(runs, arms):
+                if run.cache is None:
+                    with arm():
+                        run.start()
+            times["decode"] = paired_rounds(
+                arms, lambda i: decode_round(runs[i], decode_steps), decode_rounds)
+            detail.update(decode_first_ms=runs[1].first_ms, context_ms=runs[1].context_ms)
+        if "prefill" in phases:
+            for arm in arms:  # untimed first chunks
+                with arm():
+                    prefill_round(counted, prefill_len)
+            times["prefill"] = paired_rounds(
+                arms, lambda i: prefill_round(counted, prefill_len), prefill_reps)
+        out = {"base_ms": {}, "kernel_ms": {}, "speedup": {}, "noise": {}}
+        for ph, (b, k) in times.items():
+            out["base_ms"][ph] = statistics.median(b)
+            out["kernel_ms"][ph] = statistics.median(k)
+            out["speedup"][ph], out["noise"][ph] = ratio_stats(b, k)
+            detail[f"{ph}_rounds"] = {"base": b, "kernel": k}
         led.timed_sets += 1
-        for ph in reuse or {}:
-            led.phases_reused[ph] = led.phases_reused.get(ph, 0) + 1
-        detail["reused"] = sorted(reuse or {})
+        for ph in PHASES:
+            if ph not in phases:
+                led.phases_reused[ph] = led.phases_reused.get(ph, 0) + 1
+        detail["reused"] = sorted(set(PHASES) - set(phases))
         detail["seconds"] = time.perf_counter() - t
-        return ms, detail
+        out["timing"] = detail
+        return out
 
-    say("timing stock mlx-lm")
-    with led.phase("stock"):
-        stock_ms, stock_detail = timing()
+    def arm(opset, env):
+        @contextlib.contextmanager
+        def enter():
+            with variant_settings(env), kernels.only_ops(_ordered(opset)):
+                yield
+        return enter
+
+    def speed_note(c) -> str:
+        return " ".join(f"{k} x{s:.3f}" for k, s in (c.get("speedup") or {}).items())
+
     results: dict = {}
     cands = [op for op in _candidates(be) if ops is None or op in ops]
+    overall = {"stock_ms": None, "reference_ms": None, "qualified_ms": None,
+               "speedup_vs_stock": None, "timing": {}}
     with mlx_lily.patched(force=True):
         from . import patching
 
@@ -880,20 +1027,19 @@ def qualify_model(model, *, ops=None, decode_steps: int = DECODE_STEPS,
         with led.phase("warmup"), kernels.only_ops(ops or _backend.OP_NAMES):
             model._lily_warm = True  # prepare only; the warm-up follows here
             mlx_lily.prepare_model(model)  # fused projections
+            if deep is not model:
+                object.__setattr__(deep, "_lily_prepared", True)
+                object.__setattr__(deep, "_lily_warm", True)
             patching.last_warmup.clear()
             patching.warmup(model)  # CUDA: compiled ahead of time; first contact
             fc = patching.last_warmup.get("first_contact")
             if fc is None:  # a warm-up that ran no first contact (tests stub it)
                 fc = first_contact.check(model, prefill_len=parity_prefill)
-        say("references: logits and times")
+        say("references' logits")
         with led.phase("reference"), kernels.only_ops(()):
             with _backend.compile_suspended():  # eager, as the probed forwards run
                 ref = first_contact.forward_logits(counted, prompt_len, parity_prefill,
                                                    seed=seed)
-            base_ms, base_detail = timing()
-        reference_ms = dict(base_ms)
-        base_spreads = measured_spreads(base_detail)  # the noise of base_ms, per phase
-        counts = {"decode": decode_steps, "prefill": prefill_reps}
         parity = _Parity(model, led, ref, prompt_len, parity_prefill, seed)
         pending = []
         for op in cands:
@@ -933,12 +1079,30 @@ def qualify_model(model, *, ops=None, decode_steps: int = DECODE_STEPS,
         chosen: dict = {}
         chains: list = []
         timed = [op for op in pending if any(r["passed"] for r in results[op].values())]
+        if timed:
+            say(f"timing: decode steps of {timed_depth} layers, {decode_rounds} paired rounds "
+                f"of {decode_steps} steps; {prefill_len}-token prefill chunks, "
+                f"{prefill_reps} paired rounds")
+        last_ms: dict = {}  # the base set's latest time per phase (for phases not timed)
 
         def env_of(opset):
             env: dict = {}
             for o in opset:
                 env.update(variants_of(o, be, decode_context)[chosen[o]])
             return env
+
+        def base_key():
+            return (tuple(kept), tuple(sorted(env_of(kept).items())))
+
+        def fill(c, same):
+            """A phase not timed keeps the base set's latest time, speed-up 1."""
+            for ph in same:
+                if ph in last_ms:
+                    c["kernel_ms"][ph] = c["base_ms"][ph] = last_ms[ph]
+                c["speedup"][ph], c["noise"][ph] = 1.0, 0.0
+            if overall["reference_ms"] is None and not kept:
+                overall["reference_ms"] = dict(c["base_ms"])
+            last_ms.update(c["base_ms"])
 
         base_census = {ph: Counter() for ph in PHASES}  # no kernel launches at all
 
@@ -985,7 +1149,6 @@ def qualify_model(model, *, ops=None, decode_steps: int = DECODE_STEPS,
                     r = results[op][name]
                     if not r["passed"]:
                         continue
-                    r["base_ms"] = dict(base_ms)
                     env = {**env_of(kept), **settings}
                     r["census"] = census_of(kept + [op], env)
                     same = same_phases(r["census"], base_census)
@@ -994,26 +1157,23 @@ def qualify_model(model, *, ops=None, decode_steps: int = DECODE_STEPS,
                                       "without it at these shapes")
                         notes.append(f"{name} changes no launch")
                         continue
-                    with variant_settings(env), kernels.only_ops(kept + [op]):
-                        r["kernel_ms"], r["timing"] = timing(
-                            {ph: base_ms[ph] for ph in same})
-                    r["noise"] = ratio_noise(measured_spreads(r["timing"]), base_spreads,
-                                             counts)
-                    r["faster"], r["speedup"] = faster(r["kernel_ms"], base_ms, r["noise"])
-                    notes.append(f"{name} " + " ".join(
-                        f"{k} x{s:.3f}" for k, s in (r["speedup"] or {}).items())
-                        + (f" (first step {r['timing']['decode_first_ms']:.0f} ms)"
-                           if "decode_first_ms" in r["timing"] else "")
-                        + "".join(f" ({ph}: same launches, not timed)" for ph in sorted(same)))
+                    c = compare(arm(kept, env_of(kept)), arm(kept + [op], env),
+                                [ph for ph in PHASES if ph not in same], base_key())
+                    fill(c, same)
+                    r.update(c)
+                    r["faster"] = faster_speedup(r["speedup"], r["noise"])
+                    notes.append(f"{name} {speed_note(r)}"
+                                 + (f" (first step {r['timing']['decode_first_ms']:.0f} ms)"
+                                    if r["timing"].get("decode_first_ms") is not None else "")
+                                 + "".join(f" ({ph}: same launches, not timed)"
+                                           for ph in sorted(same)))
                 best = decide({op: results[op]}).get(op)
                 say(f"[{i + 1}/{len(timed)}] {op}: {'; '.join(notes)} -> "
                     f"{best or 'not faster'}")
                 if best is not None:
                     kept.append(op)
                     chosen[op] = best
-                    base_ms = dict(results[op][best]["kernel_ms"])
-                    base_spreads = {**base_spreads,
-                                    **measured_spreads(results[op][best]["timing"])}
+                    last_ms.update(results[op][best]["kernel_ms"])
                     base_census = results[op][best]["census"]
                 for r in results[op].values():  # counts in the record, not the Counters
                     if r.get("census") is not None:
@@ -1031,21 +1191,19 @@ def qualify_model(model, *, ops=None, decode_steps: int = DECODE_STEPS,
                 if len(chain) < 2 or frozenset(chain) in tried:
                     continue
                 tried.add(frozenset(chain))
-                c = {"seed": op, "ops": chain, "base_ms": dict(base_ms), "kernel_ms": None,
+                c = {"seed": op, "ops": chain, "base_ms": None, "kernel_ms": None,
                      "speedup": None, "faster": False, "error": None}
                 chains.append(c)
                 same = same_phases(census, base_census)
                 if same == set(PHASES):
                     c["error"] = "not timed: no kernel launch differs from the set without it"
                 else:
-                    with variant_settings(env), kernels.only_ops(_ordered(kept + chain)):
-                        c["kernel_ms"], c["timing"] = timing({ph: base_ms[ph] for ph in same})
-                    c["noise"] = ratio_noise(measured_spreads(c["timing"]), base_spreads,
-                                             counts)
-                    c["faster"], c["speedup"] = faster(c["kernel_ms"], base_ms, c["noise"])
+                    c.update(compare(arm(kept, env), arm(_ordered(kept + chain), env),
+                                     [ph for ph in PHASES if ph not in same], base_key()))
+                    fill(c, same)
+                    c["faster"] = faster_speedup(c["speedup"], c["noise"])
                 c["census"] = {ph: sum(n.values()) for ph, n in census.items()}
-                say(f"chain {'+'.join(chain)}: " + (c["error"] or " ".join(
-                    f"{k} x{s:.3f}" for k, s in (c["speedup"] or {}).items()))
+                say(f"chain {'+'.join(chain)}: " + (c["error"] or speed_note(c))
                     + (" -> kept" if c["faster"] else " -> not faster"))
                 if c["faster"]:
                     for o in chain:
@@ -1053,12 +1211,8 @@ def qualify_model(model, *, ops=None, decode_steps: int = DECODE_STEPS,
                         results[o][DEFAULT_VARIANT]["error"] = (
                             f"qualified in the chain {'+'.join(chain)} (not alone)")
                     kept = _ordered(kept + chain)
-                    base_ms = dict(c["kernel_ms"])
-                    base_spreads = {**base_spreads, **measured_spreads(c["timing"])}
+                    last_ms.update(c["kernel_ms"])
                     base_census = census
-        overall = {"stock_ms": stock_ms, "reference_ms": reference_ms,
-                   "qualified_ms": None, "speedup_vs_stock": None,
-                   "timing": {"stock": stock_detail, "reference": base_detail}}
         with led.phase("final"):
             if kept:
                 say(f"final check of the qualified set ({len(kept)} ops)")
@@ -1072,34 +1226,46 @@ def qualify_model(model, *, ops=None, decode_steps: int = DECODE_STEPS,
                     kept = good2
                     overall["final_check_failed"] = sorted(failed2)
                     kept = unchained(kept, chains, results, chosen)
-            if kept:
-                with variant_settings(env_of(kept)), kernels.only_ops(kept):
-                    lily_ms, overall["timing"]["qualified"] = timing()
-                overall["qualified_ms"] = lily_ms
-                _, overall["speedup_vs_stock"] = faster(lily_ms, stock_ms)
-        qualified = {op: chosen[op] for op in kept}
-        sp = overall["speedup_vs_stock"]
-        # stock is timed first (on a fresh machine with MLX's own compiles in its spread):
-        # its noise is no excuse, a qualified set may lose SLOWER_TOL only
-        if qualified and sp and min(sp.values()) < 1 - SLOWER_TOL:
-            overall["dropped"] = sorted(qualified)
-            qualified = {}
-        say(f"qualified {len(qualified)} of {len(cands)} ops"
-            + (f"; vs stock: {' '.join(f'{k} x{s:.3f}' for k, s in sp.items())}" if sp else "")
-            + ("; slower than stock: Lily steps aside" if overall.get("dropped") else ""))
+    if kept:  # the qualified set against unpatched mlx-lm, rounds alternating
+        say(f"timing the qualified set against stock mlx-lm ({len(kept)} ops)")
+        env = env_of(kept)
+
+        @contextlib.contextmanager
+        def lily():
+            with mlx_lily.patched(force=True), variant_settings(env), kernels.only_ops(kept):
+                yield
+
+        with led.phase("final"):
+            c = compare(contextlib.nullcontext, lily, list(PHASES))
+        overall.update(stock_ms=c["base_ms"], qualified_ms=c["kernel_ms"],
+                       speedup_vs_stock=c["speedup"], noise_vs_stock=c["noise"])
+        overall["timing"]["qualified"] = c["timing"]
+    qualified = {op: chosen[op] for op in kept}
+    sp = overall["speedup_vs_stock"]
+    # against stock a qualified set may lose SLOWER_TOL only, whatever the noise
+    if qualified and sp and min(sp.values()) < 1 - SLOWER_TOL:
+        overall["dropped"] = sorted(qualified)
+        qualified = {}
+    say(f"qualified {len(qualified)} of {len(cands)} ops"
+        + (f"; vs stock: {' '.join(f'{k} x{s:.3f}' for k, s in sp.items())}" if sp else "")
+        + ("; slower than stock: Lily steps aside" if overall.get("dropped") else ""))
+    base_runs.clear()
     mx.clear_cache()
     return {"ops": results, "qualified": qualified, "overall": overall, "chains": chains,
             "first_contact": {k: v for k, v in fc.items() if k != "launched"},
             **led.summary(),
-            "settings": {"decode_steps": decode_steps, "decode_context": decode_context,
+            "settings": {"decode_steps": decode_steps, "decode_rounds": decode_rounds,
+                         "decode_context": decode_context, "depth": timed_depth,
                          "prefill_len": prefill_len, "parity_prefill": parity_prefill,
                          "prefill_reps": prefill_reps, "seed": seed},
-            "method": ("model-level: parity of the forward with every candidate op on vs "
+            "method": (f"model-level: parity of the forward with every candidate op on vs "
                        "every kernel off (NaN-poisoned outputs, fresh random ids), a "
-                       "failing set bisected; time of a decode step and a prefill chunk "
-                       "with each op on vs off (ops kept before it on in both), an op "
+                       "failing set bisected; each op on vs off (ops kept before it on in "
+                       "both) timed in alternating paired rounds: pipelined decode steps "
+                       f"of the model at {timed_depth} layers (its loaded layers repeated) "
+                       "and prefill chunks, speed-up = the median per-round ratio; an op "
                        "not kept alone timed again with the ops that require it; the "
-                       "qualified set checked and timed against stock"),
+                       "qualified set checked and timed against stock the same way"),
             "seconds": led.elapsed()}
 
 
@@ -1122,9 +1288,10 @@ def _child(opts) -> int:
         model, desc = load_model(opts.model, opts.synthetic, opts.layers, opts.model_seed)
         res = qualify_model(
             model, ops=opts.ops.split(",") if opts.ops else None,
-            decode_steps=opts.decode_steps, decode_context=opts.decode_context,
-            prefill_len=opts.prefill_len, parity_prefill=opts.parity_prefill,
-            prefill_reps=opts.prefill_reps,
+            decode_steps=opts.decode_steps, decode_rounds=opts.decode_rounds,
+            decode_context=opts.decode_context, prefill_len=opts.prefill_len,
+            parity_prefill=opts.parity_prefill, prefill_reps=opts.prefill_reps,
+            depth=desc["depth"] if opts.depth < 0 else opts.depth,
             progress=lambda m: print(f"[mlx-lily] qualify {m}", file=sys.stderr, flush=True))
         res["model"] = desc
         res["identity"] = identity(be)
@@ -1316,7 +1483,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="decoder layers kept (-1: one full-attention cycle; 0: all)")
     p.add_argument("--model-seed", type=int, default=0)
     p.add_argument("--ops", default=None, help="comma list of ops (default: all with kernels)")
-    p.add_argument("--decode-steps", type=int, default=DECODE_STEPS)
+    p.add_argument("--depth", type=int, default=-1,
+                   help="decoder layers of the timed decode steps, the loaded ones repeated "
+                        "(-1: the checkpoint's own depth; 0: the loaded layers only)")
+    p.add_argument("--decode-steps", type=int, default=DECODE_STEPS,
+                   help="pipelined decode steps per timed round")
+    p.add_argument("--decode-rounds", type=int, default=DECODE_ROUNDS,
+                   help="paired rounds per decode comparison")
     p.add_argument("--decode-context", type=int, default=DECODE_CONTEXT)
     p.add_argument("--prefill-len", type=int, default=PREFILL_LEN)
     p.add_argument("--parity-prefill", type=int, default=PARITY_PREFILL)
@@ -1354,7 +1527,8 @@ def main(argv=None) -> int:
             return 1
         if opts.model is None and opts.synthetic is None:
             opts.synthetic = "qwen3.6-35b-a3b"
-        extra = ["--decode-steps", str(opts.decode_steps), "--decode-context",
+        extra = ["--depth", str(opts.depth), "--decode-steps", str(opts.decode_steps),
+                 "--decode-rounds", str(opts.decode_rounds), "--decode-context",
                  str(opts.decode_context), "--prefill-len", str(opts.prefill_len),
                  "--parity-prefill", str(opts.parity_prefill), "--prefill-reps",
                  str(opts.prefill_reps), "--model-seed",

@@ -174,4 +174,12 @@ def set_qualified(env_settings: dict) -> None:
                       if v in by_env and raw is not None})
 
 
+def values_of(envs) -> tuple:
+    """``((env name, value), ...)`` for the knobs named by environment variable in
+    ``envs``, in that order (each as ``value`` gives it; names that are no knob give
+    None): a cache key that changes whenever one of those knobs does."""
+    by_env = {k.env: a for a, k in KNOBS.items()}
+    return tuple((e, value(by_env[e]) if e in by_env else None) for e in envs)
+
+
 install_properties(__name__, KNOBS, value)

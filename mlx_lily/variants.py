@@ -88,6 +88,10 @@ VARIANTS: dict = {
     "qgemv": {n: dict(e) for n, e in _GEMV.items()},
 }
 
+#: Every environment variable a variant sets, in name order (compiled decode steps are
+#: keyed by their values: ``patches.decode_graph.compile_key``).
+KNOB_NAMES = tuple(sorted({e for op in VARIANTS.values() for env in op.values() for e in env}))
+
 METAL_ONLY = frozenset({("attention", "decode_simd"), ("attention", "decode_simd2"),
                         ("gated_delta", "scan_staged"),
                         *(("moe_grouped", n) for n in ("coop_load", "coop_load_tile16",

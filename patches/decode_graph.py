@@ -15,6 +15,7 @@ import mlx.nn as nn
 from mlx_lm.models.cache import ArraysCache, BatchKVCache, KVCache
 
 from mlx_lily import backend, config, kernels, tuning
+from mlx_lily.variants import KNOB_NAMES
 from mlx_lily.backend import op_enabled
 from mlx_lily.kernels import device_scalars
 from mlx_lily.ops import (
@@ -94,6 +95,7 @@ def drop_compiled_steps() -> None:
         m = ref()
         if m is not None:
             m.__dict__.pop("_lily_steps", None)
+            m.__dict__.pop("_lily_steps_recent", None)
     _MODELS_WITH_STEPS.clear()
 
 
@@ -146,7 +148,7 @@ def compile_key():
             tuning.decode_pf, norm_qgemv_ops.split_requested(), gdn_ops.proj_split(be),
             tuning.moe_fused_rpw, tuning.moe_tile_rows, _UNCOMPILED[0],
             tuning.attn_decode, tuning.attn_fixed_block, tuning.moe_down_shape,
-            tuning.moeg_load, qgemv_ops.launch_knobs(be))
+            tuning.moeg_load, qgemv_ops.launch_knobs(be), tuning.values_of(KNOB_NAMES))
 
 
 def _gdn_step_fn(layer, pending):
@@ -425,10 +427,24 @@ def _mlp_tail(layer):
     return _compile(lambda h, r: layer_tail(layer, h, r))
 
 
+#: Configurations (``compile_key``) whose compiled steps a model keeps: switching back to
+#: a recent one (qualification alternates two op sets round by round) replays its traces.
+RECENT_KEYS = 4
+
+
 def compiled_steps(model, key):
+    """The model's compiled decode functions for configuration ``key``: the current ones,
+    one of the ``RECENT_KEYS`` configurations used last, or a new empty set."""
     st = model.__dict__.get("_lily_steps")
     if st is None or st.key != key:
-        st = _CompiledSteps(key)
+        recent = model.__dict__.get("_lily_steps_recent")
+        if recent is None:
+            recent = {}
+            object.__setattr__(model, "_lily_steps_recent", recent)
+        st = recent.pop(key, None) or _CompiledSteps(key)
+        recent[key] = st  # most recent last
+        while len(recent) > RECENT_KEYS:
+            del recent[next(iter(recent))]
         object.__setattr__(model, "_lily_steps", st)
         key_id = id(model)
         _MODELS_WITH_STEPS[key_id] = weakref.ref(
@@ -469,9 +485,11 @@ def check_weights(text_model, layers) -> None:
             sw = getattr(getattr(layer, "mlp", None), "switch_mlp", None)
             if sw is not None:
                 drop_plans(sw)
-    st = text_model.__dict__.get("_lily_steps") if changed else None
-    if st is not None:
-        st.clear()
+    if changed:  # every configuration's traces hold the old arrays
+        for st in {id(x): x for x in (text_model.__dict__.get("_lily_steps"),
+                   *(text_model.__dict__.get("_lily_steps_recent") or {}).values())
+                   if x is not None}.values():
+            st.clear()
     object.__setattr__(text_model, "_lily_sig_all",
                        (tuple(layers), WeightSig(text_model.norm, *layers)))
 

@@ -116,11 +116,12 @@ def test_compiled_decode_steps_match_stock(tiny_models, kind, monkeypatch):
 
 def test_compiled_decode_follows_switches(tiny_models, monkeypatch):
     """A kill switch set between steps gives a fresh set of compiled functions (traced
-    under the new switches); answers stay stock's. Off on the CPU by default."""
+    under the new switches); switching back replays the first set (the model keeps the
+    recent configurations' steps); answers stay stock's. Off on the CPU by default."""
     model = tiny_models["qwen3_5_moe"]
     c_ref = model.make_cache()
     model(mx.array([PROMPT]), cache=c_ref)
-    refs = [model(mx.array([[t]]), cache=c_ref) for t in (5, 6)]
+    refs = [model(mx.array([[t]]), cache=c_ref) for t in (5, 6, 7)]
     with mlx_lily.patched(model):
         c = model.make_cache()
         model(mx.array([PROMPT]), cache=c)
@@ -134,9 +135,15 @@ def test_compiled_decode_follows_switches(tiny_models, monkeypatch):
         monkeypatch.setenv("MLX_LILY_DISABLE", "moe_experts")
         out2 = model(mx.array([[6]]), cache=c)
         second = _inner(model)._lily_steps
+        monkeypatch.delenv("MLX_LILY_DISABLE")
+        traced = first.fns.copy()
+        out3 = model(mx.array([[7]]), cache=c)
+        again = _inner(model)._lily_steps
     assert first is not second and first.key != second.key
     assert "moe_experts" in second.key[1]
-    assert mx.array_equal(out1, refs[0]).item() and mx.array_equal(out2, refs[1]).item()
+    assert again is first and first.fns == traced
+    for out, ref in zip((out1, out2, out3), refs):
+        assert mx.array_equal(out, ref).item()
 
 
 def test_compiled_decode_key_follows_norm_gemv_split(tiny_models, monkeypatch):
@@ -182,6 +189,7 @@ def test_compiled_decode_failure_falls_back(tiny_models, monkeypatch):
 
     monkeypatch.setattr(nxt.decode_graph, "_gdn_step", broken)
     monkeypatch.setenv("MLX_LILY_COMPILE", "1")
+    nxt.decode_graph.drop_compiled_steps()  # no step traced by an earlier test replays
     with mlx_lily.patched(model):
         c = model.make_cache()
         model(mx.array([PROMPT]), cache=c)

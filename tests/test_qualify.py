@@ -6,6 +6,7 @@ mlx-lm's own code in place where no kernel would run."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -31,8 +32,12 @@ except Exception:  # pragma: no cover - emulator toolchain missing
 needs_emu = pytest.mark.skipif(not HAS_EMU, reason="Metal emulator unavailable")
 FIXTURE = Path(__file__).parent / "fixtures" / "qwen35moe-tiny-trained"
 LIGHT_OPS = "add_rms_norm,moe_router_topk"
-FAST = ["--ops", LIGHT_OPS, "--decode-steps", "1", "--decode-context", "4",
-        "--prefill-len", "8", "--parity-prefill", "0"]
+FAST = ["--ops", LIGHT_OPS, "--decode-steps", "1", "--decode-rounds", "2",
+        "--decode-context", "4", "--prefill-len", "8", "--prefill-reps", "1",
+        "--parity-prefill", "0"]
+#: The paired timing's smallest useful run: one decode step per round, two rounds, one
+#: prefill round (tests whose timings are not stubbed).
+QUICK = dict(decode_steps=1, decode_rounds=2, prefill_reps=1)
 
 
 @pytest.fixture
@@ -62,19 +67,21 @@ def test_faster_rule():
 
 def test_faster_rule_allows_a_loss_inside_the_timings_noise():
     """The H200 row that motivated the allowance (warm qualification, 4 layers at
-    Qwen3.6-35B-A3B widths): gated_delta decode 2.203 ms (spread 0.060) vs 2.136 ms, prefill
-    30.47 ms vs 142.69 ms. A 3 % decode loss with 16 steps of that spread is noise; the
-    same loss from steady timings is not."""
+    Qwen3.6-35B-A3B widths): gated_delta decode 2.203 ms vs 2.136 ms, prefill 30.47 ms vs
+    142.69 ms. A 3 % decode loss from paired rounds whose ratios spread widely is noise;
+    the same loss from steady rounds is not."""
     kernel = {"decode": 2.203, "prefill": 30.47}
     base = {"decode": 2.136, "prefill": 142.69}
     assert not qualify.faster(kernel, base)[0]  # SLOWER_TOL alone
-    noise = qualify.ratio_noise({"decode": 0.060, "prefill": 0.027},
-                                {"decode": 0.10, "prefill": 0.07},
-                                {"decode": 16, "prefill": 3})
-    assert qualify.NOISE_SIGMAS * noise["decode"] > 0.031
+    # six rounds whose base / kernel ratios scatter around 0.97
+    scatter = [1.0, 1.0, 1.3, 0.75, 1.3, 0.75]
+    sp, se = qualify.ratio_stats([2.136] * 6, [2.203 * f for f in scatter])
+    assert abs(sp - 2.136 / 2.203) < 1e-9 and qualify.NOISE_SIGMAS * se > 0.031
+    noise = {"decode": se, "prefill": 0.0}
     assert qualify.faster(kernel, base, noise)[0]
-    steady = qualify.ratio_noise({"decode": 0.005}, {"decode": 0.005}, {"decode": 16})
-    assert qualify.allowance(steady, "decode") == qualify.SLOWER_TOL
+    sp, se = qualify.ratio_stats([2.136] * 6, [2.203] * 6)
+    steady = {"decode": se}
+    assert se == 0.0 and qualify.allowance(steady, "decode") == qualify.SLOWER_TOL
     assert not qualify.faster(kernel, base, steady)[0]
     # a loss far outside the noise still fails, whatever the other phase gains
     assert not qualify.faster({"decode": 3.0, "prefill": 30.47}, base, noise)[0]
@@ -94,14 +101,27 @@ def test_median_standard_error():
     assert abs(qualify.median_rel_se(0.1693, 3) - 1.2533 * 0.1 / 3 ** 0.5) < 1e-12
     assert qualify.median_rel_se(0.2, 1) == 0.0
     assert qualify.median_rel_se(0.0, 16) == 0.0
-    # phases measured by one timing only carry no noise estimate
-    assert qualify.ratio_noise({"decode": 0.1}, {"prefill": 0.1}, {"decode": 16}) == {}
 
 
-def test_measured_spreads_leave_out_reused_phases():
-    detail = {"decode_spread": 0.1, "prefill_spread": 0.2, "reused": ["prefill"]}
-    assert qualify.measured_spreads(detail) == {"decode": 0.1}
-    assert qualify.measured_spreads(None) == {}
+def test_paired_rounds_cancel_a_drift():
+    """Arms timed in alternation (A B, B A, ...) keep their ratio when the machine slows
+    down measurement by measurement (10 % each): the median per-round ratio stays within
+    a few percent of the true 2x, where timing all of A, then all of B, would read about
+    2 / 1.1^4 = 1.37x."""
+    order = []
+    clock = iter(range(100))
+
+    def arm(name):
+        return lambda: contextlib.nullcontext(order.append(name))
+
+    def measure(i):  # the machine slows 10 % per measurement; arm 1 does half the work
+        return (1.0 if i == 0 else 0.5) * 1.1 ** next(clock)
+
+    base, kern = qualify.paired_rounds([arm("a"), arm("b")], measure, 4)
+    assert order == ["a", "b", "b", "a", "a", "b", "b", "a"]
+    sp, se = qualify.ratio_stats(base, kern)
+    assert 1.95 < sp < 2.05 and se < 0.1
+    assert qualify.ratio_stats([], []) == (None, 0.0)
 
 
 def test_decide_takes_fastest_passing_variant():
@@ -124,7 +144,7 @@ def test_parity_rule():
 
 
 def _record(qualified):
-    return {"schema": qualify.SCHEMA, "schema_version": 1, "status": "ok",
+    return {"schema": qualify.SCHEMA, "schema_version": qualify.SCHEMA_VERSION, "status": "ok",
             "identity": qualify.identity("metal"), "qualified": qualified,
             "ops": {op: {"default": {"passed": True, "faster": True}} for op in qualified}}
 
@@ -152,6 +172,16 @@ def test_record_applies_until_a_kernel_source_changes(fake_device, monkeypatch):
     monkeypatch.setenv(qualify.QUALIFY_ENV, "0")
     kernels.forget_record()
     assert qualify.record_status("metal") == "off" and not kernels.kernels_allowed("qgemv", "metal")
+
+
+def test_record_of_another_method_version_is_stale(fake_device):
+    """A record written by another version of qualification's method (its decisions were
+    timed another way) is redone, like one of another kernel source."""
+    rec = dict(_record({"qgemv": "default"}), schema_version=qualify.SCHEMA_VERSION - 1)
+    qualify.write_record(rec, qualify.record_path("metal"))
+    kernels.forget_record()
+    assert qualify.record_status("metal") == "stale"
+    assert qualify.record_ops("metal") is None
 
 
 def test_record_variant_settings_apply_when_serving(fake_device, monkeypatch):
@@ -223,8 +253,8 @@ def test_qualification_fails_only_the_injected_op(monkeypatch, kind):
     model = _models.build("qwen3_5_moe", seed=3)
     with emulated_metal():
         res = qualify.qualify_model(model, ops=["add_rms_norm", "moe_router_topk", "qgemv"],
-                                    decode_steps=1, decode_context=4, prefill_len=8,
-                                    parity_prefill=0, seed=1)
+                                    decode_context=4, prefill_len=8, parity_prefill=0,
+                                    seed=1, **QUICK)
     passed = {op: r["default"]["passed"] for op, r in res["ops"].items()}
     assert passed == {"add_rms_norm": True, "moe_router_topk": True, "qgemv": False}, res
     assert res["ops"]["qgemv"]["default"]["error"]
@@ -289,9 +319,8 @@ def test_parity_bisection_finds_the_wrong_op(monkeypatch):
     ops = ["add_rms_norm", "moe_router_topk", "qgemv", "norm_qgemv"]
     lines: list = []
     with emulated_metal():
-        res = qualify.qualify_model(model, ops=ops, decode_steps=1, decode_context=4,
-                                    prefill_len=8, parity_prefill=0, prefill_reps=1, seed=1,
-                                    progress=lines.append)
+        res = qualify.qualify_model(model, ops=ops, decode_context=4, prefill_len=8,
+                                    parity_prefill=0, seed=1, progress=lines.append, **QUICK)
     passed = {op: r["default"]["passed"] for op, r in res["ops"].items()}
     assert passed == {"add_rms_norm": True, "moe_router_topk": True, "qgemv": False,
                       "norm_qgemv": False}, res["ops"]
@@ -305,8 +334,8 @@ def test_parity_bisection_finds_the_wrong_op(monkeypatch):
     # plus the final check when an op was kept (timing on this CPU decides)
     final = res["overall"]["qualified_ms"] is not None
     assert counts["parity_forwards"] == 1 + 2 + 1 + final, counts
-    assert {"stock", "warmup", "reference", "parity", "timing"} <= set(res["phases"])
-    assert counts["timed_sets"] >= 2 + 2  # stock, references, the two passing ops
+    assert {"warmup", "reference", "parity", "timing"} <= set(res["phases"])
+    assert counts["timed_sets"] >= 2  # the two passing ops (and stock when one was kept)
     assert any("parity: 2 of 4 ops passed, failed: qgemv, norm_qgemv" in ln for ln in lines)
     assert all(ln.endswith(" s)") for ln in lines), lines
 
@@ -326,6 +355,17 @@ def test_variant_settings_apply_and_restore(monkeypatch):
     with qualify.variant_settings({}):
         pass
     assert len(dropped) == 2
+    # a variant knob is in the compiled steps' key: switching it keeps them
+    from mlx_lily.variants import KNOB_NAMES
+
+    knob = "MLX_LILY_MOE_DOWN_SHAPE"
+    assert knob in KNOB_NAMES
+    monkeypatch.delenv(knob, raising=False)
+    monkeypatch.setattr(backend, "compile_mode", lambda be=None: "whole")
+    before = decode_graph.compile_key()
+    with qualify.variant_settings({knob: "2,2,9"}):
+        under = decode_graph.compile_key()
+    assert len(dropped) == 2 and under != before and decode_graph.compile_key() == before
     assert qualify.variants_of("qgemv")["default"] == {}
 
 
@@ -351,18 +391,18 @@ def test_variants_are_checked_timed_and_picked(monkeypatch):
     times = {"wide": 5.0, "wider": 8.0}
     seen = []
 
-    def fake_decode(model, steps, context, detail=None):
+    def fake_decode(run, steps):
         seen.append(os.environ.get(var))
         return times.get(os.environ.get(var), 10.0)
 
     monkeypatch.setattr(qualify._Parity, "check", check)
-    monkeypatch.setattr(qualify, "time_decode", fake_decode)
-    monkeypatch.setattr(qualify, "time_prefill", lambda model, length, reps, detail=None: 10.0)
+    monkeypatch.setattr(qualify, "decode_round", fake_decode)
+    monkeypatch.setattr(qualify, "prefill_round", lambda model, length: 10.0)
     model = _models.build("qwen3_5_moe", seed=3)
     with emulated_metal():
         res = qualify.qualify_model(model, ops=["add_rms_norm"], decode_steps=1,
-                                    decode_context=4, prefill_len=8, parity_prefill=0,
-                                    seed=1)
+                                    decode_rounds=1, decode_context=4, prefill_len=8,
+                                    parity_prefill=0, seed=1)
     r = res["ops"]["add_rms_norm"]
     assert list(r) == ["default", "wide", "wider", "broken"]
     assert [r[v]["passed"] for v in r] == [True, True, True, False]
@@ -370,8 +410,10 @@ def test_variants_are_checked_timed_and_picked(monkeypatch):
     assert [r[v]["faster"] for v in ("default", "wide", "wider")] == [False, True, True]
     assert res["qualified"] == {"add_rms_norm": "wide"}
     assert qualify.decide(res["ops"]) == {"add_rms_norm": "wide"}
-    # stock, references, default, wide, wider, then the final timing under "wide"
-    assert seen == [None, None, None, "wide", "wider", "wide"], seen
+    # one paired round each (base, then the variant): default, wide, wider, then stock
+    # against the qualified set under "wide"
+    assert seen == [None, None, None, "wide", None, "wider", None, "wide"], seen
+    assert res["overall"]["speedup_vs_stock"]["decode"] == 2.0
     assert [s for _, s in checked] == [None, "wide", "wider", "broken", "wide"], checked
     assert var not in os.environ
     md = qualify.render_markdown({**res, "identity": {}})
@@ -570,14 +612,15 @@ def test_phases_with_the_same_launches_are_not_timed(monkeypatch):
             return 10.0
         return timer
 
-    monkeypatch.setattr(qualify, "time_decode", fake("decode"))
-    monkeypatch.setattr(qualify, "time_prefill", fake("prefill"))
+    monkeypatch.setattr(qualify, "decode_round", fake("decode"))
+    monkeypatch.setattr(qualify, "prefill_round", fake("prefill"))
     _defaults_only(monkeypatch)  # qgemv's launch-shape variants would be timed too
     model = _models.build("qwen3_5_moe", seed=3)
     with emulated_metal():
         res = qualify.qualify_model(model, ops=["add_rms_norm", "moe_route", "qgemv",
                                                 "attn_packed"], decode_steps=1,
-                                    decode_context=4, prefill_len=8, parity_prefill=0, seed=1)
+                                    decode_rounds=1, prefill_reps=1, decode_context=4,
+                                    prefill_len=8, parity_prefill=0, seed=1)
     ops = res["ops"]
     # moe_route launches nothing at these shapes (no grouped prefill on 8 tokens)
     assert ops["moe_route"]["default"]["passed"]
@@ -590,8 +633,9 @@ def test_phases_with_the_same_launches_are_not_timed(monkeypatch):
     assert ops["attn_packed"]["default"]["passed"]
     assert ops["attn_packed"]["default"]["kernel_ms"] is None
     assert "requires attention" in ops["attn_packed"]["default"]["error"]
-    # stock, references, add_rms_norm: both phases; qgemv: decode only
-    assert calls == {"decode": 4, "prefill": 3}, calls
+    # one paired round per timed phase (each arm once): add_rms_norm both phases (and
+    # an untimed first prefill chunk per arm), qgemv decode only
+    assert calls == {"decode": 2 + 2, "prefill": 2 + 2}, calls
     assert res["counts"]["phases_reused"] == {"prefill": 1}
     assert res["counts"]["forwards"]["census"] == 3 * (1 + 2 + 1)  # three op sets
     assert res["qualified"] == {}
@@ -600,32 +644,38 @@ def test_phases_with_the_same_launches_are_not_timed(monkeypatch):
 @needs_emu
 @pytest.mark.parametrize("spread,kept", [(0.3, True), (0.0, False)], ids=["noisy", "steady"])
 def test_noise_allowance_reaches_the_decision(monkeypatch, spread, kept):
-    """qualify_model passes each timing's spread to the rule: an op 2x faster in prefill
-    and 3 % slower in decode is kept when its decode steps spread by 30 %, not when they
-    are steady; the final check against stock allows SLOWER_TOL only."""
-    decode = iter([10.5, 10.0, 10.3, 10.3])  # stock, references, the op, the final set
-    prefill = iter([10.0, 10.0, 5.0, 5.0])
+    """qualify_model passes the paired rounds' spread to the rule: an op 2x faster in
+    prefill and 3 % slower in decode is kept when its rounds' ratios scatter by about 30 %,
+    not when they are steady; against stock (10.6 ms) the set is then faster."""
+    import itertools
 
-    def fake_decode(model, steps, context, detail=None):
-        if detail is not None:
-            detail["decode_spread"] = spread
-        return next(decode)
+    factors = [1.0, 1.0, 1.3, 0.75, 1.3, 0.75] if spread else [1.0]
+    kernel_decode = itertools.cycle([10.3 * f for f in factors])
 
-    def fake_prefill(model, length, reps, detail=None):
-        if detail is not None:
-            detail["prefill_spread"] = 0.0
-        return next(prefill)
+    def on():
+        return mlx_lily.is_patched() and "add_rms_norm" in (kernels._OVERRIDE[0] or ())
 
-    monkeypatch.setattr(qualify, "time_decode", fake_decode)
-    monkeypatch.setattr(qualify, "time_prefill", fake_prefill)
+    def fake_decode(run, steps):
+        if not mlx_lily.is_patched():
+            return 10.6  # stock mlx-lm
+        return next(kernel_decode) if on() else 10.0
+
+    def fake_prefill(model, length):
+        return 5.0 if on() else 10.0
+
+    monkeypatch.setattr(qualify, "decode_round", fake_decode)
+    monkeypatch.setattr(qualify, "prefill_round", fake_prefill)
     _defaults_only(monkeypatch)
     model = _models.build("qwen3_5_moe", seed=3)
     with emulated_metal():
-        res = qualify.qualify_model(model, ops=["add_rms_norm"], decode_steps=16,
-                                    decode_context=4, prefill_len=8, parity_prefill=0,
-                                    seed=1)
+        res = qualify.qualify_model(model, ops=["add_rms_norm"], decode_steps=1,
+                                    decode_rounds=6, prefill_reps=1, decode_context=4,
+                                    prefill_len=8, parity_prefill=0, seed=1)
     r = res["ops"]["add_rms_norm"]["default"]
     assert r["noise"]["decode"] > 0 if spread else r["noise"]["decode"] == 0
+    assert r["speedup"]["decode"] == pytest.approx(10.0 / 10.3)
+    assert r["speedup"]["prefill"] == 2.0
+    assert len(r["timing"]["decode_rounds"]["kernel"]) == 6
     assert r["faster"] is kept
     assert res["qualified"] == ({"add_rms_norm": "default"} if kept else {})
 
@@ -656,19 +706,20 @@ def test_an_enabler_qualifies_with_the_ops_that_require_it(monkeypatch, together
     """``attention`` alone is slower (10.5 ms against 10); ``attn_packed`` cannot run
     without it, so it is not timed alone; the two together are timed as a chain against
     the set kept before, and kept whole only when that is faster."""
-    def fake_decode(model, steps, context, detail=None):
+    def fake_decode(run, steps):
         on = kernels._OVERRIDE[0] or frozenset()  # the set qualify_model times
         if "attention" not in on:
-            return 10.0
+            return 10.0  # references, and stock mlx-lm at the final timing
         return together_ms if "attn_packed" in on else 10.5
 
-    monkeypatch.setattr(qualify, "time_decode", fake_decode)
-    monkeypatch.setattr(qualify, "time_prefill", lambda model, length, reps, detail=None: 10.0)
+    monkeypatch.setattr(qualify, "decode_round", fake_decode)
+    monkeypatch.setattr(qualify, "prefill_round", lambda model, length: 10.0)
     _defaults_only(monkeypatch)
     model = _models.build("qwen3_5_moe", seed=3)
     with emulated_metal():
         res = qualify.qualify_model(model, ops=["attention", "attn_packed"], decode_steps=1,
-                                    decode_context=4, prefill_len=8, parity_prefill=0, seed=1)
+                                    decode_rounds=1, prefill_reps=1, decode_context=4,
+                                    prefill_len=8, parity_prefill=0, seed=1)
     att = res["ops"]["attention"]["default"]
     assert att["passed"] and att["faster"] is False
     note = res["ops"]["attn_packed"]["default"]["error"]
@@ -687,20 +738,21 @@ def test_a_chain_leaves_out_a_switch_that_changes_no_launch(monkeypatch):
     """``batch_decode`` requires ``attention``, ``attn_packed`` and ``qgemv`` but launches
     nothing different at one sequence: the chain of ``attention`` leaves it (and
     ``qgemv``, which only it pulled in) out, so it never serves untimed."""
-    def fake_decode(model, steps, context, detail=None):
+    def fake_decode(run, steps):
         on = kernels._OVERRIDE[0] or frozenset()
         if "attention" not in on:
             return 10.0
         return 9.0 if "attn_packed" in on else 10.5
 
-    monkeypatch.setattr(qualify, "time_decode", fake_decode)
-    monkeypatch.setattr(qualify, "time_prefill", lambda model, length, reps, detail=None: 10.0)
+    monkeypatch.setattr(qualify, "decode_round", fake_decode)
+    monkeypatch.setattr(qualify, "prefill_round", lambda model, length: 10.0)
     _defaults_only(monkeypatch)
     model = _models.build("qwen3_5_moe", seed=3)
     with emulated_metal():
         res = qualify.qualify_model(model, ops=["attention", "qgemv", "attn_packed",
                                                 "batch_decode"], decode_steps=1,
-                                    decode_context=4, prefill_len=8, parity_prefill=0, seed=1)
+                                    decode_rounds=1, prefill_reps=1, decode_context=4,
+                                    prefill_len=8, parity_prefill=0, seed=1)
     assert [c["ops"] for c in res["chains"]] == [["attention", "attn_packed"]]
     assert res["qualified"] == {"attention": "default", "attn_packed": "default"}
 
@@ -723,3 +775,58 @@ def test_a_chain_that_loses_an_op_at_the_final_check_leaves_whole():
     # nothing lost: the set is unchanged
     assert qualify.unchained(["qgemv", "attention", "attn_packed"], chains, results,
                              chosen) == ["qgemv", "attention", "attn_packed"]
+
+
+# ----------------------------------------------------------------------------- depth
+@pytest.mark.parametrize("kind", ["qwen3_5_moe", "qwen3_next"])
+def test_deep_view_repeats_the_loaded_layers(kind):
+    """``deep_view`` runs the loaded layers again in order up to the asked depth, sharing
+    every module (no weight is copied), with one cache per layer of the view; the model
+    itself is unchanged, and stock mlx-lm runs the view as a model of that depth (the
+    same logits as the layers applied in that order by hand)."""
+    model = _models.build(kind, seed=4)
+    inner = qualify._inner_model(model)
+    layers = list(inner.layers)
+    view = qualify.deep_view(model, 2 * len(layers) + 1)
+    vin = qualify._inner_model(view)
+    assert len(vin.layers) == 2 * len(layers) + 1 and len(inner.layers) == len(layers)
+    assert all(a is layers[i % len(layers)] for i, a in enumerate(vin.layers))
+    assert vin.embed_tokens is inner.embed_tokens and vin.norm is inner.norm
+    assert len(view.make_cache()) == len(vin.layers)
+    assert qualify.deep_view(model, len(layers)) is model
+    ids = mx.array([[3, 1, 4, 1, 5]])
+    got = view(ids, cache=view.make_cache())
+    # the same forward with the model's own layer list made that long, then restored
+    inner.layers = list(vin.layers)
+    try:
+        want = model(ids, cache=model.make_cache())
+    finally:
+        inner.layers = layers
+    assert mx.array_equal(got, want).item()
+    assert qualify.full_depth(model) == len(layers)
+
+
+@needs_emu
+def test_decode_is_timed_at_the_asked_depth(monkeypatch):
+    """With ``depth``, every timed decode round of both arms runs on the deep view (one
+    cache per layer of the view, Lily's forward serving its repeated layers), the record
+    names the depth, and the model keeps its own layers."""
+    depths = []
+    real = qualify.decode_round
+
+    def spy(run, steps):
+        depths.append(len(run.cache))
+        return real(run, steps)
+
+    monkeypatch.setattr(qualify, "decode_round", spy)
+    _defaults_only(monkeypatch)
+    model = _models.build("qwen3_5_moe", seed=3)
+    n = len(qualify._inner_model(model).layers)
+    with emulated_metal():
+        res = qualify.qualify_model(model, ops=["add_rms_norm"], decode_context=4,
+                                    prefill_len=8, parity_prefill=0, seed=1, depth=2 * n,
+                                    **QUICK)
+    assert depths and set(depths) == {2 * n}, depths
+    assert res["settings"]["depth"] == 2 * n
+    assert len(qualify._inner_model(model).layers) == n
+    assert "at %d layers" % (2 * n) in res["method"]

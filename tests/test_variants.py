@@ -648,9 +648,10 @@ def _qualify_on_emu(ops) -> dict:
     # near-tie top-1 flip (0.11) exceeds ANCHOR_TOP1_SLACK (0.1): gated_delta alone then
     # failed there (top-1 vs fp32 6/9, the references 7/9) with any MoE dispatch.
     with emulated_metal():
-        res = qualify.qualify_model(model, ops=ops, decode_steps=1, decode_context=4,
-                                    prefill_len=8, parity_prefill=qualify.PARITY_PREFILL,
-                                    prefill_reps=1, seed=1)
+        res = qualify.qualify_model(model, ops=ops, decode_steps=1, decode_rounds=2,
+                                    decode_context=4, prefill_len=8,
+                                    parity_prefill=qualify.PARITY_PREFILL, prefill_reps=1,
+                                    seed=1)
     for op in ops:
         # Metal's own variants: not those equal to its default, nor the fixed blocks
         # (they act from 32K cached tokens; this decodes at 4)

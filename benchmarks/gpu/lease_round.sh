@@ -3,7 +3,8 @@
 # set up by lease_setup.sh (from the repository root, in the call that sourced it):
 #   setsid nohup bash benchmarks/gpu/lease_round.sh > /tmp/w/round.log 2>&1 < /dev/null &
 # later calls on the warm machine only wait and archive /tmp/w (lease_setup.sh's snap).
-# Phases (ROUND_PHASES, comma-separated names, default checks,bench,qualify,long), in order:
+# Phases (ROUND_PHASES, comma-separated names, run in the order given; default
+# checks,bench,qualify,long):
 #   gputests: the GPU tests of batched decode, the grouped MoE and the router top-k
 #            (pytest -m gpu, a small random model; time limit GPUTESTS_LIMIT_S, default 400 s;
 #            GPUTESTS_FILES, test files relative to the repository, replaces that list)
@@ -13,10 +14,14 @@
 #            step; parity-one: one request, default kernels; parity-mixed: mixed lengths;
 #            each also a phase of its own); the first carries this machine's MLX JIT,
 #            nothing in it is timed
-#   profile: per-kernel GPU time of Lily's decode step at B = PROFILE_BATCHES (default
-#            1 2 8; kernel_times.py, ncu)
+#   profile: per-kernel GPU time of Lily's decode step (kernel_times.py, ncu) at each batch
+#            of PROFILE_BATCHES (default 1 2 8) and context of PROFILE_CONTEXTS (default
+#            512), kernels PROFILE_KERNELS (default: the shipped CUDA set plus batch_decode,
+#            whatever the device's record says)
 #   bench:   mlx_lm.benchmark through user_bench.py, stock and Lily in one run (BENCH_CASES,
-#            user_bench.py's --cases, replaces the default list; limit BENCH_LIMIT_S)
+#            user_bench.py's --cases, replaces the default list; limit BENCH_LIMIT_S;
+#            BENCH_TRIALS, default 1); Lily's kernels are the device's record (the last
+#            qualification of this round when one ran) plus batch_decode
 #   qualify: qualification on a fresh record folder (QUALIFY_RUNS times, default 1, each on
 #            its own folder), then the A/B gate under the last record
 #   long:    Lily alone at B = 1 over 512 / 4K / 32K / 128K (3 trials), then 4K at B = 4 / 8
@@ -35,86 +40,105 @@ step() {  # step NAME TIMEOUT_S CMD...: one logged, time-limited step
   local rc=$?  # before $(el), which would reset $?
   echo "[$(el) s] $name: rc=$rc"
 }
-PHASES=",${ROUND_PHASES:-checks,bench,qualify,long},"
 Q36=/tmp/q36
 AUTH="$HOME/.cache/mlx-lily/models"
+BATCH_SET=verified,batch_decode  # the device's set plus batched decode (not yet verified)
+# the shipped CUDA set (kernels.VERIFIED["cuda"]) by name, for runs that must not depend on
+# the device's record (another GPU than the shipped record's qualifies first)
+SHIPPED=$(cd /tmp && python3 -c "from mlx_lily.kernels import VERIFIED; print(','.join(sorted(VERIFIED['cuda'])))")
+QUALIFIED_DIR=""  # the last qualification's record folder, once one ran
 
-BATCH_SET=verified,batch_decode  # the default set plus batched decode (not yet verified)
-
-if [[ $PHASES == *",gputests,"* ]]; then
+phase_gputests() {
   # -v names each test: a run cut by the limit (a fresh machine's JIT) still says how far it got
-  files=()
+  local files=() f
   for f in ${GPUTESTS_FILES:-tests/test_op_moe_router_topk.py tests/test_op_moe_grouped.py tests/test_batch_decode.py}; do
     files+=("$R/$f")
   done
   step gpu-tests-batch ${GPUTESTS_LIMIT_S:-400} python3 -m pytest -m gpu -v -p no:cacheprovider \
     "${files[@]}"
-fi
+}
 
-if [[ $PHASES == *",trained,"* ]]; then
+phase_trained() {
   echo "[$(el) s] trained: start"
   OUT="$W/trained" NO_INSTALL=1 CALL_BUDGET_S=${TRAINED_BUDGET_S:-540} \
     TRAIN_ARGS="${TRAIN_ARGS:---time-budget-s 300}" bash benchmarks/gpu/trained_numerics.sh \
     > "$W/trained.log" 2>&1
-  rc=$?
-  echo "[$(el) s] trained: rc=$rc"
-fi
+  echo "[$(el) s] trained: rc=$?"
+}
 
-[[ $PHASES == *",checks,"* ]] && PHASES="$PHASES,parity-equal,parity-one,parity-mixed,"
 # the first of these to run carries the 35B model's MLX JIT (up to ~320 s)
-if [[ $PHASES == *",parity-equal,"* ]]; then
+phase_parity_equal() {
   # prompts of one length: the batch decodes through the compiled whole-stack step
   MLX_LILY_KERNELS=$BATCH_SET step batch-parity-equal 480 \
     python3 "$R/benchmarks/gpu/batch_parity.py" --model "$Q36" --lengths 130,130,130,130 \
     --gen 32 --out "$W/batch-parity-equal"
-fi
-if [[ $PHASES == *",parity-one,"* ]]; then
+}
+phase_parity_one() {
   # one request in mlx-lm's batch caches (mlx_lm.server), default kernels
   step batch-parity-one 480 \
     python3 "$R/benchmarks/gpu/batch_parity.py" --model "$Q36" --lengths 130 \
     --gen 32 --out "$W/batch-parity-one"
-fi
-if [[ $PHASES == *",parity-mixed,"* ]]; then
+}
+phase_parity_mixed() {
   MLX_LILY_KERNELS=$BATCH_SET step batch-parity 240 \
     python3 "$R/benchmarks/gpu/batch_parity.py" --model "$Q36" --lengths 5,37,130,2049 \
     --gen 32 --out "$W/batch-parity"
-fi
+}
 
-if [[ $PHASES == *",profile,"* ]]; then
-  # where the batch step's time goes: per-kernel GPU time (ncu)
-  for b in ${PROFILE_BATCHES:-1 2 8}; do
-    MLX_LILY_KERNELS=$BATCH_SET step kernel-times-b$b 240 \
-      python3 "$R/benchmarks/gpu/kernel_times.py" --context 512 --batch $b --arms lily \
-      --steps 2 --out "$W/kernel-times-b$b"
+phase_profile() {
+  # where a decode step's time goes: per-kernel GPU time (ncu)
+  local b c
+  for c in ${PROFILE_CONTEXTS:-512}; do
+    for b in ${PROFILE_BATCHES:-1 2 8}; do
+      MLX_LILY_KERNELS=${PROFILE_KERNELS:-$SHIPPED,batch_decode} step kernel-times-c$c-b$b 240 \
+        python3 "$R/benchmarks/gpu/kernel_times.py" --context $c --batch $b --arms lily \
+        --steps 2 --out "$W/kernel-times-c$c-b$b"
+    done
   done
-fi
+}
 
-if [[ $PHASES == *",bench,"* ]]; then
+phase_bench() {
   # stock's -b 4 at 4K would fail in MLX (4 x 2,048-token chunks exceed its CUDA grid limit)
+  MLX_LILY_CACHE_DIR=${QUALIFIED_DIR:-${MLX_LILY_CACHE_DIR:-$HOME/.cache/mlx-lily}} \
   MLX_LILY_KERNELS=$BATCH_SET step bench-ab ${BENCH_LIMIT_S:-780} \
-    python3 "$R/benchmarks/user_bench.py" --model "$Q36" --arms lily,stock --trials 1 \
+    python3 "$R/benchmarks/user_bench.py" --model "$Q36" --arms lily,stock \
+    --trials ${BENCH_TRIALS:-1} \
     --cases "${BENCH_CASES:-512:128:1,512:128:2,512:128:4,512:128:8,4096:128:1,4096:128:2}" \
     --out "$W/bench-ab"
-fi
+}
 
-if [[ $PHASES == *",qualify,"* ]]; then
+phase_qualify() {
+  local n qd d
   for n in $(seq 1 "${QUALIFY_RUNS:-1}"); do
     qd=/tmp/qc$n; [ "$n" = 1 ] && qd=/tmp/qc; d=qualify; [ "$n" = 1 ] || d=qualify-$n
     MLX_LILY_CACHE_DIR=$qd step $d 600 \
       python3 -m mlx_lily.qualify --model "$Q36" --report --out "$W/$d" --timeout-s 580
   done
   mkdir -p "$qd" && ln -sfn "$AUTH" "$qd/models"
+  QUALIFIED_DIR=$qd
   MLX_LILY_CACHE_DIR=$qd step gate-qualified 300 \
     python3 "$R/benchmarks/ab.py" "$Q36" --lengths 1024 --rounds 2 --decode-steps 32 \
     --watchdog-s 120 --out "$W/gate-qualified"
-fi
+}
 
-if [[ $PHASES == *",long,"* ]]; then
+phase_long() {
   MLX_LILY_KERNELS=$BATCH_SET step bench-lily 300 \
     python3 "$R/benchmarks/user_bench.py" --model "$Q36" --arms lily --trials 3 \
     --cases 512:128:1,4096:128:1,32768:128:1,131072:128:1 --out "$W/bench-lily"
   MLX_LILY_KERNELS=$BATCH_SET step bench-lily-batch 200 \
     python3 "$R/benchmarks/user_bench.py" --model "$Q36" --arms lily --trials 1 \
     --cases 4096:128:4,4096:128:8 --out "$W/bench-lily-batch"
-fi
+}
+
+IFS=, read -r -a PHASE_LIST <<< "${ROUND_PHASES:-checks,bench,qualify,long}"
+for p in "${PHASE_LIST[@]}"; do
+  case "$p" in
+    checks) phase_parity_equal; phase_parity_one; phase_parity_mixed ;;
+    parity-equal) phase_parity_equal ;;
+    parity-one) phase_parity_one ;;
+    parity-mixed) phase_parity_mixed ;;
+    gputests|trained|profile|bench|qualify|long) "phase_$p" ;;
+    *) echo "[$(el) s] unknown phase: $p" ;;
+  esac
+done
 echo "[$(el) s] round done"
