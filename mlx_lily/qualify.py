@@ -45,7 +45,12 @@ each a set of environment settings the variant runs under, applied by
    that require it (``dependent_chain``, default variants, against the set kept so far:
    an enabler such as ``norm_qgemv``, about even alone, is what the fused projections,
    the fused MoE and the compiled whole step need); a chain that is faster is kept
-   whole (the record's ``"chains"``). Before timing,
+   whole (the record's ``"chains"``). Last, the whole passing set in default variants
+   (``whole_set``: without ops that would serve untimed) is timed against the set kept so
+   far, and qualifies instead when it is faster (``overall["whole_set"]``): a variant
+   kept early can make later fusions moot (``moe_topk_in_experts``'s ``norm_once`` sets
+   a global knob under which the norm-folded projections and ``gdn_proj`` step aside), a
+   set one op at a time never reaches. Before timing,
    a launch census (``launch_census``: the timed work's graph built, not evaluated, the
    decode steps through the compiled path's Python without a trace) compares the kernel
    launches (name, template, grid, shapes) with the set without the op: a phase where
@@ -442,6 +447,33 @@ def unchained(kept: list, chains: list, results: dict, chosen: dict) -> list:
                 kept.remove(o)
                 changed = True
     return kept
+
+
+def whole_set(passed: list, requires, census) -> list:
+    """The whole passing set qualification times against the ops it kept one at a time:
+    ``passed`` (``OP_NAMES`` order) without the ops whose requirements are not all in it,
+    then without each op (last first) that no other member requires and whose removal
+    leaves every launch of the set's timed work as it was (``census(ops)``:
+    ``launch_census``'s counters; None when unknown: the op stays), so no op is kept
+    that serves untimed. Returns the ops in ``passed``'s order."""
+    ops = list(passed)
+    changed = True
+    while changed:
+        changed = False
+        for o in list(ops):
+            if any(r not in ops for r in requires(o)):
+                ops.remove(o)
+                changed = True
+    if not ops:
+        return []
+    full = census(ops)
+    for m in reversed(list(ops)):
+        if any(m in requires(o) for o in ops if o != m):
+            continue
+        rest = [o for o in ops if o != m]
+        if rest and same_phases(census(rest), full) == set(PHASES):
+            ops = rest
+    return ops
 
 
 def parity_ok(agreement: dict, rel_to_fp32: float | None = None,
@@ -1213,6 +1245,29 @@ def qualify_model(model, *, ops=None, decode_steps: int = DECODE_STEPS,
                     kept = _ordered(kept + chain)
                     last_ms.update(c["kernel_ms"])
                     base_census = census
+            # the one-at-a-time pass can miss a set whose ops pay off together in ways no
+            # chain covers (a variant kept early, e.g. a global setting, can make later
+            # fusions moot): the whole passing set in default variants is timed against it
+            whole = whole_set([o for o in timed if results[o][DEFAULT_VARIANT]["passed"]],
+                              first_contact.requires,
+                              lambda ops: census_of(_ordered(ops), {}))
+            if whole and set(whole) != set(kept):
+                w = {"ops": whole, "base_ops": list(kept), "faster": False}
+                c = compare(arm(kept, env_of(kept)), arm(whole, {}), list(PHASES), base_key())
+                w.update(c)
+                w["faster"] = faster_speedup(c["speedup"], c["noise"])
+                overall["whole_set"] = w
+                say(f"whole passing set ({len(whole)} ops, default variants) against the "
+                    f"set kept ({len(kept)} ops): {speed_note(c)} -> "
+                    + ("kept instead" if w["faster"] else "not faster"))
+                if w["faster"]:
+                    for o in whole:
+                        if o not in kept or chosen.get(o) != DEFAULT_VARIANT:
+                            results[o][DEFAULT_VARIANT]["error"] = (
+                                "qualified in the whole passing set (faster than the ops "
+                                "kept one at a time)")
+                    kept = list(whole)
+                    chosen = {o: DEFAULT_VARIANT for o in whole}
         with led.phase("final"):
             if kept:
                 say(f"final check of the qualified set ({len(kept)} ops)")
@@ -1444,6 +1499,13 @@ def render_markdown(record: dict) -> str:
                          f"{x(s_.get('decode'))} | {x(s_.get('prefill'))} | "
                          f"{(c.get('error') or '')[:120]} |")
     ov = record.get("overall") or {}
+    w = ov.get("whole_set")
+    if w:
+        s_ = w.get("speedup") or {}
+        lines += ["", f"Whole passing set in default variants ({', '.join(w['ops'])}) against "
+                      f"the ops kept one at a time: "
+                      + " ".join(f"{k} x{v:.3f}" for k, v in s_.items())
+                      + (" -> qualified instead" if w.get("faster") else " -> not faster")]
     if ov:
         lines += ["", f"Overall (unpatched mlx-lm vs the qualified set): stock "
                       f"{ov.get('stock_ms')}, references only {ov.get('reference_ms')}, "

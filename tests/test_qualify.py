@@ -634,10 +634,15 @@ def test_phases_with_the_same_launches_are_not_timed(monkeypatch):
     assert ops["attn_packed"]["default"]["kernel_ms"] is None
     assert "requires attention" in ops["attn_packed"]["default"]["error"]
     # one paired round per timed phase (each arm once): add_rms_norm both phases (and
-    # an untimed first prefill chunk per arm), qgemv decode only
-    assert calls == {"decode": 2 + 2, "prefill": 2 + 2}, calls
+    # an untimed first prefill chunk per arm), qgemv decode only, then the whole passing
+    # set (without moe_route, which launches nothing, and attn_packed, whose requirement
+    # is not a candidate) against the empty kept set, both phases
+    assert res["overall"]["whole_set"]["ops"] == ["add_rms_norm", "qgemv"]
+    assert not res["overall"]["whole_set"]["faster"]
+    assert calls == {"decode": 2 + 2 + 2, "prefill": 4 + 0 + 4}, calls
     assert res["counts"]["phases_reused"] == {"prefill": 1}
-    assert res["counts"]["forwards"]["census"] == 3 * (1 + 2 + 1)  # three op sets
+    # three op sets, then the whole set and one without each of its three members
+    assert res["counts"]["forwards"]["census"] == (3 + 4) * (1 + 2 + 1)
     assert res["qualified"] == {}
 
 
@@ -830,3 +835,53 @@ def test_decode_is_timed_at_the_asked_depth(monkeypatch):
     assert res["settings"]["depth"] == 2 * n
     assert len(qualify._inner_model(model).layers) == n
     assert "at %d layers" % (2 * n) in res["method"]
+
+
+@needs_emu
+def test_the_whole_passing_set_qualifies_when_it_beats_the_ops_kept_one_at_a_time(
+        monkeypatch):
+    """Two enablers whose chains are each slower alone but pay off together: the
+    one-at-a-time pass and the chains keep nothing; the whole passing set (without
+    ``batch_decode``, which changes no launch at one sequence) is faster and qualifies."""
+    def fake_decode(run, steps):
+        on = kernels._OVERRIDE[0] or frozenset()
+        t = 10.0 + 0.3 * ("qgemv" in on) + 0.3 * ("attention" in on)
+        if {"qgemv", "qgemv_out", "attention", "attn_packed"} <= on:
+            t -= 1.5
+        return t
+
+    monkeypatch.setattr(qualify, "decode_round", fake_decode)
+    monkeypatch.setattr(qualify, "prefill_round", lambda model, length: 10.0)
+    _defaults_only(monkeypatch)
+    model = _models.build("qwen3_5_moe", seed=3)
+    ops = ["attention", "qgemv", "attn_packed", "qgemv_out", "batch_decode"]
+    with emulated_metal():
+        res = qualify.qualify_model(model, ops=ops, decode_steps=1, decode_rounds=1,
+                                    prefill_reps=1, decode_context=4, prefill_len=8,
+                                    parity_prefill=0, seed=1)
+    assert all(not c["faster"] for c in res["chains"]), res["chains"]
+    w = res["overall"]["whole_set"]
+    assert w["ops"] == ["attention", "qgemv", "attn_packed", "qgemv_out"] and w["faster"]
+    assert w["speedup"]["decode"] == pytest.approx(10.0 / 9.1)
+    assert res["qualified"] == {o: "default" for o in w["ops"]}
+    assert "whole passing set" in res["ops"]["qgemv_out"]["default"]["error"]
+    md = qualify.render_markdown({**res, "identity": {}})
+    assert "Whole passing set in default variants" in md and "qualified instead" in md
+
+
+def test_whole_set_leaves_out_ops_that_would_serve_untimed():
+    """An op whose requirement failed leaves with it; an op that changes no launch and
+    that nothing requires leaves; one that another member requires stays."""
+    from collections import Counter
+
+    req = {"b": ("a",), "c": ("x",), "e": ("d",)}.get
+    launches = {"a": 1, "b": 2, "d": 0, "e": 4}  # d launches nothing of its own
+
+    def census(ops):
+        n = sum(launches.get(o, 0) for o in ops)
+        return {"decode": Counter({"k": n}), "prefill": Counter()}
+
+    assert qualify.whole_set(["a", "b", "c", "d", "e"], lambda o: req(o, ()),
+                             census) == ["a", "b", "d", "e"]
+    launches["e"] = 0
+    assert qualify.whole_set(["a", "b", "d", "e"], lambda o: req(o, ()), census) == ["a", "b"]
