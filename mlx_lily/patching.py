@@ -695,7 +695,8 @@ def patch(model=None, *, ops=None, force: bool = False, announce: bool = False,
                 if decision == "qualify":
                     handle.qualify_pending = True
                     line = (f"[mlx-lily] {reason}: the first Lily model loaded is "
-                            "qualified first (about a minute; MLX_LILY_QUALIFY=0 skips it).")
+                            "qualified first (minutes, once per device and version; "
+                            "MLX_LILY_QUALIFY=0 skips it).")
                 else:
                     line = _aside_line(reason)
                 if decision == "qualify" or announce:

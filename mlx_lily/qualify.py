@@ -56,7 +56,11 @@ each a set of environment settings the variant runs under, applied by
    launches (name, template, grid, shapes) with the set without the op: a phase where
    they are the same is the same work and is not timed (speed-up 1; a prefill-only op
    costs no decode-step trace, a decode-only op no prefill timing); an op that changes
-   no launch in either phase is not timed and does not qualify.
+   no launch in either phase is not timed and does not qualify. Ops whose work is MLX's
+   own ops (``registry.Op.own_kernels`` False: ``prefill_dequant``, ``shared_dequant``)
+   launch no Lily kernel for the census to see and are timed in both phases. Ops that
+   serve only decode steps of several sequences (``Op.one_sequence`` False:
+   ``batch_decode``) are not candidates: qualification runs one sequence.
 3. Final check: the kept set, in its chosen variants, passes the parity check once more
    (a fusion can hide a base op's kernel from the all-on check, e.g. a decode path it
    replaces; a failure is bisected as above and drops that op) and is timed against
@@ -121,7 +125,7 @@ EMULATE_ENV = "MLX_LILY_QUALIFY_EMULATE"
 #: (``variants_of``).
 from .variants import VARIANTS  # noqa: E402
 DEFAULT_VARIANT = "default"
-TIMEOUT_S = 600.0
+TIMEOUT_S = 900.0  # seconds before the child is killed
 REL_TOL = 0.1
 ANCHOR_FACTOR, ANCHOR_SLACK, ANCHOR_TOP1_SLACK = 1.5, 0.05, 0.1
 #: An op is faster when its better phase (decode or prefill) gains >= FASTER_MARGIN, the
@@ -449,13 +453,14 @@ def unchained(kept: list, chains: list, results: dict, chosen: dict) -> list:
     return kept
 
 
-def whole_set(passed: list, requires, census) -> list:
+def whole_set(passed: list, requires, census, keep=()) -> list:
     """The whole passing set qualification times against the ops it kept one at a time:
     ``passed`` (``OP_NAMES`` order) without the ops whose requirements are not all in it,
-    then without each op (last first) that no other member requires and whose removal
-    leaves every launch of the set's timed work as it was (``census(ops)``:
-    ``launch_census``'s counters; None when unknown: the op stays), so no op is kept
-    that serves untimed. Returns the ops in ``passed``'s order."""
+    then without each op (last first) that no other member requires, is not in ``keep``
+    (ops a census cannot see) and whose removal leaves every launch of the set's timed
+    work as it was (``census(ops)``: ``launch_census``'s counters; None when unknown: the
+    op stays), so no op is kept that serves untimed. Returns the ops in ``passed``'s
+    order."""
     ops = list(passed)
     changed = True
     while changed:
@@ -468,7 +473,7 @@ def whole_set(passed: list, requires, census) -> list:
         return []
     full = census(ops)
     for m in reversed(list(ops)):
-        if any(m in requires(o) for o in ops if o != m):
+        if m in keep or any(m in requires(o) for o in ops if o != m):
             continue
         rest = [o for o in ops if o != m]
         if rest and same_phases(census(rest), full) == set(PHASES):
@@ -975,9 +980,10 @@ def qualify_model(model, *, ops=None, decode_steps: int = DECODE_STEPS,
 
     import mlx_lily
 
-    from . import first_contact, kernels
+    from . import first_contact, kernels, registry
 
     led = _Ledger()
+    blind = {n for n in registry.NAMES if not registry.get(n).own_kernels}  # census-blind
     say = (lambda msg: progress(f"{msg} ({led.elapsed():.1f} s)")) if progress else (
         lambda msg: None)
     be = _backend.current_backend()
@@ -1077,7 +1083,12 @@ def qualify_model(model, *, ops=None, decode_steps: int = DECODE_STEPS,
         for op in cands:
             results[op] = {name: _blank() for name in variants_of(op, be, decode_context)}
             off = kernels.runtime_disabled().get(op)
-            if off is not None:
+            if not registry.get(op).one_sequence:
+                for r in results[op].values():
+                    r["error"] = ("not qualified here: it serves decode steps of several "
+                                  "sequences, which qualification (one sequence) neither "
+                                  "checks nor times")
+            elif off is not None:
                 for r in results[op].values():
                     r["error"] = off
             else:
@@ -1155,8 +1166,9 @@ def qualify_model(model, *, ops=None, decode_steps: int = DECODE_STEPS,
                 assert seed in chain
                 census = census_of(_ordered(kept + chain), env)
                 for m in reversed([o for o in chain if o != seed]):
-                    if any(m in first_contact.requires(o) for o in chain if o != m):
-                        continue  # another member needs it
+                    if m in blind or any(m in first_contact.requires(o) for o in chain
+                                         if o != m):
+                        continue  # unseen by the census, or another member needs it
                     rest = [o for o in chain if o != m]
                     if same_phases(census_of(_ordered(kept + rest), env),
                                    census) == set(PHASES):
@@ -1183,7 +1195,7 @@ def qualify_model(model, *, ops=None, decode_steps: int = DECODE_STEPS,
                         continue
                     env = {**env_of(kept), **settings}
                     r["census"] = census_of(kept + [op], env)
-                    same = same_phases(r["census"], base_census)
+                    same = set() if op in blind else same_phases(r["census"], base_census)
                     if same == set(PHASES):
                         r["error"] = ("not timed: no kernel launch differs from the set "
                                       "without it at these shapes")
@@ -1226,7 +1238,7 @@ def qualify_model(model, *, ops=None, decode_steps: int = DECODE_STEPS,
                 c = {"seed": op, "ops": chain, "base_ms": None, "kernel_ms": None,
                      "speedup": None, "faster": False, "error": None}
                 chains.append(c)
-                same = same_phases(census, base_census)
+                same = set() if blind & set(chain) else same_phases(census, base_census)
                 if same == set(PHASES):
                     c["error"] = "not timed: no kernel launch differs from the set without it"
                 else:
@@ -1250,7 +1262,7 @@ def qualify_model(model, *, ops=None, decode_steps: int = DECODE_STEPS,
             # fusions moot): the whole passing set in default variants is timed against it
             whole = whole_set([o for o in timed if results[o][DEFAULT_VARIANT]["passed"]],
                               first_contact.requires,
-                              lambda ops: census_of(_ordered(ops), {}))
+                              lambda ops: census_of(_ordered(ops), {}), keep=blind)
             if whole and set(whole) != set(kept):
                 w = {"ops": whole, "base_ops": list(kept), "faster": False}
                 c = compare(arm(kept, env_of(kept)), arm(whole, {}), list(PHASES), base_key())
@@ -1473,11 +1485,13 @@ def render_markdown(record: dict) -> str:
              f"{ident.get('mlx_lily')}, {ident.get('os')}, {ident.get('architecture')}, "
              f"kernel sources sha256 {str(ident.get('sources_sha256'))[:16]}",
              f"model: {record.get('model')}", "",
-             "Times: median ms of a decode step / a prefill chunk of the model with the op's "
-             "kernels on (kernel) vs the same step with the op's reference, i.e. mlx-lm's "
-             "math for that op (stock math); the ops kept before it run their kernels in "
-             "both. x = stock math / kernel. The overall line compares the qualified set "
-             "with unpatched mlx-lm.", "",
+             "Times: ms of a decode step (at the model's depth, "
+             f"{(record.get('settings') or {}).get('depth', '?')} layers) / a prefill chunk "
+             "with the op's kernels on (kernel) vs the same step with the op's reference, "
+             "i.e. mlx-lm's math for that op (stock math), medians over rounds that "
+             "alternate the two; the ops kept before it run their kernels in both. x = the "
+             "median per-round ratio stock math / kernel. The overall line compares the "
+             "qualified set with unpatched mlx-lm the same way.", "",
              "| op | variant | passed | qualified | kernel decode ms | stock-math decode ms | "
              "decode x | kernel prefill ms | stock-math prefill ms | prefill x | error |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]

@@ -36,6 +36,10 @@ class Op(NamedTuple):
             GPU parity tests and the A/B correctness gate on the full-size model passed
             with it running (the record is ``docs/results.md``).
         doc: one line: what runs when it is on.
+        own_kernels: False when its work is MLX's own ops rather than Lily kernels (a
+            launch census of Lily's kernels cannot see it: qualification times it).
+        one_sequence: False when it serves only decode steps of several sequences, which
+            qualification (one sequence) can neither check nor time.
     """
 
     name: str
@@ -47,6 +51,8 @@ class Op(NamedTuple):
     backends: tuple = ("metal", "cuda")
     verified: tuple = ()
     doc: str = ""
+    own_kernels: bool = True
+    one_sequence: bool = True
 
 
 _GPU = ("metal", "cuda")
@@ -83,10 +89,10 @@ OPS: tuple = (
     Op("qgemv_out", "fusion", "qgemv", "has_out_proj_kernel", requires=("qgemv",),
        verified=("cuda",), doc="one-token output projections (GDN out_proj, o_proj) by qgemv"),
     Op("prefill_dequant", "op", "qmm_dequant", backends=("cuda",), verified=("cuda",),
-       doc="many-row quantized matmuls as dequantize + dense matmul"),
+       doc="many-row quantized matmuls as dequantize + dense matmul", own_kernels=False),
     Op("shared_dequant", "fusion", "qmm_dequant", "has_shared_kernel",
        requires=("prefill_dequant",), backends=("cuda",),
-       doc="the shared expert's prefill matmuls through prefill_dequant"),
+       doc="the shared expert's prefill matmuls through prefill_dequant", own_kernels=False),
     Op("gdn_proj", "fusion", "gated_delta", "has_proj_kernel",
        requires=("gdn_packed", "norm_qgemv", "qgemv"), verified=("cuda",),
        doc="GDN decode kernel computes its own input projection"),
@@ -99,7 +105,8 @@ OPS: tuple = (
     Op("batch_decode", "fusion", "attention", "has_packed_kernel",
        requires=("attention", "attn_packed", "qgemv"),
        doc="decode steps of 1-8 sequences in mlx-lm's batch caches (BatchGenerator, "
-           "mlx_lm.server) through the one-sequence kernels, row by row"),
+           "mlx_lm.server) through the one-sequence kernels, row by row",
+       one_sequence=False),
 )
 
 BY_NAME: dict = {op.name: op for op in OPS}

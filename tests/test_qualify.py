@@ -301,6 +301,22 @@ def _defaults_only(monkeypatch):
                         {qualify.DEFAULT_VARIANT: {}})
 
 
+def _qualify_timed_by(monkeypatch, ops, decode, prefill=None, **kw):
+    """``qualify_model`` on the emulated tiny model with its timing stubbed:
+    ``decode(run, steps)`` and ``prefill(model, length)`` give each round's ms (prefill
+    default 10.0), each op in its default variant only, one round of one step per phase
+    unless ``kw`` says otherwise."""
+    monkeypatch.setattr(qualify, "decode_round", decode)
+    monkeypatch.setattr(qualify, "prefill_round", prefill or (lambda model, length: 10.0))
+    _defaults_only(monkeypatch)
+    model = _models.build("qwen3_5_moe", seed=3)
+    args = dict(decode_steps=1, decode_rounds=1, prefill_reps=1, decode_context=4,
+                prefill_len=8, parity_prefill=0, seed=1)
+    args.update(kw)
+    with emulated_metal():
+        return qualify.qualify_model(model, ops=ops, **args)
+
+
 def _first_contact_misses(monkeypatch):
     """First contact at the warm-up turns nothing off (qualification's own parity must
     find the fault)."""
@@ -612,15 +628,9 @@ def test_phases_with_the_same_launches_are_not_timed(monkeypatch):
             return 10.0
         return timer
 
-    monkeypatch.setattr(qualify, "decode_round", fake("decode"))
-    monkeypatch.setattr(qualify, "prefill_round", fake("prefill"))
-    _defaults_only(monkeypatch)  # qgemv's launch-shape variants would be timed too
-    model = _models.build("qwen3_5_moe", seed=3)
-    with emulated_metal():
-        res = qualify.qualify_model(model, ops=["add_rms_norm", "moe_route", "qgemv",
-                                                "attn_packed"], decode_steps=1,
-                                    decode_rounds=1, prefill_reps=1, decode_context=4,
-                                    prefill_len=8, parity_prefill=0, seed=1)
+    # (default variants only: qgemv's launch-shape variants would be timed too)
+    res = _qualify_timed_by(monkeypatch, ["add_rms_norm", "moe_route", "qgemv", "attn_packed"],
+                            fake("decode"), fake("prefill"))
     ops = res["ops"]
     # moe_route launches nothing at these shapes (no grouped prefill on 8 tokens)
     assert ops["moe_route"]["default"]["passed"]
@@ -668,14 +678,8 @@ def test_noise_allowance_reaches_the_decision(monkeypatch, spread, kept):
     def fake_prefill(model, length):
         return 5.0 if on() else 10.0
 
-    monkeypatch.setattr(qualify, "decode_round", fake_decode)
-    monkeypatch.setattr(qualify, "prefill_round", fake_prefill)
-    _defaults_only(monkeypatch)
-    model = _models.build("qwen3_5_moe", seed=3)
-    with emulated_metal():
-        res = qualify.qualify_model(model, ops=["add_rms_norm"], decode_steps=1,
-                                    decode_rounds=6, prefill_reps=1, decode_context=4,
-                                    prefill_len=8, parity_prefill=0, seed=1)
+    res = _qualify_timed_by(monkeypatch, ["add_rms_norm"], fake_decode, fake_prefill,
+                            decode_rounds=6)
     r = res["ops"]["add_rms_norm"]["default"]
     assert r["noise"]["decode"] > 0 if spread else r["noise"]["decode"] == 0
     assert r["speedup"]["decode"] == pytest.approx(10.0 / 10.3)
@@ -717,14 +721,7 @@ def test_an_enabler_qualifies_with_the_ops_that_require_it(monkeypatch, together
             return 10.0  # references, and stock mlx-lm at the final timing
         return together_ms if "attn_packed" in on else 10.5
 
-    monkeypatch.setattr(qualify, "decode_round", fake_decode)
-    monkeypatch.setattr(qualify, "prefill_round", lambda model, length: 10.0)
-    _defaults_only(monkeypatch)
-    model = _models.build("qwen3_5_moe", seed=3)
-    with emulated_metal():
-        res = qualify.qualify_model(model, ops=["attention", "attn_packed"], decode_steps=1,
-                                    decode_rounds=1, prefill_reps=1, decode_context=4,
-                                    prefill_len=8, parity_prefill=0, seed=1)
+    res = _qualify_timed_by(monkeypatch, ["attention", "attn_packed"], fake_decode)
     att = res["ops"]["attention"]["default"]
     assert att["passed"] and att["faster"] is False
     note = res["ops"]["attn_packed"]["default"]["error"]
@@ -740,24 +737,23 @@ def test_an_enabler_qualifies_with_the_ops_that_require_it(monkeypatch, together
 
 @needs_emu
 def test_a_chain_leaves_out_a_switch_that_changes_no_launch(monkeypatch):
-    """``batch_decode`` requires ``attention``, ``attn_packed`` and ``qgemv`` but launches
-    nothing different at one sequence: the chain of ``attention`` leaves it (and
-    ``qgemv``, which only it pulled in) out, so it never serves untimed."""
+    """A switch requiring ``attention``, ``attn_packed`` and ``qgemv`` that launches
+    nothing different at one sequence (``batch_decode``, posing here as a one-sequence
+    switch): the chain of ``attention`` leaves it (and ``qgemv``, which only it pulled
+    in) out, so it never serves untimed."""
+    from mlx_lily import registry
+
+    monkeypatch.setitem(registry.BY_NAME, "batch_decode",
+                        registry.get("batch_decode")._replace(one_sequence=True))
+
     def fake_decode(run, steps):
         on = kernels._OVERRIDE[0] or frozenset()
         if "attention" not in on:
             return 10.0
         return 9.0 if "attn_packed" in on else 10.5
 
-    monkeypatch.setattr(qualify, "decode_round", fake_decode)
-    monkeypatch.setattr(qualify, "prefill_round", lambda model, length: 10.0)
-    _defaults_only(monkeypatch)
-    model = _models.build("qwen3_5_moe", seed=3)
-    with emulated_metal():
-        res = qualify.qualify_model(model, ops=["attention", "qgemv", "attn_packed",
-                                                "batch_decode"], decode_steps=1,
-                                    decode_rounds=1, prefill_reps=1, decode_context=4,
-                                    prefill_len=8, parity_prefill=0, seed=1)
+    res = _qualify_timed_by(monkeypatch, ["attention", "qgemv", "attn_packed", "batch_decode"],
+                            fake_decode)
     assert [c["ops"] for c in res["chains"]] == [["attention", "attn_packed"]]
     assert res["qualified"] == {"attention": "default", "attn_packed": "default"}
 
@@ -850,15 +846,8 @@ def test_the_whole_passing_set_qualifies_when_it_beats_the_ops_kept_one_at_a_tim
             t -= 1.5
         return t
 
-    monkeypatch.setattr(qualify, "decode_round", fake_decode)
-    monkeypatch.setattr(qualify, "prefill_round", lambda model, length: 10.0)
-    _defaults_only(monkeypatch)
-    model = _models.build("qwen3_5_moe", seed=3)
-    ops = ["attention", "qgemv", "attn_packed", "qgemv_out", "batch_decode"]
-    with emulated_metal():
-        res = qualify.qualify_model(model, ops=ops, decode_steps=1, decode_rounds=1,
-                                    prefill_reps=1, decode_context=4, prefill_len=8,
-                                    parity_prefill=0, seed=1)
+    res = _qualify_timed_by(monkeypatch, ["attention", "qgemv", "attn_packed", "qgemv_out",
+                                          "batch_decode"], fake_decode)
     assert all(not c["faster"] for c in res["chains"]), res["chains"]
     w = res["overall"]["whole_set"]
     assert w["ops"] == ["attention", "qgemv", "attn_packed", "qgemv_out"] and w["faster"]
@@ -885,3 +874,36 @@ def test_whole_set_leaves_out_ops_that_would_serve_untimed():
                              census) == ["a", "b", "d", "e"]
     launches["e"] = 0
     assert qualify.whole_set(["a", "b", "d", "e"], lambda o: req(o, ()), census) == ["a", "b"]
+
+
+@needs_emu
+def test_switches_for_several_sequences_are_not_candidates(monkeypatch):
+    """``batch_decode`` serves only steps of several sequences: qualification, which runs
+    one, neither checks nor times it, and says so in the record."""
+    res = _qualify_timed_by(monkeypatch, ["attention", "qgemv", "attn_packed", "batch_decode"],
+                            lambda run, steps: 10.0)
+    r = res["ops"]["batch_decode"]["default"]
+    assert not r["passed"] and "several sequences" in r["error"] and r["kernel_ms"] is None
+    assert "batch_decode" not in (res["overall"].get("whole_set") or {}).get("ops", [])
+
+
+@needs_emu
+def test_an_op_the_census_cannot_see_is_timed_in_both_phases(monkeypatch):
+    """An op whose work is MLX's own ops (``prefill_dequant`` on CUDA; ``qgemv`` poses as
+    one here) launches no Lily kernel a census could compare, so both of its phases are
+    timed, and the whole set keeps it."""
+    from mlx_lily import registry
+
+    monkeypatch.setitem(registry.BY_NAME, "qgemv",
+                        registry.get("qgemv")._replace(own_kernels=False))
+    calls = []
+
+    def fake_prefill(model, length):
+        calls.append(tuple(sorted(kernels._OVERRIDE[0] or ())))
+        return 10.0
+
+    res = _qualify_timed_by(monkeypatch, ["qgemv"], lambda run, steps: 10.0, fake_prefill)
+    r = res["ops"]["qgemv"]["default"]
+    assert set(r["speedup"]) == {"decode", "prefill"} and r["timing"]["reused"] == []
+    assert ("qgemv",) in calls
+    assert res["overall"]["whole_set"]["ops"] == ["qgemv"]
