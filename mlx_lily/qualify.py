@@ -50,7 +50,9 @@ each a set of environment settings the variant runs under, applied by
    far, and qualifies instead when it is faster (``overall["whole_set"]``): a variant
    kept early can make later fusions moot (``moe_topk_in_experts``'s ``norm_once`` sets
    a global knob under which the norm-folded projections and ``gdn_proj`` step aside), a
-   set one op at a time never reaches. Before timing,
+   set one op at a time never reaches. When the whole set wins, each of its ops that
+   nothing in it requires and that was not shown faster alone or in a chain is timed
+   against the set without it and leaves when that is faster. Before timing,
    a launch census (``launch_census``: the timed work's graph built, not evaluated, the
    decode steps through the compiled path's Python without a trace) compares the kernel
    launches (name, template, grid, shapes) with the set without the op: a phase where
@@ -73,7 +75,8 @@ traces its compiled decode step once (a new ``compile_key``; on CUDA MLX also co
 the new graph's fused kernels) and the model keeps the last few configurations' traces
 (``decode_graph.RECENT_KEYS``), so alternating rounds replay them. The record keeps the seconds of each phase
 (``"phases"``), the model forwards and decode-step traces per phase (``"counts"``) and,
-per timed set, its first decode step's and first prefill's ms (trace and compile cost);
+per comparison, each arm's context prefill and first decode step ms (trace and compile
+cost) and every round's times;
 the progress lines name each step with the seconds elapsed.
 
 The model is the checkpoint's first ``--layers`` decoder layers (default one
@@ -118,7 +121,7 @@ from . import backend as _backend
 from . import config, tuning
 
 SCHEMA = "mlx-lily-qualify"
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 QUALIFY_ENV = "MLX_LILY_QUALIFY"
 EMULATE_ENV = "MLX_LILY_QUALIFY_EMULATE"
 #: Candidate variants per op besides ``"default"``: ``{op: {variant: {env name: value}}}``
@@ -138,11 +141,10 @@ SLOWER_TOL = 0.02
 NOISE_SIGMAS = 2.0
 MAX_ALLOWANCE = 0.05
 DECODE_CONTEXT = 64
-#: Decode timing: pipelined steps per round, paired rounds per comparison, and the most
-#: steps one op set's cache takes before a fresh one (its context stays in one KV block).
+#: Decode timing: pipelined steps per round and paired rounds per comparison (each arm
+#: starts a fresh cache per comparison).
 DECODE_STEPS = 8
 DECODE_ROUNDS = 6
-MAX_RUN_STEPS = 160
 PREFILL_LEN = 512
 PARITY_PREFILL = 64
 PREFILL_REPS = 3  # paired prefill rounds
@@ -995,34 +997,25 @@ def qualify_model(model, *, ops=None, decode_steps: int = DECODE_STEPS,
     deep = deep_view(model, depth) if depth else model
     timed_depth = len(_inner_model(deep).layers)
     counted_deep = counted if deep is model else _Counted(deep, led)
-    base_runs: dict = {}  # (op set, settings) -> its DecodeRun, reused while it has room
-
-    def decode_run(key, fresh: bool):
-        run = None if fresh else base_runs.get(key)
-        if run is None or run.steps + decode_rounds * decode_steps > MAX_RUN_STEPS:
-            run = DecodeRun(counted_deep, decode_context)
-            if not fresh:
-                base_runs.clear()
-                base_runs[key] = run
-        return run
-
-    def compare(base_arm, kernel_arm, phases, base_key=None) -> dict:
+    def compare(base_arm, kernel_arm, phases) -> dict:
         """Paired rounds (``paired_rounds``) of the two arms in ``phases``: ``{"base_ms",
         "kernel_ms" (medians over the rounds), "speedup", "noise" (``ratio_stats``),
-        "timing"}``; phases not timed are left out."""
+        "timing"}``; phases not timed are left out. Each arm decodes on a fresh cache
+        (the same context, the same tokens)."""
         t = time.perf_counter()
         arms = (base_arm, kernel_arm)
         detail: dict = {}
         times: dict = {}
         if "decode" in phases:
-            runs = [decode_run(base_key, base_key is None), decode_run(None, True)]
+            runs = [DecodeRun(counted_deep, decode_context) for _ in arms]
             for run, arm in zip(runs, arms):
-                if run.cache is None:
-                    with arm():
-                        run.start()
+                with arm():
+                    run.start()
             times["decode"] = paired_rounds(
                 arms, lambda i: decode_round(runs[i], decode_steps), decode_rounds)
-            detail.update(decode_first_ms=runs[1].first_ms, context_ms=runs[1].context_ms)
+            detail.update(decode_first_ms=runs[1].first_ms, context_ms=runs[1].context_ms,
+                          base_decode_first_ms=runs[0].first_ms,
+                          base_context_ms=runs[0].context_ms)
         if "prefill" in phases:
             for arm in arms:  # untimed first chunks
                 with arm():
@@ -1134,9 +1127,6 @@ def qualify_model(model, *, ops=None, decode_steps: int = DECODE_STEPS,
                 env.update(variants_of(o, be, decode_context)[chosen[o]])
             return env
 
-        def base_key():
-            return (tuple(kept), tuple(sorted(env_of(kept).items())))
-
         def fill(c, same):
             """A phase not timed keeps the base set's latest time, speed-up 1."""
             for ph in same:
@@ -1202,7 +1192,7 @@ def qualify_model(model, *, ops=None, decode_steps: int = DECODE_STEPS,
                         notes.append(f"{name} changes no launch")
                         continue
                     c = compare(arm(kept, env_of(kept)), arm(kept + [op], env),
-                                [ph for ph in PHASES if ph not in same], base_key())
+                                [ph for ph in PHASES if ph not in same])
                     fill(c, same)
                     r.update(c)
                     r["faster"] = faster_speedup(r["speedup"], r["noise"])
@@ -1243,7 +1233,7 @@ def qualify_model(model, *, ops=None, decode_steps: int = DECODE_STEPS,
                     c["error"] = "not timed: no kernel launch differs from the set without it"
                 else:
                     c.update(compare(arm(kept, env), arm(_ordered(kept + chain), env),
-                                     [ph for ph in PHASES if ph not in same], base_key()))
+                                     [ph for ph in PHASES if ph not in same]))
                     fill(c, same)
                     c["faster"] = faster_speedup(c["speedup"], c["noise"])
                 c["census"] = {ph: sum(n.values()) for ph, n in census.items()}
@@ -1265,7 +1255,7 @@ def qualify_model(model, *, ops=None, decode_steps: int = DECODE_STEPS,
                               lambda ops: census_of(_ordered(ops), {}), keep=blind)
             if whole and set(whole) != set(kept):
                 w = {"ops": whole, "base_ops": list(kept), "faster": False}
-                c = compare(arm(kept, env_of(kept)), arm(whole, {}), list(PHASES), base_key())
+                c = compare(arm(kept, env_of(kept)), arm(whole, {}), list(PHASES))
                 w.update(c)
                 w["faster"] = faster_speedup(c["speedup"], c["noise"])
                 overall["whole_set"] = w
@@ -1280,6 +1270,29 @@ def qualify_model(model, *, ops=None, decode_steps: int = DECODE_STEPS,
                                 "kept one at a time)")
                     kept = list(whole)
                     chosen = {o: DEFAULT_VARIANT for o in whole}
+                    # each op of it that nothing in it requires and that was not shown
+                    # faster (alone or in a chain) is timed once more against the set
+                    # without it, and leaves when that is faster
+                    shown = ({o for o, v in results.items()
+                              if any(r.get("faster") for r in v.values())}
+                             | {o for c in chains if c["faster"] for o in c["ops"]})
+                    w["leave_one_out"] = []
+                    for o in reversed(whole):
+                        if o in shown or any(o in first_contact.requires(x)
+                                             for x in kept if x != o):
+                            continue
+                        rest = [x for x in kept if x != o]
+                        c = compare(arm(kept, {}), arm(rest, {}), list(PHASES))
+                        out = faster_speedup(c["speedup"], c["noise"])
+                        w["leave_one_out"].append({"op": o, "speedup": c["speedup"],
+                                                   "noise": c["noise"], "left": out})
+                        say(f"whole set without {o}: {speed_note(c)} -> "
+                            + ("left out" if out else "kept"))
+                        if out:
+                            results[o][DEFAULT_VARIANT]["error"] = (
+                                "left out of the whole passing set (faster without it)")
+                            kept = rest
+                            chosen.pop(o)
         with led.phase("final"):
             if kept:
                 say(f"final check of the qualified set ({len(kept)} ops)")
@@ -1316,7 +1329,6 @@ def qualify_model(model, *, ops=None, decode_steps: int = DECODE_STEPS,
     say(f"qualified {len(qualified)} of {len(cands)} ops"
         + (f"; vs stock: {' '.join(f'{k} x{s:.3f}' for k, s in sp.items())}" if sp else "")
         + ("; slower than stock: Lily steps aside" if overall.get("dropped") else ""))
-    base_runs.clear()
     mx.clear_cache()
     return {"ops": results, "qualified": qualified, "overall": overall, "chains": chains,
             "first_contact": {k: v for k, v in fc.items() if k != "launched"},

@@ -143,6 +143,8 @@ KNOBS.update({k.attr: k for k in (
 )})
 
 
+_BY_ENV = {k.env: a for a, k in KNOBS.items()}  # environment variable -> knob
+
 #: Knob values this device's qualification record chose (``attr -> raw text``: the
 #: settings of each qualified op's variant, ``qualify.record_variant_settings``), set by
 #: ``kernels.verified_ops`` when it reads the record. A knob whose variable is set in the
@@ -178,8 +180,7 @@ def values_of(envs) -> tuple:
     """``((env name, value), ...)`` for the knobs named by environment variable in
     ``envs``, in that order (each as ``value`` gives it; names that are no knob give
     None): a cache key that changes whenever one of those knobs does."""
-    by_env = {k.env: a for a, k in KNOBS.items()}
-    return tuple((e, value(by_env[e]) if e in by_env else None) for e in envs)
+    return tuple((e, value(_BY_ENV[e]) if e in _BY_ENV else None) for e in envs)
 
 
 install_properties(__name__, KNOBS, value)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+from collections import Counter
 import os
 import shutil
 import sys
@@ -810,8 +811,8 @@ def test_deep_view_repeats_the_loaded_layers(kind):
 @needs_emu
 def test_decode_is_timed_at_the_asked_depth(monkeypatch):
     """With ``depth``, every timed decode round of both arms runs on the deep view (one
-    cache per layer of the view, Lily's forward serving its repeated layers), the record
-    names the depth, and the model keeps its own layers."""
+    cache per layer of the view), the record names the depth, and the model keeps its own
+    layers."""
     depths = []
     real = qualify.decode_round
 
@@ -837,23 +838,29 @@ def test_decode_is_timed_at_the_asked_depth(monkeypatch):
 def test_the_whole_passing_set_qualifies_when_it_beats_the_ops_kept_one_at_a_time(
         monkeypatch):
     """Two enablers whose chains are each slower alone but pay off together: the
-    one-at-a-time pass and the chains keep nothing; the whole passing set (without
-    ``batch_decode``, which changes no launch at one sequence) is faster and qualifies."""
+    one-at-a-time pass and the chains keep nothing; the whole passing set is faster and
+    qualifies. Its ops that nothing requires and that were not shown faster are timed
+    once more without each: ``add_rms_norm`` (a small loss of its own) leaves, the
+    fusions that make the set pay stay."""
     def fake_decode(run, steps):
         on = kernels._OVERRIDE[0] or frozenset()
         t = 10.0 + 0.3 * ("qgemv" in on) + 0.3 * ("attention" in on)
+        t += 0.2 * ("add_rms_norm" in on)
         if {"qgemv", "qgemv_out", "attention", "attn_packed"} <= on:
             t -= 1.5
         return t
 
-    res = _qualify_timed_by(monkeypatch, ["attention", "qgemv", "attn_packed", "qgemv_out",
-                                          "batch_decode"], fake_decode)
+    res = _qualify_timed_by(monkeypatch, ["add_rms_norm", "attention", "qgemv",
+                                          "attn_packed", "qgemv_out"], fake_decode)
     assert all(not c["faster"] for c in res["chains"]), res["chains"]
     w = res["overall"]["whole_set"]
-    assert w["ops"] == ["attention", "qgemv", "attn_packed", "qgemv_out"] and w["faster"]
-    assert w["speedup"]["decode"] == pytest.approx(10.0 / 9.1)
-    assert res["qualified"] == {o: "default" for o in w["ops"]}
+    assert w["ops"] == ["add_rms_norm", "attention", "qgemv", "attn_packed", "qgemv_out"]
+    assert w["faster"] and w["speedup"]["decode"] == pytest.approx(10.0 / 9.3)
+    left = {x["op"]: x["left"] for x in w["leave_one_out"]}
+    assert left == {"qgemv_out": False, "attn_packed": False, "add_rms_norm": True}, left
+    assert res["qualified"] == {o: "default" for o in w["ops"] if o != "add_rms_norm"}
     assert "whole passing set" in res["ops"]["qgemv_out"]["default"]["error"]
+    assert "left out" in res["ops"]["add_rms_norm"]["default"]["error"]
     md = qualify.render_markdown({**res, "identity": {}})
     assert "Whole passing set in default variants" in md and "qualified instead" in md
 
@@ -861,8 +868,6 @@ def test_the_whole_passing_set_qualifies_when_it_beats_the_ops_kept_one_at_a_tim
 def test_whole_set_leaves_out_ops_that_would_serve_untimed():
     """An op whose requirement failed leaves with it; an op that changes no launch and
     that nothing requires leaves; one that another member requires stays."""
-    from collections import Counter
-
     req = {"b": ("a",), "c": ("x",), "e": ("d",)}.get
     launches = {"a": 1, "b": 2, "d": 0, "e": 4}  # d launches nothing of its own
 
@@ -890,20 +895,25 @@ def test_switches_for_several_sequences_are_not_candidates(monkeypatch):
 @needs_emu
 def test_an_op_the_census_cannot_see_is_timed_in_both_phases(monkeypatch):
     """An op whose work is MLX's own ops (``prefill_dequant`` on CUDA; ``qgemv`` poses as
-    one here) launches no Lily kernel a census could compare, so both of its phases are
-    timed, and the whole set keeps it."""
+    one here) launches no Lily kernel a census could compare: with a census that sees no
+    launch at all, such an op is still timed in both phases and stays in the whole set,
+    while an op with kernels of its own (``add_rms_norm``) is not timed."""
     from mlx_lily import registry
 
     monkeypatch.setitem(registry.BY_NAME, "qgemv",
                         registry.get("qgemv")._replace(own_kernels=False))
+    monkeypatch.setattr(qualify, "launch_census", lambda *a, **k: {
+        ph: Counter() for ph in qualify.PHASES})
     calls = []
 
     def fake_prefill(model, length):
         calls.append(tuple(sorted(kernels._OVERRIDE[0] or ())))
         return 10.0
 
-    res = _qualify_timed_by(monkeypatch, ["qgemv"], lambda run, steps: 10.0, fake_prefill)
+    res = _qualify_timed_by(monkeypatch, ["add_rms_norm", "qgemv"], lambda run, steps: 10.0,
+                            fake_prefill)
     r = res["ops"]["qgemv"]["default"]
     assert set(r["speedup"]) == {"decode", "prefill"} and r["timing"]["reused"] == []
     assert ("qgemv",) in calls
+    assert "no kernel launch differs" in res["ops"]["add_rms_norm"]["default"]["error"]
     assert res["overall"]["whole_set"]["ops"] == ["qgemv"]

@@ -63,7 +63,8 @@ phase_trained() {
   OUT="$W/trained" NO_INSTALL=1 CALL_BUDGET_S=${TRAINED_BUDGET_S:-540} \
     TRAIN_ARGS="${TRAIN_ARGS:---time-budget-s 300}" bash benchmarks/gpu/trained_numerics.sh \
     > "$W/trained.log" 2>&1
-  echo "[$(el) s] trained: rc=$?"
+  local rc=$?  # before $(el), which would reset $?
+  echo "[$(el) s] trained: rc=$rc"
 }
 
 # the first of these to run carries the 35B model's MLX JIT (up to ~320 s)
