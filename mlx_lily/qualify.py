@@ -60,7 +60,8 @@ each a set of environment settings the variant runs under, applied by
    costs no decode-step trace, a decode-only op no prefill timing); an op that changes
    no launch in either phase is not timed and does not qualify. Ops whose work is MLX's
    own ops (``registry.Op.own_kernels`` False: ``prefill_dequant``, ``shared_dequant``)
-   launch no Lily kernel for the census to see and are timed in both phases. Ops that
+   launch no Lily kernel for the census to see: the census carries a mark for each, so
+   they are timed in both phases. Ops that
    serve only decode steps of several sequences (``Op.one_sequence`` False:
    ``batch_decode``) are not candidates: qualification runs one sequence.
 3. Final check: the kept set, in its chosen variants, passes the parity check once more
@@ -455,14 +456,13 @@ def unchained(kept: list, chains: list, results: dict, chosen: dict) -> list:
     return kept
 
 
-def whole_set(passed: list, requires, census, keep=()) -> list:
+def whole_set(passed: list, requires, census) -> list:
     """The whole passing set qualification times against the ops it kept one at a time:
     ``passed`` (``OP_NAMES`` order) without the ops whose requirements are not all in it,
-    then without each op (last first) that no other member requires, is not in ``keep``
-    (ops a census cannot see) and whose removal leaves every launch of the set's timed
-    work as it was (``census(ops)``: ``launch_census``'s counters; None when unknown: the
-    op stays), so no op is kept that serves untimed. Returns the ops in ``passed``'s
-    order."""
+    then without each op (last first) that no other member requires and whose removal
+    leaves every launch of the set's timed work as it was (``census(ops)``:
+    ``launch_census``'s counters; None when unknown: the op stays), so no op is kept
+    that serves untimed. Returns the ops in ``passed``'s order."""
     ops = list(passed)
     changed = True
     while changed:
@@ -475,7 +475,7 @@ def whole_set(passed: list, requires, census, keep=()) -> list:
         return []
     full = census(ops)
     for m in reversed(list(ops)):
-        if m in keep or any(m in requires(o) for o in ops if o != m):
+        if any(m in requires(o) for o in ops if o != m):
             continue
         rest = [o for o in ops if o != m]
         if rest and same_phases(census(rest), full) == set(PHASES):
@@ -501,8 +501,7 @@ def parity_ok(agreement: dict, rel_to_fp32: float | None = None,
 def truncate_layers(model, layers: int) -> int:
     """Keep the first ``layers`` decoder layers of an mlx-lm Qwen3.5/3.6/Next model (0:
     all). Returns the count kept."""
-    inner = getattr(model, "language_model", model)
-    inner = getattr(inner, "model", inner)
+    inner = _inner_model(model)
     full = list(inner.layers)
     if layers and layers < len(full):
         inner.layers = full[:layers]
@@ -577,14 +576,23 @@ def full_depth(model) -> int:
     return int(n) if n else len(_inner_model(model).layers)
 
 
-def _inner_model(model):
-    """The module holding ``layers`` (mlx-lm's ``Qwen3_5TextModel`` / ``Qwen3NextModel``)."""
-    cur = model
+def _layer_path(model) -> list:
+    """The child names from ``model`` down to the module holding its decoder layers
+    (``["language_model", "model"]`` for Qwen3.5/3.6, ``["model"]`` for Qwen3-Next)."""
+    path, cur = [], model
     for name in ("language_model", "model"):
         nxt = cur.get(name) if isinstance(cur, dict) else None
         if nxt is not None and hasattr(nxt, "layers"):
+            path.append(name)
             cur = nxt
-    return cur
+    return path
+
+
+def _inner_model(model):
+    """The module holding ``layers`` (mlx-lm's ``Qwen3_5TextModel`` / ``Qwen3NextModel``)."""
+    for name in _layer_path(model):
+        model = model[name]
+    return model
 
 
 def deep_view(model, depth: int):
@@ -612,9 +620,7 @@ def deep_view(model, depth: int):
         return c
 
     root = cur = shallow(model)
-    while cur is not None and _inner_model(cur) is not cur:
-        name = next(n for n in ("language_model", "model")
-                    if isinstance(cur.get(n), dict) and _inner_model(cur[n]) is _inner_model(cur))
+    for name in _layer_path(model):
         cur[name] = shallow(cur[name])
         cur = cur[name]
     cur.layers = [layers[i % len(layers)] for i in range(depth)]
@@ -1140,9 +1146,16 @@ def qualify_model(model, *, ops=None, decode_steps: int = DECODE_STEPS,
         base_census = {ph: Counter() for ph in PHASES}  # no kernel launches at all
 
         def census_of(opset, settings):
+            """``launch_census``, with one mark per phase for each op of ``opset`` whose
+            work is MLX's own ops (no Lily launch to see): adding or removing one always
+            changes the census, so it is timed."""
             with led.phase("census"):
-                return launch_census(counted, opset, settings, context=decode_context,
-                                     prefill_len=prefill_len)
+                c = launch_census(counted, opset, settings, context=decode_context,
+                                  prefill_len=prefill_len)
+            for o in sorted(blind & set(opset)) if c is not None else ():
+                for ph in PHASES:
+                    c[ph][f"MLX ops of {o}"] += 1
+            return c
 
         def pruned_chain(seed, pool, kept, env):
             """``dependent_chain`` without the dependents that change no launch here (a
@@ -1156,9 +1169,8 @@ def qualify_model(model, *, ops=None, decode_steps: int = DECODE_STEPS,
                 assert seed in chain
                 census = census_of(_ordered(kept + chain), env)
                 for m in reversed([o for o in chain if o != seed]):
-                    if m in blind or any(m in first_contact.requires(o) for o in chain
-                                         if o != m):
-                        continue  # unseen by the census, or another member needs it
+                    if any(m in first_contact.requires(o) for o in chain if o != m):
+                        continue  # another member needs it
                     rest = [o for o in chain if o != m]
                     if same_phases(census_of(_ordered(kept + rest), env),
                                    census) == set(PHASES):
@@ -1185,7 +1197,7 @@ def qualify_model(model, *, ops=None, decode_steps: int = DECODE_STEPS,
                         continue
                     env = {**env_of(kept), **settings}
                     r["census"] = census_of(kept + [op], env)
-                    same = set() if op in blind else same_phases(r["census"], base_census)
+                    same = same_phases(r["census"], base_census)
                     if same == set(PHASES):
                         r["error"] = ("not timed: no kernel launch differs from the set "
                                       "without it at these shapes")
@@ -1228,7 +1240,7 @@ def qualify_model(model, *, ops=None, decode_steps: int = DECODE_STEPS,
                 c = {"seed": op, "ops": chain, "base_ms": None, "kernel_ms": None,
                      "speedup": None, "faster": False, "error": None}
                 chains.append(c)
-                same = set() if blind & set(chain) else same_phases(census, base_census)
+                same = same_phases(census, base_census)
                 if same == set(PHASES):
                     c["error"] = "not timed: no kernel launch differs from the set without it"
                 else:
@@ -1252,7 +1264,7 @@ def qualify_model(model, *, ops=None, decode_steps: int = DECODE_STEPS,
             # fusions moot): the whole passing set in default variants is timed against it
             whole = whole_set([o for o in timed if results[o][DEFAULT_VARIANT]["passed"]],
                               first_contact.requires,
-                              lambda ops: census_of(_ordered(ops), {}), keep=blind)
+                              lambda ops: census_of(_ordered(ops), {}))
             if whole and set(whole) != set(kept):
                 w = {"ops": whole, "base_ops": list(kept), "faster": False}
                 c = compare(arm(kept, env_of(kept)), arm(whole, {}), list(PHASES))

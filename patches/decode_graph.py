@@ -18,12 +18,7 @@ from mlx_lily import backend, config, kernels, tuning
 from mlx_lily.variants import KNOB_NAMES
 from mlx_lily.backend import op_enabled
 from mlx_lily.kernels import device_scalars
-from mlx_lily.ops import (
-    attention as attn_ops,
-    gated_delta as gdn_ops,
-    norm_qgemv as norm_qgemv_ops,
-    qgemv as qgemv_ops,
-)
+from mlx_lily.ops import attention as attn_ops, gated_delta as gdn_ops
 from mlx_lily.ops.add_rms_norm import add_rms_norm
 from mlx_lily.qproj import PendingNorm, QProj
 from .projections import WeightSig, projection, run_projection, drop_views, one_row_linear, refresh
@@ -136,19 +131,24 @@ def uncompiled():
         _UNCOMPILED[0] = prev
 
 
+#: The knobs a traced step depends on, by environment variable: every variant knob (a
+#: qualification alternates variants) and the launch knobs the decode ops read.
+_KEY_KNOBS = tuple(sorted(set(KNOB_NAMES) | {
+    "MLX_LILY_NORM_GEMV", "MLX_LILY_MOE_TILE_ROWS", "MLX_LILY_ATTN_DECODE",
+    "MLX_LILY_ATTN_FIXED_BLOCK", "MLX_LILY_MOE_DOWN_SHAPE", "MLX_LILY_MOEG_LOAD",
+    "MLX_LILY_QGEMV_SHAPE", "MLX_LILY_QGEMV_BPL"}))
+
+
 def compile_key():
-    """What the traced functions depend on beyond shapes: backend, op selection, switches.
-    Compiled steps outlive ``unpatch``: a later patch reuses them only under an equal key
-    and unchanged weights (``check_weights``)."""
+    """What the traced functions depend on beyond shapes: backend, op selection, switches,
+    knobs (``_KEY_KNOBS``). Compiled steps outlive ``unpatch``: a later patch reuses them
+    only under an equal key and unchanged weights (``check_weights``)."""
     be = backend.current_backend()
     if backend.compile_mode(be) == "off":
         return None
     return (be, backend.disabled_ops(), backend.selected_ops(), kernels.allowed_key(),
-            config.kernels,
-            tuning.decode_pf, norm_qgemv_ops.split_requested(), gdn_ops.proj_split(be),
-            tuning.moe_fused_rpw, tuning.moe_tile_rows, _UNCOMPILED[0],
-            tuning.attn_decode, tuning.attn_fixed_block, tuning.moe_down_shape,
-            tuning.moeg_load, qgemv_ops.launch_knobs(be), tuning.values_of(KNOB_NAMES))
+            config.kernels, tuning.decode_pf, gdn_ops.proj_split(be), tuning.moe_fused_rpw,
+            _UNCOMPILED[0], tuning.values_of(_KEY_KNOBS))
 
 
 def _gdn_step_fn(layer, pending):
