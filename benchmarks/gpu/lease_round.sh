@@ -23,7 +23,10 @@
 #            BENCH_TRIALS, default 1); Lily's kernels are the device's record (the last
 #            qualification of this round when one ran) plus batch_decode
 #   qualify: qualification on a fresh record folder (QUALIFY_RUNS times, default 1, each on
-#            its own folder), then the A/B gate under the last record
+#            its own folder; QUALIFY_WARM=1: once more on the first run's folder, whose
+#            kernel caches that run filled), then the A/B gate under the last record
+#            unless the list names the gate itself
+#   gate:    the A/B gate (benchmarks/ab.py) under this round's record
 #   long:    Lily alone at B = 1 over 512 / 4K / 32K / 128K (3 trials), then 4K at B = 4 / 8
 # One process at a time; each step's log is W/<step>.log, the timeline W/round.log.
 set -u
@@ -60,7 +63,9 @@ phase_gputests() {
 
 phase_trained() {
   echo "[$(el) s] trained: start"
-  OUT="$W/trained" NO_INSTALL=1 CALL_BUDGET_S=${TRAINED_BUDGET_S:-540} \
+  # "default" kernels are this device's: the record of this round's qualification when one ran
+  MLX_LILY_CACHE_DIR=${QUALIFIED_DIR:-${MLX_LILY_CACHE_DIR:-$HOME/.cache/mlx-lily}} \
+    OUT="$W/trained" NO_INSTALL=1 CALL_BUDGET_S=${TRAINED_BUDGET_S:-540} \
     TRAIN_ARGS="${TRAIN_ARGS:---time-budget-s 300}" bash benchmarks/gpu/trained_numerics.sh \
     > "$W/trained.log" 2>&1
   local rc=$?  # before $(el), which would reset $?
@@ -115,8 +120,20 @@ phase_qualify() {
     MLX_LILY_CACHE_DIR=$qd step $d 600 \
       python3 -m mlx_lily.qualify --model "$Q36" --report --out "$W/$d" --timeout-s 580
   done
-  mkdir -p "$qd" && ln -sfn "$AUTH" "$qd/models"
+  if [ -n "${QUALIFY_WARM:-}" ]; then  # again on the first run's folder: its kernel caches are warm
+    qd=/tmp/qc
+    MLX_LILY_CACHE_DIR=$qd step qualify-warm 600 \
+      python3 -m mlx_lily.qualify --model "$Q36" --report --out "$W/qualify-warm" --timeout-s 580
+  fi
   QUALIFIED_DIR=$qd
+  case ",${ROUND_PHASES:-}," in *,gate,*) ;; *) phase_gate ;; esac
+}
+
+phase_gate() {
+  # the A/B gate under this round's record (else the device's); the trained model, when this
+  # machine has one, is its numerics authority
+  local qd=${QUALIFIED_DIR:-${MLX_LILY_CACHE_DIR:-$HOME/.cache/mlx-lily}}
+  mkdir -p "$qd" && [ "$qd/models" -ef "$AUTH" ] || ln -sfn "$AUTH" "$qd/models"
   MLX_LILY_CACHE_DIR=$qd step gate-qualified 300 \
     python3 "$R/benchmarks/ab.py" "$Q36" --lengths 1024 --rounds 2 --decode-steps 32 \
     --watchdog-s 120 --out "$W/gate-qualified"
@@ -138,7 +155,7 @@ for p in "${PHASE_LIST[@]}"; do
     parity-equal) phase_parity_equal ;;
     parity-one) phase_parity_one ;;
     parity-mixed) phase_parity_mixed ;;
-    gputests|trained|profile|bench|qualify|long) "phase_$p" ;;
+    gputests|trained|profile|bench|qualify|gate|long) "phase_$p" ;;
     *) echo "[$(el) s] unknown phase: $p" ;;
   esac
 done
