@@ -58,6 +58,9 @@ import train_fixture as tf  # noqa: E402
 DEFAULT_OUT = Path(os.environ.get("MLX_LILY_CACHE_DIR") or Path.home() / ".cache" / "mlx-lily") \
     / "models" / "qwen35moe-production-width"
 SUMMARY_SCHEMA = "mlx-lily-train-production-width"
+#: device memory from which ``--micro-batch auto`` runs the whole batch at once (the 4 x 4,096
+#: token batch trains on a 141 GB H200 and runs out of memory on an 80 GB H100)
+WHOLE_BATCH_MEMORY = 120 * 10**9
 REFERENCE_TOKENS = 40960  # ids stored for numerics_long.py (32K context + decode steps)
 
 #: Qwen3.6-35B-A3B's per-layer widths (real model: 256 experts, 40 layers, vocab 248320).
@@ -266,6 +269,10 @@ def parse_args(argv=None):
                    help="CPU only: skip train_fixture's OpenBLAS shim")
     p.add_argument("--fast-blas", action="store_true",
                    help="CPU runs of other presets: use train_fixture's OpenBLAS shim too")
+    p.add_argument("--micro-batch", default="auto",
+                   help="rows per forward/backward, gradients summed over the batch's rows "
+                        "('auto': the whole batch where the GPU has >= %d GB, else 1 row)"
+                        % (WHOLE_BATCH_MEMORY // 10**9))
     p.add_argument("--aux-coef", type=float, default=0.01, help="router load-balance loss")
     for name, typ in (("vocab", int), ("hidden", int), ("gdn-k-heads", int), ("attn-heads", int),
                       ("kv-heads", int), ("experts", int), ("top-k", int),
@@ -285,6 +292,23 @@ def parse_args(argv=None):
     if a.out is None:
         a.out = DEFAULT_OUT if a.preset != "smoke" else Path("/tmp") / f"mlx-lily-pw-smoke-{os.getuid()}"
     return a
+
+
+def resolve_micro_batch(value, batch: int, mx) -> int:
+    """Rows per forward/backward: ``value`` (an int, or ``"auto"``: the whole ``batch`` on
+    the CPU or a GPU with at least ``WHOLE_BATCH_MEMORY`` bytes, else 1). Raises
+    ``SystemExit`` naming ``--micro-batch`` unless it divides ``batch``."""
+    if value == "auto":
+        mem = mx.device_info().get("memory_size", 0) if mx.default_device() == mx.gpu else 0
+        rows = batch if not mem or mem >= WHOLE_BATCH_MEMORY else 1
+    else:
+        try:
+            rows = int(value)
+        except ValueError:
+            raise SystemExit(f"--micro-batch {value!r}: give 'auto' or a row count") from None
+    if rows < 1 or batch % rows:
+        raise SystemExit(f"--micro-batch {rows} must divide --batch {batch}")
+    return rows
 
 
 def recipe_key(args, list_hash: str, versions: dict) -> str:
@@ -318,7 +342,7 @@ def main(argv=None):
     import mlx.core as mx
     import mlx.nn as nn
     import mlx.optimizers as optim
-    from mlx.utils import tree_flatten, tree_map_with_path
+    from mlx.utils import tree_flatten, tree_map, tree_map_with_path
     import mlx_lm
     from mlx_lm.models import qwen3_5, qwen3_5_moe, qwen3_next
     from mlx_lm.utils import quantize_model, save_config, save_model
@@ -327,6 +351,7 @@ def main(argv=None):
         print(f"[train_production_width {time.time() - t_start:7.1f}s] {msg}", file=sys.stderr,
               flush=True)
 
+    args.micro_batch = resolve_micro_batch(args.micro_batch, args.batch, mx)
     versions = {"python": platform.python_version(), "mlx": mx.__version__,
                 "mlx_lm": mlx_lm.__version__}
     root, files = tf.stdlib_files()
@@ -463,7 +488,32 @@ def main(argv=None):
         opt.update(model, grads)
         return ce, aux, gnorm
 
-    if use_compile:
+    def train_step_micro(x, y):
+        """``train_step`` over ``args.micro_batch`` rows at a time: each slice's loss and
+        gradients evaluated before the next (its activations freed), averaged, then one
+        clipped update; ce and aux are the slices' means."""
+        n = x.shape[0] // args.micro_batch
+        acc = None
+        ces, auxes = [], []
+        for i in range(n):
+            sl = slice(i * args.micro_batch, (i + 1) * args.micro_batch)
+            (_, (ce, aux)), grads = vg(model, x[sl], y[sl])
+            acc = grads if acc is None else tree_map(mx.add, acc, grads)
+            ces.append(ce)
+            auxes.append(aux)
+            mx.eval(acc, ces, auxes)
+        grads = tree_map(lambda g: g / n, acc)
+        grads, gnorm = optim.clip_grad_norm(grads, 1.0)
+        opt.update(model, grads)
+        return mx.mean(mx.stack(ces)), mx.mean(mx.stack(auxes)), gnorm
+
+    if args.micro_batch < args.batch:
+        if use_compile:
+            raise SystemExit("--compile on needs --micro-batch equal to --batch")
+        train_step = train_step_micro
+        log(f"micro-batches of {args.micro_batch} rows ({args.batch // args.micro_batch} "
+            f"per step)")
+    elif use_compile:
         from functools import partial
 
         train_step = partial(mx.compile, inputs=state, outputs=state)(train_step)
@@ -612,7 +662,8 @@ def main(argv=None):
         "preset": args.preset, "seed": args.seed, "steps_schedule": total,
         "steps_done": steps_done, "stopped_early": stopped_early, "stop_reason": stop_reason,
         "reproduce": f"--steps {total}" + (f" --stop-at {steps_done}" if stopped_early else ""),
-        "batch": Bsz, "seq_len": T, "tokens_trained": steps_done * Bsz * T,
+        "batch": Bsz, "micro_batch": args.micro_batch, "seq_len": T,
+        "tokens_trained": steps_done * Bsz * T,
         "lr": args.lr, "warmup": args.warmup, "moe_train": args.moe_train,
         "compiled_step": use_compile, "dtype": args.dtype, "gdn_chunk": args.gdn_chunk,
         "params": int(n_params), "active_params": int(active),
@@ -643,7 +694,7 @@ def main(argv=None):
 Generated by `benchmarks/train_production_width.py` (do not edit by hand).
 
 - Command: `{cmd}`; recipe key `{key[:16]}`
-- Seed {args.seed}; {steps_done} steps of a {total}-step schedule{f' (stopped by {stop_reason}; reproduce with `{summary["reproduce"]}`)' if stopped_early else f' (reproduce with `--steps {total}`)'}; batch {Bsz} x {T} tokens ({steps_done * Bsz * T:,} tokens); AdamW lr {args.lr} (warm-up {args.warmup}, cosine to 5%), wd 0.01, betas (0.9, 0.98), clip 1.0, router aux-loss {args.aux_coef}; {args.dtype} parameters and optimizer state (A_log fp32)
+- Seed {args.seed}; {steps_done} steps of a {total}-step schedule{f' (stopped by {stop_reason}; reproduce with `{summary["reproduce"]}`)' if stopped_early else f' (reproduce with `--steps {total}`)'}; batch {Bsz} x {T} tokens ({steps_done * Bsz * T:,} tokens){f', in micro-batches of {args.micro_batch} rows' if args.micro_batch < Bsz else ''}; AdamW lr {args.lr} (warm-up {args.warmup}, cosine to 5%), wd 0.01, betas (0.9, 0.98), clip 1.0, router aux-loss {args.aux_coef}; {args.dtype} parameters and optimizer state (A_log fp32)
 - Architecture: mlx-lm `qwen3_5_moe`; hidden {t['hidden_size']}; 4 layers (GDN, GDN, GDN, attention); GDN Hk {t['linear_num_key_heads']} x 128, Hv {t['linear_num_value_heads']} x 128, conv 4; attention {t['num_attention_heads']} q / {t['num_key_value_heads']} kv heads of 256, partial rotary 0.25, theta 1e7, output gate; MoE {t['num_experts']} experts top-{t['num_experts_per_tok']} (intermediate {t['moe_intermediate_size']}) + shared expert ({t['shared_expert_intermediate_size']}); vocab {t['vocab_size']}; {n_params / 1e6:.1f}M parameters, {active / 1e6:.1f}M active per token
 - Training forms: chunked GDN (chunk {args.gdn_chunk}; vs `gated_delta_ops` {chk_gdn:.1e}), shifted depthwise conv ({chk_conv:.1e}), MoE {args.moe_train} ({'dense dispatch vs SparseMoeBlock ' + format(chk_moe, '.1e') if args.moe_train == 'dense' else 'mlx-lm SwitchGLU'}); `mx.compile`d step: {use_compile}
 - Quantisation: bf16, then `mlx_lm.utils.quantize_model(group_size=64, bits=4, mode="affine")` with the model's `quant_predicate` (8-bit `mlp.gate`, `mlp.shared_expert_gate`); `save_model` / `save_config`

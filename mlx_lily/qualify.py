@@ -1369,14 +1369,23 @@ def _emulated():
     return emulated_metal()
 
 
+def _since_launch(opts) -> float | None:
+    """Seconds since the parent launched this child (``--child-launched``, wall clock)."""
+    return None if opts.child_launched is None else time.time() - opts.child_launched
+
+
 def _child(opts) -> int:
     import mlx.core as mx
 
+    started = _since_launch(opts)  # interpreter start-up and this module's imports
     with _emulated():
         be = _backend.current_backend()
         print(f"[mlx-lily] qualify: loading {opts.model or opts.synthetic}", file=sys.stderr,
               flush=True)
+        t0 = time.perf_counter()
         model, desc = load_model(opts.model, opts.synthetic, opts.layers, opts.model_seed)
+        loaded_s = time.perf_counter() - t0
+        print(f"[mlx-lily] qualify: loaded in {loaded_s:.1f} s", file=sys.stderr, flush=True)
         res = qualify_model(
             model, ops=opts.ops.split(",") if opts.ops else None,
             decode_steps=opts.decode_steps, decode_rounds=opts.decode_rounds,
@@ -1387,6 +1396,8 @@ def _child(opts) -> int:
         res["model"] = desc
         res["identity"] = identity(be)
         res["peak_memory_bytes"] = int(mx.get_peak_memory())
+        res["startup"] = {"launch_to_main_s": started, "load_s": loaded_s,
+                          "launch_to_result_s": _since_launch(opts)}
     Path(opts.child_out).write_text(json.dumps(res))
     return 0
 
@@ -1405,7 +1416,7 @@ def run(model: str | None = None, synthetic: str | None = None, *, layers: int =
     with tempfile.TemporaryDirectory(prefix="mlx-lily-qualify-") as tmp:
         out = Path(tmp) / "result.json"
         cmd = [sys.executable, "-m", "mlx_lily.qualify", "--child", "--child-out", str(out),
-               "--layers", str(layers), *extra_args]
+               "--child-launched", repr(time.time()), "--layers", str(layers), *extra_args]
         cmd += ["--model", str(model)] if model is not None else ["--synthetic", synthetic]
         status, error, res = "ok", None, {}
         proc = subprocess.Popen(cmd, env=env, start_new_session=True, stderr=subprocess.PIPE,
@@ -1430,6 +1441,8 @@ def run(model: str | None = None, synthetic: str | None = None, *, layers: int =
                 status, error = "error", "qualification child wrote no result"
             else:
                 res = json.loads(out.read_text())
+                if isinstance(res.get("startup"), dict):  # the child's exit, seen from here
+                    res["startup"]["launch_to_exit_s"] = time.perf_counter() - t0
         except subprocess.TimeoutExpired:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, 9)
@@ -1558,6 +1571,12 @@ def render_markdown(record: dict) -> str:
             + f"; probed parity forwards {c.get('parity_forwards')}, op sets timed "
               f"{c.get('timed_sets')}; model forwards {c.get('forwards')}; compiled "
               f"decode-step traces {c.get('traces')}"]
+    st = record.get("startup")
+    if st:
+        marks = ("launch_to_main_s", "launch_to_result_s", "launch_to_exit_s")
+        lines += ["", "Child process, seconds from its launch: " + ", ".join(
+            f"{k.removesuffix('_s').replace('_', ' ')} {st[k]:.1f}" for k in marks
+            if st.get(k) is not None) + f"; loading the model took {st.get('load_s', 0):.1f}"]
     lines += ["", f"Qualified: {record.get('qualified', {})}"]
     return "\n".join(lines) + "\n"
 
@@ -1603,6 +1622,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="folder for the report (default: beside the record)")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--child-out", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--child-launched", type=float, default=None, help=argparse.SUPPRESS)
     return p
 
 

@@ -481,10 +481,14 @@ def test_child_process_qualifies_and_writes_the_record(fake_device, monkeypatch)
     assert {op: r["default"]["passed"] for op, r in rec["ops"].items()} == {
         "add_rms_norm": True, "moe_router_topk": True}
     assert rec["model"]["layers"] == 4
+    st = rec["startup"]  # where the time outside qualification went, in launch order
+    assert 0 < st["launch_to_main_s"] < st["launch_to_result_s"] <= st["launch_to_exit_s"]
+    assert 0 < st["load_s"] < st["launch_to_result_s"] and st["launch_to_exit_s"] <= rec["wall_s"]
     stored = json.loads(qualify.record_path("metal").read_text())
     assert stored["status"] == "ok" and stored["ops"] == rec["ops"]
     md = qualify.render_markdown(stored)
     assert "| add_rms_norm | default | yes |" in md
+    assert "Child process, seconds from its launch: launch to main " in md
     j, m = qualify.write_report(stored, fake_device.parent / "report")
     assert json.loads(j.read_text())["ops"] and m.read_text() == md
 

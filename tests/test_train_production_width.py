@@ -68,3 +68,25 @@ def test_lr_schedule(pw):
     assert pw.lr_at(0, 100, 1e-3, 10) == pytest.approx(2e-5)
     assert pw.lr_at(10, 100, 1e-3, 10) == pytest.approx(1e-3)
     assert pw.lr_at(100, 100, 1e-3, 10) == pytest.approx(5e-5)
+
+
+def test_micro_batch_rule(pw):
+    class FakeMx:
+        gpu, cpu = "gpu", "cpu"
+
+        def __init__(self, device, memory):
+            self.device, self.memory = device, memory
+
+        def default_device(self):
+            return self.device
+
+        def device_info(self):
+            return {"memory_size": self.memory}
+
+    assert pw.resolve_micro_batch("auto", 4, FakeMx("gpu", 141 * 10**9)) == 4
+    assert pw.resolve_micro_batch("auto", 4, FakeMx("gpu", 80 * 10**9)) == 1
+    assert pw.resolve_micro_batch("auto", 4, FakeMx("cpu", 0)) == 4
+    assert pw.resolve_micro_batch("2", 4, FakeMx("gpu", 80 * 10**9)) == 2
+    for bad in ("3", "0", "x"):
+        with pytest.raises(SystemExit, match="--micro-batch"):
+            pw.resolve_micro_batch(bad, 4, FakeMx("gpu", 80 * 10**9))
