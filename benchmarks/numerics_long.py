@@ -12,7 +12,8 @@ are fed through a fresh mlx-lm cache by every engine:
 The P + D measured rows (each predicting the next reference id) are compared. Engines:
 ``fp32`` (stock code, every float parameter in fp32, the quantised weights unchanged),
 ``stock`` (mlx-lm as loaded) and, for each ``--kernels`` mode (``default`` = Lily's
-verified set, ``all`` = ``MLX_LILY_KERNELS=all``), ``lily-<mode>`` twice: once as users run it
+verified set, or the backend's shipped set by name on a device with no record;
+``all`` = ``MLX_LILY_KERNELS=all``; a run where Lily stands aside exits), ``lily-<mode>`` twice: once as users run it
 (compiled decode steps on GPU backends) for the logits, and once with the same decode-step
 functions built by an identity ``mx.compile`` (``decode_steps_eager``; compiled functions run
 no Python) to capture the routing; the two runs' logits are compared too
@@ -61,6 +62,37 @@ from mlx_lily.bench.authority import routing_agreement  # noqa: E402,F401 (tests
 SCHEMA = "mlx-lily-numerics-long"
 TARGETS = {**THRESHOLDS, "routing_agreement_min": 0.99}
 KERNEL_MODES = {"default": "verified", "all": "all"}
+
+
+def kernels_for_mode(mode: str, log=print) -> str:
+    """The ``kernels`` setting of a ``--kernels`` mode. ``default``: ``verified`` where this
+    device has a set (its qualification record, or the shipped record matching it), else
+    the shipped set of this backend by name (a GPU with no record would otherwise wait for
+    a qualification, and until then Lily stands aside and "Lily" would be stock)."""
+    if mode != "default":
+        return KERNEL_MODES.get(mode, mode.replace("+", ","))
+    from mlx_lily import backend, kernels
+
+    be = backend.current_backend()
+    if be == "cpu" or kernels.verified_ops(be):
+        return "verified"
+    shipped = sorted(kernels.VERIFIED.get(be, ()))
+    if not shipped:
+        return "verified"
+    log(f"--kernels default: no record or shipped record for this {be} device; using the "
+        f"shipped {be} set by name ({len(shipped)} ops)")
+    return ",".join(shipped)
+
+
+def serving_or_exit(mode: str) -> None:
+    """Raise ``SystemExit`` naming ``mode`` unless Lily's forwards are installed now (a
+    Lily that stepped aside runs mlx-lm's own code: its numerics would be stock's)."""
+    import mlx_lily
+
+    info = mlx_lily.backend_info()
+    if info["patch"] != "patched":
+        raise SystemExit(f"numerics_long: --kernels {mode}: Lily is {info['patch']} here "
+                         f"({info.get('stepped_aside')}); nothing of Lily's would be measured")
 
 
 # --------------------------------------------------------------------------
@@ -385,7 +417,7 @@ def main(argv=None) -> int:
     ids = [int(i) for i in ref["ids"]]
     contexts = [int(c) for c in a.contexts.split(",") if c.strip()]
     modes = [] if a.no_lily else [m.strip() for m in a.kernels.split(",") if m.strip()]
-    kernels_of = {m: KERNEL_MODES.get(m, m.replace("+", ",")) for m in modes}
+    kernels_of = {m: kernels_for_mode(m, log) for m in modes}
     need = max(contexts) + a.decode_steps + 1
     if len(ids) < need:
         raise SystemExit(f"numerics_long: {ref_path} holds {len(ids)} ids; context "
@@ -438,6 +470,7 @@ def main(argv=None) -> int:
                 go("fp32", True)
         for m in modes:
             with mlx_lily.patched(model, kernels=kernels_of[m]):
+                serving_or_exit(m)
                 go(f"lily-{m}", False)
             with mlx_lily.patched(model, kernels=kernels_of[m], compile=True):
                 with decode_steps_eager():

@@ -114,3 +114,30 @@ def test_capture_reads_the_decode_kernels_ids(ci, _aligned):
         assert set(np.unique(fused)) <= set(range(e))
     finally:
         nl.uninstall_capture()
+
+
+def test_default_kernels_on_a_gpu_without_a_record_are_the_shipped_set(monkeypatch):
+    from mlx_lily import backend, kernels
+
+    nl = _load()
+    monkeypatch.setattr(backend, "current_backend", lambda: "cuda")
+    monkeypatch.setattr(kernels, "verified_ops", lambda be: frozenset())
+    said = []
+    got = nl.kernels_for_mode("default", said.append)
+    assert got.split(",") == sorted(kernels.VERIFIED["cuda"]) and "shipped" in said[0]
+    monkeypatch.setattr(kernels, "verified_ops", lambda be: frozenset({"attention"}))
+    assert nl.kernels_for_mode("default", said.append) == "verified"
+    assert nl.kernels_for_mode("all", said.append) == "all"
+    assert nl.kernels_for_mode("qgemv+attention", said.append) == "qgemv,attention"
+
+
+def test_a_lily_that_stepped_aside_is_not_measured(monkeypatch):
+    import mlx_lily
+
+    nl = _load()
+    monkeypatch.setattr(mlx_lily, "backend_info",
+                        lambda: {"patch": "stepped-aside", "stepped_aside": "no kernel qualified"})
+    with pytest.raises(SystemExit, match="--kernels default: Lily is stepped-aside"):
+        nl.serving_or_exit("default")
+    monkeypatch.setattr(mlx_lily, "backend_info", lambda: {"patch": "patched"})
+    nl.serving_or_exit("default")

@@ -26,7 +26,8 @@
 #            its own folder; QUALIFY_WARM=1: once more on the first run's folder, whose
 #            kernel caches that run filled), then the A/B gate under the last record
 #            unless the list names the gate itself
-#   gate:    the A/B gate (benchmarks/ab.py) under this round's record
+#   gate:    the A/B gate (benchmarks/ab.py) under this round's record (limit GATE_LIMIT_S,
+#            default 420 s: on a fresh H100 the stock arm's JIT alone took 212 s)
 #   long:    Lily alone at B = 1 over 512 / 4K / 32K / 128K (3 trials), then 4K at B = 4 / 8
 # One process at a time; each step's log is W/<step>.log, the timeline W/round.log.
 set -u
@@ -134,7 +135,7 @@ phase_gate() {
   # machine has one, is its numerics authority
   local qd=${QUALIFIED_DIR:-${MLX_LILY_CACHE_DIR:-$HOME/.cache/mlx-lily}}
   mkdir -p "$qd" && [ "$qd/models" -ef "$AUTH" ] || ln -sfn "$AUTH" "$qd/models"
-  MLX_LILY_CACHE_DIR=$qd step gate-qualified 300 \
+  MLX_LILY_CACHE_DIR=$qd step gate-qualified ${GATE_LIMIT_S:-420} \
     python3 "$R/benchmarks/ab.py" "$Q36" --lengths 1024 --rounds 2 --decode-steps 32 \
     --watchdog-s 120 --out "$W/gate-qualified"
 }
