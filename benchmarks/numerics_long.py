@@ -66,15 +66,16 @@ KERNEL_MODES = {"default": "verified", "all": "all"}
 
 def kernels_for_mode(mode: str, log=print) -> str:
     """The ``kernels`` setting of a ``--kernels`` mode. ``default``: ``verified`` where this
-    device has a set (its qualification record, or the shipped record matching it), else
-    the shipped set of this backend by name (a GPU with no record would otherwise wait for
-    a qualification, and until then Lily stands aside and "Lily" would be stock)."""
+    device has a say (a valid qualification record, even one that qualified nothing, or
+    a shipped record matching it), else the shipped set of this backend by name (a GPU
+    with no record would otherwise wait for a qualification, and until then Lily stands
+    aside and "Lily" would be stock)."""
     if mode != "default":
         return KERNEL_MODES.get(mode, mode.replace("+", ","))
-    from mlx_lily import backend, kernels
+    from mlx_lily import backend, kernels, qualify
 
     be = backend.current_backend()
-    if be == "cpu" or kernels.verified_ops(be):
+    if be == "cpu" or qualify.record_ops(be) is not None or kernels.shipped_matches(be):
         return "verified"
     shipped = sorted(kernels.VERIFIED.get(be, ()))
     if not shipped:

@@ -299,8 +299,12 @@ def resolve_micro_batch(value, batch: int, mx) -> int:
     the CPU or a GPU with at least ``WHOLE_BATCH_MEMORY`` bytes, else 1). Raises
     ``SystemExit`` naming ``--micro-batch`` unless it divides ``batch``."""
     if value == "auto":
-        mem = mx.device_info().get("memory_size", 0) if mx.default_device() == mx.gpu else 0
-        rows = batch if not mem or mem >= WHOLE_BATCH_MEMORY else 1
+        if mx.default_device() != mx.gpu:
+            rows = batch
+        else:  # Metal reports memory_size, MLX's CUDA build total_memory; unknown: 1 row
+            info = mx.device_info()
+            mem = info.get("memory_size") or info.get("total_memory") or 0
+            rows = batch if mem >= WHOLE_BATCH_MEMORY else 1
     else:
         try:
             rows = int(value)
@@ -311,11 +315,38 @@ def resolve_micro_batch(value, batch: int, mx) -> int:
     return rows
 
 
+def accumulated_grads(vg, model, x, y, rows: int):
+    """One step's ``(ce, aux, grads)`` over ``rows`` rows of ``x`` / ``y`` ([B, T] int32
+    token ids) at a time: each slice's loss and gradients (``vg(model, x, y)`` ->
+    ``((loss, (ce, aux)), grads)``) evaluated before the next, so its activations are
+    freed; gradients summed in fp32, averaged and cast to each parameter's dtype; ce and
+    aux the slices' means. For a loss that is a mean over equal-length rows this is the
+    whole batch's gradient; the router load-balance term is each slice's own."""
+    import mlx.core as mx
+    from mlx.utils import tree_map
+
+    n = x.shape[0] // rows
+    acc = None
+    ces, auxes = [], []
+    for i in range(n):
+        sl = slice(i * rows, (i + 1) * rows)
+        (_, (ce, aux)), grads = vg(model, x[sl], y[sl])
+        grads = tree_map(lambda g: g.astype(mx.float32), grads)
+        acc = grads if acc is None else tree_map(mx.add, acc, grads)
+        ces.append(ce)
+        auxes.append(aux)
+        mx.eval(acc, ces, auxes)
+    grads = tree_map(lambda g, p: (g / n).astype(p.dtype), acc, model.trainable_parameters())
+    return mx.mean(mx.stack(ces)), mx.mean(mx.stack(auxes)), grads
+
+
 def recipe_key(args, list_hash: str, versions: dict) -> str:
     """sha256 of what determines the trained model (not the output paths or the budget)."""
     keep = {k: (v if not isinstance(v, Path) else None) for k, v in sorted(vars(args).items())
             if k not in ("out", "summary", "force", "time_budget_s", "post_reserve_s", "smoke",
                          "no_fast_blas", "fast_blas", "sample_tokens")}
+    if keep.get("micro_batch") == keep.get("batch"):  # whole batches: the keys of before
+        keep.pop("micro_batch", None)
     blob = json.dumps({"args": keep, "files": list_hash, "versions": versions}, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()
 
@@ -342,7 +373,7 @@ def main(argv=None):
     import mlx.core as mx
     import mlx.nn as nn
     import mlx.optimizers as optim
-    from mlx.utils import tree_flatten, tree_map, tree_map_with_path
+    from mlx.utils import tree_flatten, tree_map_with_path
     import mlx_lm
     from mlx_lm.models import qwen3_5, qwen3_5_moe, qwen3_next
     from mlx_lm.utils import quantize_model, save_config, save_model
@@ -489,23 +520,11 @@ def main(argv=None):
         return ce, aux, gnorm
 
     def train_step_micro(x, y):
-        """``train_step`` over ``args.micro_batch`` rows at a time: each slice's loss and
-        gradients evaluated before the next (its activations freed), averaged, then one
-        clipped update; ce and aux are the slices' means."""
-        n = x.shape[0] // args.micro_batch
-        acc = None
-        ces, auxes = [], []
-        for i in range(n):
-            sl = slice(i * args.micro_batch, (i + 1) * args.micro_batch)
-            (_, (ce, aux)), grads = vg(model, x[sl], y[sl])
-            acc = grads if acc is None else tree_map(mx.add, acc, grads)
-            ces.append(ce)
-            auxes.append(aux)
-            mx.eval(acc, ces, auxes)
-        grads = tree_map(lambda g: g / n, acc)
+        """``train_step`` in micro-batches (``accumulated_grads``), one clipped update."""
+        ce, aux, grads = accumulated_grads(vg, model, x, y, args.micro_batch)
         grads, gnorm = optim.clip_grad_norm(grads, 1.0)
         opt.update(model, grads)
-        return mx.mean(mx.stack(ces)), mx.mean(mx.stack(auxes)), gnorm
+        return ce, aux, gnorm
 
     if args.micro_batch < args.batch:
         if use_compile:

@@ -117,15 +117,20 @@ def test_capture_reads_the_decode_kernels_ids(ci, _aligned):
 
 
 def test_default_kernels_on_a_gpu_without_a_record_are_the_shipped_set(monkeypatch):
-    from mlx_lily import backend, kernels
+    from mlx_lily import backend, kernels, qualify
 
     nl = _load()
     monkeypatch.setattr(backend, "current_backend", lambda: "cuda")
-    monkeypatch.setattr(kernels, "verified_ops", lambda be: frozenset())
+    monkeypatch.setattr(kernels, "shipped_matches", lambda be: False)  # e.g. an H100
+    monkeypatch.setattr(qualify, "record_ops", lambda be: None)  # no valid record
     said = []
     got = nl.kernels_for_mode("default", said.append)
     assert got.split(",") == sorted(kernels.VERIFIED["cuda"]) and "shipped" in said[0]
-    monkeypatch.setattr(kernels, "verified_ops", lambda be: frozenset({"attention"}))
+    for rec in (frozenset(), frozenset({"attention"})):  # the device's record decides
+        monkeypatch.setattr(qualify, "record_ops", lambda be, rec=rec: rec)
+        assert nl.kernels_for_mode("default", said.append) == "verified"
+    monkeypatch.setattr(qualify, "record_ops", lambda be: None)
+    monkeypatch.setattr(kernels, "shipped_matches", lambda be: True)  # an H200
     assert nl.kernels_for_mode("default", said.append) == "verified"
     assert nl.kernels_for_mode("all", said.append) == "all"
     assert nl.kernels_for_mode("qgemv+attention", said.append) == "qgemv,attention"

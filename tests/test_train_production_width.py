@@ -81,12 +81,51 @@ def test_micro_batch_rule(pw):
             return self.device
 
         def device_info(self):
-            return {"memory_size": self.memory}
+            return dict(self.memory)
 
-    assert pw.resolve_micro_batch("auto", 4, FakeMx("gpu", 141 * 10**9)) == 4
-    assert pw.resolve_micro_batch("auto", 4, FakeMx("gpu", 80 * 10**9)) == 1
-    assert pw.resolve_micro_batch("auto", 4, FakeMx("cpu", 0)) == 4
-    assert pw.resolve_micro_batch("2", 4, FakeMx("gpu", 80 * 10**9)) == 2
+    metal = {"memory_size": 141 * 10**9}  # Metal's key
+    cuda = {"total_memory": 81559 * 2**20, "free_memory": 80 * 10**9}  # MLX's CUDA build
+    assert pw.resolve_micro_batch("auto", 4, FakeMx("gpu", metal)) == 4
+    assert pw.resolve_micro_batch("auto", 4, FakeMx("gpu", {"memory_size": 64 * 10**9})) == 1
+    assert pw.resolve_micro_batch("auto", 4, FakeMx("gpu", cuda)) == 1
+    assert pw.resolve_micro_batch("auto", 4, FakeMx("gpu", {"total_memory": 150754820096})) == 4
+    assert pw.resolve_micro_batch("auto", 4, FakeMx("gpu", {})) == 1  # size unknown
+    assert pw.resolve_micro_batch("auto", 4, FakeMx("cpu", {})) == 4
+    assert pw.resolve_micro_batch("2", 4, FakeMx("gpu", cuda)) == 2
     for bad in ("3", "0", "x"):
         with pytest.raises(SystemExit, match="--micro-batch"):
-            pw.resolve_micro_batch(bad, 4, FakeMx("gpu", 80 * 10**9))
+            pw.resolve_micro_batch(bad, 4, FakeMx("gpu", cuda))
+
+
+def test_micro_batches_give_the_whole_batch_gradient(pw):
+    import mlx.core as mx
+    import mlx.nn as nn
+    from mlx.utils import tree_flatten
+
+    class Tiny(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = nn.Embedding(32, 16)
+            self.out = nn.Linear(16, 32)
+
+        def __call__(self, x):
+            return self.out(nn.gelu(self.emb(x)))
+
+    def loss_fn(model, x, y):
+        ce = nn.losses.cross_entropy(model(x), y).mean()
+        return ce, (ce, mx.array(0.0))
+
+    mx.random.seed(1)
+    model = Tiny()
+    vg = nn.value_and_grad(model, loss_fn)
+    x = mx.random.randint(0, 32, (4, 12))
+    y = mx.random.randint(0, 32, (4, 12))
+    (_, (ce_all, _)), g_all = vg(model, x, y)
+    for rows in (1, 2):
+        ce, aux, g = pw.accumulated_grads(vg, model, x, y, rows)
+        assert abs(ce.item() - ce_all.item()) <= 1e-5 * abs(ce_all.item())
+        a, b = dict(tree_flatten(g_all)), dict(tree_flatten(g))
+        assert a.keys() == b.keys()
+        for k in a:
+            assert b[k].dtype == a[k].dtype
+            assert mx.abs(a[k] - b[k]).max().item() <= 1e-5 * max(1e-6, mx.abs(a[k]).max().item())

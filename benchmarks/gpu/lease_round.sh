@@ -115,18 +115,18 @@ phase_bench() {
 }
 
 phase_qualify() {
-  local n qd d
+  local n qd="" d
   for n in $(seq 1 "${QUALIFY_RUNS:-1}"); do
     qd=/tmp/qc$n; [ "$n" = 1 ] && qd=/tmp/qc; d=qualify; [ "$n" = 1 ] || d=qualify-$n
     MLX_LILY_CACHE_DIR=$qd step $d 600 \
       python3 -m mlx_lily.qualify --model "$Q36" --report --out "$W/$d" --timeout-s 580
   done
-  if [ -n "${QUALIFY_WARM:-}" ]; then  # again on the first run's folder: its kernel caches are warm
+  if [ "${QUALIFY_WARM:-0}" = 1 ]; then  # again on the first run's folder: its kernel caches are warm
     qd=/tmp/qc
     MLX_LILY_CACHE_DIR=$qd step qualify-warm 600 \
       python3 -m mlx_lily.qualify --model "$Q36" --report --out "$W/qualify-warm" --timeout-s 580
   fi
-  QUALIFIED_DIR=$qd
+  [ -n "$qd" ] && QUALIFIED_DIR=$qd
   case ",${ROUND_PHASES:-}," in *,gate,*) ;; *) phase_gate ;; esac
 }
 
@@ -134,7 +134,8 @@ phase_gate() {
   # the A/B gate under this round's record (else the device's); the trained model, when this
   # machine has one, is its numerics authority
   local qd=${QUALIFIED_DIR:-${MLX_LILY_CACHE_DIR:-$HOME/.cache/mlx-lily}}
-  mkdir -p "$qd" && [ "$qd/models" -ef "$AUTH" ] || ln -sfn "$AUTH" "$qd/models"
+  mkdir -p "$qd" "$AUTH"  # AUTH first: when qd/models is AUTH, ln would link it to itself
+  [ "$qd/models" -ef "$AUTH" ] || ln -sfn "$AUTH" "$qd/models"
   MLX_LILY_CACHE_DIR=$qd step gate-qualified ${GATE_LIMIT_S:-420} \
     python3 "$R/benchmarks/ab.py" "$Q36" --lengths 1024 --rounds 2 --decode-steps 32 \
     --watchdog-s 120 --out "$W/gate-qualified"
