@@ -38,12 +38,15 @@ def test_compare_reports_disagreement():
 
 
 @pytest.mark.skipif(not (FIXTURE / "numerics_reference.json").is_file(), reason="fixture missing")
-def test_cpu_run_captures_routing_of_every_engine(tmp_path):
+def test_cpu_run_captures_routing_of_every_engine(tmp_path, monkeypatch):
     nl = _load()
     out = tmp_path / "r.json"
+    checked = []
+    serving = nl.serving_or_exit
+    monkeypatch.setattr(nl, "serving_or_exit", lambda m: (checked.append(m), serving(m)))
     rc = nl.main([str(FIXTURE), "--contexts", "48", "--measure-prefill", "8", "--decode-steps",
                   "2", "--prefill-step", "16", "--kernels", "default", "--out", str(out)])
-    assert rc == 0
+    assert rc == 0 and checked == ["default"]  # Lily's engine ran only once it served
     res = json.loads(out.read_text())
     (ctx,) = res["contexts"]
     pairs = ctx["pairs"]
