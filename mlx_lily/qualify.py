@@ -64,6 +64,13 @@ each a set of environment settings the variant runs under, applied by
    they are timed in both phases. Ops that
    serve only decode steps of several sequences (``Op.one_sequence`` False:
    ``batch_decode``) are not candidates: qualification runs one sequence.
+   That is the default method (``GREEDY``). ``--method top-down`` (``TOP_DOWN``) builds
+   the set the other way: the whole passing set (``whole_set``) is timed against the
+   references, then each member, fusions first (reverse ``OP_NAMES`` order), in each of
+   its passing variants, against the set without it and the members that require it
+   (``with_dependents``): they leave together unless a variant is faster, and the
+   fastest stays. Every comparison then runs at about the fast set's speed, and there is
+   one per member and variant.
 3. Final check: the kept set, in its chosen variants, passes the parity check once more
    (a fusion can hide a base op's kernel from the all-on check, e.g. a decode path it
    replaces; a failure is bisected as above and drops that op) and is timed against
@@ -149,6 +156,12 @@ DECODE_ROUNDS = 6
 PREFILL_LEN = 512
 PARITY_PREFILL = 64
 PREFILL_REPS = 3  # paired prefill rounds
+#: How the timing step builds the set: ``"greedy"`` (ops one at a time, chains, then the
+#: whole passing set and its leave-one-out) or ``"top-down"`` (the whole passing set, then
+#: each member left out with the members that require it, then variant swaps; every
+#: comparison runs at the fast set's speed, not the references')
+GREEDY, TOP_DOWN = "greedy", "top-down"
+METHODS = (GREEDY, TOP_DOWN)
 
 
 # ----------------------------------------------------------------------------- settings
@@ -481,6 +494,21 @@ def whole_set(passed: list, requires, census) -> list:
         if rest and same_phases(census(rest), full) == set(PHASES):
             ops = rest
     return ops
+
+
+def with_dependents(op: str, ops: list, requires) -> list:
+    """``op`` and the members of ``ops`` that require it, directly or through another
+    member (``requires(o)``: the ops ``o`` needs), in ``ops``' order: what leaves a set
+    with ``op``."""
+    out = {op}
+    changed = True
+    while changed:
+        changed = False
+        for o in ops:
+            if o not in out and any(r in out for r in requires(o)):
+                out.add(o)
+                changed = True
+    return [o for o in ops if o in out]
 
 
 def parity_ok(agreement: dict, rel_to_fp32: float | None = None,
@@ -975,7 +1003,7 @@ def qualify_model(model, *, ops=None, decode_steps: int = DECODE_STEPS,
                   decode_rounds: int = DECODE_ROUNDS, decode_context: int = DECODE_CONTEXT,
                   prefill_len: int = PREFILL_LEN, parity_prefill: int = PARITY_PREFILL,
                   prefill_reps: int = PREFILL_REPS, depth: int | None = None,
-                  seed: int | None = None, progress=None) -> dict:
+                  seed: int | None = None, progress=None, method: str = GREEDY) -> dict:
     """Qualify every op (or ``ops``) in each of its variants (``variants_of``) on the
     current backend with ``model`` (an unpatched mlx-lm model; patched, forced, while
     this runs). Decode is timed on ``deep_view(model, depth)`` (None: ``model`` as it
@@ -990,6 +1018,8 @@ def qualify_model(model, *, ops=None, decode_steps: int = DECODE_STEPS,
 
     from . import first_contact, kernels, registry
 
+    if method not in METHODS:
+        raise ValueError(f"qualify_model: method {method!r} is not one of {METHODS}")
     led = _Ledger()
     blind = {n for n in registry.NAMES if not registry.get(n).own_kernels}  # census-blind
     say = (lambda msg: progress(f"{msg} ({led.elapsed():.1f} s)")) if progress else (
@@ -1179,7 +1209,82 @@ def qualify_model(model, *, ops=None, decode_steps: int = DECODE_STEPS,
                 else:
                     return chain, census
 
-        with led.phase("timing"):
+        def top_down():
+            """``TOP_DOWN``: the whole passing set (``whole_set``, default variants)
+            against the references, then each member (last in ``OP_NAMES`` first: fusions
+            before the ops they need), in each of its passing variants, against the set
+            without it and the members that require it; those leave together unless a
+            variant is faster (the fastest such variant stays, ``decide``)."""
+            nonlocal kept, chosen
+            passed = [o for o in timed if results[o][DEFAULT_VARIANT]["passed"]]
+            whole = whole_set(passed, first_contact.requires,
+                              lambda ops: census_of(_ordered(ops), {}))
+            for o in passed:
+                if o not in whole:
+                    results[o][DEFAULT_VARIANT]["error"] = (
+                        "not timed: a requirement did not pass, or no kernel launch differs "
+                        "with the whole passing set on")
+            if not whole:
+                return
+            cur = list(whole)
+            chosen = {o: DEFAULT_VARIANT for o in cur}
+            c = compare(arm([], {}), arm(cur, {}), list(PHASES))
+            fill(c, ())
+            overall["whole_set"] = {"ops": list(cur), "base_ops": [], **c,
+                                    "faster": faster_speedup(c["speedup"], c["noise"])}
+            say(f"whole passing set ({len(cur)} ops, default variants) against the "
+                f"references: {speed_note(c)}")
+            order = list(reversed(cur))
+            for i, op in enumerate(order):
+                if op not in cur:
+                    continue  # left already, with an op it requires
+                drop = with_dependents(op, cur, first_contact.requires)
+                rest = [o for o in cur if o not in drop]
+                base_env = env_of(rest)
+                without = census_of(rest, base_env)
+                notes = []
+                for name, settings in variants_of(op, be, decode_context).items():
+                    r = results[op][name]
+                    if not r["passed"]:
+                        continue
+                    chosen[op] = name
+                    env = env_of(cur)
+                    full = census_of(cur, env)
+                    same = same_phases(full, without)
+                    r["census"] = {ph: sum(n.values()) for ph, n in full.items()}
+                    if same == set(PHASES):
+                        r["error"] = ("not timed: no kernel launch differs from the set "
+                                      "without it at these shapes")
+                        notes.append(f"{name} changes no launch")
+                        continue
+                    c = compare(arm(rest, base_env), arm(cur, env),
+                                [ph for ph in PHASES if ph not in same])
+                    fill(c, same)
+                    r.update(c)
+                    r["faster"] = faster_speedup(c["speedup"], c["noise"])
+                    notes.append(f"{name} {speed_note(r)}")
+                best = decide({op: results[op]}).get(op)
+                others = [o for o in drop if o != op]
+                say(f"[{i + 1}/{len(order)}] {op}"
+                    + (f" (leaves with {', '.join(others)})" if others else "")
+                    + f": {'; '.join(notes)} -> {best or 'left out'}")
+                if best is not None:
+                    chosen[op] = best
+                    continue
+                for o in drop:
+                    r = results[o][DEFAULT_VARIANT]
+                    if o == op:
+                        r["error"] = r.get("error") or "left out: not faster in the set"
+                    else:
+                        r["error"] = f"left out with {op}, which it requires"
+                    chosen.pop(o, None)
+                cur = rest
+            kept = _ordered(cur)
+
+        def greedy():
+            """Ops one at a time in ``OP_NAMES`` order, then chains, then the whole
+            passing set and its leave-one-out (the module docstring, step 2)."""
+            nonlocal kept, chosen, base_census
             for i, op in enumerate(timed):
                 missing = [q for q in first_contact.requires(op) if q not in kept]
                 if missing:
@@ -1305,6 +1410,12 @@ def qualify_model(model, *, ops=None, decode_steps: int = DECODE_STEPS,
                                 "left out of the whole passing set (faster without it)")
                             kept = rest
                             chosen.pop(o)
+
+        with led.phase("timing"):
+            if method == TOP_DOWN:
+                top_down()
+            else:
+                greedy()
         with led.phase("final"):
             if kept:
                 say(f"final check of the qualified set ({len(kept)} ops)")
@@ -1348,15 +1459,21 @@ def qualify_model(model, *, ops=None, decode_steps: int = DECODE_STEPS,
             "settings": {"decode_steps": decode_steps, "decode_rounds": decode_rounds,
                          "decode_context": decode_context, "depth": timed_depth,
                          "prefill_len": prefill_len, "parity_prefill": parity_prefill,
-                         "prefill_reps": prefill_reps, "seed": seed},
+                         "prefill_reps": prefill_reps, "seed": seed, "method": method},
             "method": (f"model-level: parity of the forward with every candidate op on vs "
                        "every kernel off (NaN-poisoned outputs, fresh random ids), a "
-                       "failing set bisected; each op on vs off (ops kept before it on in "
-                       "both) timed in alternating paired rounds: pipelined decode steps "
+                       "failing set bisected; "
+                       + ("each op on vs off (ops kept before it on in both) timed in "
+                          if method == GREEDY else
+                          "the whole passing set, then each member on vs off (with the "
+                          "members that require it; the rest of the set on in both), then "
+                          "each kept op's other variants, timed in ")
+                       + "alternating paired rounds: pipelined decode steps "
                        f"of the model at {timed_depth} layers (its loaded layers repeated) "
-                       "and prefill chunks, speed-up = the median per-round ratio; an op "
-                       "not kept alone timed again with the ops that require it; the "
-                       "qualified set checked and timed against stock the same way"),
+                       "and prefill chunks, speed-up = the median per-round ratio; "
+                       + ("an op not kept alone timed again with the ops that require it; "
+                          if method == GREEDY else "")
+                       + "the qualified set checked and timed against stock the same way"),
             "seconds": led.elapsed()}
 
 
@@ -1391,7 +1508,7 @@ def _child(opts) -> int:
             decode_steps=opts.decode_steps, decode_rounds=opts.decode_rounds,
             decode_context=opts.decode_context, prefill_len=opts.prefill_len,
             parity_prefill=opts.parity_prefill, prefill_reps=opts.prefill_reps,
-            depth=desc["depth"] if opts.depth < 0 else opts.depth,
+            depth=desc["depth"] if opts.depth < 0 else opts.depth, method=opts.method,
             progress=lambda m: print(f"[mlx-lily] qualify {m}", file=sys.stderr, flush=True))
         res["model"] = desc
         res["identity"] = identity(be)
@@ -1526,8 +1643,12 @@ def render_markdown(record: dict) -> str:
              f"{(record.get('settings') or {}).get('depth', '?')} layers) / a prefill chunk "
              "with the op's kernels on (kernel) vs the same step with the op's reference, "
              "i.e. mlx-lm's math for that op (stock math), medians over rounds that "
-             "alternate the two; the ops kept before it run their kernels in both. x = the "
-             "median per-round ratio stock math / kernel. The overall line compares the "
+             "alternate the two; "
+             + ("the rest of the set (all but the op and the ops that require it) runs its "
+                "kernels in both, and each variant of the op is timed the same way. x = the "
+                if (record.get("settings") or {}).get("method") == TOP_DOWN else
+                "the ops kept before it run their kernels in both. x = the ")
+             + "median per-round ratio stock math / kernel. The overall line compares the "
              "qualified set with unpatched mlx-lm the same way.", "",
              "| op | variant | passed | qualified | kernel decode ms | stock-math decode ms | "
              "decode x | kernel prefill ms | stock-math prefill ms | prefill x | error |",
@@ -1553,10 +1674,13 @@ def render_markdown(record: dict) -> str:
     w = ov.get("whole_set")
     if w:
         s_ = w.get("speedup") or {}
+        top_down = (record.get("settings") or {}).get("method") == TOP_DOWN
         lines += ["", f"Whole passing set in default variants ({', '.join(w['ops'])}) against "
-                      f"the ops kept one at a time: "
+                      + ("the references (each member then timed without it, above): "
+                         if top_down else "the ops kept one at a time: ")
                       + " ".join(f"{k} x{v:.3f}" for k, v in s_.items())
-                      + (" -> qualified instead" if w.get("faster") else " -> not faster")]
+                      + ("" if top_down else
+                         " -> qualified instead" if w.get("faster") else " -> not faster")]
     if ov:
         lines += ["", f"Overall (unpatched mlx-lm vs the qualified set): stock "
                       f"{ov.get('stock_ms')}, references only {ov.get('reference_ms')}, "
@@ -1613,6 +1737,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prefill-len", type=int, default=PREFILL_LEN)
     p.add_argument("--parity-prefill", type=int, default=PARITY_PREFILL)
     p.add_argument("--prefill-reps", type=int, default=PREFILL_REPS)
+    p.add_argument("--method", choices=METHODS, default=GREEDY,
+                   help="how the timing step builds the set (greedy: ops one at a time, then "
+                        "the whole passing set; top-down: the whole passing set, then each "
+                        "op left out)")
     p.add_argument("--timeout-s", type=float, default=TIMEOUT_S)
     p.add_argument("--report", action="store_true",
                    help="print the table and write qualify.json + qualify.md (--out)")
@@ -1652,7 +1780,8 @@ def main(argv=None) -> int:
                  str(opts.decode_context), "--prefill-len", str(opts.prefill_len),
                  "--parity-prefill", str(opts.parity_prefill), "--prefill-reps",
                  str(opts.prefill_reps), "--model-seed",
-                 str(opts.model_seed)] + (["--ops", opts.ops] if opts.ops else [])
+                 str(opts.model_seed), "--method", opts.method] + (
+                     ["--ops", opts.ops] if opts.ops else [])
         rec = run(opts.model, opts.synthetic, layers=opts.layers, timeout_s=opts.timeout_s,
                   extra_args=extra, backend=be)
         print(f"[mlx-lily] qualification {rec['status']} in {rec['wall_s']:.1f} s; record "

@@ -921,3 +921,135 @@ def test_an_op_the_census_cannot_see_is_timed_in_both_phases(monkeypatch):
     assert ("qgemv",) in calls
     assert "no kernel launch differs" in res["ops"]["add_rms_norm"]["default"]["error"]
     assert res["overall"]["whole_set"]["ops"] == ["qgemv"]
+
+
+# ----------------------------------------------------------------------------- top-down
+def test_with_dependents_follows_requirements_through_members():
+    req = {"b": ("a",), "c": ("b",), "d": ("x",), "e": ("a", "d")}.get
+    ops = ["a", "b", "c", "d", "e"]
+    assert qualify.with_dependents("a", ops, lambda o: req(o, ())) == ["a", "b", "c", "e"]
+    assert qualify.with_dependents("b", ops, lambda o: req(o, ())) == ["b", "c"]
+    assert qualify.with_dependents("c", ops, lambda o: req(o, ())) == ["c"]
+    assert qualify.with_dependents("a", ["a", "c"], lambda o: req(o, ())) == ["a"]
+
+
+@needs_emu
+def test_top_down_keeps_the_ops_the_set_is_faster_with(monkeypatch):
+    """The scenario of the greedy whole-set test, top-down: the whole passing set, then
+    each member left out (fusions first, each base op with the fusions that require it):
+    the same four ops qualify and ``add_rms_norm`` (slower with it) leaves, in 7 timed
+    comparisons (the whole set, one per member, the final one against stock) where the
+    greedy pass makes more."""
+    def fake_decode(run, steps):
+        on = kernels._OVERRIDE[0] or frozenset()
+        t = 10.0 + 0.3 * ("qgemv" in on) + 0.3 * ("attention" in on)
+        t += 0.2 * ("add_rms_norm" in on)
+        if {"qgemv", "qgemv_out", "attention", "attn_packed"} <= on:
+            t -= 1.5
+        return t
+
+    ops = ["add_rms_norm", "attention", "qgemv", "attn_packed", "qgemv_out"]
+    res = _qualify_timed_by(monkeypatch, ops, fake_decode, method=qualify.TOP_DOWN)
+    assert res["settings"]["method"] == "top-down" and "each member on vs off" in res["method"]
+    w = res["overall"]["whole_set"]
+    assert w["ops"] == ops and w["speedup"]["decode"] == pytest.approx(10.0 / 9.3)
+    assert res["qualified"] == {o: "default" for o in ops if o != "add_rms_norm"}
+    r = res["ops"]
+    assert r["add_rms_norm"]["default"]["speedup"]["decode"] == pytest.approx(9.1 / 9.3)
+    assert "left out" in r["add_rms_norm"]["default"]["error"]
+    # qgemv is timed with qgemv_out, which requires it: 10.5 ms without both, 9.3 with
+    assert r["qgemv"]["default"]["speedup"]["decode"] == pytest.approx(10.5 / 9.3)
+    assert r["qgemv_out"]["default"]["speedup"]["decode"] == pytest.approx(10.8 / 9.3)
+    assert res["counts"]["timed_sets"] == 7  # the whole set, a member each, stock
+    greedy = _qualify_timed_by(monkeypatch, ops, fake_decode)
+    assert greedy["qualified"] == res["qualified"]
+    assert greedy["counts"]["timed_sets"] > res["counts"]["timed_sets"]
+    md = qualify.render_markdown({**res, "identity": {}})
+    assert "against the references" in md and "the rest of the set" in md
+
+
+@needs_emu
+def test_top_down_leaves_a_base_op_with_the_fusions_that_require_it(monkeypatch):
+    """A base op whose chain does not pay leaves together with the fusion that requires
+    it; that fusion, timed first on its own, had stayed."""
+    def fake_decode(run, steps):
+        on = kernels._OVERRIDE[0] or frozenset()
+        t = 10.0 + 1.0 * ("qgemv" in on)  # the base op costs more than its fusion gains
+        t -= 0.5 * ({"qgemv", "qgemv_out"} <= on)
+        return t
+
+    res = _qualify_timed_by(monkeypatch, ["qgemv", "qgemv_out"], fake_decode,
+                            method=qualify.TOP_DOWN)
+    r = res["ops"]
+    assert r["qgemv_out"]["default"]["faster"] is True  # 11.0 without it, 10.5 with
+    assert r["qgemv"]["default"]["faster"] is False  # 10.0 without both, 10.5 with
+    assert res["qualified"] == {}
+    assert "left out with qgemv" in r["qgemv_out"]["default"]["error"]
+
+
+@needs_emu
+def test_top_down_picks_the_fastest_passing_variant(monkeypatch):
+    """Each passing variant of a member is timed against the set without the member;
+    the fastest faster one stays, and the final timing runs under it."""
+    var = "LILY_TEST_VARIANT"
+    monkeypatch.delenv(var, raising=False)
+    monkeypatch.setattr(qualify, "VARIANTS", {"add_rms_norm": {
+        "wide": {var: "wide"}, "wider": {var: "wider"}, "broken": {var: "broken"}}})
+    real_check = qualify._Parity.check
+
+    def check(self, opset, settings=None):
+        v = real_check(self, opset, settings)
+        return dict(v, ok=False, error="broken variant") if (
+            (settings or {}).get(var) == "broken") else v
+
+    def census(model, opset, settings, **kw):  # the variants launch differently
+        key = f"{','.join(sorted(opset))}|{(settings or {}).get(var)}"
+        return {ph: Counter({key: 1}) for ph in qualify.PHASES}
+
+    times = {"wide": 5.0, "wider": 8.0}
+    seen = []
+
+    def fake_decode(run, steps):
+        seen.append(os.environ.get(var))
+        return times.get(os.environ.get(var), 10.0)
+
+    monkeypatch.setattr(qualify._Parity, "check", check)
+    monkeypatch.setattr(qualify, "launch_census", census)
+    monkeypatch.setattr(qualify, "decode_round", fake_decode)
+    monkeypatch.setattr(qualify, "prefill_round", lambda model, length: 10.0)
+    model = _models.build("qwen3_5_moe", seed=3)
+    with emulated_metal():
+        res = qualify.qualify_model(model, ops=["add_rms_norm"], decode_steps=1,
+                                    decode_rounds=1, decode_context=4, prefill_len=8,
+                                    parity_prefill=0, seed=1, method=qualify.TOP_DOWN)
+    r = res["ops"]["add_rms_norm"]
+    assert [r[v]["faster"] for v in ("default", "wide", "wider")] == [False, True, True]
+    assert r["broken"]["kernel_ms"] is None
+    assert res["qualified"] == {"add_rms_norm": "wide"}
+    # the whole set vs the references, then default, wide and wider each against the set
+    # without the op, then stock against the qualified set under "wide"
+    assert seen == [None, None, None, None, None, "wide", None, "wider", None, "wide"], seen
+    assert var not in os.environ
+
+
+def test_unknown_method_is_refused():
+    with pytest.raises(ValueError, match="method 'sideways'"):
+        qualify.qualify_model(None, method="sideways")
+
+
+def test_the_method_reaches_the_child(monkeypatch, fake_device):
+    """``--method`` travels to the child's command line (and from there to
+    ``qualify_model``, ``_child``)."""
+    seen = {}
+
+    def fake_run(model, synthetic, *, layers, timeout_s, extra_args, backend):
+        seen["extra"] = list(extra_args)
+        return {"status": "ok", "wall_s": 0.0}
+
+    monkeypatch.setattr(qualify, "run", fake_run)
+    monkeypatch.setattr(qualify._backend, "current_backend", lambda: "cuda")
+    assert qualify.main(["--synthetic", "tiny", "--method", "top-down"]) == 0
+    i = seen["extra"].index("--method")
+    assert seen["extra"][i + 1] == "top-down"
+    assert qualify.build_parser().parse_args(
+        ["--child", "--method", "top-down"]).method == "top-down"

@@ -24,7 +24,8 @@
 #            qualification of this round when one ran) plus batch_decode
 #   qualify: qualification on a fresh record folder (QUALIFY_RUNS times, default 1, each on
 #            its own folder; QUALIFY_WARM=1: once more on the first run's folder, whose
-#            kernel caches that run filled), then the A/B gate under the last record
+#            kernel caches that run filled, once per method of QUALIFY_WARM_METHODS, e.g.
+#            "greedy top-down", default greedy), then the A/B gate under the last record
 #            unless the list names the gate itself
 #   gate:    the A/B gate (benchmarks/ab.py) under this round's record (limit GATE_LIMIT_S,
 #            default 420 s: on a fresh H100 the stock arm's JIT alone took 212 s)
@@ -122,9 +123,13 @@ phase_qualify() {
       python3 -m mlx_lily.qualify --model "$Q36" --report --out "$W/$d" --timeout-s 580
   done
   if [ "${QUALIFY_WARM:-0}" = 1 ]; then  # again on the first run's folder: its kernel caches are warm
-    qd=/tmp/qc
-    MLX_LILY_CACHE_DIR=$qd step qualify-warm 600 \
-      python3 -m mlx_lily.qualify --model "$Q36" --report --out "$W/qualify-warm" --timeout-s 580
+    local m
+    for m in ${QUALIFY_WARM_METHODS:-greedy}; do
+      qd=/tmp/qc; d=qualify-warm; [ -n "${QUALIFY_WARM_METHODS:-}" ] && d=qualify-warm-$m
+      MLX_LILY_CACHE_DIR=$qd step $d 600 \
+        python3 -m mlx_lily.qualify --model "$Q36" --report --out "$W/$d" --timeout-s 580 \
+        --method "$m"
+    done
   fi
   [ -n "$qd" ] && QUALIFIED_DIR=$qd
   case ",${ROUND_PHASES:-}," in *,gate,*) ;; *) phase_gate ;; esac
