@@ -158,8 +158,8 @@ PARITY_PREFILL = 64
 PREFILL_REPS = 3  # paired prefill rounds
 #: How the timing step builds the set: ``"greedy"`` (ops one at a time, chains, then the
 #: whole passing set and its leave-one-out) or ``"top-down"`` (the whole passing set, then
-#: each member left out with the members that require it, then variant swaps; every
-#: comparison runs at the fast set's speed, not the references')
+#: each member, in each of its variants, against the set without it and the members that
+#: require it; every comparison runs at about the fast set's speed, not the references')
 GREEDY, TOP_DOWN = "greedy", "top-down"
 METHODS = (GREEDY, TOP_DOWN)
 
@@ -1214,11 +1214,18 @@ def qualify_model(model, *, ops=None, decode_steps: int = DECODE_STEPS,
             against the references, then each member (last in ``OP_NAMES`` first: fusions
             before the ops they need), in each of its passing variants, against the set
             without it and the members that require it; those leave together unless a
-            variant is faster (the fastest such variant stays, ``decide``)."""
+            variant is faster (the fastest such variant stays, ``decide``). Last, a member
+            that nothing requires and whose launches the kept variants made moot leaves."""
             nonlocal kept, chosen
+            req = first_contact.requires
             passed = [o for o in timed if results[o][DEFAULT_VARIANT]["passed"]]
-            whole = whole_set(passed, first_contact.requires,
-                              lambda ops: census_of(_ordered(ops), {}))
+            for o in timed:
+                if o not in passed:
+                    for r in results[o].values():
+                        if r["passed"]:
+                            r["error"] = ("not timed: the top-down method starts from the "
+                                          "default variants, and this op's did not pass")
+            whole = whole_set(passed, req, lambda ops: census_of(_ordered(ops), {}))
             for o in passed:
                 if o not in whole:
                     results[o][DEFAULT_VARIANT]["error"] = (
@@ -1234,15 +1241,27 @@ def qualify_model(model, *, ops=None, decode_steps: int = DECODE_STEPS,
                                     "faster": faster_speedup(c["speedup"], c["noise"])}
             say(f"whole passing set ({len(cur)} ops, default variants) against the "
                 f"references: {speed_note(c)}")
+            cur_ms = dict(c["kernel_ms"])  # the current set's times, for phases not timed
+
+            def leave(ops, why):
+                for o in ops:
+                    r = results[o][chosen.get(o, DEFAULT_VARIANT)]
+                    r["error"], r["faster"] = why(o), False
+                    chosen.pop(o, None)
+
+            def sums(census):
+                return None if census is None else {ph: sum(n.values())
+                                                    for ph, n in census.items()}
+
             order = list(reversed(cur))
             for i, op in enumerate(order):
                 if op not in cur:
                     continue  # left already, with an op it requires
-                drop = with_dependents(op, cur, first_contact.requires)
+                drop = with_dependents(op, cur, req)
                 rest = [o for o in cur if o not in drop]
                 base_env = env_of(rest)
                 without = census_of(rest, base_env)
-                notes = []
+                notes, without_ms = [], None
                 for name, settings in variants_of(op, be, decode_context).items():
                     r = results[op][name]
                     if not r["passed"]:
@@ -1251,7 +1270,7 @@ def qualify_model(model, *, ops=None, decode_steps: int = DECODE_STEPS,
                     env = env_of(cur)
                     full = census_of(cur, env)
                     same = same_phases(full, without)
-                    r["census"] = {ph: sum(n.values()) for ph, n in full.items()}
+                    r["census"] = sums(full)
                     if same == set(PHASES):
                         r["error"] = ("not timed: no kernel launch differs from the set "
                                       "without it at these shapes")
@@ -1259,9 +1278,13 @@ def qualify_model(model, *, ops=None, decode_steps: int = DECODE_STEPS,
                         continue
                     c = compare(arm(rest, base_env), arm(cur, env),
                                 [ph for ph in PHASES if ph not in same])
-                    fill(c, same)
+                    for ph in same:  # not timed: the same work as the current set's
+                        if ph in cur_ms:
+                            c["kernel_ms"][ph] = c["base_ms"][ph] = cur_ms[ph]
+                        c["speedup"][ph], c["noise"][ph] = 1.0, 0.0
                     r.update(c)
                     r["faster"] = faster_speedup(c["speedup"], c["noise"])
+                    without_ms = c["base_ms"]
                     notes.append(f"{name} {speed_note(r)}")
                 best = decide({op: results[op]}).get(op)
                 others = [o for o in drop if o != op]
@@ -1270,15 +1293,28 @@ def qualify_model(model, *, ops=None, decode_steps: int = DECODE_STEPS,
                     + f": {'; '.join(notes)} -> {best or 'left out'}")
                 if best is not None:
                     chosen[op] = best
+                    cur_ms.update(results[op][best]["kernel_ms"])
                     continue
-                for o in drop:
-                    r = results[o][DEFAULT_VARIANT]
-                    if o == op:
-                        r["error"] = r.get("error") or "left out: not faster in the set"
-                    else:
-                        r["error"] = f"left out with {op}, which it requires"
-                    chosen.pop(o, None)
+                chosen[op] = DEFAULT_VARIANT
+                results[op][DEFAULT_VARIANT]["error"] = (
+                    results[op][DEFAULT_VARIANT].get("error")
+                    or "left out: not faster in the set")
+                chosen.pop(op)
+                leave(others, lambda o: f"left out with {op}, which it requires")
                 cur = rest
+                if without_ms:
+                    cur_ms.update(without_ms)
+            # a variant kept late (a global knob) can make an earlier member's launches moot
+            full = census_of(cur, env_of(cur))
+            for m in reversed(list(cur)):
+                if full is None or any(m in req(o) for o in cur if o != m):
+                    continue
+                rest = [o for o in cur if o != m]
+                if rest and same_phases(census_of(rest, env_of(rest)), full) == set(PHASES):
+                    say(f"{m}: no launch of its own under the variants kept -> left out")
+                    leave([m], lambda o: "left out: no kernel launch of its own under the "
+                                         "variants kept")
+                    cur = rest
             kept = _ordered(cur)
 
         def greedy():
@@ -1465,9 +1501,9 @@ def qualify_model(model, *, ops=None, decode_steps: int = DECODE_STEPS,
                        "failing set bisected; "
                        + ("each op on vs off (ops kept before it on in both) timed in "
                           if method == GREEDY else
-                          "the whole passing set, then each member on vs off (with the "
-                          "members that require it; the rest of the set on in both), then "
-                          "each kept op's other variants, timed in ")
+                          "the whole passing set, then each member on (in each passing "
+                          "variant) vs off with the members that require it, the rest of "
+                          "the set on in both, timed in ")
                        + "alternating paired rounds: pipelined decode steps "
                        f"of the model at {timed_depth} layers (its loaded layers repeated) "
                        "and prefill chunks, speed-up = the median per-round ratio; "

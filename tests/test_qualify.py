@@ -946,11 +946,13 @@ def test_top_down_keeps_the_ops_the_set_is_faster_with(monkeypatch):
         t += 0.2 * ("add_rms_norm" in on)
         if {"qgemv", "qgemv_out", "attention", "attn_packed"} <= on:
             t -= 1.5
+        # a fusion left on without its base op would cost: the base arm must drop both
+        t += 0.4 * ("qgemv_out" in on and "qgemv" not in on)
         return t
 
     ops = ["add_rms_norm", "attention", "qgemv", "attn_packed", "qgemv_out"]
     res = _qualify_timed_by(monkeypatch, ops, fake_decode, method=qualify.TOP_DOWN)
-    assert res["settings"]["method"] == "top-down" and "each member on vs off" in res["method"]
+    assert res["settings"]["method"] == "top-down" and "each member on (in each passing variant)" in res["method"]
     w = res["overall"]["whole_set"]
     assert w["ops"] == ops and w["speedup"]["decode"] == pytest.approx(10.0 / 9.3)
     assert res["qualified"] == {o: "default" for o in ops if o != "add_rms_norm"}
@@ -981,10 +983,42 @@ def test_top_down_leaves_a_base_op_with_the_fusions_that_require_it(monkeypatch)
     res = _qualify_timed_by(monkeypatch, ["qgemv", "qgemv_out"], fake_decode,
                             method=qualify.TOP_DOWN)
     r = res["ops"]
-    assert r["qgemv_out"]["default"]["faster"] is True  # 11.0 without it, 10.5 with
+    assert r["qgemv_out"]["default"]["speedup"]["decode"] == pytest.approx(11.0 / 10.5)
     assert r["qgemv"]["default"]["faster"] is False  # 10.0 without both, 10.5 with
     assert res["qualified"] == {}
+    # kept alone first, then out with its base op: the record says so
+    assert r["qgemv_out"]["default"]["faster"] is False
     assert "left out with qgemv" in r["qgemv_out"]["default"]["error"]
+
+
+@needs_emu
+def test_top_down_reports_the_sets_time_for_a_phase_not_timed(monkeypatch):
+    """A decode-only member's prefill is not timed: its row carries the set's own prefill
+    time (the whole set's here, 14 ms), not the references' (20 ms)."""
+    def on():
+        return kernels._OVERRIDE[0] or frozenset()
+
+    res = _qualify_timed_by(
+        monkeypatch, ["add_rms_norm", "qgemv"],
+        lambda run, steps: 10.0 - 1.0 * ("qgemv" in on()) - 1.0 * ("add_rms_norm" in on()),
+        lambda model, length: 20.0 - 6.0 * ("add_rms_norm" in on()), method=qualify.TOP_DOWN)
+    q = res["ops"]["qgemv"]["default"]
+    assert q["timing"]["reused"] == ["prefill"]
+    assert q["kernel_ms"]["prefill"] == q["base_ms"]["prefill"] == 14.0
+    assert res["qualified"] == {"add_rms_norm": "default", "qgemv": "default"}
+
+
+@needs_emu
+def test_top_down_survives_a_census_that_fails(monkeypatch):
+    """``launch_census`` gives None when it cannot build the graph: every phase is then
+    timed, as in the greedy method."""
+    monkeypatch.setattr(qualify, "launch_census", lambda *a, **kw: None)
+    res = _qualify_timed_by(
+        monkeypatch, ["add_rms_norm"],
+        lambda run, steps: 9.0 if "add_rms_norm" in (kernels._OVERRIDE[0] or ()) else 10.0,
+        method=qualify.TOP_DOWN)
+    assert res["qualified"] == {"add_rms_norm": "default"}
+    assert res["ops"]["add_rms_norm"]["default"]["census"] is None
 
 
 @needs_emu
@@ -1051,5 +1085,10 @@ def test_the_method_reaches_the_child(monkeypatch, fake_device):
     assert qualify.main(["--synthetic", "tiny", "--method", "top-down"]) == 0
     i = seen["extra"].index("--method")
     assert seen["extra"][i + 1] == "top-down"
-    assert qualify.build_parser().parse_args(
-        ["--child", "--method", "top-down"]).method == "top-down"
+    opts = qualify.build_parser().parse_args(
+        ["--child", "--child-out", str(fake_device.parent / "child.json"), "--synthetic",
+         "tiny", "--method", "top-down"])
+    monkeypatch.setattr(qualify, "load_model", lambda *a: (None, {"depth": 4}))
+    monkeypatch.setattr(qualify, "qualify_model",
+                        lambda model, **kw: seen.update(child=kw["method"]) or {})
+    assert qualify._child(opts) == 0 and seen["child"] == "top-down"
