@@ -13,8 +13,9 @@ The P + D measured rows (each predicting the next reference id) are compared. En
 ``fp32`` (stock code, every float parameter in fp32, the quantised weights unchanged),
 ``stock`` (mlx-lm as loaded) and, for each ``--kernels`` mode (``default`` = Lily's
 verified set, or the backend's shipped set by name on a device with no record;
-``all`` = ``MLX_LILY_KERNELS=all``; a run where Lily stands aside exits), ``lily-<mode>`` twice: once as users run it
-(compiled decode steps on GPU backends) for the logits, and once with the same decode-step
+``all`` = ``MLX_LILY_KERNELS=all``; a run where Lily stands aside exits),
+``lily-<mode>`` twice: once as users run it (compiled decode steps on GPU backends) for
+the logits, and once with the same decode-step
 functions built by an identity ``mx.compile`` (``decode_steps_eager``; compiled functions run
 no Python) to capture the routing; the two runs' logits are compared too
 (``eager_vs_compiled``).

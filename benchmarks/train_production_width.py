@@ -270,7 +270,7 @@ def parse_args(argv=None):
     p.add_argument("--fast-blas", action="store_true",
                    help="CPU runs of other presets: use train_fixture's OpenBLAS shim too")
     p.add_argument("--micro-batch", default="auto",
-                   help="rows per forward/backward, gradients summed over the batch's rows "
+                   help="rows per forward/backward, gradients averaged over the batch's rows "
                         "('auto': the whole batch where the GPU has >= %d GB, else 1 row)"
                         % (WHOLE_BATCH_MEMORY // 10**9))
     p.add_argument("--aux-coef", type=float, default=0.01, help="router load-balance loss")

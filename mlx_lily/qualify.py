@@ -980,6 +980,17 @@ def launch_census(model, opset, settings, *, context: int = DECODE_CONTEXT,
         return None
 
 
+#: The record's error for an op variant whose launches equal the set's without it
+NO_LAUNCH_DIFFERS = ("not timed: no kernel launch differs from the set without it at these "
+                     "shapes")
+
+
+def census_counts(census: dict | None) -> dict | None:
+    """``{phase: launches}`` of a ``launch_census`` result (None stays None): what the
+    record keeps of it."""
+    return None if census is None else {ph: sum(n.values()) for ph, n in census.items()}
+
+
 def same_phases(census: dict | None, base: dict | None) -> set:
     """The phases whose launches ``census`` and ``base`` share exactly (none when either
     is unknown): there the op set's work is the base set's, and it is not timed again."""
@@ -1163,11 +1174,13 @@ def qualify_model(model, *, ops=None, decode_steps: int = DECODE_STEPS,
                 env.update(variants_of(o, be, decode_context)[chosen[o]])
             return env
 
-        def fill(c, same):
-            """A phase not timed keeps the base set's latest time, speed-up 1."""
+        def fill(c, same, times=None):
+            """A phase not timed keeps the base set's latest time (``times``, default the
+            greedy pass's ``last_ms``), speed-up 1."""
+            times = last_ms if times is None else times
             for ph in same:
-                if ph in last_ms:
-                    c["kernel_ms"][ph] = c["base_ms"][ph] = last_ms[ph]
+                if ph in times:
+                    c["kernel_ms"][ph] = c["base_ms"][ph] = times[ph]
                 c["speedup"][ph], c["noise"][ph] = 1.0, 0.0
             if overall["reference_ms"] is None and not kept:
                 overall["reference_ms"] = dict(c["base_ms"])
@@ -1249,10 +1262,6 @@ def qualify_model(model, *, ops=None, decode_steps: int = DECODE_STEPS,
                     r["error"], r["faster"] = why(o), False
                     chosen.pop(o, None)
 
-            def sums(census):
-                return None if census is None else {ph: sum(n.values())
-                                                    for ph, n in census.items()}
-
             order = list(reversed(cur))
             for i, op in enumerate(order):
                 if op not in cur:
@@ -1270,18 +1279,14 @@ def qualify_model(model, *, ops=None, decode_steps: int = DECODE_STEPS,
                     env = env_of(cur)
                     full = census_of(cur, env)
                     same = same_phases(full, without)
-                    r["census"] = sums(full)
+                    r["census"] = census_counts(full)
                     if same == set(PHASES):
-                        r["error"] = ("not timed: no kernel launch differs from the set "
-                                      "without it at these shapes")
+                        r["error"] = NO_LAUNCH_DIFFERS
                         notes.append(f"{name} changes no launch")
                         continue
                     c = compare(arm(rest, base_env), arm(cur, env),
                                 [ph for ph in PHASES if ph not in same])
-                    for ph in same:  # not timed: the same work as the current set's
-                        if ph in cur_ms:
-                            c["kernel_ms"][ph] = c["base_ms"][ph] = cur_ms[ph]
-                        c["speedup"][ph], c["noise"][ph] = 1.0, 0.0
+                    fill(c, same, cur_ms)  # not timed: the same work as the current set's
                     r.update(c)
                     r["faster"] = faster_speedup(c["speedup"], c["noise"])
                     without_ms = c["base_ms"]
@@ -1340,8 +1345,7 @@ def qualify_model(model, *, ops=None, decode_steps: int = DECODE_STEPS,
                     r["census"] = census_of(kept + [op], env)
                     same = same_phases(r["census"], base_census)
                     if same == set(PHASES):
-                        r["error"] = ("not timed: no kernel launch differs from the set "
-                                      "without it at these shapes")
+                        r["error"] = NO_LAUNCH_DIFFERS
                         notes.append(f"{name} changes no launch")
                         continue
                     c = compare(arm(kept, env_of(kept)), arm(kept + [op], env),
@@ -1364,7 +1368,7 @@ def qualify_model(model, *, ops=None, decode_steps: int = DECODE_STEPS,
                     base_census = results[op][best]["census"]
                 for r in results[op].values():  # counts in the record, not the Counters
                     if r.get("census") is not None:
-                        r["census"] = {ph: sum(c.values()) for ph, c in r["census"].items()}
+                        r["census"] = census_counts(r["census"])
             # ops that pay off only together: an op not kept alone (an enabler, e.g.
             # attention for its packed fusion and the batched step) is timed with the
             # ops that require it
@@ -1389,7 +1393,7 @@ def qualify_model(model, *, ops=None, decode_steps: int = DECODE_STEPS,
                                      [ph for ph in PHASES if ph not in same]))
                     fill(c, same)
                     c["faster"] = faster_speedup(c["speedup"], c["noise"])
-                c["census"] = {ph: sum(n.values()) for ph, n in census.items()}
+                c["census"] = census_counts(census)
                 say(f"chain {'+'.join(chain)}: " + (c["error"] or speed_note(c))
                     + (" -> kept" if c["faster"] else " -> not faster"))
                 if c["faster"]:

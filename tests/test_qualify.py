@@ -386,17 +386,20 @@ def test_variant_settings_apply_and_restore(monkeypatch):
     assert qualify.variants_of("qgemv")["default"] == {}
 
 
-@needs_emu
-def test_variants_are_checked_timed_and_picked(monkeypatch):
-    """Each variant of an op runs its parity and its timing under its own settings; a
-    variant failing parity is not timed; the fastest passing variant that was faster is
-    the op's qualified variant, and the final timing runs under it."""
-    var = "LILY_TEST_VARIANT"
+VARIANT_VAR = "LILY_TEST_VARIANT"
+
+
+def _three_variants_qualified(monkeypatch, **kw):
+    """``qualify_model`` of ``add_rms_norm`` with three variants, each setting
+    ``VARIANT_VAR``: "wide" (5 ms a decode step), "wider" (8 ms) and "broken" (fails
+    parity); the default and the references take 10 ms, prefill 10 ms. Returns
+    ``(result, parity checks as (op set, variant), the variant each timed round ran)``."""
+    var = VARIANT_VAR
     monkeypatch.delenv(var, raising=False)
     monkeypatch.setattr(qualify, "VARIANTS", {"add_rms_norm": {
         "wide": {var: "wide"}, "wider": {var: "wider"}, "broken": {var: "broken"}}})
     real_check = qualify._Parity.check
-    checked = []
+    checked, seen = [], []
 
     def check(self, opset, settings=None):
         checked.append((tuple(opset), (settings or {}).get(var)))
@@ -406,7 +409,6 @@ def test_variants_are_checked_timed_and_picked(monkeypatch):
         return v
 
     times = {"wide": 5.0, "wider": 8.0}
-    seen = []
 
     def fake_decode(run, steps):
         seen.append(os.environ.get(var))
@@ -419,7 +421,16 @@ def test_variants_are_checked_timed_and_picked(monkeypatch):
     with emulated_metal():
         res = qualify.qualify_model(model, ops=["add_rms_norm"], decode_steps=1,
                                     decode_rounds=1, decode_context=4, prefill_len=8,
-                                    parity_prefill=0, seed=1)
+                                    parity_prefill=0, seed=1, **kw)
+    return res, checked, seen
+
+
+@needs_emu
+def test_variants_are_checked_timed_and_picked(monkeypatch):
+    """Each variant of an op runs its parity and its timing under its own settings; a
+    variant failing parity is not timed; the fastest passing variant that was faster is
+    the op's qualified variant, and the final timing runs under it."""
+    res, checked, seen = _three_variants_qualified(monkeypatch)
     r = res["ops"]["add_rms_norm"]
     assert list(r) == ["default", "wide", "wider", "broken"]
     assert [r[v]["passed"] for v in r] == [True, True, True, False]
@@ -432,7 +443,7 @@ def test_variants_are_checked_timed_and_picked(monkeypatch):
     assert seen == [None, None, None, "wide", None, "wider", None, "wide"], seen
     assert res["overall"]["speedup_vs_stock"]["decode"] == 2.0
     assert [s for _, s in checked] == [None, "wide", "wider", "broken", "wide"], checked
-    assert var not in os.environ
+    assert VARIANT_VAR not in os.environ
     md = qualify.render_markdown({**res, "identity": {}})
     assert "| add_rms_norm | wide | yes | yes |" in md
 
@@ -1025,37 +1036,14 @@ def test_top_down_survives_a_census_that_fails(monkeypatch):
 def test_top_down_picks_the_fastest_passing_variant(monkeypatch):
     """Each passing variant of a member is timed against the set without the member;
     the fastest faster one stays, and the final timing runs under it."""
-    var = "LILY_TEST_VARIANT"
-    monkeypatch.delenv(var, raising=False)
-    monkeypatch.setattr(qualify, "VARIANTS", {"add_rms_norm": {
-        "wide": {var: "wide"}, "wider": {var: "wider"}, "broken": {var: "broken"}}})
-    real_check = qualify._Parity.check
-
-    def check(self, opset, settings=None):
-        v = real_check(self, opset, settings)
-        return dict(v, ok=False, error="broken variant") if (
-            (settings or {}).get(var) == "broken") else v
+    var = VARIANT_VAR
 
     def census(model, opset, settings, **kw):  # the variants launch differently
         key = f"{','.join(sorted(opset))}|{(settings or {}).get(var)}"
         return {ph: Counter({key: 1}) for ph in qualify.PHASES}
 
-    times = {"wide": 5.0, "wider": 8.0}
-    seen = []
-
-    def fake_decode(run, steps):
-        seen.append(os.environ.get(var))
-        return times.get(os.environ.get(var), 10.0)
-
-    monkeypatch.setattr(qualify._Parity, "check", check)
     monkeypatch.setattr(qualify, "launch_census", census)
-    monkeypatch.setattr(qualify, "decode_round", fake_decode)
-    monkeypatch.setattr(qualify, "prefill_round", lambda model, length: 10.0)
-    model = _models.build("qwen3_5_moe", seed=3)
-    with emulated_metal():
-        res = qualify.qualify_model(model, ops=["add_rms_norm"], decode_steps=1,
-                                    decode_rounds=1, decode_context=4, prefill_len=8,
-                                    parity_prefill=0, seed=1, method=qualify.TOP_DOWN)
+    res, _, seen = _three_variants_qualified(monkeypatch, method=qualify.TOP_DOWN)
     r = res["ops"]["add_rms_norm"]
     assert [r[v]["faster"] for v in ("default", "wide", "wider")] == [False, True, True]
     assert r["broken"]["kernel_ms"] is None
