@@ -99,11 +99,12 @@ def make_text_model_call(module, cls_name, layer_cls_name, with_embeddings):
                 if y is not None:
                     return y
             widen_kv_steps(cache, grow_batch)  # where caches grow: prefill, a step without room
+            slots: dict = {}  # a layer module held at several places (deep_view): one trace
             for i, (layer, c) in enumerate(zip(layers, cache)):
                 if m is not None:
                     h, x = layer_input(h, m, layer.input_layernorm, defer)
                 if steps is not None and (not layer.is_linear or gdn_step_ok(layer, c)):
-                    key_i = (i, isinstance(x, PendingNorm))
+                    key_i = (slots.setdefault(id(layer), i), isinstance(x, PendingNorm))
                     if not layer.is_linear and attn_step_ok(layer, c, x):
                         key_a = key_i + ("attn",)
                         if steps.get(key_a) is not False:

@@ -823,6 +823,39 @@ def test_deep_view_repeats_the_loaded_layers(kind):
     assert qualify.full_depth(model) == len(layers)
 
 
+@pytest.mark.parametrize("kind", ["qwen3_5_moe", "qwen3_next"])
+def test_deep_view_traces_each_loaded_layer_once(kind, monkeypatch):
+    """Decode steps of a deep view compiled layer by layer trace each loaded layer's
+    module once per input form (its first place, the later ones with their norm
+    pending), however deep the view: compiled functions are keyed by the module's first
+    index. The view's steps equal the same steps run uncompiled."""
+    from mlx_lily.patches import decode_graph
+
+    model = _models.build(kind, seed=4)
+    n = len(qualify._inner_model(model).layers)
+    view = qualify.deep_view(model, 3 * n + 1)
+    ids, steps = mx.array([[3, 1, 4, 1, 5]]), (7, 2, 9)
+
+    def decode():
+        cache = view.make_cache()
+        view(ids, cache=cache)
+        return [view(mx.array([[t]]), cache=cache) for t in steps]
+
+    with mlx_lily.patched(model):
+        monkeypatch.setenv("MLX_LILY_COMPILE", "0")
+        want = decode()
+        monkeypatch.setenv("MLX_LILY_COMPILE", "1")
+        monkeypatch.setenv("MLX_LILY_COMPILE_WHOLE", "0")
+        before = decode_graph.TRACES[0]
+        got = decode()
+        traces = decode_graph.TRACES[0] - before
+        fns = qualify._inner_model(view)._lily_steps.fns
+    assert {slot for slot, *_ in fns} <= set(range(n))
+    assert 0 < len(fns) <= 2 * n
+    assert traces <= 2 * n
+    assert all(mx.allclose(a, b, rtol=1e-5, atol=1e-5).item() for a, b in zip(got, want))
+
+
 @needs_emu
 def test_decode_is_timed_at_the_asked_depth(monkeypatch):
     """With ``depth``, every timed decode round of both arms runs on the deep view (one
