@@ -12,6 +12,7 @@ from collections import Counter
 import os
 import shutil
 import sys
+import time
 from pathlib import Path
 
 import mlx.core as mx
@@ -486,6 +487,13 @@ def _child_env(**extra):
 
 @needs_emu
 def test_child_process_qualifies_and_writes_the_record(fake_device, monkeypatch):
+    real_identity = qualify.identity
+
+    def slow_identity(be):  # the parent's own check takes 2 s: it must overlap the child
+        time.sleep(2.0)
+        return real_identity(be)
+
+    monkeypatch.setattr(qualify, "identity", slow_identity)
     rec = qualify.run(str(FIXTURE), backend="metal", timeout_s=400, extra_args=FAST,
                       env=_child_env())
     assert rec["status"] == "ok", rec.get("log_tail")
@@ -495,11 +503,14 @@ def test_child_process_qualifies_and_writes_the_record(fake_device, monkeypatch)
     st = rec["startup"]  # where the time outside qualification went, in launch order
     assert 0 < st["launch_to_main_s"] < st["launch_to_result_s"] <= st["launch_to_exit_s"]
     assert 0 < st["load_s"] < st["launch_to_result_s"] and st["launch_to_exit_s"] <= rec["wall_s"]
+    assert st["parent_identity_s"] >= 2.0 and rec["wall_s"] - st["launch_to_exit_s"] < 1.0
+    assert rec["identity"] == real_identity("metal")
     stored = json.loads(qualify.record_path("metal").read_text())
     assert stored["status"] == "ok" and stored["ops"] == rec["ops"]
     md = qualify.render_markdown(stored)
     assert "| add_rms_norm | default | yes |" in md
     assert "Child process, seconds from its launch: launch to main " in md
+    assert "the parent's identity check (while the child ran) " in md
     j, m = qualify.write_report(stored, fake_device.parent / "report")
     assert json.loads(j.read_text())["ops"] and m.read_text() == md
 
