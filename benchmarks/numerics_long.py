@@ -13,7 +13,8 @@ The P + D measured rows (each predicting the next reference id) are compared. En
 ``fp32`` (stock code, every float parameter in fp32, the quantised weights unchanged),
 ``stock`` (mlx-lm as loaded) and, for each ``--kernels`` mode (``default`` = Lily's
 verified set, or the backend's shipped set by name on a device with no record;
-``all`` = ``MLX_LILY_KERNELS=all``; a run where Lily stands aside exits),
+``all`` = ``MLX_LILY_KERNELS=all``; ``each`` = one mode per op of the default set with
+what it requires, ``each_op_modes``; a run where Lily stands aside exits),
 ``lily-<mode>`` twice: once as users run it (compiled decode steps on GPU backends) for
 the logits, and once with the same decode-step
 functions built by an identity ``mx.compile`` (``decode_steps_eager``; compiled functions run
@@ -84,6 +85,36 @@ def kernels_for_mode(mode: str, log=print) -> str:
     log(f"--kernels default: no record or shipped record for this {be} device; using the "
         f"shipped {be} set by name ({len(shipped)} ops)")
     return ",".join(shipped)
+
+
+def each_op_modes(default_kernels: str, backend_name: str) -> list:
+    """``--kernels each``: one mode per op of the default set (``default_kernels``, the
+    ``kernels`` setting ``kernels_for_mode("default")`` gave: ``verified`` or a comma list)
+    on ``backend_name``, each the op with the ops it requires (``registry``) and
+    ``add_rms_norm`` (the patched decoder stack runs only with it), joined by '+' in
+    ``OP_NAMES`` order; ``add_rms_norm`` alone comes first when the set holds it. Each
+    mode's error against stock and fp32 is that op's own share of the default set's."""
+    from mlx_lily import backend, first_contact, kernels
+
+    ops = (set(kernels.verified_ops(backend_name)) if default_kernels == "verified"
+           else {o for o in default_kernels.split(",") if o})
+
+    def closure(op, seen):
+        for q in first_contact.requires(op):
+            if q in backend.OP_NAMES and q not in seen:
+                seen.add(q)
+                closure(q, seen)
+        return seen
+
+    out = []
+    for op in backend.OP_NAMES:
+        if op not in ops:
+            continue
+        need = closure(op, {op}) | ({"add_rms_norm"} if "add_rms_norm" in ops else set())
+        mode = "+".join(o for o in backend.OP_NAMES if o in need)
+        if mode not in out:
+            out.append(mode)
+    return out
 
 
 def serving_or_exit(mode: str) -> None:
@@ -390,8 +421,9 @@ def build_parser():
     p.add_argument("--decode-steps", type=int, default=16)
     p.add_argument("--prefill-step", type=int, default=2048, help="chunk of the context prefill")
     p.add_argument("--kernels", default="default,all",
-                   help="Lily modes, comma-separated: default (the verified set), all, or ops "
-                        "joined by '+' (MLX_LILY_KERNELS=op,op: one kernel's error alone)")
+                   help="Lily modes, comma-separated: default (the verified set), all, ops "
+                        "joined by '+' (MLX_LILY_KERNELS=op,op: one kernel's error alone), or "
+                        "each (one mode per op of the default set, with what it requires)")
     p.add_argument("--no-fp32", action="store_true", help="skip the fp32 evaluation")
     p.add_argument("--no-lily", action="store_true", help="stock and fp32 only")
     p.add_argument("--out", type=Path, default=None, help="write the JSON result here")
@@ -419,6 +451,14 @@ def main(argv=None) -> int:
     ids = [int(i) for i in ref["ids"]]
     contexts = [int(c) for c in a.contexts.split(",") if c.strip()]
     modes = [] if a.no_lily else [m.strip() for m in a.kernels.split(",") if m.strip()]
+    if "each" in modes:
+        from mlx_lily import backend as lily_backend
+
+        each = each_op_modes(kernels_for_mode("default", log), lily_backend.current_backend())
+        log(f"--kernels each: {len(each)} modes, one per op of the default set: "
+            f"{', '.join(each)}")
+        modes = [x for m in modes for x in (each if m == "each" else [m])]
+        modes = list(dict.fromkeys(modes))
     kernels_of = {m: kernels_for_mode(m, log) for m in modes}
     need = max(contexts) + a.decode_steps + 1
     if len(ids) < need:

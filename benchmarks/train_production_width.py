@@ -69,7 +69,7 @@ PRESETS = {
         vocab=16384, hidden=2048, gdn_k_heads=16, attn_heads=16, kv_heads=2, experts=64,
         top_k=8, moe_intermediate=512, batch=4, seq_len=4096, lr=8e-4, warmup=40,
         val_windows=16, max_chars=0, time_budget_s=360.0, post_reserve_s=120.0,
-        dtype="bfloat16", sample_tokens=32),
+        steps="100", dtype="bfloat16", sample_tokens=32),
     # CPU toy scale: same code paths, a minute or two on two cores
     "smoke": dict(
         vocab=2048, hidden=256, gdn_k_heads=2, attn_heads=4, kv_heads=1, experts=16,

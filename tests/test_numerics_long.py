@@ -149,3 +149,26 @@ def test_a_lily_that_stepped_aside_is_not_measured(monkeypatch):
         nl.serving_or_exit("default")
     monkeypatch.setattr(mlx_lily, "backend_info", lambda: {"patch": "patched"})
     nl.serving_or_exit("default")
+
+
+def test_each_mode_is_one_op_of_the_default_set_with_what_it_requires(monkeypatch):
+    from mlx_lily import kernels
+
+    nl = _load()
+    modes = nl.each_op_modes("add_rms_norm,qgemv,gdn_out_proj,gdn_proj,gdn_packed,"
+                             "gated_delta,norm_qgemv,qgemv_out,attention", "cuda")
+    assert modes == [
+        "add_rms_norm",
+        "add_rms_norm+gated_delta",
+        "add_rms_norm+attention",
+        "add_rms_norm+qgemv",
+        "add_rms_norm+qgemv+norm_qgemv",
+        "add_rms_norm+gated_delta+gdn_packed",
+        "add_rms_norm+qgemv+qgemv_out",
+        "add_rms_norm+gated_delta+qgemv+norm_qgemv+gdn_packed+gdn_proj",
+        "add_rms_norm+gated_delta+qgemv+norm_qgemv+gdn_packed+qgemv_out+gdn_proj+gdn_out_proj",
+    ]
+    assert nl.each_op_modes("attention", "cuda") == ["attention"]  # no add_rms_norm to add
+    monkeypatch.setattr(kernels, "verified_ops", lambda be: frozenset({"attention", "attn_packed"}))
+    assert nl.each_op_modes("verified", "cuda") == ["attention", "attention+attn_packed"]
+    assert nl.kernels_for_mode("add_rms_norm+qgemv+qgemv_out") == "add_rms_norm,qgemv,qgemv_out"

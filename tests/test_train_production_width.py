@@ -129,3 +129,11 @@ def test_micro_batches_give_the_whole_batch_gradient(pw):
         for k in a:
             assert b[k].dtype == a[k].dtype
             assert mx.abs(a[k] - b[k]).max().item() <= 1e-5 * max(1e-6, mx.abs(a[k]).max().item())
+
+
+def test_production_width_trains_a_fixed_step_count(pw):
+    """The production-width recipe has one schedule on every GPU (``--steps auto`` fitted
+    114 steps on an H200 and 89 on an H100 to one budget); ``--steps auto`` still fits."""
+    assert pw.parse_args([]).steps == 100
+    assert pw.parse_args(["--steps", "auto"]).steps == "auto"
+    assert pw.parse_args(["--steps", "7"]).steps == 7
