@@ -1590,8 +1590,8 @@ def run(model: str | None = None, synthetic: str | None = None, *, layers: int =
 
         relay_thread = threading.Thread(target=relay, daemon=True)
         relay_thread.start()
-        # while the child runs: the parent's first MLX device query and mlx-lm import
-        # took ~9 s on a fresh CLI process (H100)
+        # while the child runs: in a fresh CLI process the first MLX device query and the
+        # mlx-lm import take seconds
         t_id = time.perf_counter()
         ident = identity(be)
         identity_s = time.perf_counter() - t_id
