@@ -39,7 +39,7 @@ FAST = ["--ops", LIGHT_OPS, "--decode-steps", "1", "--decode-rounds", "2",
         "--parity-prefill", "0"]
 #: The paired timing's smallest useful run: one decode step per round, two rounds, one
 #: prefill round (tests whose timings are not stubbed).
-QUICK = dict(decode_steps=1, decode_rounds=2, prefill_reps=1)
+QUICK = dict(decode_steps=1, decode_rounds=2, prefill_reps=1, method=qualify.GREEDY)
 
 
 @pytest.fixture
@@ -313,7 +313,7 @@ def _qualify_timed_by(monkeypatch, ops, decode, prefill=None, **kw):
     _defaults_only(monkeypatch)
     model = _models.build("qwen3_5_moe", seed=3)
     args = dict(decode_steps=1, decode_rounds=1, prefill_reps=1, decode_context=4,
-                prefill_len=8, parity_prefill=0, seed=1)
+                prefill_len=8, parity_prefill=0, seed=1, method=qualify.GREEDY)
     args.update(kw)
     with emulated_metal():
         return qualify.qualify_model(model, ops=ops, **args)
@@ -422,7 +422,8 @@ def _three_variants_qualified(monkeypatch, **kw):
     with emulated_metal():
         res = qualify.qualify_model(model, ops=["add_rms_norm"], decode_steps=1,
                                     decode_rounds=1, decode_context=4, prefill_len=8,
-                                    parity_prefill=0, seed=1, **kw)
+                                    parity_prefill=0, seed=1,
+                                    **{"method": qualify.GREEDY, **kw})
     return res, checked, seen
 
 
@@ -1105,7 +1106,7 @@ def test_unknown_method_is_refused():
 
 def test_the_method_reaches_the_child(monkeypatch, fake_device):
     """``--method`` travels to the child's command line (and from there to
-    ``qualify_model``, ``_child``)."""
+    ``qualify_model``, ``_child``); top-down when not given."""
     seen = {}
 
     def fake_run(model, synthetic, *, layers, timeout_s, extra_args, backend):
@@ -1114,9 +1115,11 @@ def test_the_method_reaches_the_child(monkeypatch, fake_device):
 
     monkeypatch.setattr(qualify, "run", fake_run)
     monkeypatch.setattr(qualify._backend, "current_backend", lambda: "cuda")
-    assert qualify.main(["--synthetic", "tiny", "--method", "top-down"]) == 0
+    assert qualify.main(["--synthetic", "tiny", "--method", "greedy"]) == 0
     i = seen["extra"].index("--method")
-    assert seen["extra"][i + 1] == "top-down"
+    assert seen["extra"][i + 1] == "greedy"
+    assert qualify.main(["--synthetic", "tiny"]) == 0  # the default (auto_qualify's too)
+    assert seen["extra"][seen["extra"].index("--method") + 1] == "top-down"
     opts = qualify.build_parser().parse_args(
         ["--child", "--child-out", str(fake_device.parent / "child.json"), "--synthetic",
          "tiny", "--method", "top-down"])

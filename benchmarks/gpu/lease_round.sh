@@ -25,7 +25,7 @@
 #   qualify: qualification on a fresh record folder (QUALIFY_RUNS times, default 1, each on
 #            its own folder; QUALIFY_WARM=1: once more on the first run's folder, whose
 #            kernel caches that run filled, once per method of QUALIFY_WARM_METHODS, e.g.
-#            "greedy top-down", default greedy), then the A/B gate under the last record
+#            "greedy top-down"; default: qualify's own default method), then the A/B gate under the last record
 #            unless the list names the gate itself
 #   gate:    the A/B gate (benchmarks/ab.py) under this round's record (limit GATE_LIMIT_S,
 #            default 420 s: on a fresh H100 the stock arm's JIT alone took 212 s)
@@ -124,11 +124,12 @@ phase_qualify() {
   done
   if [ "${QUALIFY_WARM:-0}" = 1 ]; then  # again on the first run's folder: its kernel caches are warm
     local m
-    for m in ${QUALIFY_WARM_METHODS:-greedy}; do
+    for m in ${QUALIFY_WARM_METHODS:-default}; do
       qd=/tmp/qc; d=qualify-warm; [ -n "${QUALIFY_WARM_METHODS:-}" ] && d=qualify-warm-$m
+      local how=(); [ "$m" = default ] || how=(--method "$m")
       MLX_LILY_CACHE_DIR=$qd step $d 600 \
         python3 -m mlx_lily.qualify --model "$Q36" --report --out "$W/$d" --timeout-s 580 \
-        --method "$m"
+        "${how[@]}"
     done
   fi
   [ -n "$qd" ] && QUALIFIED_DIR=$qd
