@@ -552,7 +552,9 @@ def load_model(model: str | None = None, synthetic: str | None = None, layers: i
                seed: int = 0):
     """``(model, description)``: the checkpoint ``model`` loaded lazily with only its
     first ``layers`` layers evaluated (``-1``: ``default_layers``; 0: all), or a
-    ``synthetic`` preset's model with that many layers (built only for them)."""
+    ``synthetic`` preset's model with that many layers (built only for them). A
+    checkpoint's description holds the seconds of the lazy load (``lazy_load_s``) and of
+    evaluating the kept weights (``eval_s``)."""
     import mlx.core as mx
 
     if (model is None) == (synthetic is None):
@@ -573,11 +575,14 @@ def load_model(model: str | None = None, synthetic: str | None = None, layers: i
                    "depth": int(synth.PRESETS[synthetic]["num_hidden_layers"])}
     from mlx_lm.utils import load_model as lm_load_model
 
+    t0 = time.perf_counter()
     m = lm_load_model(Path(model), lazy=True)[0]
     depth = full_depth(m)
     n = truncate_layers(m, default_layers(m) if layers < 0 else layers)
+    t1 = time.perf_counter()
     mx.eval(m.parameters())
-    return m, {"kind": "path", "path": str(model), "layers": n, "depth": depth}
+    return m, {"kind": "path", "path": str(model), "layers": n, "depth": depth,
+               "lazy_load_s": t1 - t0, "eval_s": time.perf_counter() - t1}
 
 
 # ----------------------------------------------------------------------------- timing
@@ -1750,6 +1755,10 @@ def render_markdown(record: dict) -> str:
         lines += ["", "Child process, seconds from its launch: " + ", ".join(
             f"{k.removesuffix('_s').replace('_', ' ')} {st[k]:.1f}" for k in marks
             if st.get(k) is not None) + f"; loading the model took {st.get('load_s', 0):.1f}"]
+        loaded = record.get("model") or {}
+        if loaded.get("eval_s") is not None:
+            lines[-1] += (f" (lazy load {loaded.get('lazy_load_s', 0):.1f}, evaluating the kept "
+                          f"weights {loaded['eval_s']:.1f})")
         if st.get("launch_to_exit_s") is not None and record.get("wall_s") is not None:
             lines[-1] += (f"; the parent's identity check (while the child ran) "
                           f"{st.get('parent_identity_s') or 0:.1f}, the parent after the "

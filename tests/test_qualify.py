@@ -501,7 +501,9 @@ def test_child_process_qualifies_and_writes_the_record(fake_device, monkeypatch)
     assert {op: r["default"]["passed"] for op, r in rec["ops"].items()} == {
         "add_rms_norm": True, "moe_router_topk": True}
     assert rec["model"]["layers"] == 4
-    st = rec["startup"]  # where the time outside qualification went, in launch order
+    st = rec["startup"]
+    load_parts = rec["model"]["lazy_load_s"] + rec["model"]["eval_s"]
+    assert 0 < load_parts <= st["load_s"] and rec["model"]["eval_s"] > 0  # where the time outside qualification went, in launch order
     assert 0 < st["launch_to_main_s"] < st["launch_to_result_s"] <= st["launch_to_exit_s"]
     assert 0 < st["load_s"] < st["launch_to_result_s"] and st["launch_to_exit_s"] <= rec["wall_s"]
     assert st["parent_identity_s"] >= 2.0 and rec["wall_s"] - st["launch_to_exit_s"] < 1.0
@@ -512,6 +514,7 @@ def test_child_process_qualifies_and_writes_the_record(fake_device, monkeypatch)
     assert "| add_rms_norm | default | yes |" in md
     assert "Child process, seconds from its launch: launch to main " in md
     assert "the parent's identity check (while the child ran) " in md
+    assert "(lazy load " in md and "evaluating the kept weights " in md
     j, m = qualify.write_report(stored, fake_device.parent / "report")
     assert json.loads(j.read_text())["ops"] and m.read_text() == md
 
