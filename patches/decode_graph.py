@@ -60,7 +60,7 @@ class _CompiledSteps:
 
     def __init__(self, key=None):
         self.key = key
-        self.fns: dict = {}  # (layer index, pending[, "attn"]) -> compiled fn or False
+        self.fns: dict = {}  # (module's first index, pending[, "attn"]) -> compiled fn or False
         self.whole = None  # whole-stack step: (KV shapes, compiled fn), False (failed), None
         self.recent: dict = {}  # KV shapes -> whole-stack fn, the last RECENT_WHOLE_STEPS
         self.static: dict = {}  # per-forward facts of the whole step, by dtype/switch
