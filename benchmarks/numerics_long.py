@@ -14,7 +14,7 @@ The P + D measured rows (each predicting the next reference id) are compared. En
 ``stock`` (mlx-lm as loaded) and, for each ``--kernels`` mode (``default`` = Lily's
 verified set, or the backend's shipped set by name on a device with no record;
 ``all`` = ``MLX_LILY_KERNELS=all``; ``each`` = one mode per op of the default set with
-what it requires, ``each_op_modes``; a run where Lily stands aside exits),
+the ops it requires, ``each_op_modes``; a run where Lily stands aside exits),
 ``lily-<mode>`` twice: once as users run it (compiled decode steps on GPU backends) for
 the logits, and once with the same decode-step
 functions built by an identity ``mx.compile`` (``decode_steps_eager``; compiled functions run
@@ -90,10 +90,10 @@ def kernels_for_mode(mode: str, log=print) -> str:
 def each_op_modes(default_kernels: str, backend_name: str) -> list:
     """``--kernels each``: one mode per op of the default set (``default_kernels``, the
     ``kernels`` setting ``kernels_for_mode("default")`` gave: ``verified`` or a comma list)
-    on ``backend_name``, each the op with the ops it requires (``registry``) and
-    ``add_rms_norm`` (the patched decoder stack runs only with it), joined by '+' in
-    ``OP_NAMES`` order; ``add_rms_norm`` alone comes first when the set holds it. Each
-    mode's error against stock and fp32 is that op's own share of the default set's."""
+    on ``backend_name``: the op with the ops it requires (``registry``), joined by '+' in
+    ``OP_NAMES`` order. Every other op runs its reference, so each mode's error against
+    stock and fp32 is that op's own (with its requirements'). Empty when the default set
+    has no op."""
     from mlx_lily import backend, first_contact, kernels
 
     ops = (set(kernels.verified_ops(backend_name)) if default_kernels == "verified"
@@ -108,12 +108,10 @@ def each_op_modes(default_kernels: str, backend_name: str) -> list:
 
     out = []
     for op in backend.OP_NAMES:
-        if op not in ops:
-            continue
-        need = closure(op, {op}) | ({"add_rms_norm"} if "add_rms_norm" in ops else set())
-        mode = "+".join(o for o in backend.OP_NAMES if o in need)
-        if mode not in out:
-            out.append(mode)
+        if op in ops:
+            mode = "+".join(o for o in backend.OP_NAMES if o in closure(op, {op}))
+            if mode not in out:
+                out.append(mode)
     return out
 
 
@@ -451,15 +449,20 @@ def main(argv=None) -> int:
     ids = [int(i) for i in ref["ids"]]
     contexts = [int(c) for c in a.contexts.split(",") if c.strip()]
     modes = [] if a.no_lily else [m.strip() for m in a.kernels.split(",") if m.strip()]
+    kernels_of: dict = {}
     if "each" in modes:
         from mlx_lily import backend as lily_backend
 
-        each = each_op_modes(kernels_for_mode("default", log), lily_backend.current_backend())
+        kernels_of["default"] = kernels_for_mode("default", log)
+        each = each_op_modes(kernels_of["default"], lily_backend.current_backend())
+        if not each:
+            raise SystemExit("numerics_long: --kernels each: the default set has no op here "
+                             f"({kernels_of['default']!r} on {lily_backend.current_backend()})")
         log(f"--kernels each: {len(each)} modes, one per op of the default set: "
             f"{', '.join(each)}")
         modes = [x for m in modes for x in (each if m == "each" else [m])]
         modes = list(dict.fromkeys(modes))
-    kernels_of = {m: kernels_for_mode(m, log) for m in modes}
+    kernels_of = {m: kernels_of.get(m) or kernels_for_mode(m, log) for m in modes}
     need = max(contexts) + a.decode_steps + 1
     if len(ids) < need:
         raise SystemExit(f"numerics_long: {ref_path} holds {len(ids)} ids; context "

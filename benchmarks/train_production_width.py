@@ -27,9 +27,11 @@ gather/scatter or grouped GEMM). ``--moe-train sparse`` trains through mlx-lm's
 ``SwitchGLU`` (``gather_mm``) instead.
 
 Time: ``--time-budget-s`` caps the whole script (data preparation included); training stops
-``--post-reserve-s`` before it and the model is still evaluated and saved. ``--steps auto``
-(the default) fits the step count to the budget from the measured time of warm-up steps 3-12
-(recorded; ``--steps N`` reproduces a run's schedule). Output: the checkpoint folder with
+``--post-reserve-s`` before it and the model is still evaluated and saved. The
+production-width preset trains 100 steps (on an 80 GB H100 that needs a budget of about
+300 s; a run cut by the budget says so in its recipe); ``--steps auto`` fits the step count
+to the budget from the measured time of warm-up steps 3-12 (recorded; ``--steps N``
+reproduces a run's schedule). Output: the checkpoint folder with
 ``RECIPE.md``, ``summary.json`` (also ``--summary``) and ``numerics_reference.json`` (token ids
 of validation-split files, for ``benchmarks/numerics_long.py``). A folder whose
 ``summary.json`` carries the same recipe key is reused unless ``--force``.

@@ -159,16 +159,27 @@ def test_each_mode_is_one_op_of_the_default_set_with_what_it_requires(monkeypatc
                              "gated_delta,norm_qgemv,qgemv_out,attention", "cuda")
     assert modes == [
         "add_rms_norm",
-        "add_rms_norm+gated_delta",
-        "add_rms_norm+attention",
-        "add_rms_norm+qgemv",
-        "add_rms_norm+qgemv+norm_qgemv",
-        "add_rms_norm+gated_delta+gdn_packed",
-        "add_rms_norm+qgemv+qgemv_out",
-        "add_rms_norm+gated_delta+qgemv+norm_qgemv+gdn_packed+gdn_proj",
-        "add_rms_norm+gated_delta+qgemv+norm_qgemv+gdn_packed+qgemv_out+gdn_proj+gdn_out_proj",
+        "gated_delta",
+        "attention",
+        "qgemv",
+        "qgemv+norm_qgemv",
+        "gated_delta+gdn_packed",
+        "qgemv+qgemv_out",
+        "gated_delta+qgemv+norm_qgemv+gdn_packed+gdn_proj",
+        "gated_delta+qgemv+norm_qgemv+gdn_packed+qgemv_out+gdn_proj+gdn_out_proj",
     ]
-    assert nl.each_op_modes("attention", "cuda") == ["attention"]  # no add_rms_norm to add
     monkeypatch.setattr(kernels, "verified_ops", lambda be: frozenset({"attention", "attn_packed"}))
     assert nl.each_op_modes("verified", "cuda") == ["attention", "attention+attn_packed"]
-    assert nl.kernels_for_mode("add_rms_norm+qgemv+qgemv_out") == "add_rms_norm,qgemv,qgemv_out"
+    monkeypatch.setattr(kernels, "verified_ops", lambda be: frozenset())
+    assert nl.each_op_modes("verified", "cpu") == []
+    assert nl.kernels_for_mode("qgemv+qgemv_out") == "qgemv,qgemv_out"
+
+
+@pytest.mark.skipif(not (FIXTURE / "numerics_reference.json").is_file(), reason="fixture missing")
+def test_each_mode_with_no_default_op_says_so():
+    """On the CPU the default set holds no op: ``--kernels each`` stops with that, instead
+    of measuring nothing of Lily's."""
+    nl = _load()
+    with pytest.raises(SystemExit, match="--kernels each: the default set has no op here"):
+        nl.main([str(FIXTURE), "--contexts", "48", "--measure-prefill", "8", "--kernels",
+                 "each"])

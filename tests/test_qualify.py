@@ -532,6 +532,30 @@ def test_child_process_time_limit_kills_a_hanging_kernel(fake_device, monkeypatc
     assert qualify.record_status("metal") == "valid" and qualify.record_ops("metal") == frozenset()
 
 
+@needs_emu
+def test_a_failing_parent_kills_its_child(fake_device, monkeypatch):
+    """An error in the parent while the child runs (its identity check, computed then)
+    kills the child's process group, propagates, and writes no record."""
+    procs = []
+    real_popen = qualify.subprocess.Popen
+
+    def popen(*a, **kw):
+        procs.append(real_popen(*a, **kw))
+        return procs[-1]
+
+    def unreadable(be):
+        raise OSError("kernel sources unreadable")
+
+    monkeypatch.setattr(qualify.subprocess, "Popen", popen)
+    monkeypatch.setattr(qualify, "identity", unreadable)
+    with pytest.raises(OSError, match="kernel sources unreadable"):
+        qualify.run(str(FIXTURE), backend="metal", timeout_s=60, extra_args=FAST,
+                    env=_child_env(MLX_LILY_INJECT_FAULT="add_rms_norm:hang"))
+    (child,) = procs
+    assert child.returncode == -9  # killed, and reaped
+    assert not qualify.record_path("metal").exists()
+
+
 # ----------------------------------------------------------------------------- stepping aside
 def _stock_calls():
     from mlx_lm.models import qwen3_5, qwen3_next
