@@ -65,12 +65,12 @@ each a set of environment settings the variant runs under, applied by
    serve only decode steps of several sequences (``Op.one_sequence`` False:
    ``batch_decode``) are not candidates: qualification runs one sequence.
    That is the greedy method (``--method greedy``, ``GREEDY``). The default,
-   ``TOP_DOWN`` (``DEFAULT_METHOD``), builds the set the other way: the whole passing set (``whole_set``) is timed against the
-   references, then each member, fusions first (reverse ``OP_NAMES`` order), in each of
-   its passing variants, against the set without it and the members that require it
-   (``with_dependents``): they leave together unless a variant is faster, and the
-   fastest stays. Every comparison then runs at about the fast set's speed, and there is
-   one per member and variant.
+   ``TOP_DOWN`` (``DEFAULT_METHOD``), builds the set the other way: the whole passing set
+   (``whole_set``) is timed against the references, then each member, fusions first
+   (reverse ``OP_NAMES`` order), in each of its passing variants, against the set without
+   it and the members that require it (``with_dependents``): they leave together unless a
+   variant is faster, and the fastest stays. Every comparison then runs at about the
+   fast set's speed, and there is one per member and variant.
 3. Final check: the kept set, in its chosen variants, passes the parity check once more
    (a fusion can hide a base op's kernel from the all-on check, e.g. a decode path it
    replaces; a failure is bisected as above and drops that op) and is timed against
@@ -1598,6 +1598,7 @@ def run(model: str | None = None, synthetic: str | None = None, *, layers: int =
 
         relay_thread = threading.Thread(target=relay, daemon=True)
         relay_thread.start()
+
         def kill_child():
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, 9)

@@ -515,9 +515,9 @@ def run_compiled(steps, key, layer, h, x, c, fa_mask):
     as in ``qualify.deep_view``, shares one trace; whether ``x`` is a ``PendingNorm``),
     plus ``"attn"`` for a whole attention step (``_attn_step_fn``; the cache's buffers and
     offset are updated, and ``mx.compile`` retraces when the cache grows); otherwise a GDN
-    layer's step or an attention layer's MLP half after its eager mixer. If building or tracing raises, the
-    key is marked uncompiled (``steps[key] = False``, one warning) and this step runs
-    uncompiled. Returns ``(h, m)``."""
+    layer's step or an attention layer's MLP half after its eager mixer. If building or
+    tracing raises, the key is marked uncompiled (``steps[key] = False``, one warning) and
+    this step runs uncompiled. Returns ``(h, m)``."""
     fn = steps.get(key)
     first = fn is None
     pending = isinstance(x, PendingNorm)

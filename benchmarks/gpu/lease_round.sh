@@ -25,8 +25,8 @@
 #   qualify: qualification on a fresh record folder (QUALIFY_RUNS times, default 1, each on
 #            its own folder; QUALIFY_WARM=1: once more on the first run's folder, whose
 #            kernel caches that run filled, once per method of QUALIFY_WARM_METHODS, e.g.
-#            "greedy top-down"; default: qualify's own default method), then the A/B gate under the last record
-#            unless the list names the gate itself
+#            "greedy top-down"; default: qualify's own default method), then the A/B gate
+#            under the last record unless the list names the gate itself
 #   gate:    the A/B gate (benchmarks/ab.py) under this round's record (limit GATE_LIMIT_S,
 #            default 420 s: on a fresh H100 the stock arm's JIT alone took 212 s)
 #   long:    Lily alone at B = 1 over 512 / 4K / 32K / 128K (3 trials), then 4K at B = 4 / 8
