@@ -279,6 +279,25 @@ def test_try_grouped_end_to_end_emulated(emulated_metal, monkeypatch, disable_ro
     assert all(mx.array_equal(a, b).item() for a, b in zip(r, want))
 
 
+def test_grouped_runs_without_the_routing_kernels_emulated(emulated_metal, monkeypatch):
+    """``MLX_LILY_KERNELS=moe_grouped`` (``moe_route`` not listed): the grouped GEMMs serve
+    and the routing takes its reference; no routing kernel is fetched."""
+    monkeypatch.setenv("MLX_LILY_KERNELS", "moe_grouped")
+    fetched = []
+    real_get = kernels.get
+    monkeypatch.setattr(kernels, "get", lambda spec, be: fetched.append(spec.stem) or
+                        real_get(spec, be))
+    monkeypatch.setattr(mr, "moe_route_kernels", lambda *a, **k: pytest.fail(
+        "the routing kernels ran although moe_route is not allowed"))
+    sw, sh = make_layer(128, 64, 8)
+    x, inds, scores, sgate = make_inputs(45, 2, 8, 128, "skew")
+    assert mg.has_kernel("metal") and not mr.has_kernel("metal")
+    out = mg.try_grouped(x, inds, scores, *lay(sw, sh), sgate)
+    assert out is not None
+    check(out, x, inds, scores, sw, sh, sgate)
+    assert any(s.startswith("moeg_gate_up") for s in fetched)
+
+
 def test_tile_rows_env_emulated(emulated_metal, monkeypatch):
     """``MLX_LILY_MOE_TILE_ROWS`` picks the tile height (the same bits at 16, 32 and 64: a
     row's k order does not depend on the tile); a height outside ``TILE_ROWS`` declines."""

@@ -111,11 +111,11 @@ def choose_tile_rows(num_pairs: int, num_experts: int, backend: str | None = Non
 
 
 def has_kernel(backend: str) -> bool:
-    """True on Metal / CUDA when the grouped-GEMM and routing kernels can be built here."""
+    """True on Metal / CUDA when the grouped-GEMM kernels can be built here (the routing
+    takes its reference where ``moe_route``'s kernels cannot serve)."""
     if backend not in ("metal", "cuda"):
         return False
-    return _route.has_kernel(backend) and all(
-        kernels.get(s, backend) is not None for s in SPECS)
+    return all(kernels.get(s, backend) is not None for s in SPECS)
 
 
 class GroupedWeights(NamedTuple):
@@ -297,8 +297,10 @@ def try_grouped(x, inds, scores, weights, shared_mlp, shared, *,
     tolerance. Returns None (the caller runs its own path) off Metal/CUDA, when the
     kernels are unavailable, for layouts or dtypes ``why_unsupported`` rejects, and for
     fewer than ``min_pairs`` (token, expert) pairs. ``tile_rows`` (one of ``TILE_ROWS``;
-    others decline) overrides ``choose_tile_rows``, as does ``MLX_LILY_MOE_TILE_ROWS``. ``MLX_LILY_DISABLE=moe_grouped`` turns it off. The routing runs on the GPU unless ``moe_route`` is disabled
-    (``MLX_LILY_DISABLE=moe_route``), then by its reference.
+    others decline) overrides ``choose_tile_rows``, as does ``MLX_LILY_MOE_TILE_ROWS``.
+    ``MLX_LILY_DISABLE=moe_grouped`` turns it off. The routing runs on the GPU where
+    ``moe_route``'s kernels serve (not disabled, allowed by ``MLX_LILY_KERNELS``), else
+    by its reference.
     """
     backend = current_backend()
     if backend not in ("metal", "cuda") or not op_enabled(NAME):
@@ -318,4 +320,5 @@ def try_grouped(x, inds, scores, weights, shared_mlp, shared, *,
         return None
     return grouped_experts(x, inds, scores, weights, shared_mlp, shared,
                            tile_rows=tr, get_kernel=_route.kernel_getter(backend),
-                           route_kernels=op_enabled(_route.NAME), load=weight_load(backend))
+                           route_kernels=op_enabled(_route.NAME) and _route.has_kernel(backend),
+                           load=weight_load(backend))
