@@ -14,7 +14,8 @@ The P + D measured rows (each predicting the next reference id) are compared. En
 ``stock`` (mlx-lm as loaded) and, for each ``--kernels`` mode (``default`` = Lily's
 verified set, or the backend's shipped set by name on a device with no record;
 ``all`` = ``MLX_LILY_KERNELS=all``; ``each`` = one mode per op of the default set with
-the ops it requires, ``each_op_modes``; a run where Lily stands aside exits),
+the ops it requires, ``each_op_modes``; a mode where Lily stands aside is skipped,
+recorded under ``skipped_modes`` with the reason, and the run then exits 1),
 ``lily-<mode>`` twice: once as users run it (compiled decode steps on GPU backends) for
 the logits, and once with the same decode-step
 functions built by an identity ``mx.compile`` (``decode_steps_eager``; compiled functions run
@@ -115,15 +116,23 @@ def each_op_modes(default_kernels: str, backend_name: str) -> list:
     return out
 
 
-def serving_or_exit(mode: str) -> None:
-    """Raise ``SystemExit`` naming ``mode`` unless Lily's forwards are installed now (a
-    Lily that stepped aside runs mlx-lm's own code: its numerics would be stock's)."""
+def why_not_serving(mode: str) -> str | None:
+    """None when Lily's forwards are installed now, else why ``mode`` cannot be measured
+    (a Lily that stepped aside runs mlx-lm's own code: its numerics would be stock's)."""
     import mlx_lily
 
     info = mlx_lily.backend_info()
     if info["patch"] != "patched":
-        raise SystemExit(f"numerics_long: --kernels {mode}: Lily is {info['patch']} here "
-                         f"({info.get('stepped_aside')}); nothing of Lily's would be measured")
+        return (f"numerics_long: --kernels {mode}: Lily is {info['patch']} here "
+                f"({info.get('stepped_aside')}); nothing of Lily's would be measured")
+    return None
+
+
+def serving_or_exit(mode: str) -> None:
+    """Raise ``SystemExit`` with ``why_not_serving``'s reason unless Lily serves now."""
+    why = why_not_serving(mode)
+    if why is not None:
+        raise SystemExit(why)
 
 
 # --------------------------------------------------------------------------
@@ -404,6 +413,8 @@ def render(result: dict) -> str:
             f"({t['decode_ms_per_step']:.1f} ms/step)" for k, t in ctx["times"].items()))
         lines.append("routing captured from: " + "; ".join(
             f"{k} {'+'.join(t['routing_sources']) or '-'}" for k, t in ctx["times"].items()))
+    for mode, why in result.get("skipped_modes", {}).items():
+        lines.append(f"\nskipped lily-{mode}: {why}")
     return "\n".join(lines) + "\n"
 
 
@@ -513,18 +524,25 @@ def main(argv=None) -> int:
         if not a.no_fp32:
             with fp32_params(model):
                 go("fp32", True)
+        measured = []
         for m in modes:
             with mlx_lily.patched(model, kernels=kernels_of[m]):
-                serving_or_exit(m)
-                go(f"lily-{m}", False)
+                why = why_not_serving(m)
+                if why is None:
+                    go(f"lily-{m}", False)
+            if why is not None:  # the other modes still run
+                log(f"context {L}: {why}; skipped")
+                result.setdefault("skipped_modes", {})[m] = why
+                continue
             with mlx_lily.patched(model, kernels=kernels_of[m], compile=True):
                 with decode_steps_eager():
                     go(f"lily-{m}-eager", True)
+            measured.append(m)
         pairs, verdicts = {}, {}
         st = runs["stock"]
         if "fp32" in runs:
             pairs["fp32 -> stock"] = compare_sections(runs["fp32"], st, targets, P, D)
-        for m in modes:
+        for m in measured:
             ly, le = runs[f"lily-{m}"], runs[f"lily-{m}-eager"]
             ly_r = (ly[0], le[1])  # the compiled run's logits, the eager run's routing
             pairs[f"stock -> lily-{m}"] = compare_sections(st, ly_r, targets, P, D)
@@ -546,7 +564,7 @@ def main(argv=None) -> int:
     print(render(result))
     if a.out:
         log(f"wrote {a.out}")
-    return 0
+    return 1 if result.get("skipped_modes") else 0
 
 
 def write(result: dict, out: Path | None, complete: bool) -> None:

@@ -42,8 +42,8 @@ def test_cpu_run_captures_routing_of_every_engine(tmp_path, monkeypatch):
     nl = _load()
     out = tmp_path / "r.json"
     checked = []
-    serving = nl.serving_or_exit
-    monkeypatch.setattr(nl, "serving_or_exit", lambda m: (checked.append(m), serving(m)))
+    serving = nl.why_not_serving
+    monkeypatch.setattr(nl, "why_not_serving", lambda m: (checked.append(m), serving(m))[1])
     rc = nl.main([str(FIXTURE), "--contexts", "48", "--measure-prefill", "8", "--decode-steps",
                   "2", "--prefill-step", "16", "--kernels", "default", "--out", str(out)])
     assert rc == 0 and checked == ["default"]  # Lily's engine ran only once it served
@@ -63,6 +63,24 @@ def test_cpu_run_captures_routing_of_every_engine(tmp_path, monkeypatch):
     # the CPU reference path routes as stock does
     assert pairs["stock -> lily-default"]["all"]["routing_agreement_min"] >= 0.95
     assert "eager_vs_compiled" in " ".join(pairs)
+
+
+@pytest.mark.skipif(not (FIXTURE / "numerics_reference.json").is_file(), reason="fixture missing")
+def test_a_mode_where_lily_stands_aside_is_skipped_and_the_rest_measured(tmp_path, monkeypatch):
+    nl = _load()
+    out = tmp_path / "r.json"
+    serving = nl.why_not_serving
+    monkeypatch.setattr(nl, "why_not_serving",
+                        lambda m: "aside for this test" if m == "all" else serving(m))
+    rc = nl.main([str(FIXTURE), "--contexts", "48", "--measure-prefill", "8", "--decode-steps",
+                  "2", "--prefill-step", "16", "--kernels", "all,default", "--out", str(out)])
+    assert rc == 1
+    res = json.loads(out.read_text())
+    assert res["skipped_modes"] == {"all": "aside for this test"}
+    (ctx,) = res["contexts"]
+    assert "stock -> lily-default" in ctx["pairs"]
+    assert not any("lily-all" in k for k in ctx["pairs"]) and "lily-all" not in ctx["times"]
+    assert "skipped lily-all: aside for this test" in out.with_suffix(".md").read_text()
 
 
 @pytest.fixture
