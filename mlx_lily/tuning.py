@@ -124,10 +124,15 @@ KNOBS.update({k.attr: k for k in (
             "Metal: the decode attention partial kernel (default: "
             "attention.DECODE_VARIANT)"),
     Setting("attn_fixed_block", "MLX_LILY_ATTN_FIXED_BLOCK", None,
-            one_of("128", "256", "512", values={"128": 128, "256": 256, "512": 512}),
-            "'128', '256', '512'",
+            one_of("32", "64", "128", "256", "512",
+                   values={"32": 32, "64": 64, "128": 128, "256": 256, "512": 512}),
+            "'32', '64', '128', '256', '512'",
             "keys per block of long-context decode attention (default: "
             "attention.FIXED_BLOCK)"),
+    Setting("attn_decode_warps", "MLX_LILY_ATTN_DECODE_WARPS", None, int_range(1, 65536),
+            "an integer 1..65536",
+            "warps (simdgroups) the shorter-context decode attention block rule aims for "
+            "(default: attention.TARGET_SIMDGROUPS)"),
     Setting("moe_down_shape", "MLX_LILY_MOE_DOWN_SHAPE", None, _down_shape,
             "three integers 1..16 'NW,RPW,SL' with 32*NW*SL <= 1024 (e.g. '4,2,3')",
             "launch shape of the decode MoE down kernel (default: "

@@ -684,6 +684,21 @@ def test_decode_block_plan():
         assert ch % 8 == 0 and ch >= A.DECODE_BLOCK_MIN
 
 
+def test_decode_block_knobs(monkeypatch):
+    """``MLX_LILY_ATTN_DECODE_WARPS`` replaces the general rule's target and
+    ``MLX_LILY_ATTN_FIXED_BLOCK`` the fixed block (32 and 64 included); a bad value warns
+    and keeps the default."""
+    monkeypatch.setenv("MLX_LILY_ATTN_DECODE_WARPS", "512")
+    assert A.decode_block(4096, 1, 2, "cuda") == 32   # 256 warps of 32 keys
+    assert A.decode_block(20000, 1, 2, "cuda") == 128  # ceil(40000 / 512) = 79 -> 128
+    monkeypatch.setenv("MLX_LILY_ATTN_FIXED_BLOCK", "64")
+    assert A.decode_block(A.SPLIT_K_MIN_CONTEXT, 1, 2, "cuda") == 64
+    assert A.decode_block(20000, 1, 2, "cuda") == 64  # capped at the fixed block
+    monkeypatch.setenv("MLX_LILY_ATTN_DECODE_WARPS", "lots")
+    with pytest.warns(UserWarning, match="MLX_LILY_ATTN_DECODE_WARPS"):
+        assert A.decode_block(8192, 1, 2, "cuda") == 64  # default target 128: 128, capped
+
+
 # --------------------------------------------------------------------------- prefill
 PREFILL_CASES = [
     # B, Hq, Hkv, D, L, T, dtype, causal, gated, layout

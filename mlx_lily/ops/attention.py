@@ -232,7 +232,7 @@ def decode_variant(backend: str) -> str:
 
 def fixed_block(backend: str) -> int:
     """The fixed decode block on ``backend``: ``FIXED_BLOCK``, or
-    ``MLX_LILY_ATTN_FIXED_BLOCK`` (``tuning.attn_fixed_block``: 128, 256 or 512)."""
+    ``MLX_LILY_ATTN_FIXED_BLOCK`` (``tuning.attn_fixed_block``: 32 to 512, powers of two)."""
     from .. import tuning
 
     v = tuning.attn_fixed_block
@@ -243,13 +243,16 @@ def decode_block(T: int, B: int, Hkv: int, backend: str) -> int:
     """Keys per simdgroup (``CH``) for a decode over ``T`` cached tokens.
 
     General rule (``T < SPLIT_K_MIN_CONTEXT``): the smallest power of two >= 32 with
-    ``B*Hkv*ceil(T/CH)`` close to ``TARGET_SIMDGROUPS[backend]``, capped at the fixed
-    block. Fixed-block rule (``T >= SPLIT_K_MIN_CONTEXT``): ``fixed_block(backend)``.
+    ``B*Hkv*ceil(T/CH)`` close to ``TARGET_SIMDGROUPS[backend]`` (or
+    ``MLX_LILY_ATTN_DECODE_WARPS``), capped at the fixed block. Fixed-block rule
+    (``T >= SPLIT_K_MIN_CONTEXT``): ``fixed_block(backend)``.
     """
     fixed = fixed_block(backend)
     if T >= SPLIT_K_MIN_CONTEXT:
         return fixed
-    target = TARGET_SIMDGROUPS.get(backend, 320)
+    from .. import tuning
+
+    target = tuning.attn_decode_warps or TARGET_SIMDGROUPS.get(backend, 320)
     want = max(1, -(-T * B * Hkv // target))
     ch = min(DECODE_BLOCK_MIN, fixed)
     while ch < want and ch < fixed:
