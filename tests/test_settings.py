@@ -44,6 +44,7 @@ BAD_KNOBS = {
     "inject_fault": None,  # raw text: mlx_lily.first_contact parses it (tests only)
     "attn_decode": "fast",
     "attn_fixed_block": "300",
+    "attn_decode_warps": "0",
     "moe_down_shape": "8,2,9",  # each in range, 2304 threads
     "moeg_load": "wide",
     "gdn_scan_load": "shared",
