@@ -31,6 +31,11 @@
 #   gate:    the A/B gate (benchmarks/ab.py) under this round's record (limit GATE_LIMIT_S,
 #            default 420 s: on a fresh H100 the stock arm's JIT alone took 212 s)
 #   long:    Lily alone at B = 1 over 512 / 4K / 32K / 128K (3 trials), then 4K at B = 4 / 8
+#   attn-sweep: decode attention's split through mlx_lm.benchmark (user_bench.py, Lily alone,
+#            the shipped CUDA set by name), one run per setting of ATTN_SWEEP (space-separated;
+#            "default" or comma-joined VAR=VALUE of the MLX_LILY_ATTN_* knobs), cases
+#            ATTN_SWEEP_CASES (default 4096:128:1,32768:128:1), each limited to
+#            ATTN_SWEEP_LIMIT_S (default 300 s)
 # One process at a time; each step's log is W/<step>.log, the timeline W/round.log.
 set -u
 export PYTHONUNBUFFERED=1
@@ -158,6 +163,20 @@ phase_long() {
     --cases 4096:128:4,4096:128:8 --out "$W/bench-lily-batch"
 }
 
+phase_attn_sweep() {
+  local s i=0 envs
+  for s in ${ATTN_SWEEP:-default MLX_LILY_ATTN_DECODE_WARPS=512,MLX_LILY_ATTN_FIXED_BLOCK=128 MLX_LILY_ATTN_DECODE_WARPS=1024,MLX_LILY_ATTN_FIXED_BLOCK=64}; do
+    i=$((i + 1))
+    envs=()
+    [ "$s" = default ] || IFS=, read -r -a envs <<< "$s"
+    echo "$s" > "$W/attn-sweep-$i.setting"
+    MLX_LILY_KERNELS=$SHIPPED step attn-sweep-$i ${ATTN_SWEEP_LIMIT_S:-300} \
+      env ${envs[@]+"${envs[@]}"} python3 "$R/benchmarks/user_bench.py" --model "$Q36" \
+      --arms lily --trials 1 --cases "${ATTN_SWEEP_CASES:-4096:128:1,32768:128:1}" \
+      --out "$W/attn-sweep-$i"
+  done
+}
+
 IFS=, read -r -a PHASE_LIST <<< "${ROUND_PHASES:-checks,bench,qualify,long}"
 for p in "${PHASE_LIST[@]}"; do
   case "$p" in
@@ -166,6 +185,7 @@ for p in "${PHASE_LIST[@]}"; do
     parity-one) phase_parity_one ;;
     parity-mixed) phase_parity_mixed ;;
     gputests|trained|profile|bench|qualify|gate|long) "phase_$p" ;;
+    attn-sweep) phase_attn_sweep ;;
     *) echo "[$(el) s] unknown phase: $p" ;;
   esac
 done
