@@ -74,7 +74,7 @@ phase_trained() {
   # "default" kernels are this device's: the record of this round's qualification when one ran
   MLX_LILY_CACHE_DIR=${QUALIFIED_DIR:-${MLX_LILY_CACHE_DIR:-$HOME/.cache/mlx-lily}} \
     OUT="$W/trained" NO_INSTALL=1 CALL_BUDGET_S=${TRAINED_BUDGET_S:-540} \
-    TRAIN_ARGS="${TRAIN_ARGS:---time-budget-s 300}" bash benchmarks/gpu/trained_numerics.sh \
+    TRAIN_ARGS="${TRAIN_ARGS:---time-budget-s 330}" bash benchmarks/gpu/trained_numerics.sh \
     > "$W/trained.log" 2>&1
   local rc=$?  # before $(el), which would reset $?
   echo "[$(el) s] trained: rc=$rc"
