@@ -33,7 +33,8 @@
 #   long:    Lily alone at B = 1 over 512 / 4K / 32K / 128K (3 trials), then 4K at B = 4 / 8
 #   attn-sweep: decode attention's split through mlx_lm.benchmark (user_bench.py, Lily alone,
 #            the shipped CUDA set by name), one run per setting of ATTN_SWEEP (space-separated;
-#            "default" or comma-joined VAR=VALUE of the MLX_LILY_ATTN_* knobs), cases
+#            "default" or comma-joined VAR=VALUE of the MLX_LILY_ATTN_* / MLX_LILY_DECODE_PF
+#            knobs; default: five settings), cases
 #            ATTN_SWEEP_CASES (default 4096:128:1,32768:128:1), each limited to
 #            ATTN_SWEEP_LIMIT_S (default 300 s)
 # One process at a time; each step's log is W/<step>.log, the timeline W/round.log.
@@ -165,7 +166,11 @@ phase_long() {
 
 phase_attn_sweep() {
   local s i=0 envs
-  for s in ${ATTN_SWEEP:-default MLX_LILY_ATTN_DECODE_WARPS=512,MLX_LILY_ATTN_FIXED_BLOCK=128 MLX_LILY_ATTN_DECODE_WARPS=1024,MLX_LILY_ATTN_FIXED_BLOCK=64}; do
+  local all="default MLX_LILY_DECODE_PF=2"
+  all+=" MLX_LILY_ATTN_DECODE_WARPS=512,MLX_LILY_ATTN_FIXED_BLOCK=128"
+  all+=" MLX_LILY_ATTN_DECODE_WARPS=512,MLX_LILY_ATTN_FIXED_BLOCK=128,MLX_LILY_DECODE_PF=2"
+  all+=" MLX_LILY_ATTN_DECODE_WARPS=1024,MLX_LILY_ATTN_FIXED_BLOCK=64"
+  for s in ${ATTN_SWEEP:-$all}; do
     i=$((i + 1))
     envs=()
     [ "$s" = default ] || IFS=, read -r -a envs <<< "$s"
