@@ -129,7 +129,7 @@ from . import backend as _backend
 from . import config, tuning
 
 SCHEMA = "mlx-lily-qualify"
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 QUALIFY_ENV = "MLX_LILY_QUALIFY"
 EMULATE_ENV = "MLX_LILY_QUALIFY_EMULATE"
 #: Candidate variants per op besides ``"default"``: ``{op: {variant: {env name: value}}}``

@@ -62,12 +62,15 @@ OPS: tuple = (
        doc="residual add + RMSNorm in one launch"),
     Op("moe_router_topk", "op", "moe_router_topk", stems=("moe_router_topk",),
        verified=("cuda",), doc="MoE router GEMV + softmax + top-k in one launch"),
-    Op("moe_route", "op", "moe_route", stems=("moeg_route_",), verified=("cuda",),
-       doc="sorting (token, expert) pairs into expert tiles on the GPU (prefill)"),
     Op("moe_experts", "op", "moe_experts", stems=("moe_gate_up", "moe_down"),
        verified=("cuda",), doc="decode MoE experts: gate+up and down GEMVs over the top-k"),
     Op("moe_grouped", "op", "moe_grouped", stems=("moeg_",), verified=("cuda",),
        doc="prefill MoE experts as grouped GEMMs over expert tiles"),
+    # after moe_grouped: its kernels serve only the grouped GEMMs, which route by the
+    # reference without them
+    Op("moe_route", "op", "moe_route", stems=("moeg_route_",), requires=("moe_grouped",),
+       verified=("cuda",),
+       doc="sorting (token, expert) pairs into expert tiles on the GPU for moe_grouped"),
     Op("gated_delta", "op", "gated_delta", stems=("gdn_",), verified=("cuda",),
        doc="Gated DeltaNet: conv, gates, delta-rule scan and gated norm (decode, prefill)"),
     Op("attention", "op", "attention", stems=("attn_",), verified=("cuda",),

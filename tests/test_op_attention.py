@@ -688,6 +688,9 @@ def test_decode_block_knobs(monkeypatch):
     """``MLX_LILY_ATTN_DECODE_WARPS`` replaces the general rule's target and
     ``MLX_LILY_ATTN_FIXED_BLOCK`` the fixed block (32 and 64 included); a bad value warns
     and keeps the default."""
+    from mlx_lily.patches import decode_graph
+
+    assert "MLX_LILY_ATTN_DECODE_WARPS" in decode_graph._KEY_KNOBS  # traced steps bake CH in
     monkeypatch.setenv("MLX_LILY_ATTN_DECODE_WARPS", "512")
     assert A.decode_block(4096, 1, 2, "cuda") == 32   # 256 warps of 32 keys
     assert A.decode_block(20000, 1, 2, "cuda") == 128  # ceil(40000 / 512) = 79 -> 128

@@ -281,7 +281,7 @@ def test_try_grouped_end_to_end_emulated(emulated_metal, monkeypatch, disable_ro
 
 def test_grouped_runs_without_the_routing_kernels_emulated(emulated_metal, monkeypatch):
     """``MLX_LILY_KERNELS=moe_grouped`` (``moe_route`` not listed): the grouped GEMMs serve
-    and the routing takes its reference; no routing kernel is fetched."""
+    and the routing takes its reference; no routing kernel runs."""
     monkeypatch.setenv("MLX_LILY_KERNELS", "moe_grouped")
     fetched = []
     real_get = kernels.get

@@ -17,8 +17,9 @@
 #   profile: per-kernel GPU time of Lily's decode step (kernel_times.py, ncu) at each batch
 #            of PROFILE_BATCHES (default 1 2 8) and context of PROFILE_CONTEXTS (default
 #            512), kernels PROFILE_KERNELS (default: the shipped CUDA set plus batch_decode,
-#            whatever the device's record says), each run limited to PROFILE_LIMIT_S (default
-#            240 s; the first run on a fresh machine carries MLX's JIT)
+#            whatever the device's record says), each ncu pass limited to PROFILE_LIMIT_S
+#            (default 240 s; kernel_times.py may run a second pass; the first run on a fresh
+#            machine carries MLX's JIT)
 #   bench:   mlx_lm.benchmark through user_bench.py, stock and Lily in one run (BENCH_CASES,
 #            user_bench.py's --cases, replaces the default list; limit BENCH_LIMIT_S;
 #            BENCH_TRIALS, default 1); Lily's kernels are the device's record (the last
@@ -106,7 +107,7 @@ phase_profile() {
   for c in ${PROFILE_CONTEXTS:-512}; do
     for b in ${PROFILE_BATCHES:-1 2 8}; do
       MLX_LILY_KERNELS=${PROFILE_KERNELS:-$SHIPPED,batch_decode} step kernel-times-c$c-b$b \
-        $(( ${PROFILE_LIMIT_S:-240} + 20 )) \
+        $(( 2 * ${PROFILE_LIMIT_S:-240} + 20 )) \
         python3 "$R/benchmarks/gpu/kernel_times.py" --context $c --batch $b --arms lily \
         --steps 2 --timeout-s ${PROFILE_LIMIT_S:-240} --out "$W/kernel-times-c$c-b$b"
     done
@@ -169,7 +170,7 @@ phase_attn_sweep() {
   local all="default MLX_LILY_DECODE_PF=2"
   all+=" MLX_LILY_ATTN_DECODE_WARPS=512,MLX_LILY_ATTN_FIXED_BLOCK=128"
   all+=" MLX_LILY_ATTN_DECODE_WARPS=512,MLX_LILY_ATTN_FIXED_BLOCK=128,MLX_LILY_DECODE_PF=2"
-  all+=" MLX_LILY_ATTN_DECODE_WARPS=1024,MLX_LILY_ATTN_FIXED_BLOCK=64"
+  all+=" MLX_LILY_ATTN_DECODE_WARPS=256,MLX_LILY_ATTN_FIXED_BLOCK=64"
   for s in ${ATTN_SWEEP:-$all}; do
     i=$((i + 1))
     envs=()
