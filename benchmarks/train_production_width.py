@@ -28,9 +28,10 @@ gather/scatter or grouped GEMM). ``--moe-train sparse`` trains through mlx-lm's
 
 Time: ``--time-budget-s`` counts from the script's start (data preparation included);
 training stops ``--post-reserve-s`` before its end, and the model is then evaluated and
-saved, which may take longer than the reserve (163 s on an 80 GB H100 against 120 s). The
-production-width preset trains 100 steps (on that H100 a budget of 330 s let all 100 run,
-374 s in all; a run cut by the budget says so in its recipe); ``--steps auto`` fits the step count
+saved, which may take longer than the reserve (176 s on an 80 GB H100 against 120 s). The
+production-width preset trains 100 steps (on that H100 a budget of 330 s let all 100 run:
+training ended at 198 s of the 210 s it allowed; a run cut by the budget says so in its
+recipe); ``--steps auto`` fits the step count
 to the budget from the measured time of warm-up steps 3-12 (recorded; ``--steps N``
 reproduces a run's schedule). Output: the checkpoint folder with
 ``RECIPE.md``, ``summary.json`` (also ``--summary``) and ``numerics_reference.json`` (token ids
