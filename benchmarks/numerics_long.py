@@ -129,13 +129,6 @@ def why_not_serving(mode: str) -> str | None:
     return None
 
 
-def serving_or_exit(mode: str) -> None:
-    """Raise ``SystemExit`` with ``why_not_serving``'s reason unless Lily serves now."""
-    why = why_not_serving(mode)
-    if why is not None:
-        raise SystemExit(why)
-
-
 # --------------------------------------------------------------------------
 # routing capture
 # --------------------------------------------------------------------------

@@ -31,10 +31,9 @@ training stops ``--post-reserve-s`` before its end, and the model is then evalua
 saved, which may take longer than the reserve (176 s on an 80 GB H100 against 120 s). The
 production-width preset trains 100 steps (on that H100 a budget of 330 s let all 100 run:
 training ended at 198 s of the 210 s it allowed; a run cut by the budget says so in its
-recipe); ``--steps auto`` fits the step count
-to the budget from the measured time of warm-up steps 3-12 (recorded; ``--steps N``
-reproduces a run's schedule). Output: the checkpoint folder with
-``RECIPE.md``, ``summary.json`` (also ``--summary``) and ``numerics_reference.json`` (token ids
+recipe); ``--steps auto`` fits the step count to the budget from the measured time of
+warm-up steps 3-12 (recorded; ``--steps N`` reproduces a run's schedule). Output: the
+checkpoint folder with ``RECIPE.md``, ``summary.json`` (also ``--summary``) and ``numerics_reference.json`` (token ids
 of validation-split files, for ``benchmarks/numerics_long.py``). A folder whose
 ``summary.json`` carries the same recipe key is reused unless ``--force``.
 

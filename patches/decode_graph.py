@@ -135,8 +135,8 @@ def uncompiled():
 #: qualification alternates variants) and the launch knobs the decode ops read.
 _KEY_KNOBS = tuple(sorted(set(KNOB_NAMES) | {
     "MLX_LILY_NORM_GEMV", "MLX_LILY_MOE_TILE_ROWS", "MLX_LILY_ATTN_DECODE",
-    "MLX_LILY_ATTN_FIXED_BLOCK", "MLX_LILY_ATTN_DECODE_WARPS", "MLX_LILY_MOE_DOWN_SHAPE", "MLX_LILY_MOEG_LOAD",
-    "MLX_LILY_QGEMV_SHAPE", "MLX_LILY_QGEMV_BPL"}))
+    "MLX_LILY_ATTN_FIXED_BLOCK", "MLX_LILY_ATTN_DECODE_WARPS", "MLX_LILY_MOE_DOWN_SHAPE",
+    "MLX_LILY_MOEG_LOAD", "MLX_LILY_QGEMV_SHAPE", "MLX_LILY_QGEMV_BPL"}))
 
 
 def compile_key():

@@ -35,9 +35,8 @@
 #   attn-sweep: decode attention's split through mlx_lm.benchmark (user_bench.py, Lily alone,
 #            the shipped CUDA set by name), one run per setting of ATTN_SWEEP (space-separated;
 #            "default" or comma-joined VAR=VALUE of the MLX_LILY_ATTN_* / MLX_LILY_DECODE_PF
-#            knobs; default: five settings), cases
-#            ATTN_SWEEP_CASES (default 4096:128:1,32768:128:1), each limited to
-#            ATTN_SWEEP_LIMIT_S (default 300 s)
+#            knobs; default: five settings), cases ATTN_SWEEP_CASES (default
+#            4096:128:1,32768:128:1), each run limited to ATTN_SWEEP_LIMIT_S (default 300 s)
 # One process at a time; each step's log is W/<step>.log, the timeline W/round.log.
 set -u
 export PYTHONUNBUFFERED=1
