@@ -20,6 +20,10 @@
 #            whatever the device's record says), each ncu pass limited to PROFILE_LIMIT_S
 #            (default 240 s; kernel_times.py may run a second pass; the first run on a fresh
 #            machine carries MLX's JIT)
+#   detail:  Nsight Compute's sections (occupancy, throughput, warp states) of the decode
+#            step's launches matching DETAIL_REGEX (default: the MoE and GDN decode kernels),
+#            the first DETAIL_COUNT (default 6) of them, at each batch of DETAIL_BATCHES
+#            (default 1 8), context 512, kernels as profile's; each limited to PROFILE_LIMIT_S
 #   bench:   mlx_lm.benchmark through user_bench.py, stock and Lily in one run (BENCH_CASES,
 #            user_bench.py's --cases, replaces the default list; limit BENCH_LIMIT_S;
 #            BENCH_TRIALS, default 1); Lily's kernels are the device's record (the last
@@ -113,6 +117,19 @@ phase_profile() {
   done
 }
 
+phase_detail() {
+  # why a decode kernel takes its time: ncu's sections for its first launches
+  local b
+  for b in ${DETAIL_BATCHES:-1 8}; do
+    MLX_LILY_KERNELS=${PROFILE_KERNELS:-$SHIPPED,batch_decode} step kernel-detail-b$b \
+      $(( 2 * ${PROFILE_LIMIT_S:-240} + 20 )) \
+      python3 "$R/benchmarks/gpu/kernel_times.py" --context 512 --batch $b --arms lily \
+      --steps 1 --timeout-s ${PROFILE_LIMIT_S:-240} \
+      --detail "${DETAIL_REGEX:-lily_moe_decode|lily_gdn_decode}" \
+      --detail-count ${DETAIL_COUNT:-6} --out "$W/kernel-detail-b$b"
+  done
+}
+
 phase_bench() {
   # stock's -b 4 at 4K would fail in MLX (4 x 2,048-token chunks exceed its CUDA grid limit)
   MLX_LILY_CACHE_DIR=${QUALIFIED_DIR:-${MLX_LILY_CACHE_DIR:-$HOME/.cache/mlx-lily}} \
@@ -189,7 +206,7 @@ for p in "${PHASE_LIST[@]}"; do
     parity-equal) phase_parity_equal ;;
     parity-one) phase_parity_one ;;
     parity-mixed) phase_parity_mixed ;;
-    gputests|trained|profile|bench|qualify|gate|long) "phase_$p" ;;
+    gputests|trained|profile|detail|bench|qualify|gate|long) "phase_$p" ;;
     attn-sweep) phase_attn_sweep ;;
     *) echo "[$(el) s] unknown phase: $p" ;;
   esac
