@@ -39,7 +39,7 @@ if TYPE_CHECKING:
     import mlx.core as mx
 
 __all__ = [
-    "PRESETS", "FORMAT_VERSION", "make_config", "plan_tensors", "iter_tensors",
+    "PRESETS", "FORMAT_VERSION", "preset_config", "make_config", "plan_tensors", "iter_tensors",
     "write_checkpoint", "build_model", "ensure_checkpoint", "ensure_tiny_checkpoint", "main",
 ]
 
@@ -92,6 +92,25 @@ PRESETS: dict[str, dict] = {
         moe_intermediate_size=128, shared_expert_intermediate_size=128),
     "qwen3.6-35b-a3b": _text_config(),
 }
+
+
+def preset_config(preset: str | dict, layers: int | None = None) -> dict:
+    """A copy of a preset's text_config (a name of :data:`PRESETS` or a text_config dict),
+    with only its first ``layers`` decoder layers when given (the GDN / attention pattern
+    of ``full_attention_interval`` kept).
+
+    Raises:
+        ValueError: an unknown preset name, or ``layers`` below 1.
+    """
+    tc = _resolve(preset)
+    if layers is not None:
+        if layers < 1:
+            raise ValueError(f"layers must be at least 1, got {layers}")
+        k = tc["full_attention_interval"]
+        tc["num_hidden_layers"] = layers
+        tc["layer_types"] = ["linear_attention" if (i + 1) % k else "full_attention"
+                             for i in range(layers)]
+    return tc
 
 
 def _lazy_model(text_config: dict):

@@ -125,3 +125,32 @@ def test_batch_of_merges_copies_into_unpadded_batch_caches():
     assert got.shape[0] == 3
     for b in range(3):
         assert mx.allclose(got[b], alone[0], atol=1e-5).item()
+
+
+def test_timeout_kills_the_profiled_child(tmp_path, monkeypatch):
+    """A timed-out ncu run takes its child with it: a fake ``ncu`` that starts a
+    long-lived child and waits must leave no process of that group behind."""
+    import os
+    import time
+
+    pidfile = tmp_path / "child.pid"
+    fake = tmp_path / "ncu"
+    fake.write_text(f"#!/bin/sh\nsleep 300 &\necho $! > {pidfile}\nwait\n")
+    fake.chmod(0o755)
+
+    class A:
+        preset, layers, context, steps, warmup = "tiny", 0, 8, 1, 0
+        phase, chunk, batch, timeout_s = "decode", 8, 1, 1.0
+
+    t0 = time.monotonic()
+    rc, _, text = kt._run_ncu(str(fake), [], tmp_path / "log.csv", "lily", A)
+    assert rc == "timeout" and text == "" and time.monotonic() - t0 < 30
+    pid = int(pidfile.read_text())
+    for _ in range(50):  # the kill is asynchronous: wait for the child to be gone
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.1)
+    else:
+        pytest.fail(f"the profiled child {pid} outlived its timeout")

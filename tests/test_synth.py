@@ -252,3 +252,18 @@ def test_chat_template_tools(hf_tok):
         "<|im_start|>assistant\n<think>\n\n</think>\n\n"
     )
 
+
+
+def test_preset_config_keeps_the_layer_pattern():
+    from mlx_lily import synth
+
+    full = synth.preset_config("qwen3.6-35b-a3b")
+    assert full == synth.PRESETS["qwen3.6-35b-a3b"] and full is not synth.PRESETS["qwen3.6-35b-a3b"]
+    four = synth.preset_config("qwen3.6-35b-a3b", layers=4)
+    assert four["num_hidden_layers"] == 4
+    assert four["layer_types"] == ["linear_attention"] * 3 + ["full_attention"]
+    assert four["hidden_size"] == full["hidden_size"] and full["num_hidden_layers"] == 40
+    with pytest.raises(ValueError, match="layers"):
+        synth.preset_config("tiny", layers=0)
+    with pytest.raises(ValueError, match="unknown preset"):
+        synth.preset_config("nope")

@@ -34,6 +34,7 @@ import io
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -109,7 +110,10 @@ def child(a) -> int:
     if rt is None:
         print("kernel_times: no libcudart to start the profiler", file=sys.stderr)
         return 2
-    t = load_target(None, synthetic=a.preset)
+    from mlx_lily import synth
+
+    preset = synth.preset_config(a.preset, layers=a.layers or None)
+    t = load_target(None, synthetic=preset)
     hi, ex = vocab_bounds(t.config, t.tokenizer)
     ids = synthetic_ids(a.context + 1, hi, ex, seed=0)
     with arm_context("lily", t.model, None):
@@ -245,18 +249,34 @@ def _run_ncu(ncu: str, opts: list, log: Path, arm: str, a) -> tuple:
     log.unlink(missing_ok=True)
     cmd = [ncu, "--clock-control", "none", *opts, "--csv", "--print-units", "base",
            "--log-file", str(log), sys.executable, os.path.abspath(__file__), "--child-arm",
-           arm, "--preset", a.preset, "--context", str(a.context), "--steps", str(a.steps),
+           arm, "--preset", a.preset, "--layers", str(a.layers), "--context", str(a.context),
+           "--steps", str(a.steps),
            "--warmup", str(a.warmup), "--phase", a.phase, "--chunk", str(a.chunk),
            "--batch", str(a.batch)]
     # kernels replayed from a CUDA graph were not read by ncu on the H200 (only a
     # stray copy kernel per run), so the child launches them one by one
     env = dict(os.environ, MLX_USE_CUDA_GRAPHS="0")
+    # a session of its own: on a timeout the whole group goes, the profiled child too
+    # (killing ncu alone left the child holding the GPU's memory for the next step)
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         env=env, start_new_session=True)
     try:
-        r = subprocess.run(cmd, capture_output=True, text=True, timeout=a.timeout_s, env=env)
-        rc, err = r.returncode, r.stderr[-2000:]
+        _, err = p.communicate(timeout=a.timeout_s)
+        rc, err = p.returncode, err[-2000:]
     except subprocess.TimeoutExpired:
+        _kill_group(p)
         rc, err = "timeout", ""
     return rc, err, log.read_text() if log.exists() else ""
+
+
+def _kill_group(p: subprocess.Popen) -> None:
+    """SIGKILL ``p``'s process group (``p`` started with ``start_new_session``) and reap
+    ``p``."""
+    try:
+        os.killpg(p.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    p.communicate()
 
 
 #: Nsight Compute sections read by ``--detail``.
@@ -359,6 +379,10 @@ def detail(ncu: str, a) -> dict:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].replace("\n", " "))
     p.add_argument("--preset", default="qwen3.6-35b-a3b")
+    p.add_argument("--layers", type=int, default=0,
+                   help="the preset's first N layers only (0: all); a small model keeps "
+                        "--detail's replays short (ncu saves and restores the device "
+                        "memory around each replay pass)")
     p.add_argument("--context", type=int, default=4096)
     p.add_argument("--steps", type=int, default=2)
     p.add_argument("--warmup", type=int, default=3)

@@ -23,7 +23,10 @@
 #   detail:  Nsight Compute's sections (occupancy, throughput, warp states) of the decode
 #            step's launches matching DETAIL_REGEX (default: the MoE and GDN decode kernels),
 #            the first DETAIL_COUNT (default 6) of them, at each batch of DETAIL_BATCHES
-#            (default 1 8), context 512, kernels as profile's; each limited to PROFILE_LIMIT_S
+#            (default 1 8), context 512, the preset's first 4 layers (3 GDN + attention;
+#            with all 40 the run did not finish in 300 s, likely because ncu saves and
+#            restores device memory around each replay pass), kernels as profile's; each
+#            limited to PROFILE_LIMIT_S
 #   bench:   mlx_lm.benchmark through user_bench.py, stock and Lily in one run (BENCH_CASES,
 #            user_bench.py's --cases, replaces the default list; limit BENCH_LIMIT_S;
 #            BENCH_TRIALS, default 1); Lily's kernels are the device's record (the last
@@ -55,6 +58,15 @@ step() {  # step NAME TIMEOUT_S CMD...: one logged, time-limited step
   (cd /tmp && timeout "$limit" "$@") > "$W/$name.log" 2>&1
   local rc=$?  # before $(el), which would reset $?
   echo "[$(el) s] $name: rc=$rc"
+  [ "$rc" = 124 ] && reap_gpu
+}
+reap_gpu() {  # a timed-out step's grandchildren (ncu's target) may still hold GPU memory
+  local p
+  for p in $(nvidia-smi --query-compute-apps=pid --format=csv,noheader 2>/dev/null); do
+    echo "[$(el) s] killing GPU process $p left by a timed-out step"
+    kill -9 "$p" 2>/dev/null
+  done
+  sleep 2
 }
 Q36=/tmp/q36
 AUTH="$HOME/.cache/mlx-lily/models"
@@ -124,7 +136,7 @@ phase_detail() {
     MLX_LILY_KERNELS=${PROFILE_KERNELS:-$SHIPPED,batch_decode} step kernel-detail-b$b \
       $(( 2 * ${PROFILE_LIMIT_S:-240} + 20 )) \
       python3 "$R/benchmarks/gpu/kernel_times.py" --context 512 --batch $b --arms lily \
-      --steps 1 --timeout-s ${PROFILE_LIMIT_S:-240} \
+      --layers 4 --steps 1 --timeout-s ${PROFILE_LIMIT_S:-240} \
       --detail "${DETAIL_REGEX:-lily_moe_decode|lily_gdn_decode}" \
       --detail-count ${DETAIL_COUNT:-6} --out "$W/kernel-detail-b$b"
   done

@@ -148,8 +148,10 @@ def _looks_local(path: str) -> bool:
             or path.count("/") > 1)
 
 
-def load_target(path: str | None = None, synthetic: str | None = None, model_seed: int = 0) -> Target:
-    """Load a checkpoint directory (``mlx_lm.load``) or build ``--synthetic`` in memory.
+def load_target(path: str | None = None, synthetic: str | dict | None = None,
+                model_seed: int = 0) -> Target:
+    """Load a checkpoint directory (``mlx_lm.load``) or build ``--synthetic`` in memory
+    (a preset name of :data:`mlx_lily.synth.PRESETS` or a text_config dict).
 
     Must run while mlx-lily is NOT patched (the model is loaded as stock mlx-lm loads it;
     the Lily arm prepares it on entry to ``mlx_lily.patched``).
