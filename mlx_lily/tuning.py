@@ -69,6 +69,9 @@ KNOBS: dict = {k.attr: k for k in (
     Setting("gdn_proj_split", "MLX_LILY_GDN_PROJ_SPLIT", None, int_range(1, 16),
             "an integer 1..16", "CUDA: blocks per (batch, v-head) of the gdn_proj launch "
             "(default: gated_delta.PROJ_SPLIT)"),
+    Setting("gdn_batch_fold", "MLX_LILY_GDN_BATCH_FOLD", None, int_range(1, 8),
+            "an integer 1..8", "CUDA: batch rows per block of the gdn_proj launch (each "
+            "weight tile read once for them; default: gated_delta.BATCH_FOLD)"),
     Setting("moe_fused_rpw", "MLX_LILY_MOE_FUSED_RPW", None, int_tuple(3, 1, 8),
             "three integers 1..8 'r,g,d' (e.g. '2,4,1')",
             "rows per lane group of the one-launch MoE kernel's phases (default: "

@@ -487,13 +487,17 @@ def gpu_model():
 
 @pytest.mark.gpu
 @needs_gpu
-@pytest.mark.parametrize("compile_mode", ["default", "off"])
+@pytest.mark.parametrize("compile_mode", ["default", "off", "fold"])
 def test_gpu_batched_decode_rows_bit_identical_to_alone(gpu_model, compile_mode, monkeypatch):
     """On the GPU with the default kernels: a left-padded batch of 5 / 37 / 130-token
     sequences decodes each row bit-identically to that sequence alone (the alone steps
-    compiled, ``default``, or eager, ``MLX_LILY_COMPILE=0``; the batch steps eager)."""
+    compiled, ``default``, or eager, ``MLX_LILY_COMPILE=0``; the batch steps eager;
+    ``fold``: the GDN decode serving the batch rows of a head in one block,
+    ``MLX_LILY_GDN_BATCH_FOLD=8``)."""
     if compile_mode == "off":
         monkeypatch.setenv("MLX_LILY_COMPILE", "0")
+    if compile_mode == "fold":
+        monkeypatch.setenv("MLX_LILY_GDN_BATCH_FOLD", "8")
     old = mx.default_device()
     mx.set_default_device(mx.gpu)
     try:

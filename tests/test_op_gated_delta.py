@@ -748,6 +748,84 @@ def test_decode_kernel_proj(backend, case):
         _check_proj_vs_reference(got, cpu_reference_proj(p, inp, dims))
 
 
+FOLD_CASES = [
+    dict(B=3, K=256, Hk=1, Hv=2, split=2, out=True, fold=2, seed=9),    # a partial group
+    dict(B=4, K=512, Hk=2, Hv=4, D=64, out=True, fold=4, seed=10),      # one group, 2 words
+    dict(B=3, K=256, Hk=1, Hv=3, fold=3, seed=11, batched=True),        # mask + lengths
+    dict(B=2, K=2048, Hk=1, Hv=2, split=3, fold=2, seed=12),            # the model's width
+]
+
+
+@pytest.mark.parametrize("backend", [_param(b) for b in KERNEL_BACKENDS
+                                     if b in ("cuda", "cuda-emu")])
+@pytest.mark.parametrize("case", FOLD_CASES, ids=lambda c: _case_id(c))
+def test_decode_kernel_proj_batch_fold_bit_identical(backend, case):
+    """``batch_fold`` (BN rows per block, each weight tile read once for them) gives
+    every output bit-identical to ``batch_fold=1``, and each row equals that row launched
+    alone: the folded rows get the unfolded arithmetic. NaN-filled outputs on a GPU."""
+    case = dict(case)
+    K_, fold = case.pop("K"), case.pop("fold")
+    split, with_out = case.pop("split", 1), case.pop("out", False)
+    batched = case.pop("batched", False)
+    inp, dims = make_inputs(S=1, fused_views=False, **case)
+    p = make_proj(inp, dims, K=K_, seed=case.get("seed", 0))
+    B, Hv = p.h0.shape[0], dims["num_v_heads"]
+    mask = mx.array([True, False] * (B // 2) + [True] * (B % 2))[:, None] if batched else None
+    lengths = mx.array([1, 0] * (B // 2) + [1] * (B % 2), mx.int32) if batched else None
+    out_proj = make_out_proj(p, dims, seed=case.get("seed", 0)) if with_out else None
+    stream = mx.gpu if backend == "cuda" else mx.cpu
+    init = float("nan") if backend == "cuda" else None
+    kw = dict(**dims, init_value=init, get_kernel=lambda spec: _kernel(spec, backend))
+
+    def launch(pp, rest, m, ln, bf):
+        pp = pp._replace(counters=G.proj_counters(G.counters_needed(pp.h0.shape[0], Hv) + 3))
+        with mx.stream(stream):
+            res = G.gated_delta_fused(None, None, None, None, **rest, proj=pp,
+                                      proj_split=split, return_proj=True, out_proj=out_proj,
+                                      batch_fold=bf, mask=m, lengths=ln, **kw)
+            mx.eval(res, pp.counters)
+        assert not np.array(pp.counters).any(), "arrival counters not reset"
+        return [np.array(r.astype(mx.float32)) for r in res]
+
+    rest = _rest(inp)
+    one = launch(p, rest, mask, lengths, 1)
+    folded = launch(p, rest, mask, lengths, fold)
+    names = ["out", "conv", "state", "h"] + (["r"] if with_out else []) + ["rows"]
+    for n, a, b in zip(names, one, folded):
+        assert np.isfinite(a).all() and np.isfinite(b).all(), n
+        np.testing.assert_array_equal(a, b, err_msg=n)
+    for i in range(B):  # each row alone (one block per head)
+        pi = p._replace(h0=p.h0[i:i + 1], res=p.res[i:i + 1])
+        ri = {k: (v[i:i + 1] if k in ("conv_state", "state") and v is not None else v)
+              for k, v in rest.items()}
+        alone = launch(pi, ri, None if mask is None else mask[i:i + 1],
+                       None if lengths is None else lengths[i:i + 1], 1)
+        for n, a, b in zip(names, alone, folded):
+            np.testing.assert_array_equal(a[0], b[i], err_msg=f"{n}, row {i}")
+
+
+def test_batch_fold_setting(monkeypatch):
+    """``batch_fold``: 1 off CUDA and by default; ``MLX_LILY_GDN_BATCH_FOLD`` on CUDA,
+    capped by the batch and by the block's shared memory; a fold without ``proj`` raises
+    in the launcher."""
+    monkeypatch.delenv("MLX_LILY_GDN_BATCH_FOLD", raising=False)
+    assert G.batch_fold("metal", 8, 2048, 128, 2) == 1
+    assert G.batch_fold("cuda", 8, 2048, 128, 2) == G.BATCH_FOLD["cuda"] == 1
+    monkeypatch.setenv("MLX_LILY_GDN_BATCH_FOLD", "8")
+    assert G.batch_fold("cuda", 8, 2048, 128, 2) == 8
+    assert G.batch_fold("cuda", 3, 2048, 128, 2) == 3
+    assert G.batch_fold("cuda", 8, 8192, 128, 2) == 2   # 16.6 KB a row: 2 fit in 44 KB
+    assert G.batch_fold("metal", 8, 2048, 128, 2) == 1
+    monkeypatch.setenv("MLX_LILY_GDN_BATCH_FOLD", "9")  # one warning, then the table's
+    config.WARNED.discard(("MLX_LILY_GDN_BATCH_FOLD", "9"))
+    with pytest.warns(UserWarning, match="MLX_LILY_GDN_BATCH_FOLD"):
+        assert G.batch_fold("cuda", 8, 2048, 128, 2) == 1
+    inp, dims = make_inputs(S=1, fused_views=False, B=2, Hk=1, Hv=2)
+    with pytest.raises(ValueError, match="batch_fold"):
+        G.gated_delta_fused(**inp, **dims, get_kernel=lambda spec: None,
+                            batch_fold=2)
+
+
 def cpu_reference_proj(p, inp, dims):
     """``gated_delta_proj_reference`` evaluated on the CPU stream (see ``cpu_reference``)."""
     def host(v):
@@ -1069,6 +1147,31 @@ def _cuda_check():
     return cuda_check
 
 
+@pytest.mark.slow
+def test_cuda_decode_fold_registers():
+    """The production PROJ + OUTP decode kernel fits the 128 registers per thread a block
+    of 512 threads may have (else its launch fails), unfolded and folded (ptxas of nvcc;
+    MLX's NVRTC may allocate differently: first contact then turns the op off)."""
+    cc = _cuda_check()
+    head, body = K.cuda_parts("gdn_decode")
+    T, f = BF, mx.float32
+    ins = [("qkv", T, 1), ("z", T, 1), ("b", T, 1), ("a", T, 1), ("conv_w", T, 3),
+           ("conv_state", T, 3), ("A_log", f, 1), ("dt_bias", T, 1), ("state", f, 4),
+           ("norm_w", T, 1), ("eps", f, 1), ("mask", mx.bool_, 2), ("lengths", mx.int32, 1),
+           ("hin", T, 3), ("res", T, 3), ("in_nw", T, 1), ("in_eps", f, 1),
+           ("w", mx.uint32, 2), ("scales", T, 2), ("biases", T, 2), ("counters", mx.int32, 1),
+           ("ow", mx.uint32, 2), ("oscales", T, 2), ("obiases", T, 2)]
+    outs = list(zip(["out", "conv_out", "state_out", "h_out", "proj", "r_out", "r_parts"],
+                    [T, T, f, T, f, T, f]))
+    for bn in (1, G.MAX_BATCH_FOLD):
+        tmpl = dict(T=T, Hk=16, Hv=32, Dk=128, Dv=128, KS=4, NW=16, HAS_MASK=False,
+                    HAS_LEN=False, PACKED=True, PROJ=True, S=T, K=2048, BITS=4, GS=64,
+                    RPW=G.PROJ_RPW, SPLIT=G.PROJ_SPLIT["cuda"], OUTP=True, ORPW=G.OUT_RPW,
+                    BN=bn)
+        r = cc.resources("lily_gdn_decode", ins, outs, body, head, template=list(tmpl.items()))
+        assert r["registers"] <= 128 and r["spill_stores"] == 0, (bn, r)
+
+
 def cached_nvcc_check(name, inputs, outputs, source, header, template):
     """``cuda_check.check`` with an on-disk record of rendered sources that compiled
     (nvcc takes ~10 s per kernel here; unchanged kernels are not recompiled)."""
@@ -1105,7 +1208,7 @@ def _cuda_cases():
                        [T, T, f, T, f, T, f], dict(T=T, Hk=16, Hv=32, Dk=128, Dv=128, KS=4, NW=16,
                                              HAS_MASK=T == BF, HAS_LEN=T == BF, PACKED=T != BF,
                                              PROJ=False, S=T, K=32, BITS=4, GS=32, RPW=1,
-                                             SPLIT=1, OUTP=False, ORPW=1)),
+                                             SPLIT=1, OUTP=False, ORPW=1, BN=1)),
             ("decode_proj", T): (
                 dict(qkv=(T, 1), z=(T, 1), b=(T, 1), a=(T, 1), conv_w=(T, 3),
                      conv_state=(T, 3), A_log=(f, 1), dt_bias=(T, 1), state=(f, 4),
@@ -1118,7 +1221,8 @@ def _cuda_cases():
                                       S=T, K=2048 if T == BF else 256, BITS=4 if T == BF else 8,
                                       GS=64 if T == BF else 32, RPW=G.PROJ_RPW,
                                       SPLIT=G.PROJ_SPLIT["cuda"] if T == BF else 1,
-                                      OUTP=T == BF, ORPW=G.OUT_RPW)),
+                                      OUTP=T == BF, ORPW=G.OUT_RPW,
+                                      BN=G.MAX_BATCH_FOLD if T == BF else 1)),
             G.PREP: (dict(qkv=(T, 3), conv_w=(T, 3), conv_state=(T, 3), a=(T, 3), b=(T, 3),
                           A_log=(f, 1), dt_bias=(T, 1), mask=(mx.bool_, 2),
                           lengths=(mx.int32, 1)),

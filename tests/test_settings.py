@@ -35,6 +35,7 @@ BAD_KNOBS = {
     "norm_gemv": "maybe",
     "kv_step": "0",
     "gdn_proj_split": "17",
+    "gdn_batch_fold": "9",
     "moe_fused_rpw": "2,4",
     "decode_pf": "3",
     "prefix_cache_every": "lots",

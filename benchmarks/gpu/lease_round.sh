@@ -44,6 +44,9 @@
 #            "default" or comma-joined VAR=VALUE of the MLX_LILY_ATTN_* / MLX_LILY_DECODE_PF
 #            knobs; default: five settings), cases ATTN_SWEEP_CASES (default
 #            4096:128:1,32768:128:1), each run limited to ATTN_SWEEP_LIMIT_S (default 300 s)
+#   fold-sweep: the GDN decode's batch fold (MLX_LILY_GDN_BATCH_FOLD) the same way, with
+#            batched decode on: FOLD_SWEEP settings (default: default, 2, 8), cases
+#            FOLD_SWEEP_CASES (default 512:128:2,512:128:4,512:128:8), FOLD_SWEEP_LIMIT_S
 # One process at a time; each step's log is W/<step>.log, the timeline W/round.log.
 set -u
 export PYTHONUNBUFFERED=1
@@ -193,22 +196,32 @@ phase_long() {
     --cases 4096:128:4,4096:128:8 --out "$W/bench-lily-batch"
 }
 
+sweep_run() {  # sweep_run NAME "SETTINGS" CASES KERNELS LIMIT_S: one user_bench run per setting
+  local name=$1 settings=$2 cases=$3 kset=$4 limit=$5 s i=0 envs
+  for s in $settings; do
+    i=$((i + 1))
+    envs=()
+    [ "$s" = default ] || IFS=, read -r -a envs <<< "$s"
+    echo "$s" > "$W/$name-$i.setting"
+    MLX_LILY_KERNELS=$kset step $name-$i $limit \
+      env ${envs[@]+"${envs[@]}"} python3 "$R/benchmarks/user_bench.py" --model "$Q36" \
+      --arms lily --trials 1 --cases "$cases" --out "$W/$name-$i"
+  done
+}
+
 phase_attn_sweep() {
-  local s i=0 envs
   local all="default MLX_LILY_DECODE_PF=2"
   all+=" MLX_LILY_ATTN_DECODE_WARPS=512,MLX_LILY_ATTN_FIXED_BLOCK=128"
   all+=" MLX_LILY_ATTN_DECODE_WARPS=512,MLX_LILY_ATTN_FIXED_BLOCK=128,MLX_LILY_DECODE_PF=2"
   all+=" MLX_LILY_ATTN_DECODE_WARPS=256,MLX_LILY_ATTN_FIXED_BLOCK=64"
-  for s in ${ATTN_SWEEP:-$all}; do
-    i=$((i + 1))
-    envs=()
-    [ "$s" = default ] || IFS=, read -r -a envs <<< "$s"
-    echo "$s" > "$W/attn-sweep-$i.setting"
-    MLX_LILY_KERNELS=$SHIPPED step attn-sweep-$i ${ATTN_SWEEP_LIMIT_S:-300} \
-      env ${envs[@]+"${envs[@]}"} python3 "$R/benchmarks/user_bench.py" --model "$Q36" \
-      --arms lily --trials 1 --cases "${ATTN_SWEEP_CASES:-4096:128:1,32768:128:1}" \
-      --out "$W/attn-sweep-$i"
-  done
+  sweep_run attn-sweep "${ATTN_SWEEP:-$all}" "${ATTN_SWEEP_CASES:-4096:128:1,32768:128:1}" \
+    "$SHIPPED" ${ATTN_SWEEP_LIMIT_S:-300}
+}
+
+phase_fold_sweep() {
+  sweep_run fold-sweep "${FOLD_SWEEP:-default MLX_LILY_GDN_BATCH_FOLD=2 MLX_LILY_GDN_BATCH_FOLD=8}" \
+    "${FOLD_SWEEP_CASES:-512:128:2,512:128:4,512:128:8}" "$SHIPPED,batch_decode" \
+    ${FOLD_SWEEP_LIMIT_S:-300}
 }
 
 IFS=, read -r -a PHASE_LIST <<< "${ROUND_PHASES:-checks,bench,qualify,long}"
@@ -220,6 +233,7 @@ for p in "${PHASE_LIST[@]}"; do
     parity-mixed) phase_parity_mixed ;;
     gputests|trained|profile|detail|bench|qualify|gate|long) "phase_$p" ;;
     attn-sweep) phase_attn_sweep ;;
+    fold-sweep) phase_fold_sweep ;;
     *) echo "[$(el) s] unknown phase: $p" ;;
   esac
 done

@@ -357,7 +357,7 @@ def gated_delta_fused(qkv, z, b, a, conv_weight, conv_state, A_log, dt_bias, sta
                       norm_weight, *, num_k_heads, head_k_dim, num_v_heads, head_v_dim,
                       eps, get_kernel, scan_cfg=(8, 1, 4), decode_nw=None, mask=None,
                       lengths=None, init_value=None, packed=False, scan="kernel", proj=None,
-                      proj_split=1, return_proj=False, out_proj=None):
+                      proj_split=1, return_proj=False, out_proj=None, batch_fold=1):
     """The fused kernels for a call ``kernel_unsupported`` accepted.
 
     S == 1: one ``lily_gdn_decode`` launch. S > 1: ``lily_gdn_prep`` (conv, SiLU, l2norm,
@@ -384,6 +384,14 @@ def gated_delta_fused(qkv, z, b, a, conv_weight, conv_state, A_log, dt_bias, sta
     rows each head read ``[B, Hv, 2*Dk+2*Dv+2]`` fp32 (tests). ``out_proj`` (an
     ``OutProj``, with ``proj``; CUDA; ``proj.counters`` of B*Hv + B zeros): the kernel
     also applies ``out_proj`` (``OUTP``) and its result ``r [B, 1, K]`` follows ``h``.
+    ``batch_fold`` (with ``proj``; CUDA): batch rows per block (``BN``); each weight tile
+    of the projection and out_proj GEMVs is read once for them, and every row gets the
+    arithmetic of ``batch_fold=1`` (bit-identical results).
+
+    Raises:
+        ValueError: ``proj`` with S > 1; ``out_proj`` without ``proj``; ``proj_split`` > 1
+            or ``out_proj`` without enough ``proj.counters``; ``batch_fold`` other than 1
+            without ``proj``, or outside 1..``MAX_BATCH_FOLD``.
     """
     Hk, Dk, Hv, Dv = num_k_heads, head_k_dim, num_v_heads, head_v_dim
     if proj is not None:
@@ -411,6 +419,10 @@ def gated_delta_fused(qkv, z, b, a, conv_weight, conv_state, A_log, dt_bias, sta
         mask = _dummy("mask")
     if lengths is None:
         lengths = _dummy("lengths")
+    fold = int(batch_fold)
+    if fold != 1 and (proj is None or not 1 <= fold <= MAX_BATCH_FOLD):
+        raise ValueError(f"gated_delta_fused: batch_fold={batch_fold} needs proj and "
+                         f"1..{MAX_BATCH_FOLD}")
     if S == 1:
         nw = decode_nw or decode_warps(Dv)
         split = 1
@@ -451,8 +463,9 @@ def gated_delta_fused(qkv, z, b, a, conv_weight, conv_state, A_log, dt_bias, sta
                     norm_weight, eps_a, mask, lengths] + pin,
             template=[("T", T), ("Hk", Hk), ("Hv", Hv), ("Dk", Dk),
                       ("Dv", Dv), ("KS", K), ("NW", nw)] + flags
-            + [("PACKED", bool(packed))] + ptmpl + [("SPLIT", split)] + otmpl,
-            grid=(32 * nw * split, B * Hv, 1), threadgroup=(32 * nw, 1, 1),
+            + [("PACKED", bool(packed))] + ptmpl + [("SPLIT", split)] + otmpl
+            + [("BN", fold)],
+            grid=(32 * nw * split, -(-B // fold) * Hv, 1), threadgroup=(32 * nw, 1, 1),
             output_shapes=[(B, 1, Hv * Dv), (B, K - 1, C), (B, Hv, Dv, Dk), h_shape, p_shape,
                            r_shape, rp_shape],
             output_dtypes=[T, T, mx.float32, T, mx.float32, T, mx.float32], **extra)
@@ -761,6 +774,15 @@ OUT_RPW = 4
 #: Metal's twin takes 1 only).
 PROJ_SPLIT = {"cuda": 4, "metal": 1}
 PROJ_SPLIT_ENV = "MLX_LILY_GDN_PROJ_SPLIT"  # CUDA: blocks per head, overriding PROJ_SPLIT
+#: Batch rows per block of the PROJ launch (``BN``), per backend. CUDA: at 1, a batch of
+#: B rows reads each head's projection and out_proj weights B times (B*Hv*PROJ_SPLIT
+#: blocks of 512 threads: one per SM on an H200, so B waves); folding reads them once per
+#: block of rows. Not yet measured on a GPU, hence 1. Metal's twin takes 1 only.
+BATCH_FOLD = {"cuda": 1, "metal": 1}
+#: Most batch rows one block folds (``MLX_LILY_GDN_BATCH_FOLD``'s range).
+MAX_BATCH_FOLD = 8
+#: Static shared memory a CUDA block may hold (the folded rows' inputs live there).
+CUDA_STATIC_SHARED = 49152
 
 
 def proj_split(backend: str) -> int:
@@ -771,6 +793,23 @@ def proj_split(backend: str) -> int:
 
     v = tuning.gdn_proj_split if backend == "cuda" else None
     return PROJ_SPLIT.get(backend, 1) if v is None else v
+
+
+def batch_fold(backend: str, B: int, K: int, Dv: int, itemsize: int) -> int:
+    """Batch rows per block of a PROJ launch of ``B`` rows on ``backend``: ``BATCH_FOLD``,
+    or on CUDA ``MLX_LILY_GDN_BATCH_FOLD`` (``tuning.gdn_batch_fold``: an integer 1..8),
+    at most ``B`` and at most what keeps the block's shared memory (``K``-wide input rows
+    and ``Dv``-wide out_proj inputs of ``itemsize`` bytes per row, plus ~4 KB) within
+    ``CUDA_STATIC_SHARED``. 1 on every other backend."""
+    from .. import tuning
+
+    if backend != "cuda":
+        return 1
+    v = tuning.gdn_batch_fold
+    want = BATCH_FOLD.get(backend, 1) if v is None else v
+    per_row = (K + Dv) * itemsize
+    fits = max(1, (CUDA_STATIC_SHARED - 4096) // max(per_row, 1))
+    return max(1, min(want, B, fits))
 
 
 def gated_delta_proj_reference(p: DecodeProj, conv_weight, conv_state, A_log, dt_bias, state,
@@ -930,7 +969,9 @@ def gated_delta_proj(p: DecodeProj, conv_weight, conv_state, A_log, dt_bias, sta
         return gated_delta_fused(
             None, None, None, None, conv_weight, conv_state, A_log, dt_bias, state,
             norm_weight, get_kernel=lambda spec: _k.get(spec, backend), proj=p,
-            proj_split=proj_split(backend), out_proj=out_proj, **dims)
+            proj_split=proj_split(backend), out_proj=out_proj,
+            batch_fold=batch_fold(backend, p.h0.shape[0], p.h0.shape[-1],
+                                  dims["head_v_dim"], p.h0.dtype.size), **dims)
     if out_proj is not None:
         from ..registry import switch_on
         from . import qgemv as _qg
@@ -948,7 +989,9 @@ def gated_delta_proj(p: DecodeProj, conv_weight, conv_state, A_log, dt_bias, sta
         return gated_delta_fused(
             None, None, None, None, conv_weight, conv_state, A_log, dt_bias, state,
             norm_weight, get_kernel=lambda spec: _k.get(spec, backend), proj=p,
-            proj_split=split, **dims)
+            proj_split=split, batch_fold=batch_fold(backend, B, p.h0.shape[-1],
+                                                    dims["head_v_dim"], p.h0.dtype.size),
+            **dims)
     from .norm_qgemv import norm_qgemv
 
     y, h = norm_qgemv(p.h0, p.res, p.norm_w, p.eps, p.w, p.scales, p.biases, p.group_size,

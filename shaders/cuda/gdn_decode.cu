@@ -1,11 +1,11 @@
 // @kernel lily_gdn_decode
 // @inputs qkv[B,1,C] z[B,1,Hv,Dv] b[B,1,Hv] a[B,1,Hv] conv_w[C,KS,1] conv_state[B,KS-1,C] A_log[Hv] dt_bias[Hv] state[B,Hv,Dv,Dk]:float32 norm_w[Dv] eps[1]:float32 mask[B,1]:bool lengths[B]:int32 hin[B,1,K] res[B,1,K] in_nw[K] in_eps[1]:float32 w[P,K*BITS/32]:uint32 scales[P,K/GS]:S biases[P,K/GS]:S counters[N]:int32 ow[K,Hv*Dv*BITS/32]:uint32 oscales[K,Hv*Dv/GS]:S obiases[K,Hv*Dv/GS]:S (all but w..obiases read through *_strides; mask/lengths read only when HAS_MASK/HAS_LEN; hin..counters only when PROJ, counters only when SPLIT > 1 or OUTP, ow..obiases only when OUTP)
 // @outputs out[B,1,Hv*Dv]:T conv_out[B,KS-1,C]:T state_out[B,Hv,Dv,Dk]:float32 h_out[B,1,K]:T proj[B,Hv,2*Dk+2*Dv+2]:float32 r_out[B,1,K]:T r_parts[B,Hv,K]:float32
-// @template T=bfloat16 Hk=16 Hv=32 Dk=128 Dv=128 KS=4 NW=16 HAS_MASK=false HAS_LEN=false PACKED=true PROJ=false S=bfloat16 K=32 BITS=4 GS=32 RPW=1 SPLIT=1 OUTP=false ORPW=1
-// @template T=float16 Hk=2 Hv=6 Dk=64 Dv=64 KS=3 NW=8 HAS_MASK=true HAS_LEN=true PACKED=false PROJ=false S=float16 K=32 BITS=4 GS=32 RPW=1 SPLIT=1 OUTP=false ORPW=1
-// @template T=bfloat16 Hk=16 Hv=32 Dk=128 Dv=128 KS=4 NW=16 HAS_MASK=false HAS_LEN=false PACKED=true PROJ=true S=bfloat16 K=2048 BITS=4 GS=64 RPW=4 SPLIT=4 OUTP=true ORPW=4
-// @template T=float16 Hk=2 Hv=6 Dk=64 Dv=64 KS=3 NW=8 HAS_MASK=true HAS_LEN=true PACKED=true PROJ=true S=float16 K=128 BITS=8 GS=32 RPW=2 SPLIT=1 OUTP=false ORPW=1
-// @grid (32*NW*SPLIT, B*Hv, 1)
+// @template T=bfloat16 Hk=16 Hv=32 Dk=128 Dv=128 KS=4 NW=16 HAS_MASK=false HAS_LEN=false PACKED=true PROJ=false S=bfloat16 K=32 BITS=4 GS=32 RPW=1 SPLIT=1 OUTP=false ORPW=1 BN=1
+// @template T=float16 Hk=2 Hv=6 Dk=64 Dv=64 KS=3 NW=8 HAS_MASK=true HAS_LEN=true PACKED=false PROJ=false S=float16 K=32 BITS=4 GS=32 RPW=1 SPLIT=1 OUTP=false ORPW=1 BN=1
+// @template T=bfloat16 Hk=16 Hv=32 Dk=128 Dv=128 KS=4 NW=16 HAS_MASK=false HAS_LEN=false PACKED=true PROJ=true S=bfloat16 K=2048 BITS=4 GS=64 RPW=4 SPLIT=4 OUTP=true ORPW=4 BN=1
+// @template T=float16 Hk=2 Hv=6 Dk=64 Dv=64 KS=3 NW=8 HAS_MASK=true HAS_LEN=true PACKED=true PROJ=true S=float16 K=128 BITS=8 GS=32 RPW=2 SPLIT=1 OUTP=false ORPW=1 BN=1
+// @grid (32*NW*SPLIT, ceil(B/BN)*Hv, 1)
 // @threadgroup (32*NW, 1, 1)
 // @ensure_row_contiguous false
 // PACKED: qkv is the whole fused input projection row [B,1,C+Hv*Dv+2*Hv] = q|k|v|z|b|a
@@ -26,7 +26,14 @@
 // (counter counters[B*Hv + bi], reset by it) sums the Hv partials in head order (fixed:
 // the result does not depend on arrival order) and writes r_out = T(sum). counters then
 // needs B*Hv + B zeros.
-// CUDA twin of shaders/metal/gdn_decode.metal (whose contract allows SPLIT = 1 and no OUTP): one
+// BN (with PROJ): batch rows per block; block y = g*Hv + h serves head h of rows
+// g*BN .. g*BN+BN-1 (those < B). Each weight tile of the GEMVs (the projection, and
+// out_proj under OUTP) is loaded once and dotted with each row's input in turn, so a row
+// gets exactly the arithmetic it gets at BN = 1 (hence alone); the rows' steps run one
+// after another in the block. SPLIT's counters are then counters[g*Hv + h], OUTP's
+// counters[B*Hv + g] (its last head sums each row of the group). BN = 1: one row per
+// block, as before.
+// CUDA twin of shaders/metal/gdn_decode.metal (whose contract allows SPLIT = 1, no OUTP and BN = 1): one
 // block per (batch, v-head) for the step, NW warps owning Dv/NW state rows each (lane owns
 // columns lane + 32*j).
 
@@ -44,6 +51,24 @@ __device__ __forceinline__ int lily_gdn_proj_row(int p, int h, int hk) {
   if (p < 2 * Dk + Dv) return 2 * Hk * Dk + h * Dv + (p - 2 * Dk);
   if (p < 2 * Dk + 2 * Dv) return C + h * Dv + (p - 2 * Dk - Dv);
   return C + Hv * Dv + (p - 2 * Dk - 2 * Dv) * Hv + h;
+}
+
+// An empty asm that claims to change a tile's weight words: called before each batch
+// row's dot with the tile, it keeps nvcc from hoisting the words' unpacking out of the
+// loop over rows (which held the dequantized values in registers: 166 per thread at
+// BN 2, past the 128 a block of 512 threads may have). No instruction is emitted.
+template <typename S, int K, int BITS, int GS, int RPW, int LPR, int KF>
+__device__ __forceinline__ void lily_gdn_opaque(LilyRowTile<S, K, BITS, GS, RPW, LPR, KF>& t) {
+#ifndef LILY_EMU
+#pragma unroll
+  for (int st = 0; st < LilyRowTile<S, K, BITS, GS, RPW, LPR, KF>::STEPS; ++st) {
+#pragma unroll
+    for (int r = 0; r < RPW; ++r) {
+      asm volatile("" : "+r"(t.q[st][r].x), "+r"(t.q[st][r].y), "+r"(t.q[st][r].z),
+                   "+r"(t.q[st][r].w));
+    }
+  }
+#endif
 }
 
 // After every thread of the block has written what other blocks will read: true in the
@@ -104,9 +129,10 @@ __device__ __forceinline__ void lily_gdn_pending_norm(const T* hin, const T* res
   const int tid = threadIdx.x;
   const int lane = tid & 31;
   const int warp = tid >> 5;
-  const int n = blockIdx.y;
-  const int bi = n / Hv;
+  static_assert(BN >= 1 && (BN == 1 || PROJ), "gdn_decode: BN > 1 needs PROJ");
+  const int n = blockIdx.y;  // (row group, v-head) = (n / Hv, h)
   const int h = n % Hv;
+  const int bg = n / Hv;
   const int hk = h / G;
 
   __shared__ float qs[Dk];
@@ -115,13 +141,17 @@ __device__ __forceinline__ void lily_gdn_pending_norm(const T* hin, const T* res
   __shared__ float red[NW];
   // PROJ: the normalised input row and this head's projection rows (q|k|v|z|b|a)
   constexpr int NP = 2 * Dk + 2 * Dv + 2;
-  __shared__ uint4 xs4[PROJ ? (K * sizeof(T) + 15) / 16 : 1];  // 16-byte aligned row
+  __shared__ uint4 xs4[PROJ ? BN * ((K * sizeof(T) + 15) / 16) : 1];  // 16-byte aligned rows
   T* xs = reinterpret_cast<T*>(xs4);
   __shared__ float ps[PROJ ? NP : 1];
   __shared__ int last_part[1];
-  __shared__ uint4 os4[OUTP ? (Dv * sizeof(T) + 15) / 16 : 1];  // out_h for OUTP
+  __shared__ uint4 os4[OUTP ? BN * ((Dv * sizeof(T) + 15) / 16) : 1];  // out_h rows for OUTP
   T* os_ = reinterpret_cast<T*>(os4);
   static_assert(!OUTP || PROJ, "gdn_decode: OUTP needs PROJ");
+  constexpr int XST = PROJ ? (K * int(sizeof(T)) + 15) / 16 * 16 / int(sizeof(T)) : 0;
+  constexpr int OST = (Dv * int(sizeof(T)) + 15) / 16 * 16 / int(sizeof(T));
+  // rows of this block: bg*BN + j for j < nrows
+  const int nrows = BN == 1 ? 1 : min(BN, int(hin_shape[0]) - bg * BN);
 
   if constexpr (PROJ) {
     constexpr int VPL = 128 / BITS;
@@ -135,35 +165,51 @@ __device__ __forceinline__ void lily_gdn_pending_norm(const T* hin, const T* res
     const int sl = lane % LPR;
     const int slot = (warp * SG + lane / LPR) * RPW;
     const int part = blockIdx.x;
-    float* pr = proj + int64_t(n) * NP;
-    lily_gdn_pending_norm<T, K, NW>(hin, res, in_nw, in_eps[0], hin_strides, res_strides,
-                                    in_nw_strides, bi,
-                                    h == 0 && part == 0 ? h_out + int64_t(bi) * K : nullptr,
-                                    xs, red, tid, lane, warp);
+    #pragma unroll 1
+    for (int j = 0; j < nrows; ++j) {
+      const int bj = bg * BN + j;
+      lily_gdn_pending_norm<T, K, NW>(hin, res, in_nw, in_eps[0], hin_strides, res_strides,
+                                      in_nw_strides, bj,
+                                      h == 0 && part == 0 ? h_out + int64_t(bj) * K : nullptr,
+                                      xs + j * XST, red, tid, lane, warp);
+    }
     for (int p0 = part * RPP; p0 < NP; p0 += SPLIT * RPP) {
-      int rows[RPW];
+      // the tile lily_qgemv_gather loads, then each row's dot with it
+      LilyRowTile<S, K, BITS, GS, RPW, LPR> tile;
 #pragma unroll
       for (int r = 0; r < RPW; ++r) {
-        rows[r] = lily_gdn_proj_row<Hk, Hv, Dk, Dv>(min(p0 + slot + r, NP - 1), h, hk);
+        const int row = lily_gdn_proj_row<Hk, Hv, Dk, Dv>(min(p0 + slot + r, NP - 1), h, hk);
+        tile.load_row(reinterpret_cast<const uint4*>(w), scales, biases, r, (size_t)row, sl);
       }
-      float acc[RPW];
-      lily_qgemv_gather<S, K, BITS, GS, RPW, LPR>(xs, w, scales, biases, rows, sl, acc);
-#pragma unroll
-      for (int r = 0; r < RPW; ++r) {
-        if (sl == 0 && p0 + slot + r < NP) {
-          const float v = lily_rnd<T>(acc[r]);
-          pr[p0 + slot + r] = v;
-          if constexpr (SPLIT == 1) ps[p0 + slot + r] = v;
-        }
+      #pragma unroll 1
+    for (int j = 0; j < nrows; ++j) {
+        float* pr = proj + (int64_t(bg * BN + j) * Hv + h) * NP;
+        if constexpr (BN > 1) lily_gdn_opaque(tile);
+        tile.dot_each(xs + j * XST, sl, [&](int r, float acc) {
+          if (sl == 0 && p0 + slot + r < NP) {
+            const float v = lily_rnd<T>(acc);
+            pr[p0 + slot + r] = v;
+            if constexpr (SPLIT == 1 && BN == 1) ps[p0 + slot + r] = v;
+          }
+        });
       }
     }
     if constexpr (SPLIT > 1) {
       if (!lily_last_to_arrive(const_cast<int*>(counters) + n, SPLIT, last_part, tid)) return;
-      for (int p = tid; p < NP; p += NT) ps[p] = __ldcg(pr + p);
     }
     __syncthreads();
   }
 
+  #pragma unroll 1
+    for (int j = 0; j < nrows; ++j) {
+  const int bi = bg * BN + j;
+  const int nr = bi * Hv + h;  // (row, v-head)
+  if constexpr (PROJ && (SPLIT > 1 || BN > 1)) {
+    if (j > 0) __syncthreads();  // the previous row's readers of ps are done
+    const float* pr = proj + int64_t(nr) * NP;
+    for (int p = tid; p < NP; p += NT) ps[p] = __ldcg(pr + p);
+    __syncthreads();
+  }
   float s[RW][NC];
   const int64_t sbase = int64_t(bi) * state_strides[0] + int64_t(h) * state_strides[1];
 #pragma unroll
@@ -303,7 +349,7 @@ __device__ __forceinline__ void lily_gdn_pending_norm(const T* hin, const T* res
     yv[i] = lily_rnd<T>(lily_warp_sum(yv[i]));
   }
 
-  const int64_t obase = (int64_t(n) * Dv + int64_t(warp) * RW) * Dk;
+  const int64_t obase = (int64_t(nr) * Dv + int64_t(warp) * RW) * Dk;
 #pragma unroll
   for (int i = 0; i < RW; ++i) {
 #pragma unroll
@@ -343,10 +389,11 @@ __device__ __forceinline__ void lily_gdn_pending_norm(const T* hin, const T* res
                   z[int64_t(bi) * z_strides[0] + int64_t(h) * z_strides[2] + r * z_strides[3]]);
       }
       const T ov = static_cast<T>(zf * lily_sigmoid(zf) * nw);
-      out[int64_t(n) * Dv + r] = ov;
-      if constexpr (OUTP) os_[r] = ov;
+      out[int64_t(nr) * Dv + r] = ov;
+      if constexpr (OUTP) os_[j * OST + r] = ov;
     }
   }
+  }  // rows of the group
 
   if constexpr (OUTP) {
     // this head's share of out_proj, then the batch row's last head sums the shares
@@ -358,27 +405,35 @@ __device__ __forceinline__ void lily_gdn_pending_norm(const T* hin, const T* res
     __syncthreads();
     const int slo = lane % LPRO;
     const int o_slot = (warp * SGO + lane / LPRO) * ORPW;
-    float* part = r_parts + int64_t(n) * K;
+#pragma unroll 1
     for (int o0 = 0; o0 < K; o0 += RPPO) {
-      int rows[ORPW];
-#pragma unroll
-      for (int r = 0; r < ORPW; ++r) rows[r] = min(o0 + o_slot + r, K - 1);
-      float acc[ORPW];
-      lily_qgemv_slice<S, Dv, Hv * Dv, BITS, GS, ORPW, LPRO>(os_, ow, oscales, obiases, rows,
-                                                            h * Dv, slo, acc);
+      // the tile lily_qgemv_slice loads (head h's columns), then each row's dot with it
+      LilyRowTile<S, Dv, BITS, GS, ORPW, LPRO, Hv * Dv> tile;
 #pragma unroll
       for (int r = 0; r < ORPW; ++r) {
-        if (slo == 0 && o0 + o_slot + r < K) part[o0 + o_slot + r] = acc[r];
+        tile.load_row(reinterpret_cast<const uint4*>(ow), oscales, obiases, r,
+                      (size_t)min(o0 + o_slot + r, K - 1), slo, h * Dv);
+      }
+      #pragma unroll 1
+    for (int j = 0; j < nrows; ++j) {
+        float* part = r_parts + (int64_t(bg * BN + j) * Hv + h) * K;
+        if constexpr (BN > 1) lily_gdn_opaque(tile);
+        tile.dot_each(os_ + j * OST, slo, [&](int r, float acc) {
+          if (slo == 0 && o0 + o_slot + r < K) part[o0 + o_slot + r] = acc;
+        });
       }
     }
-    if (!lily_last_to_arrive(const_cast<int*>(counters) + hin_shape[0] * Hv + bi, Hv,
+    if (!lily_last_to_arrive(const_cast<int*>(counters) + hin_shape[0] * Hv + bg, Hv,
                              last_part, tid)) {
       return;
     }
-    const float* parts = r_parts + int64_t(bi) * Hv * K;
-    T* ro = r_out + int64_t(bi) * K;
     static_assert(K % 4 == 0, "gdn_decode: OUTP sums 4 outputs per 16-byte load");
-    {  // 16-byte loads, up to 16 heads' in flight per thread
+    #pragma unroll 1
+    for (int j = 0; j < nrows; ++j) {
+      const int bi = bg * BN + j;
+      const float* parts = r_parts + int64_t(bi) * Hv * K;
+      T* ro = r_out + int64_t(bi) * K;
+      // 16-byte loads, up to 16 heads' in flight per thread
       for (int o = 4 * tid; o < K; o += 4 * NT) {
         float a0 = 0.f, a1 = 0.f, a2 = 0.f, a3 = 0.f;
 #pragma unroll 16

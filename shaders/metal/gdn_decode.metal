@@ -1,11 +1,11 @@
 // @kernel lily_gdn_decode
 // @inputs qkv[B,1,C] z[B,1,Hv,Dv] b[B,1,Hv] a[B,1,Hv] conv_w[C,KS,1] conv_state[B,KS-1,C] A_log[Hv] dt_bias[Hv] state[B,Hv,Dv,Dk]:float32 norm_w[Dv] eps[1]:float32 mask[B,1]:bool lengths[B]:int32 hin[B,1,K] res[B,1,K] in_nw[K] in_eps[1]:float32 w[P,K*BITS/32]:uint32 scales[P,K/GS]:S biases[P,K/GS]:S counters[N]:int32 ow[K,Hv*Dv*BITS/32]:uint32 oscales[K,Hv*Dv/GS]:S obiases[K,Hv*Dv/GS]:S (all but w..obiases read through *_strides; mask/lengths read only when HAS_MASK/HAS_LEN; hin..counters only when PROJ, counters only when SPLIT > 1 or OUTP, ow..obiases only when OUTP)
 // @outputs out[B,1,Hv*Dv]:T conv_out[B,KS-1,C]:T state_out[B,Hv,Dv,Dk]:float32 h_out[B,1,K]:T proj[B,Hv,2*Dk+2*Dv+2]:float32 r_out[B,1,K]:T r_parts[B,Hv,K]:float32
-// @template T=bfloat16 Hk=16 Hv=32 Dk=128 Dv=128 KS=4 NW=16 HAS_MASK=false HAS_LEN=false PACKED=true PROJ=false S=bfloat16 K=32 BITS=4 GS=32 RPW=1 SPLIT=1 OUTP=false ORPW=1
-// @template T=float16 Hk=2 Hv=6 Dk=64 Dv=64 KS=3 NW=8 HAS_MASK=true HAS_LEN=true PACKED=false PROJ=false S=float16 K=32 BITS=4 GS=32 RPW=1 SPLIT=1 OUTP=false ORPW=1
-// @template T=bfloat16 Hk=16 Hv=32 Dk=128 Dv=128 KS=4 NW=16 HAS_MASK=false HAS_LEN=false PACKED=true PROJ=true S=bfloat16 K=2048 BITS=4 GS=64 RPW=4 SPLIT=1 OUTP=false ORPW=1
-// @template T=float16 Hk=2 Hv=6 Dk=64 Dv=64 KS=3 NW=8 HAS_MASK=true HAS_LEN=true PACKED=true PROJ=true S=float16 K=128 BITS=8 GS=32 RPW=2 SPLIT=1 OUTP=false ORPW=1
-// @grid (32*NW*SPLIT, B*Hv, 1)
+// @template T=bfloat16 Hk=16 Hv=32 Dk=128 Dv=128 KS=4 NW=16 HAS_MASK=false HAS_LEN=false PACKED=true PROJ=false S=bfloat16 K=32 BITS=4 GS=32 RPW=1 SPLIT=1 OUTP=false ORPW=1 BN=1
+// @template T=float16 Hk=2 Hv=6 Dk=64 Dv=64 KS=3 NW=8 HAS_MASK=true HAS_LEN=true PACKED=false PROJ=false S=float16 K=32 BITS=4 GS=32 RPW=1 SPLIT=1 OUTP=false ORPW=1 BN=1
+// @template T=bfloat16 Hk=16 Hv=32 Dk=128 Dv=128 KS=4 NW=16 HAS_MASK=false HAS_LEN=false PACKED=true PROJ=true S=bfloat16 K=2048 BITS=4 GS=64 RPW=4 SPLIT=1 OUTP=false ORPW=1 BN=1
+// @template T=float16 Hk=2 Hv=6 Dk=64 Dv=64 KS=3 NW=8 HAS_MASK=true HAS_LEN=true PACKED=true PROJ=true S=float16 K=128 BITS=8 GS=32 RPW=2 SPLIT=1 OUTP=false ORPW=1 BN=1
+// @grid (32*NW*SPLIT, ceil(B/BN)*Hv, 1)
 // @threadgroup (32*NW, 1, 1)
 // @ensure_row_contiguous false
 // PACKED: qkv is the whole fused input projection row [B,1,C+Hv*Dv+2*Hv] = q|k|v|z|b|a
@@ -20,7 +20,7 @@
 // counters: their arrival counts) must be 1 here: the CUDA twin's SPLIT > 1 needs a
 // device-scope fence between threadgroups; so does OUTP (out_proj summed over the heads'
 // threadgroups, see the CUDA twin): false here. counters, ow, oscales, obiases, r_out and
-// r_parts are then unused.
+// r_parts are then unused. BN (batch rows per threadgroup, the CUDA twin's) must be 1.
 // One threadgroup per (batch, v-head): conv step + SiLU + l2norm of the head's q/k/v
 // channels into threadgroup memory, gates, then NW simdgroups own Dv/NW state rows each
 // (lane owns columns lane + 32*j), delta-rule update in registers, gated RMSNorm.
