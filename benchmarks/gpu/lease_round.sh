@@ -7,7 +7,8 @@
 # checks,bench,qualify,long):
 #   gputests: the GPU tests of batched decode, the grouped MoE and the router top-k
 #            (pytest -m gpu, a small random model; time limit GPUTESTS_LIMIT_S, default 400 s;
-#            GPUTESTS_FILES, test files relative to the repository, replaces that list)
+#            GPUTESTS_FILES, test files relative to the repository, replaces that list;
+#            GPUTESTS_K, a pytest -k expression)
 #   trained: train (or reuse) the production-width model, then its long-context numerics;
 #            alone on the GPU (beside a 35B model the trainer ran out of memory)
 #   checks:  batch-vs-alone parity (parity-equal: prompts of one length, the compiled batch
@@ -44,9 +45,11 @@
 #            "default" or comma-joined VAR=VALUE of the MLX_LILY_ATTN_* / MLX_LILY_DECODE_PF
 #            knobs; default: five settings), cases ATTN_SWEEP_CASES (default
 #            4096:128:1,32768:128:1), each run limited to ATTN_SWEEP_LIMIT_S (default 300 s)
+#   moe-micro: the one-launch MoE kernel at each launch shape (moe_decode_bench.py --sections
+#            fused) at MOE_MICRO_ROWS rows (default 1,2,8), limit MOE_MICRO_LIMIT_S
 #   fold-sweep: the GDN decode's batch fold (MLX_LILY_GDN_BATCH_FOLD) the same way, with
-#            batched decode on: FOLD_SWEEP settings (default: default, 2, 8), cases
-#            FOLD_SWEEP_CASES (default 512:128:2,512:128:4,512:128:8), FOLD_SWEEP_LIMIT_S
+#            batched decode on: FOLD_SWEEP settings (default: default, 4, 8), cases
+#            FOLD_SWEEP_CASES (default 512:128:2,512:128:8), FOLD_SWEEP_LIMIT_S
 # One process at a time; each step's log is W/<step>.log, the timeline W/round.log.
 set -u
 export PYTHONUNBUFFERED=1
@@ -85,8 +88,9 @@ phase_gputests() {
   for f in ${GPUTESTS_FILES:-tests/test_op_moe_router_topk.py tests/test_op_moe_grouped.py tests/test_batch_decode.py}; do
     files+=("$R/$f")
   done
+  local sel=(); [ -n "${GPUTESTS_K:-}" ] && sel=(-k "$GPUTESTS_K")
   step gpu-tests-batch ${GPUTESTS_LIMIT_S:-400} python3 -m pytest -m gpu -v -p no:cacheprovider \
-    "${files[@]}"
+    "${files[@]}" ${sel[@]+"${sel[@]}"}
 }
 
 phase_trained() {
@@ -143,6 +147,14 @@ phase_detail() {
       --detail "${DETAIL_REGEX:-lily_moe_decode|lily_gdn_decode}" \
       --detail-count ${DETAIL_COUNT:-6} --out "$W/kernel-detail-b$b"
   done
+}
+
+phase_moe_micro() {
+  # the one-launch MoE block's launch shapes at 1..8 rows (moe_decode_bench.py, one layer's
+  # weights, 40 chained launches)
+  MLX_LILY_KERNELS=all step moe-micro ${MOE_MICRO_LIMIT_S:-300} \
+    python3 "$R/benchmarks/gpu/moe_decode_bench.py" --sections fused \
+    --rows "${MOE_MICRO_ROWS:-1,2,8}" --out "$W/moe-micro"
 }
 
 phase_bench() {
@@ -219,8 +231,8 @@ phase_attn_sweep() {
 }
 
 phase_fold_sweep() {
-  sweep_run fold-sweep "${FOLD_SWEEP:-default MLX_LILY_GDN_BATCH_FOLD=2 MLX_LILY_GDN_BATCH_FOLD=8}" \
-    "${FOLD_SWEEP_CASES:-512:128:2,512:128:4,512:128:8}" "$SHIPPED,batch_decode" \
+  sweep_run fold-sweep "${FOLD_SWEEP:-default MLX_LILY_GDN_BATCH_FOLD=4 MLX_LILY_GDN_BATCH_FOLD=8}" \
+    "${FOLD_SWEEP_CASES:-512:128:2,512:128:8}" "$SHIPPED,batch_decode" \
     ${FOLD_SWEEP_LIMIT_S:-300}
 }
 
@@ -234,6 +246,7 @@ for p in "${PHASE_LIST[@]}"; do
     gputests|trained|profile|detail|bench|qualify|gate|long) "phase_$p" ;;
     attn-sweep) phase_attn_sweep ;;
     fold-sweep) phase_fold_sweep ;;
+    moe-micro) phase_moe_micro ;;
     *) echo "[$(el) s] unknown phase: $p" ;;
   esac
 done

@@ -399,13 +399,19 @@ def routed_variants(blk, router, reps, out):
     out["routed_variants"] = rows
 
 
-def fused_variants(blk, router, reps, out):
+#: Rows per lane group (router, gate+up, down) ``fused_variants`` times; the default
+#: ``moe_experts.FUSED_RPW`` first.
+FUSED_RPWS = ((2, 4, 1), (2, 4, 2), (1, 4, 1), (2, 2, 1), (2, 2, 2), (4, 4, 1), (2, 8, 1))
+
+
+def fused_variants(blk, router, reps, out, rows=(1,)):
     """The whole MoE block as the compiled decode step runs it: the router GEMV with the
     add + RMSNorm (``norm_qgemv``) and the routed gate+up and down kernels (three
     launches) vs ``lily_moe_decode`` (one launch, ``moe_fused``, CUDA) at several rows
     per lane group (router, gate+up, down); ``LAYERS`` layers chained (each layer's
     output is the next one's residual delta), each layer with its own counters as in
-    the model. Wall and device-side us per layer."""
+    the model. Wall and device-side us per layer, for each count of token rows in
+    ``rows`` (a batched decode step's rows: one per sequence)."""
     from mlx_lily import kernels
     from mlx_lily.ops import moe_experts as M
     from mlx_lily.patches import layouts
@@ -418,14 +424,26 @@ def fused_variants(blk, router, reps, out):
     kg, kd = kernels.get(M.GATE_UP_SPEC, be), kernels.get(M.DOWN_SPEC, be)
     kn = kernels.get(NQ.SPEC, be)
     wts = layouts.decode_weights(blk.switch_mlp, blk.shared_expert)
-    x0 = mx.random.normal((1, 1, D)).astype(mx.bfloat16)
-    res = [mx.random.normal((1, 1, D)).astype(mx.bfloat16) for _ in range(LAYERS)]
     nw = (1.0 + 0.1 * mx.random.normal((D,))).astype(mx.bfloat16)
+    table = []
+    for n in rows:
+        table += _fused_rows(kf, kg, kd, kn, wts, router, nw, n, reps)
+    out["fused_variants"] = table
+
+
+def _fused_rows(kf, kg, kd, kn, wts, router, nw, n, reps):
+    """``fused_variants`` at ``n`` token rows: the three launches, then each of
+    ``FUSED_RPWS``."""
+    from mlx_lily.ops import moe_experts as M
+    from mlx_lily.ops import norm_qgemv as NQ
+
+    x0 = mx.random.normal((n, 1, D)).astype(mx.bfloat16)
+    res = [mx.random.normal((n, 1, D)).astype(mx.bfloat16) for _ in range(LAYERS)]
     ctrs = [mx.zeros((M.FUSED_COUNTERS,), dtype=mx.int32) for _ in range(LAYERS)]
-    mx.eval(x0, res, nw, ctrs)
+    mx.eval(x0, res, ctrs)
     rows = []
-    print(f"\nMoE block: three launches vs one (lily_moe_decode), {LAYERS} chained layers, "
-          "per layer")
+    print(f"\nMoE block at {n} row(s): three launches vs one (lily_moe_decode), {LAYERS} "
+          "chained layers, per layer")
     nq = NQ.plan(kn, x0.shape, x0.dtype, router.weight, router.scales, router.biases,
                  router.group_size, router.bits)
     three = M.decode_plan(kg, kd, wts, x0.shape, x0.dtype, K, False, topk=True,
@@ -439,10 +457,11 @@ def fused_variants(blk, router, reps, out):
 
     t = _bench(lambda: chain3(x0), reps) / LAYERS
     g = _gpu_us(chain3, x0, LAYERS)
-    rows.append({"variant": "three launches", "us_per_layer": 1e6 * t, "gpu_us_per_layer": g})
+    rows.append({"rows": n, "variant": "three launches", "us_per_layer": 1e6 * t,
+                 "gpu_us_per_layer": g})
     print(f"  three launches:       {1e6 * t:7.1f} us wall, "
           f"{float('nan') if g is None else g:7.1f} us GPU")
-    for rpw in ((2, 4, 1), (2, 4, 2), (1, 4, 1), (2, 2, 1), (4, 4, 1), (2, 8, 1)):
+    for rpw in FUSED_RPWS:
         os.environ[M.FUSED_RPW_ENV] = ",".join(map(str, rpw))
         try:
             if not M.fused_supported(router, K, wts, x0.shape, x0.dtype):
@@ -459,11 +478,11 @@ def fused_variants(blk, router, reps, out):
 
         t = _bench(lambda: chain1(x0), reps) / LAYERS
         g = _gpu_us(chain1, x0, LAYERS)
-        rows.append({"variant": f"fused {rpw}", "rpw": rpw, "us_per_layer": 1e6 * t,
-                     "gpu_us_per_layer": g})
+        rows.append({"rows": n, "variant": f"fused {rpw}", "rpw": rpw,
+                     "us_per_layer": 1e6 * t, "gpu_us_per_layer": g})
         print(f"  fused rpw {rpw}: {1e6 * t:7.1f} us wall, "
               f"{float('nan') if g is None else g:7.1f} us GPU")
-    out["fused_variants"] = rows
+    return rows
 
 
 def norm_gemv_split(reps, out):
@@ -548,6 +567,12 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].replace("\n", " "))
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--reps", type=int, default=15)
+    ap.add_argument("--rows", default="1",
+                    help="fused: token rows per launch, comma-separated (a batched decode "
+                         "step has one per sequence)")
+    ap.add_argument("--sections", default=None,
+                    help="comma-separated subset of: layer, kernels, qgemv, routed, fused, "
+                         "norm_gemv (default: all)")
     ap.add_argument("--emulate", action="store_true",
                     help="CPU smoke test: small dims, Metal kernels run by the emulator "
                          "(checks the script, measures nothing meaningful)")
@@ -572,12 +597,19 @@ def main(argv=None):
     blk = _setup_block()
     router = QProj.fuse([blk.gate, blk.shared_expert_gate])
     print(f"setup {time.time() - t0:.1f}s")
-    for step in (lambda: moe_layer(blk, router, args.reps, out),
-                 lambda: kernel_variants(blk, router, args.reps, out),
-                 lambda: qgemv_vs_qmv(args.reps, out),
-                 lambda: routed_variants(blk, router, args.reps, out),
-                 lambda: fused_variants(blk, router, args.reps, out),
-                 lambda: norm_gemv_split(args.reps, out)):
+    rows = tuple(int(v) for v in args.rows.split(","))
+    steps = {"layer": lambda: moe_layer(blk, router, args.reps, out),
+             "kernels": lambda: kernel_variants(blk, router, args.reps, out),
+             "qgemv": lambda: qgemv_vs_qmv(args.reps, out),
+             "routed": lambda: routed_variants(blk, router, args.reps, out),
+             "fused": lambda: fused_variants(blk, router, args.reps, out, rows),
+             "norm_gemv": lambda: norm_gemv_split(args.reps, out)}
+    wanted = list(steps) if args.sections is None else args.sections.split(",")
+    unknown = [w for w in wanted if w not in steps]
+    if unknown:
+        ap.error(f"unknown --sections {unknown}; choose from {list(steps)}")
+    for name in wanted:
+        step = steps[name]
         try:
             step()
         except Exception as exc:  # keep what was measured
