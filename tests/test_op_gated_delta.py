@@ -805,21 +805,29 @@ def test_decode_kernel_proj_batch_fold_bit_identical(backend, case):
 
 
 def test_batch_fold_setting(monkeypatch):
-    """``batch_fold``: 1 off CUDA and by default; ``MLX_LILY_GDN_BATCH_FOLD`` on CUDA,
-    capped by the batch and by the block's shared memory; a fold without ``proj`` raises
-    in the launcher."""
+    """``batch_fold``: 1 for one row, off CUDA and by default; ``MLX_LILY_GDN_BATCH_FOLD``
+    on CUDA for any batch of 2 or more (not capped at B: one build per setting), lowered
+    only to fit the block's shared memory, which ``fold_shared_bytes`` counts as the
+    kernel declares it; a fold without ``proj`` raises in the launcher."""
+    prod = (2048, 128, 128, 2, True)  # K, Dk, Dv, bf16, with out_proj
     monkeypatch.delenv("MLX_LILY_GDN_BATCH_FOLD", raising=False)
-    assert G.batch_fold("metal", 8, 2048, 128, 2) == 1
-    assert G.batch_fold("cuda", 8, 2048, 128, 2) == G.BATCH_FOLD["cuda"] == 1
+    assert G.batch_fold("metal", 8, *prod) == 1
+    assert G.batch_fold("cuda", 8, *prod) == G.BATCH_FOLD["cuda"] == 1
     monkeypatch.setenv("MLX_LILY_GDN_BATCH_FOLD", "8")
-    assert G.batch_fold("cuda", 8, 2048, 128, 2) == 8
-    assert G.batch_fold("cuda", 3, 2048, 128, 2) == 3
-    assert G.batch_fold("cuda", 8, 8192, 128, 2) == 2   # 16.6 KB a row: 2 fit in 44 KB
-    assert G.batch_fold("metal", 8, 2048, 128, 2) == 1
+    assert G.batch_fold("cuda", 8, *prod) == 8
+    assert G.batch_fold("cuda", 3, *prod) == 8
+    assert G.batch_fold("cuda", 1, *prod) == 1
+    assert G.batch_fold("metal", 8, *prod) == 1
+    # 8 rows at the model's widths: 8 x 4096 + 8 x 256 + the fixed arrays
+    assert G.fold_shared_bytes(8, 2048, 128, 128, 16, 2, True) == \
+        8 * 4096 + 8 * 256 + 4 * 384 + 4 * 514 + 4 * 16 + 4
+    assert G.batch_fold("cuda", 8, 8192, 128, 128, 2, True) == 2  # 16.6 KB a row
+    assert G.batch_fold("cuda", 8, 5376, 224, 224, 2, True) == 3
+    assert G.fold_shared_bytes(3, 5376, 224, 224, 16, 2, True) <= G.CUDA_STATIC_SHARED
     monkeypatch.setenv("MLX_LILY_GDN_BATCH_FOLD", "9")  # one warning, then the table's
     config.WARNED.discard(("MLX_LILY_GDN_BATCH_FOLD", "9"))
     with pytest.warns(UserWarning, match="MLX_LILY_GDN_BATCH_FOLD"):
-        assert G.batch_fold("cuda", 8, 2048, 128, 2) == 1
+        assert G.batch_fold("cuda", 8, *prod) == 1
     inp, dims = make_inputs(S=1, fused_views=False, B=2, Hk=1, Hv=2)
     with pytest.raises(ValueError, match="batch_fold"):
         G.gated_delta_fused(**inp, **dims, get_kernel=lambda spec: None,
@@ -1150,8 +1158,8 @@ def _cuda_check():
 @pytest.mark.slow
 def test_cuda_decode_fold_registers():
     """The production PROJ + OUTP decode kernel fits the 128 registers per thread a block
-    of 512 threads may have (else its launch fails), unfolded and folded (ptxas of nvcc;
-    MLX's NVRTC may allocate differently: first contact then turns the op off)."""
+    of 512 threads may have (else its launch fails), at every fold (ptxas of nvcc; MLX's
+    NVRTC may allocate differently)."""
     cc = _cuda_check()
     head, body = K.cuda_parts("gdn_decode")
     T, f = BF, mx.float32
@@ -1163,7 +1171,7 @@ def test_cuda_decode_fold_registers():
            ("ow", mx.uint32, 2), ("oscales", T, 2), ("obiases", T, 2)]
     outs = list(zip(["out", "conv_out", "state_out", "h_out", "proj", "r_out", "r_parts"],
                     [T, T, f, T, f, T, f]))
-    for bn in (1, G.MAX_BATCH_FOLD):
+    for bn in range(1, G.MAX_BATCH_FOLD + 1):
         tmpl = dict(T=T, Hk=16, Hv=32, Dk=128, Dv=128, KS=4, NW=16, HAS_MASK=False,
                     HAS_LEN=False, PACKED=True, PROJ=True, S=T, K=2048, BITS=4, GS=64,
                     RPW=G.PROJ_RPW, SPLIT=G.PROJ_SPLIT["cuda"], OUTP=True, ORPW=G.OUT_RPW,

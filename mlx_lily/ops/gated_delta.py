@@ -386,7 +386,8 @@ def gated_delta_fused(qkv, z, b, a, conv_weight, conv_state, A_log, dt_bias, sta
     also applies ``out_proj`` (``OUTP``) and its result ``r [B, 1, K]`` follows ``h``.
     ``batch_fold`` (with ``proj``; CUDA): batch rows per block (``BN``); each weight tile
     of the projection and out_proj GEMVs is read once for them, and every row gets the
-    arithmetic of ``batch_fold=1`` (bit-identical results).
+    arithmetic of ``batch_fold=1`` (bit-identical on the emulator; the GPU test has not
+    run yet).
 
     Raises:
         ValueError: ``proj`` with S > 1; ``out_proj`` without ``proj``; ``proj_split`` > 1
@@ -795,21 +796,36 @@ def proj_split(backend: str) -> int:
     return PROJ_SPLIT.get(backend, 1) if v is None else v
 
 
-def batch_fold(backend: str, B: int, K: int, Dv: int, itemsize: int) -> int:
-    """Batch rows per block of a PROJ launch of ``B`` rows on ``backend``: ``BATCH_FOLD``,
-    or on CUDA ``MLX_LILY_GDN_BATCH_FOLD`` (``tuning.gdn_batch_fold``: an integer 1..8),
-    at most ``B`` and at most what keeps the block's shared memory (``K``-wide input rows
-    and ``Dv``-wide out_proj inputs of ``itemsize`` bytes per row, plus ~4 KB) within
-    ``CUDA_STATIC_SHARED``. 1 on every other backend."""
+def fold_shared_bytes(bn: int, K: int, Dk: int, Dv: int, nw: int, itemsize: int,
+                      out_proj: bool) -> int:
+    """Bytes of shared memory a ``lily_gdn_decode`` block takes under PROJ with ``bn``
+    batch rows per block (its static arrays: ``bn`` input rows of ``K`` and, with
+    ``out_proj``, ``bn`` out_proj inputs of ``Dv`` values of ``itemsize`` bytes, each
+    padded to 16 bytes; q/k/v, the projection rows, the reduction slots)."""
+    row = -(-K * itemsize // 16) * 16
+    orow = -(-Dv * itemsize // 16) * 16
+    fixed = 4 * (2 * Dk + Dv) + 4 * (2 * Dk + 2 * Dv + 2) + 4 * nw + 4
+    return bn * row + (bn * orow if out_proj else 16) + fixed
+
+
+def batch_fold(backend: str, B: int, K: int, Dk: int, Dv: int, itemsize: int,
+               out_proj: bool) -> int:
+    """Batch rows per block of a PROJ launch of ``B`` rows on ``backend``: 1 for one row
+    and off CUDA; else ``BATCH_FOLD``, or ``MLX_LILY_GDN_BATCH_FOLD``
+    (``tuning.gdn_batch_fold``: an integer 1..8), lowered until the block's shared
+    memory (``fold_shared_bytes``) fits ``CUDA_STATIC_SHARED``. Not capped at ``B``: a
+    partial group of rows runs in the same build, so one setting builds one kernel."""
     from .. import tuning
 
-    if backend != "cuda":
+    if backend != "cuda" or B <= 1:
         return 1
     v = tuning.gdn_batch_fold
-    want = BATCH_FOLD.get(backend, 1) if v is None else v
-    per_row = (K + Dv) * itemsize
-    fits = max(1, (CUDA_STATIC_SHARED - 4096) // max(per_row, 1))
-    return max(1, min(want, B, fits))
+    bn = BATCH_FOLD.get(backend, 1) if v is None else v
+    nw = decode_warps(Dv)
+    while bn > 1 and fold_shared_bytes(bn, K, Dk, Dv, nw, itemsize,
+                                       out_proj) > CUDA_STATIC_SHARED:
+        bn -= 1
+    return bn
 
 
 def gated_delta_proj_reference(p: DecodeProj, conv_weight, conv_state, A_log, dt_bias, state,
@@ -971,7 +987,8 @@ def gated_delta_proj(p: DecodeProj, conv_weight, conv_state, A_log, dt_bias, sta
             norm_weight, get_kernel=lambda spec: _k.get(spec, backend), proj=p,
             proj_split=proj_split(backend), out_proj=out_proj,
             batch_fold=batch_fold(backend, p.h0.shape[0], p.h0.shape[-1],
-                                  dims["head_v_dim"], p.h0.dtype.size), **dims)
+                                  dims["head_k_dim"], dims["head_v_dim"], p.h0.dtype.size,
+                                  True), **dims)
     if out_proj is not None:
         from ..registry import switch_on
         from . import qgemv as _qg
@@ -989,9 +1006,9 @@ def gated_delta_proj(p: DecodeProj, conv_weight, conv_state, A_log, dt_bias, sta
         return gated_delta_fused(
             None, None, None, None, conv_weight, conv_state, A_log, dt_bias, state,
             norm_weight, get_kernel=lambda spec: _k.get(spec, backend), proj=p,
-            proj_split=split, batch_fold=batch_fold(backend, B, p.h0.shape[-1],
-                                                    dims["head_v_dim"], p.h0.dtype.size),
-            **dims)
+            proj_split=split,
+            batch_fold=batch_fold(backend, B, p.h0.shape[-1], dims["head_k_dim"],
+                                  dims["head_v_dim"], p.h0.dtype.size, False), **dims)
     from .norm_qgemv import norm_qgemv
 
     y, h = norm_qgemv(p.h0, p.res, p.norm_w, p.eps, p.w, p.scales, p.biases, p.group_size,

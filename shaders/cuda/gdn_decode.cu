@@ -33,7 +33,8 @@
 // after another in the block. SPLIT's counters are then counters[g*Hv + h], OUTP's
 // counters[B*Hv + g] (its last head sums each row of the group). BN = 1: one row per
 // block, as before.
-// CUDA twin of shaders/metal/gdn_decode.metal (whose contract allows SPLIT = 1, no OUTP and BN = 1): one
+// CUDA twin of shaders/metal/gdn_decode.metal (whose contract allows SPLIT = 1, no OUTP and
+// BN = 1): one
 // block per (batch, v-head) for the step, NW warps owning Dv/NW state rows each (lane owns
 // columns lane + 32*j).
 
@@ -165,13 +166,13 @@ __device__ __forceinline__ void lily_gdn_pending_norm(const T* hin, const T* res
     const int sl = lane % LPR;
     const int slot = (warp * SG + lane / LPR) * RPW;
     const int part = blockIdx.x;
-    #pragma unroll 1
-    for (int j = 0; j < nrows; ++j) {
-      const int bj = bg * BN + j;
+#pragma unroll 1
+    for (int jr = 0; jr < nrows; ++jr) {
+      const int bj = bg * BN + jr;
       lily_gdn_pending_norm<T, K, NW>(hin, res, in_nw, in_eps[0], hin_strides, res_strides,
                                       in_nw_strides, bj,
                                       h == 0 && part == 0 ? h_out + int64_t(bj) * K : nullptr,
-                                      xs + j * XST, red, tid, lane, warp);
+                                      xs + jr * XST, red, tid, lane, warp);
     }
     for (int p0 = part * RPP; p0 < NP; p0 += SPLIT * RPP) {
       // the tile lily_qgemv_gather loads, then each row's dot with it
@@ -181,11 +182,11 @@ __device__ __forceinline__ void lily_gdn_pending_norm(const T* hin, const T* res
         const int row = lily_gdn_proj_row<Hk, Hv, Dk, Dv>(min(p0 + slot + r, NP - 1), h, hk);
         tile.load_row(reinterpret_cast<const uint4*>(w), scales, biases, r, (size_t)row, sl);
       }
-      #pragma unroll 1
-    for (int j = 0; j < nrows; ++j) {
-        float* pr = proj + (int64_t(bg * BN + j) * Hv + h) * NP;
+#pragma unroll 1
+      for (int jr = 0; jr < nrows; ++jr) {
+        float* pr = proj + (int64_t(bg * BN + jr) * Hv + h) * NP;
         if constexpr (BN > 1) lily_gdn_opaque(tile);
-        tile.dot_each(xs + j * XST, sl, [&](int r, float acc) {
+        tile.dot_each(xs + jr * XST, sl, [&](int r, float acc) {
           if (sl == 0 && p0 + slot + r < NP) {
             const float v = lily_rnd<T>(acc);
             pr[p0 + slot + r] = v;
@@ -200,199 +201,199 @@ __device__ __forceinline__ void lily_gdn_pending_norm(const T* hin, const T* res
     __syncthreads();
   }
 
-  #pragma unroll 1
-    for (int j = 0; j < nrows; ++j) {
-  const int bi = bg * BN + j;
-  const int nr = bi * Hv + h;  // (row, v-head)
-  if constexpr (PROJ && (SPLIT > 1 || BN > 1)) {
-    if (j > 0) __syncthreads();  // the previous row's readers of ps are done
-    const float* pr = proj + int64_t(nr) * NP;
-    for (int p = tid; p < NP; p += NT) ps[p] = __ldcg(pr + p);
-    __syncthreads();
-  }
-  float s[RW][NC];
-  const int64_t sbase = int64_t(bi) * state_strides[0] + int64_t(h) * state_strides[1];
+#pragma unroll 1
+  for (int jr = 0; jr < nrows; ++jr) {
+    const int bi = bg * BN + jr;
+    const int nr = bi * Hv + h;  // (row, v-head)
+    if constexpr (PROJ && (SPLIT > 1 || BN > 1)) {
+      if (jr > 0) __syncthreads();  // the previous row's readers of ps are done
+      const float* pr = proj + int64_t(nr) * NP;
+      for (int p = tid; p < NP; p += NT) ps[p] = __ldcg(pr + p);
+      __syncthreads();
+    }
+    float s[RW][NC];
+    const int64_t sbase = int64_t(bi) * state_strides[0] + int64_t(h) * state_strides[1];
 #pragma unroll
-  for (int i = 0; i < RW; ++i) {
-    const int r = warp * RW + i;
+    for (int i = 0; i < RW; ++i) {
+      const int r = warp * RW + i;
+#pragma unroll
+      for (int j = 0; j < NC; ++j) {
+        const int c = lane + 32 * j;
+        s[i][j] = state[sbase + r * state_strides[2] + c * state_strides[3]];
+      }
+    }
+
+    const bool live = !HAS_MASK || bool(mask[int64_t(bi) * mask_strides[0]]);
+    // new conv state = rows end .. end+KS-2 of concat(conv_state, x)
+    int end = 1;
+    if (HAS_LEN) {
+      const int len = int(lengths[int64_t(bi) * lengths_strides[0]]);
+      end = len < 0 ? 0 : (len > 1 ? 1 : len);
+    }
+
+    for (int e = tid; e < NCH; e += NT) {
+      int c;
+      if (e < Dk) {
+        c = hk * Dk + e;
+      } else if (e < 2 * Dk) {
+        c = Hk * Dk + hk * Dk + (e - Dk);
+      } else {
+        c = 2 * Hk * Dk + h * Dv + (e - 2 * Dk);
+      }
+      const int64_t cs0 = int64_t(bi) * conv_state_strides[0] + c * conv_state_strides[2];
+      const int64_t w0 = int64_t(c) * conv_w_strides[0];
+      T xraw = static_cast<T>(0.0f);
+      if (live) {
+        if constexpr (PROJ) {
+          xraw = static_cast<T>(ps[e]);
+        } else {
+          xraw = qkv[int64_t(bi) * qkv_strides[0] + c * qkv_strides[2]];
+        }
+      }
+      const float xin = static_cast<float>(xraw);
+      float acc = 0.0f;
+#pragma unroll
+      for (int j = 0; j < KS - 1; ++j) {
+        acc += static_cast<float>(conv_w[w0 + j * conv_w_strides[1]]) *
+               static_cast<float>(conv_state[cs0 + j * conv_state_strides[1]]);
+      }
+      acc += static_cast<float>(conv_w[w0 + (KS - 1) * conv_w_strides[1]]) * xin;
+      const float xb = lily_rnd<T>(acc);
+      const float y = lily_rnd<T>(xb * lily_rnd<T>(lily_sigmoid(xb)));
+      if (e < Dk) {
+        qs[e] = y;
+      } else if (e < 2 * Dk) {
+        ks[e - Dk] = y;
+      } else {
+        vs[e - 2 * Dk] = y;
+      }
+      if (e >= 2 * Dk || (h % G) == 0) {
+        const int64_t o0 = int64_t(bi) * (KS - 1) * C + c;
+        for (int j = 0; j < KS - 1; ++j) {
+          const int p = end + j;
+          conv_out[o0 + j * C] = p < KS - 1 ? conv_state[cs0 + p * conv_state_strides[1]] : xraw;
+        }
+      }
+    }
+    __syncthreads();
+
+    float kf[NC], qf[NC];
+    float ssq = 0.0f, ssk = 0.0f;
 #pragma unroll
     for (int j = 0; j < NC; ++j) {
       const int c = lane + 32 * j;
-      s[i][j] = state[sbase + r * state_strides[2] + c * state_strides[3]];
+      qf[j] = qs[c];
+      kf[j] = ks[c];
+      ssq += qf[j] * qf[j];
+      ssk += kf[j] * kf[j];
     }
-  }
+    ssq = lily_warp_sum(ssq);
+    ssk = lily_warp_sum(ssk);
+    const float qk_eps = 1e-6f / float(Dk);
+    const float rq = rsqrtf(ssq / float(Dk) + qk_eps);
+    const float rk = rsqrtf(ssk / float(Dk) + qk_eps);
+    const float qscale = lily_rnd<T>(1.0f / float(Dk));
+    const float kscale = lily_rnd<T>(rsqrtf(float(Dk)));
+#pragma unroll
+    for (int j = 0; j < NC; ++j) {
+      qf[j] = lily_rnd<T>(lily_rnd<T>(qf[j] * rq) * qscale);
+      kf[j] = lily_rnd<T>(lily_rnd<T>(kf[j] * rk) * kscale);
+    }
 
-  const bool live = !HAS_MASK || bool(mask[int64_t(bi) * mask_strides[0]]);
-  // new conv state = rows end .. end+KS-2 of concat(conv_state, x)
-  int end = 1;
-  if (HAS_LEN) {
-    const int len = int(lengths[int64_t(bi) * lengths_strides[0]]);
-    end = len < 0 ? 0 : (len > 1 ? 1 : len);
-  }
-
-  for (int e = tid; e < NCH; e += NT) {
-    int c;
-    if (e < Dk) {
-      c = hk * Dk + e;
-    } else if (e < 2 * Dk) {
-      c = Hk * Dk + hk * Dk + (e - Dk);
+    const int64_t pk0 = int64_t(bi) * qkv_strides[0];
+    float b_in, a_in;
+    if constexpr (PROJ) {
+      b_in = ps[NP - 2];
+      a_in = ps[NP - 1];
     } else {
-      c = 2 * Hk * Dk + h * Dv + (e - 2 * Dk);
+      b_in = PACKED
+          ? static_cast<float>(qkv[pk0 + int64_t(C + Hv * Dv + h) * qkv_strides[2]])
+          : static_cast<float>(b[int64_t(bi) * b_strides[0] + int64_t(h) * b_strides[2]]);
+      a_in = PACKED
+          ? static_cast<float>(qkv[pk0 + int64_t(C + Hv * Dv + Hv + h) * qkv_strides[2]])
+          : static_cast<float>(a[int64_t(bi) * a_strides[0] + int64_t(h) * a_strides[2]]);
     }
-    const int64_t cs0 = int64_t(bi) * conv_state_strides[0] + c * conv_state_strides[2];
-    const int64_t w0 = int64_t(c) * conv_w_strides[0];
-    T xraw = static_cast<T>(0.0f);
-    if (live) {
-      if constexpr (PROJ) {
-        xraw = static_cast<T>(ps[e]);
-      } else {
-        xraw = qkv[int64_t(bi) * qkv_strides[0] + c * qkv_strides[2]];
+    const float beta = live ? lily_sigmoid(b_in) : 0.0f;
+    const float sp = lily_softplus(a_in +
+                                   static_cast<float>(dt_bias[h * dt_bias_strides[0]]));
+    const float g = live ? expf(-expf(static_cast<float>(A_log[h * A_log_strides[0]])) * sp) : 1.0f;
+
+    float kv[RW];
+#pragma unroll
+    for (int i = 0; i < RW; ++i) {
+      float acc = 0.0f;
+#pragma unroll
+      for (int j = 0; j < NC; ++j) {
+        s[i][j] *= g;
+        acc += s[i][j] * kf[j];
+      }
+      kv[i] = acc;
+    }
+#pragma unroll
+    for (int i = 0; i < RW; ++i) {
+      kv[i] = lily_warp_sum(kv[i]);
+    }
+    float yv[RW];
+#pragma unroll
+    for (int i = 0; i < RW; ++i) {
+      const float delta = (vs[warp * RW + i] - kv[i]) * beta;
+      float acc = 0.0f;
+#pragma unroll
+      for (int j = 0; j < NC; ++j) {
+        s[i][j] += kf[j] * delta;
+        acc += s[i][j] * qf[j];
+      }
+      yv[i] = acc;
+    }
+#pragma unroll
+    for (int i = 0; i < RW; ++i) {
+      yv[i] = lily_rnd<T>(lily_warp_sum(yv[i]));
+    }
+
+    const int64_t obase = (int64_t(nr) * Dv + int64_t(warp) * RW) * Dk;
+#pragma unroll
+    for (int i = 0; i < RW; ++i) {
+#pragma unroll
+      for (int j = 0; j < NC; ++j) {
+        state_out[obase + i * Dk + lane + 32 * j] = s[i][j];
       }
     }
-    const float xin = static_cast<float>(xraw);
-    float acc = 0.0f;
+
+    float sq = 0.0f;
 #pragma unroll
-    for (int j = 0; j < KS - 1; ++j) {
-      acc += static_cast<float>(conv_w[w0 + j * conv_w_strides[1]]) *
-             static_cast<float>(conv_state[cs0 + j * conv_state_strides[1]]);
+    for (int i = 0; i < RW; ++i) {
+      sq += yv[i] * yv[i];
     }
-    acc += static_cast<float>(conv_w[w0 + (KS - 1) * conv_w_strides[1]]) * xin;
-    const float xb = lily_rnd<T>(acc);
-    const float y = lily_rnd<T>(xb * lily_rnd<T>(lily_sigmoid(xb)));
-    if (e < Dk) {
-      qs[e] = y;
-    } else if (e < 2 * Dk) {
-      ks[e - Dk] = y;
-    } else {
-      vs[e - 2 * Dk] = y;
+    if (lane == 0) {
+      red[warp] = sq;
     }
-    if (e >= 2 * Dk || (h % G) == 0) {
-      const int64_t o0 = int64_t(bi) * (KS - 1) * C + c;
-      for (int j = 0; j < KS - 1; ++j) {
-        const int p = end + j;
-        conv_out[o0 + j * C] = p < KS - 1 ? conv_state[cs0 + p * conv_state_strides[1]] : xraw;
+    __syncthreads();
+    float tot = 0.0f;
+#pragma unroll
+    for (int w = 0; w < NW; ++w) {
+      tot += red[w];
+    }
+    const float rstd = rsqrtf(tot / float(Dv) + eps[0]);
+#pragma unroll
+    for (int i = 0; i < RW; ++i) {
+      if (lane == (i & 31)) {
+        const int r = warp * RW + i;
+        const float nw = lily_rnd<T>(lily_rnd<T>(yv[i] * rstd) *
+                                     static_cast<float>(norm_w[r * norm_w_strides[0]]));
+        float zf;
+        if constexpr (PROJ) {
+          zf = ps[2 * Dk + Dv + r];
+        } else {
+          zf = PACKED
+              ? static_cast<float>(qkv[pk0 + int64_t(C + h * Dv + r) * qkv_strides[2]])
+              : static_cast<float>(
+                    z[int64_t(bi) * z_strides[0] + int64_t(h) * z_strides[2] + r * z_strides[3]]);
+        }
+        const T ov = static_cast<T>(zf * lily_sigmoid(zf) * nw);
+        out[int64_t(nr) * Dv + r] = ov;
+        if constexpr (OUTP) os_[jr * OST + r] = ov;
       }
     }
-  }
-  __syncthreads();
-
-  float kf[NC], qf[NC];
-  float ssq = 0.0f, ssk = 0.0f;
-#pragma unroll
-  for (int j = 0; j < NC; ++j) {
-    const int c = lane + 32 * j;
-    qf[j] = qs[c];
-    kf[j] = ks[c];
-    ssq += qf[j] * qf[j];
-    ssk += kf[j] * kf[j];
-  }
-  ssq = lily_warp_sum(ssq);
-  ssk = lily_warp_sum(ssk);
-  const float qk_eps = 1e-6f / float(Dk);
-  const float rq = rsqrtf(ssq / float(Dk) + qk_eps);
-  const float rk = rsqrtf(ssk / float(Dk) + qk_eps);
-  const float qscale = lily_rnd<T>(1.0f / float(Dk));
-  const float kscale = lily_rnd<T>(rsqrtf(float(Dk)));
-#pragma unroll
-  for (int j = 0; j < NC; ++j) {
-    qf[j] = lily_rnd<T>(lily_rnd<T>(qf[j] * rq) * qscale);
-    kf[j] = lily_rnd<T>(lily_rnd<T>(kf[j] * rk) * kscale);
-  }
-
-  const int64_t pk0 = int64_t(bi) * qkv_strides[0];
-  float b_in, a_in;
-  if constexpr (PROJ) {
-    b_in = ps[NP - 2];
-    a_in = ps[NP - 1];
-  } else {
-    b_in = PACKED
-        ? static_cast<float>(qkv[pk0 + int64_t(C + Hv * Dv + h) * qkv_strides[2]])
-        : static_cast<float>(b[int64_t(bi) * b_strides[0] + int64_t(h) * b_strides[2]]);
-    a_in = PACKED
-        ? static_cast<float>(qkv[pk0 + int64_t(C + Hv * Dv + Hv + h) * qkv_strides[2]])
-        : static_cast<float>(a[int64_t(bi) * a_strides[0] + int64_t(h) * a_strides[2]]);
-  }
-  const float beta = live ? lily_sigmoid(b_in) : 0.0f;
-  const float sp = lily_softplus(a_in +
-                                 static_cast<float>(dt_bias[h * dt_bias_strides[0]]));
-  const float g = live ? expf(-expf(static_cast<float>(A_log[h * A_log_strides[0]])) * sp) : 1.0f;
-
-  float kv[RW];
-#pragma unroll
-  for (int i = 0; i < RW; ++i) {
-    float acc = 0.0f;
-#pragma unroll
-    for (int j = 0; j < NC; ++j) {
-      s[i][j] *= g;
-      acc += s[i][j] * kf[j];
-    }
-    kv[i] = acc;
-  }
-#pragma unroll
-  for (int i = 0; i < RW; ++i) {
-    kv[i] = lily_warp_sum(kv[i]);
-  }
-  float yv[RW];
-#pragma unroll
-  for (int i = 0; i < RW; ++i) {
-    const float delta = (vs[warp * RW + i] - kv[i]) * beta;
-    float acc = 0.0f;
-#pragma unroll
-    for (int j = 0; j < NC; ++j) {
-      s[i][j] += kf[j] * delta;
-      acc += s[i][j] * qf[j];
-    }
-    yv[i] = acc;
-  }
-#pragma unroll
-  for (int i = 0; i < RW; ++i) {
-    yv[i] = lily_rnd<T>(lily_warp_sum(yv[i]));
-  }
-
-  const int64_t obase = (int64_t(nr) * Dv + int64_t(warp) * RW) * Dk;
-#pragma unroll
-  for (int i = 0; i < RW; ++i) {
-#pragma unroll
-    for (int j = 0; j < NC; ++j) {
-      state_out[obase + i * Dk + lane + 32 * j] = s[i][j];
-    }
-  }
-
-  float sq = 0.0f;
-#pragma unroll
-  for (int i = 0; i < RW; ++i) {
-    sq += yv[i] * yv[i];
-  }
-  if (lane == 0) {
-    red[warp] = sq;
-  }
-  __syncthreads();
-  float tot = 0.0f;
-#pragma unroll
-  for (int w = 0; w < NW; ++w) {
-    tot += red[w];
-  }
-  const float rstd = rsqrtf(tot / float(Dv) + eps[0]);
-#pragma unroll
-  for (int i = 0; i < RW; ++i) {
-    if (lane == (i & 31)) {
-      const int r = warp * RW + i;
-      const float nw = lily_rnd<T>(lily_rnd<T>(yv[i] * rstd) *
-                                   static_cast<float>(norm_w[r * norm_w_strides[0]]));
-      float zf;
-      if constexpr (PROJ) {
-        zf = ps[2 * Dk + Dv + r];
-      } else {
-        zf = PACKED
-            ? static_cast<float>(qkv[pk0 + int64_t(C + h * Dv + r) * qkv_strides[2]])
-            : static_cast<float>(
-                  z[int64_t(bi) * z_strides[0] + int64_t(h) * z_strides[2] + r * z_strides[3]]);
-      }
-      const T ov = static_cast<T>(zf * lily_sigmoid(zf) * nw);
-      out[int64_t(nr) * Dv + r] = ov;
-      if constexpr (OUTP) os_[j * OST + r] = ov;
-    }
-  }
   }  // rows of the group
 
   if constexpr (OUTP) {
@@ -405,20 +406,21 @@ __device__ __forceinline__ void lily_gdn_pending_norm(const T* hin, const T* res
     __syncthreads();
     const int slo = lane % LPRO;
     const int o_slot = (warp * SGO + lane / LPRO) * ORPW;
-#pragma unroll 1
     for (int o0 = 0; o0 < K; o0 += RPPO) {
       // the tile lily_qgemv_slice loads (head h's columns), then each row's dot with it
-      LilyRowTile<S, Dv, BITS, GS, ORPW, LPRO, Hv * Dv> tile;
+      using OTile = LilyRowTile<S, Dv, BITS, GS, ORPW, LPRO, Hv * Dv>;
+      static_assert(OTile::STEPS * LPRO * OTile::VPL == Dv, "gdn_decode: bad out_proj tile");
+      OTile tile;
 #pragma unroll
       for (int r = 0; r < ORPW; ++r) {
         tile.load_row(reinterpret_cast<const uint4*>(ow), oscales, obiases, r,
                       (size_t)min(o0 + o_slot + r, K - 1), slo, h * Dv);
       }
-      #pragma unroll 1
-    for (int j = 0; j < nrows; ++j) {
-        float* part = r_parts + (int64_t(bg * BN + j) * Hv + h) * K;
+#pragma unroll 1
+      for (int jr = 0; jr < nrows; ++jr) {
+        float* part = r_parts + (int64_t(bg * BN + jr) * Hv + h) * K;
         if constexpr (BN > 1) lily_gdn_opaque(tile);
-        tile.dot_each(os_ + j * OST, slo, [&](int r, float acc) {
+        tile.dot_each(os_ + jr * OST, slo, [&](int r, float acc) {
           if (slo == 0 && o0 + o_slot + r < K) part[o0 + o_slot + r] = acc;
         });
       }
@@ -428,9 +430,9 @@ __device__ __forceinline__ void lily_gdn_pending_norm(const T* hin, const T* res
       return;
     }
     static_assert(K % 4 == 0, "gdn_decode: OUTP sums 4 outputs per 16-byte load");
-    #pragma unroll 1
-    for (int j = 0; j < nrows; ++j) {
-      const int bi = bg * BN + j;
+#pragma unroll 1
+    for (int jr = 0; jr < nrows; ++jr) {
+      const int bi = bg * BN + jr;
       const float* parts = r_parts + int64_t(bi) * Hv * K;
       T* ro = r_out + int64_t(bi) * K;
       // 16-byte loads, up to 16 heads' in flight per thread

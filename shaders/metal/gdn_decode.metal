@@ -130,7 +130,7 @@ inline void lily_gdn_pending_norm(const device T* hin, const device T* res,
     static_assert(KW * VPL == K && SG * LPR == 32 && (KW / LPR) * LPR == KW,
                   "gdn_decode: bad K");
     static_assert(GS % VPL == 0 && K % GS == 0, "gdn_decode: bad GS");
-    static_assert(SPLIT == 1 && !OUTP,
+    static_assert(SPLIT == 1 && !OUTP && BN == 1,
                   "gdn_decode (Metal): one threadgroup per (batch, v-head), no OUTP");
     const int sl = int(lane) % LPR;
     const int slot = (int(warp) * SG + int(lane) / LPR) * RPW;
