@@ -22,7 +22,7 @@ from mlx_lm.models.cache import BatchKVCache, make_prompt_cache
 import _models
 import mlx_lily
 from mlx_lily.testing.dispatch import emulated_metal
-from mlx_lily.testing.generation import batch_greedy, greedy
+from mlx_lily.testing.generation import batch_greedy, batch_greedy_joining, greedy
 
 try:
     from mlx_lily.testing.metal_emu import available as _emu_available
@@ -55,6 +55,31 @@ def test_cpu_batch_equals_stock_and_alone(model):
     with mlx_lily.patched(model):
         lily = batch_greedy(model, prompts, max_tokens)
         alone = [greedy(model, p, n) for p, n in zip(prompts, max_tokens)]
+    assert lily == stock
+    assert lily == alone
+
+
+#: Two requests running when a third joins (37 / 5 tokens, then 130), and how many
+#: tokens each asks for: the first two still decoding when the third arrives, all three
+#: finishing at different steps.
+JOIN_FIRST, JOIN_LATER, JOIN_MAX = (37, 5), (130,), (8, 6, 5)
+
+
+def _join_prompts():
+    n = len(JOIN_FIRST)
+    return ([prompt_of(k, i) for i, k in enumerate(JOIN_FIRST)],
+            [prompt_of(k, n + i) for i, k in enumerate(JOIN_LATER)])
+
+
+def test_cpu_batch_with_a_request_joining_equals_stock_and_alone(model):
+    """Lily on the CPU (references): a request joining a running BatchGenerator batch
+    (``mlx_lm.server``'s case; the batch caches are extended and re-padded) gives the
+    tokens stock's batch gives, and each prompt the tokens it gets alone."""
+    first, later = _join_prompts()
+    stock = batch_greedy_joining(model, first, later, JOIN_MAX)
+    with mlx_lily.patched(model):
+        lily = batch_greedy_joining(model, first, later, JOIN_MAX)
+        alone = [greedy(model, p, n) for p, n in zip(first + later, JOIN_MAX)]
     assert lily == stock
     assert lily == alone
 
@@ -239,6 +264,18 @@ def test_emulated_batch_generate_equals_alone(model, lengths):
         with mlx_lily.patched(model):
             alone = [greedy(model, p, n) for p, n in zip(prompts, max_tokens)]
             batch = batch_greedy(model, prompts, max_tokens)
+    assert batch == alone
+
+
+@needs_emu
+def test_emulated_batch_with_a_request_joining_equals_alone(model):
+    """With every Metal kernel on (emulator): a request joining a running BatchGenerator
+    batch leaves every row's tokens equal to that prompt's alone."""
+    first, later = _join_prompts()
+    with emulated_metal():
+        with mlx_lily.patched(model):
+            alone = [greedy(model, p, n) for p, n in zip(first + later, JOIN_MAX)]
+            batch = batch_greedy_joining(model, first, later, JOIN_MAX)
     assert batch == alone
 
 
@@ -537,6 +574,25 @@ def test_gpu_batch_generate_equals_alone(gpu_model):
         with mlx_lily.patched(gpu_model):
             alone = [greedy(gpu_model, p, n) for p, n in zip(prompts, max_tokens)]
             batch = batch_greedy(gpu_model, prompts, max_tokens)
+            _assert_kernels_stayed_on()
+    finally:
+        mx.set_default_device(old)
+    assert batch == alone
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_gpu_batch_with_a_request_joining_equals_alone(gpu_model):
+    """On the GPU with the default kernels: a request joining a running BatchGenerator
+    batch leaves every row's tokens equal to that prompt's alone."""
+    first, later = _join_prompts()
+    old = mx.default_device()
+    mx.set_default_device(mx.gpu)
+    try:
+        gpu_model._lily_warm = False  # first contact again: its failures are per test
+        with mlx_lily.patched(gpu_model):
+            alone = [greedy(gpu_model, p, n) for p, n in zip(first + later, JOIN_MAX)]
+            batch = batch_greedy_joining(gpu_model, first, later, JOIN_MAX)
             _assert_kernels_stayed_on()
     finally:
         mx.set_default_device(old)
