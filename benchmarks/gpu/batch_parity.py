@@ -7,6 +7,7 @@ tok/s (tokens over the wall time of the batched generation, prefill excluded as 
 ``BatchGenerator`` separates it: the clock starts at the first generated token).
 
     python benchmarks/gpu/batch_parity.py --model /tmp/q36 --lengths 5,37,130,2049 --gen 32
+    python benchmarks/gpu/batch_parity.py --model /tmp/q36 --lengths 37,5,130 --join 1
 
 Writes ``batch_parity.json`` to ``--out`` (default ``$OUT`` or ``.``): per arm the tokens
 alone and batched and the first differing index per row, or the error that stopped the
@@ -96,6 +97,11 @@ def main(argv=None) -> int:
     ap.add_argument("--prefill-step", type=int, default=2048,
                     help="prompt tokens per prefill chunk, alone and batched (the stock arm "
                          "takes less where MLX's CUDA grid limit needs it)")
+    ap.add_argument("--join", type=int, default=0,
+                    help="the last N prompts join the running batch after --join-after "
+                         "decode steps (mlx_lm.server's case); no tok/s or log-probabilities "
+                         "are read then")
+    ap.add_argument("--join-after", type=int, default=2)
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     a = ap.parse_args(argv)
 
@@ -119,19 +125,29 @@ def main(argv=None) -> int:
         ctx = mlx_lily.patched(model) if arm == "lily" else contextlib.nullcontext()
         step = (a.prefill_step if arm == "lily"
                 else stock_safe_step(a.prefill_step, len(prompts), top_k))
-        entry = {"lengths": lengths, "prefill_step": step}
+        entry = {"lengths": lengths, "prefill_step": step, "join": a.join,
+                 "join_after": a.join_after if a.join else None}
         try:
             with ctx:
                 solo, solo_lp = zip(*[alone(model, p, a.gen, step) for p in prompts])
                 batched(model, prompts, 4, step)  # warm-up at this batch size
-                toks, tps, batch_lp = batched(model, prompts, a.gen, step)
+                if a.join:
+                    from mlx_lily.testing.generation import batch_greedy_joining
+
+                    toks = batch_greedy_joining(model, prompts[:-a.join], prompts[-a.join:],
+                                                [a.gen] * len(prompts), a.join_after,
+                                                prefill_step_size=step)
+                    tps, batch_lp = None, [None] * len(prompts)
+                else:
+                    toks, tps, batch_lp = batched(model, prompts, a.gen, step)
             diffs = [first_diff(s, t) for s, t in zip(solo, toks)]
             lp_diffs = [max_diff(x, y) for x, y in zip(solo_lp, batch_lp)]
             entry.update(first_diff=diffs, first_logprobs_max_diff=lp_diffs,
                          batch_decode_tps=tps, solo=list(solo), batched=toks)
             print(f"{arm}: B={len(prompts)} lengths {lengths}: first differing token per row "
                   f"{diffs} (-1 = identical); first token's log-probabilities, max |alone - "
-                  f"batched| per row {lp_diffs}; batched decode {tps:.1f} tok/s", flush=True)
+                  f"batched| per row {lp_diffs}; batched decode "
+                  f"{'-' if tps is None else f'{tps:.1f}'} tok/s", flush=True)
         except Exception as e:  # noqa: BLE001  (the other arm still runs; the JSON says why)
             failed = True
             entry["error"] = f"{type(e).__name__}: {e}"

@@ -13,7 +13,8 @@
 #            alone on the GPU (beside a 35B model the trainer ran out of memory)
 #   checks:  batch-vs-alone parity (parity-equal: prompts of one length, the compiled batch
 #            step; parity-one: one request, default kernels; parity-mixed: mixed lengths;
-#            each also a phase of its own); the first carries this machine's MLX JIT,
+#            each also a phase of its own; parity-join, a phase only: two of four mixed-
+#            length requests join the running batch); the first carries this machine's MLX JIT,
 #            nothing in it is timed
 #   profile: per-kernel GPU time of Lily's decode step (kernel_times.py, ncu) at each batch
 #            of PROFILE_BATCHES (default 1 2 8) and context of PROFILE_CONTEXTS (default
@@ -121,6 +122,13 @@ phase_parity_mixed() {
   MLX_LILY_KERNELS=$BATCH_SET step batch-parity 240 \
     python3 "$R/benchmarks/gpu/batch_parity.py" --model "$Q36" --lengths 5,37,130,2049 \
     --gen 32 --out "$W/batch-parity"
+}
+
+phase_parity_join() {
+  # a request joining a running batch (mlx_lm.server's case), mixed lengths
+  MLX_LILY_KERNELS=$BATCH_SET step batch-parity-join 300 \
+    python3 "$R/benchmarks/gpu/batch_parity.py" --model "$Q36" --lengths 37,5,130,2049 \
+    --gen 16 --join 2 --out "$W/batch-parity-join"
 }
 
 phase_profile() {
@@ -243,6 +251,7 @@ for p in "${PHASE_LIST[@]}"; do
     parity-equal) phase_parity_equal ;;
     parity-one) phase_parity_one ;;
     parity-mixed) phase_parity_mixed ;;
+    parity-join) phase_parity_join ;;
     gputests|trained|profile|detail|bench|qualify|gate|long) "phase_$p" ;;
     attn-sweep) phase_attn_sweep ;;
     fold-sweep) phase_fold_sweep ;;

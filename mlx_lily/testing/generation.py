@@ -43,20 +43,23 @@ def batch_greedy(model, prompts, max_tokens) -> list:
     return [out[u] for u in uids]
 
 
-def batch_greedy_joining(model, first, later, max_tokens, join_after: int = 2) -> list:
+def batch_greedy_joining(model, first, later, max_tokens, join_after: int = 2,
+                         **gen_kw) -> list:
     """Greedy token ids per prompt through one ``BatchGenerator`` whose requests arrive at
     two times, as ``mlx_lm.server`` receives them: the prompts ``first`` are inserted and
     decoded ``join_after`` steps, then ``later`` join the running batch (prefilled while
     the others wait, then decoded with them). Row i (``first + later`` order) stops after
-    ``max_tokens[i]`` tokens (no stop token). Raises ValueError when the first requests
-    would finish before the others join (``join_after`` must be below their lengths)."""
+    ``max_tokens[i]`` tokens (no stop token); ``gen_kw`` goes to ``BatchGenerator`` (e.g.
+    ``prefill_step_size``). Raises ValueError when the first requests would finish before
+    the others join (``join_after`` must be below their lengths)."""
     from mlx_lm.generate import BatchGenerator
 
     n_first = len(first)
     if join_after >= min(max_tokens[:n_first]):
         raise ValueError(f"join_after={join_after}: every first request must still run")
-    gen = BatchGenerator(model, stop_tokens=[[-1]], prefill_batch_size=len(first) + len(later),
-                         completion_batch_size=len(first) + len(later))
+    n = len(first) + len(later)
+    gen = BatchGenerator(model, stop_tokens=[[-1]], prefill_batch_size=n,
+                         completion_batch_size=n, **gen_kw)
     uids = gen.insert(list(first), list(max_tokens[:n_first]))
     out = {u: [] for u in uids}
     for _ in range(join_after):
