@@ -776,9 +776,10 @@ OUT_RPW = 4
 PROJ_SPLIT = {"cuda": 4, "metal": 1}
 PROJ_SPLIT_ENV = "MLX_LILY_GDN_PROJ_SPLIT"  # CUDA: blocks per head, overriding PROJ_SPLIT
 #: Batch rows per block of the PROJ launch (``BN``), per backend. CUDA: at 1, a batch of
-#: B rows reads each head's projection and out_proj weights B times (B*Hv*PROJ_SPLIT
-#: blocks of 512 threads: one per SM on an H200, so B waves); folding reads them once per
-#: block of rows. Not yet measured on a GPU, hence 1. Metal's twin takes 1 only.
+#: B rows reads each head's projection and out_proj weights B times, in B*Hv*PROJ_SPLIT
+#: blocks of 512 threads (one per SM at the ~100 registers ptxas gives them: about B
+#: waves on 132 SMs); folding reads them once per block of rows. Not yet measured on a
+#: GPU, hence 1. Metal's twin takes 1 only.
 BATCH_FOLD = {"cuda": 1, "metal": 1}
 #: Most batch rows one block folds (``MLX_LILY_GDN_BATCH_FOLD``'s range).
 MAX_BATCH_FOLD = 8
