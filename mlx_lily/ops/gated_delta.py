@@ -938,9 +938,7 @@ def proj_unsupported(p: DecodeProj, conv_weight, conv_state, A_log, dt_bias, sta
     if not _nq.supports(p.h0, p.res, p.norm_w, p.w, p.scales, p.biases, p.group_size,
                         p.bits):
         return "projection"
-    nw = decode_warps(Dv)
-    shared = K * T.size + 4 * (2 * Dk + 2 * Dv + 2) + 4 * (2 * Dk + Dv) + 4 * nw
-    if shared > PROJ_MAX_SHARED:
+    if fold_shared_bytes(1, K, Dk, Dv, decode_warps(Dv), T.size, False) > PROJ_MAX_SHARED:
         return "threadgroup memory"
     return kernel_unsupported(
         _Shape((B, S, C), T), _Shape((B, S, Hv, Dv), T), _Shape((B, S, Hv), T),

@@ -36,11 +36,22 @@ def batch_greedy(model, prompts, max_tokens) -> list:
                          completion_batch_size=len(prompts))
     uids = gen.insert(prompts, list(max_tokens))
     out = {u: [] for u in uids}
-    while responses := gen.next_generated():
-        for r in responses:
-            out[r.uid].append(int(r.token))
+    _collect(gen, out)
     gen.close()
     return [out[u] for u in uids]
+
+
+def _collect(gen, out: dict, steps: int | None = None) -> None:
+    """Append each generated token to ``out[uid]``: ``steps`` decode steps of ``gen``, or
+    until it has nothing left to generate."""
+    while steps is None or steps > 0:
+        responses = gen.next_generated()
+        if not responses:
+            return
+        for r in responses:
+            out[r.uid].append(int(r.token))
+        if steps is not None:
+            steps -= 1
 
 
 def batch_greedy_joining(model, first, later, max_tokens, join_after: int = 2,
@@ -62,14 +73,10 @@ def batch_greedy_joining(model, first, later, max_tokens, join_after: int = 2,
                          completion_batch_size=n, **gen_kw)
     uids = gen.insert(list(first), list(max_tokens[:n_first]))
     out = {u: [] for u in uids}
-    for _ in range(join_after):
-        for r in gen.next_generated():
-            out[r.uid].append(int(r.token))
+    _collect(gen, out, join_after)
     more = gen.insert(list(later), list(max_tokens[n_first:]))
     out.update({u: [] for u in more})
     uids = list(uids) + list(more)
-    while responses := gen.next_generated():
-        for r in responses:
-            out[r.uid].append(int(r.token))
+    _collect(gen, out)
     gen.close()
     return [out[u] for u in uids]
