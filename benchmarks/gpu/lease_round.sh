@@ -51,6 +51,13 @@
 #   fold-sweep: the GDN decode's batch fold (MLX_LILY_GDN_BATCH_FOLD) the same way, with
 #            batched decode on: FOLD_SWEEP settings (default: default, 4, 8), cases
 #            FOLD_SWEEP_CASES (default 512:128:2,512:128:8), FOLD_SWEEP_LIMIT_S
+#   knob-sweep: benchmarking knobs compared in one process (knob_sweep.py: one model load,
+#            mlx_lm.benchmark's procedure per case), groups KNOB_GROUPS ('|'-separated
+#            CASES=SETTINGS; default: the GDN batch fold at B = 2 / 4 / 8, the one-launch MoE
+#            block's rows per lane group at B = 1 / 8, decode attention's split at 4K / 32K),
+#            KNOB_TRIALS (2) x KNOB_ROUNDS (2), limit KNOB_SWEEP_LIMIT_S (900); kernels the
+#            shipped CUDA set plus batch_decode. Its picks (W/knob-sweep/picks.env) apply to
+#            the parity phases that follow.
 # One process at a time; each step's log is W/<step>.log, the timeline W/round.log.
 set -u
 export PYTHONUNBUFFERED=1
@@ -119,14 +126,14 @@ phase_parity_one() {
     --gen 32 --out "$W/batch-parity-one"
 }
 phase_parity_mixed() {
-  MLX_LILY_KERNELS=$BATCH_SET step batch-parity 240 \
+  MLX_LILY_KERNELS=$BATCH_SET step batch-parity 240 env $(picks) \
     python3 "$R/benchmarks/gpu/batch_parity.py" --model "$Q36" --lengths 5,37,130,2049 \
     --gen 32 --out "$W/batch-parity"
 }
 
 phase_parity_join() {
   # a request joining a running batch (mlx_lm.server's case), mixed lengths
-  MLX_LILY_KERNELS=$BATCH_SET step batch-parity-join 300 \
+  MLX_LILY_KERNELS=$BATCH_SET step batch-parity-join 300 env $(picks) \
     python3 "$R/benchmarks/gpu/batch_parity.py" --model "$Q36" --lengths 37,5,130,2049 \
     --gen 16 --join 2 --out "$W/batch-parity-join"
 }
@@ -229,6 +236,27 @@ sweep_run() {  # sweep_run NAME "SETTINGS" CASES KERNELS LIMIT_S: one user_bench
   done
 }
 
+picks() {  # the knob sweep's picks as VAR=VALUE words (none before it ran)
+  [ -f "$W/knob-sweep/picks.env" ] && cat "$W/knob-sweep/picks.env"
+}
+
+phase_knob_sweep() {
+  local d="512:128:2,512:128:4,512:128:8=default MLX_LILY_GDN_BATCH_FOLD=2"
+  d+=" MLX_LILY_GDN_BATCH_FOLD=4 MLX_LILY_GDN_BATCH_FOLD=8"
+  d+="|512:128:1,512:128:8=default MLX_LILY_MOE_FUSED_RPW=2,2,1 MLX_LILY_MOE_FUSED_RPW=1,2,1"
+  d+=" MLX_LILY_MOE_FUSED_RPW=2,2,2"
+  d+="|4096:128:1,32768:128:1=default MLX_LILY_ATTN_DECODE_WARPS=512,MLX_LILY_ATTN_FIXED_BLOCK=128"
+  d+=" MLX_LILY_ATTN_DECODE_WARPS=256,MLX_LILY_ATTN_FIXED_BLOCK=64 MLX_LILY_DECODE_PF=2"
+  local gl g args=() limit=${KNOB_SWEEP_LIMIT_S:-900}
+  IFS='|' read -r -a gl <<< "${KNOB_GROUPS:-$d}"
+  for g in "${gl[@]}"; do args+=(--group "$g"); done
+  MLX_LILY_KERNELS=$SHIPPED,batch_decode step knob-sweep "$limit" \
+    python3 "$R/benchmarks/gpu/knob_sweep.py" --model "$Q36" "${args[@]}" \
+    --trials ${KNOB_TRIALS:-2} --rounds ${KNOB_ROUNDS:-2} --budget-s $(( limit - 60 )) \
+    --out "$W/knob-sweep"
+  echo "[$(el) s] knob-sweep picks: $(picks | tr '\n' ' ')"
+}
+
 phase_attn_sweep() {
   local all="default MLX_LILY_DECODE_PF=2"
   all+=" MLX_LILY_ATTN_DECODE_WARPS=512,MLX_LILY_ATTN_FIXED_BLOCK=128"
@@ -255,6 +283,7 @@ for p in "${PHASE_LIST[@]}"; do
     gputests|trained|profile|detail|bench|qualify|gate|long) "phase_$p" ;;
     attn-sweep) phase_attn_sweep ;;
     fold-sweep) phase_fold_sweep ;;
+    knob-sweep) phase_knob_sweep ;;
     moe-micro) phase_moe_micro ;;
     *) echo "[$(el) s] unknown phase: $p" ;;
   esac
