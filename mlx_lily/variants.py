@@ -39,7 +39,7 @@ as ops of ``backend.OP_NAMES``.
 ``METAL_ONLY``: variants whose settings only act on Metal (other backends run the
 default there). ``for_backend`` is the table one backend qualifies: without those
 elsewhere, and without the variants equal to that backend's default (``down_sl1`` and
-``fixed_block_256`` on Metal, ``down_sl3`` and ``fixed_block_512`` on CUDA).
+``fixed_block_256`` on Metal, ``down_sl3`` and ``fixed_block_128`` on CUDA).
 This module imports neither MLX nor mlx-lm (``for_backend`` imports the op modules).
 """
 

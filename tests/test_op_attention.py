@@ -670,12 +670,14 @@ def test_decode_fixed_block_path(backend, monkeypatch):
 
 def test_decode_block_plan():
     # General rule: the smallest power of two >= 32 giving at most TARGET_SIMDGROUPS
-    # warps (CUDA: 128, measured), capped at the fixed block.
-    assert A.TARGET_SIMDGROUPS["cuda"] == 128
-    assert A.decode_block(4096, 1, 2, "cuda") == 64
-    assert A.decode_block(8192, 1, 2, "cuda") == 128
+    # warps (CUDA: 512, measured), capped at the fixed block (CUDA: 128).
+    assert A.TARGET_SIMDGROUPS["cuda"] == 512 and A.FIXED_BLOCK["cuda"] == 128
+    assert A.decode_block(4096, 1, 2, "cuda") == 32
+    assert A.decode_block(8192, 1, 2, "cuda") == 32   # 512 warps of 32 keys
+    assert A.decode_block(8193, 1, 2, "cuda") == 64
     assert A.decode_block(1024, 1, 2, "cuda") == 32
-    assert A.decode_block(20000, 1, 2, "cuda") == min(512, A.FIXED_BLOCK["cuda"])
+    assert A.decode_block(20000, 1, 2, "cuda") == 128  # ceil(40000 / 512) = 79 -> 128
+    assert A.decode_block(20000, 8, 2, "cuda") == 128  # capped at the fixed block
     assert A.decode_block(4096, 1, 2, "metal") == 32
     assert A.decode_block(A.SPLIT_K_MIN_CONTEXT, 1, 2, "cuda") == A.FIXED_BLOCK["cuda"]
     assert A.decode_block(131072, 1, 2, "metal") == A.FIXED_BLOCK["metal"]
@@ -691,15 +693,17 @@ def test_decode_block_knobs(monkeypatch):
     from mlx_lily.patches import decode_graph
 
     assert "MLX_LILY_ATTN_DECODE_WARPS" in decode_graph._KEY_KNOBS  # traced steps bake CH in
-    monkeypatch.setenv("MLX_LILY_ATTN_DECODE_WARPS", "512")
-    assert A.decode_block(4096, 1, 2, "cuda") == 32   # 256 warps of 32 keys
-    assert A.decode_block(20000, 1, 2, "cuda") == 128  # ceil(40000 / 512) = 79 -> 128
+    monkeypatch.setenv("MLX_LILY_ATTN_DECODE_WARPS", "128")
+    assert A.decode_block(4096, 1, 2, "cuda") == 64   # ceil(8192 / 128) = 64
+    assert A.decode_block(20000, 1, 2, "cuda") == 128  # capped at the fixed block
+    monkeypatch.setenv("MLX_LILY_ATTN_FIXED_BLOCK", "512")
+    assert A.decode_block(20000, 1, 2, "cuda") == 512  # ceil(40000 / 128) = 313 -> 512
     monkeypatch.setenv("MLX_LILY_ATTN_FIXED_BLOCK", "64")
     assert A.decode_block(A.SPLIT_K_MIN_CONTEXT, 1, 2, "cuda") == 64
     assert A.decode_block(20000, 1, 2, "cuda") == 64  # capped at the fixed block
     monkeypatch.setenv("MLX_LILY_ATTN_DECODE_WARPS", "lots")
     with pytest.warns(UserWarning, match="MLX_LILY_ATTN_DECODE_WARPS"):
-        assert A.decode_block(8192, 1, 2, "cuda") == 64  # default target 128: 128, capped
+        assert A.decode_block(8192, 1, 2, "cuda") == 32  # default target 512: 32 keys
 
 
 # --------------------------------------------------------------------------- prefill

@@ -59,7 +59,7 @@ def test_for_backend_drops_defaults_and_other_backends_variants():
     assert "down_sl3" not in cuda["moe_experts"] and "down_sl1" in cuda["moe_experts"]
     assert "decode_simd" in metal["attention"] and "decode_simd" not in cuda["attention"]
     assert "fixed_block_256" not in metal["attention"]
-    assert "fixed_block_512" not in cuda["attention"]
+    assert "fixed_block_128" not in cuda["attention"] and "fixed_block_512" in cuda["attention"]
     for table in (metal, cuda):
         for op, vs in table.items():
             assert set(vs) <= set(variants.VARIANTS[op])
@@ -89,15 +89,15 @@ def test_knobs_reach_the_launch_parameters(monkeypatch):
     assert M.launch_shapes("cuda") == (M.GATE_UP_SHAPE["cuda"], M.DOWN_SHAPE["cuda"])
     assert M.launch_shapes("metal")[1] == (4, 2, 1)
     assert A.decode_variant("metal") == "gqa" and A.decode_variant("cuda") == "gqa"
-    assert A.fixed_block("cuda") == 512 and A.fixed_block("metal") == 256
+    assert A.fixed_block("cuda") == 128 and A.fixed_block("metal") == 256
     monkeypatch.setenv("MLX_LILY_MOE_DOWN_SHAPE", "2,2,9")
     assert M.launch_shapes("metal")[1] == (2, 2, 9)
     monkeypatch.setenv("MLX_LILY_ATTN_DECODE", "simd2")
     assert A.decode_variant("metal") == "simd2"
     assert A.decode_variant("cuda") == "gqa"  # no CUDA twin: the default kernel there
-    monkeypatch.setenv("MLX_LILY_ATTN_FIXED_BLOCK", "128")
-    assert A.decode_block(A.SPLIT_K_MIN_CONTEXT, 1, 2, "metal") == 128
-    assert A.decode_block(A.SPLIT_K_MIN_CONTEXT, 1, 2, "cuda") == 128
+    monkeypatch.setenv("MLX_LILY_ATTN_FIXED_BLOCK", "64")
+    assert A.decode_block(A.SPLIT_K_MIN_CONTEXT, 1, 2, "metal") == 64
+    assert A.decode_block(A.SPLIT_K_MIN_CONTEXT, 1, 2, "cuda") == 64
     assert A.decode_block(4096, 1, 2, "metal") == 32  # the general rule below the cap
 
 

@@ -2,7 +2,9 @@
 greedy) against the same prompts batched through mlx-lm's ``BatchGenerator`` (what
 ``mlx_lm.server`` and ``mlx_lm.benchmark -b N`` use), patched; per row the first token
 index where the batch differs from alone (-1: identical), the largest difference of the
-first token's log-probabilities (0.0: bit-identical there), and the batch's aggregate decode
+first token's log-probabilities (0.0: bit-identical there), the first step whose
+log-probabilities differ at all (-1: none; a differing token can follow steps later) with
+the largest difference per step, and the batch's aggregate decode
 tok/s (tokens over the wall time of the batched generation, prefill excluded as far as
 ``BatchGenerator`` separates it: the clock starts at the first generated token).
 
@@ -29,21 +31,21 @@ import numpy as np
 
 
 def batched(model, prompts, n, step):
-    """(tokens per prompt, aggregate decode tok/s after the first generated token);
-    ``step``: prompt tokens per prefill chunk."""
+    """(tokens per prompt, aggregate decode tok/s after the first generated token, each
+    row's per-step log-probabilities as fp32 numpy); ``step``: prompt tokens per prefill
+    chunk."""
     from mlx_lm.generate import BatchGenerator
 
     gen = BatchGenerator(model, stop_tokens=[[-1]], prefill_batch_size=len(prompts),
                          completion_batch_size=len(prompts), prefill_step_size=step)
     uids = gen.insert(prompts, [n] * len(prompts))
     out = {u: [] for u in uids}
-    first_lp = {}
+    lps = {u: [] for u in uids}
     t0, count = None, 0
     while responses := gen.next_generated():
         for r in responses:
             out[r.uid].append(int(r.token))
-            if r.uid not in first_lp:
-                first_lp[r.uid] = np.array(r.logprobs.astype(mx.float32)).reshape(-1)
+            lps[r.uid].append(_np32(r.logprobs))
         if t0 is None:
             t0 = time.perf_counter()
         else:
@@ -51,16 +53,31 @@ def batched(model, prompts, n, step):
     dt = time.perf_counter() - t0 if t0 is not None else 0.0
     gen.close()
     return ([out[u] for u in uids], (count / dt if dt > 0 else 0.0),
-            [first_lp.get(u) for u in uids])
+            [lps[u] for u in uids])
+
+
+def _np32(lp):
+    return np.array(lp.astype(mx.float32)).reshape(-1)
 
 
 def alone(model, prompt, n, step):
-    """(the first ``n`` greedy tokens of ``prompt`` through ``generate_step``, the first
-    token's log-probabilities as fp32 numpy): ``mlx_lily.testing.generation.greedy_run``."""
-    from mlx_lily.testing.generation import greedy_run
+    """(the first ``n`` greedy tokens of ``prompt`` through ``generate_step``, every step's
+    log-probabilities as fp32 numpy): ``mlx_lily.testing.generation.greedy_trace``."""
+    from mlx_lily.testing.generation import greedy_trace
 
-    toks, first = greedy_run(model, prompt, n, prefill_step_size=step)
-    return toks, None if first is None else np.array(first.astype(mx.float32))
+    toks, lps = greedy_trace(model, prompt, n, prefill_step_size=step)
+    return toks, [_np32(x) for x in lps]
+
+
+def onset(alone_lps, batch_lps, tokens_alone, tokens_batch):
+    """``(first step whose log-probabilities differ at all, -1 when none; max |diff| per
+    step)``, over the steps where both runs had fed the same tokens (up to and including
+    the first differing token)."""
+    n = first_diff(tokens_alone, tokens_batch)
+    n = min(len(alone_lps), len(batch_lps)) if n < 0 else n + 1
+    per = [max_diff(a, b) for a, b in zip(alone_lps[:n], batch_lps[:n])]
+    first = next((i for i, d in enumerate(per) if d is None or d != 0.0), -1)
+    return first, [None if d is None else round(d, 6) for d in per]
 
 
 def max_diff(a, b):
@@ -99,8 +116,7 @@ def main(argv=None) -> int:
                          "takes less where MLX's CUDA grid limit needs it)")
     ap.add_argument("--join", type=int, default=0,
                     help="the last N prompts join the running batch after --join-after "
-                         "decode steps (mlx_lm.server's case); no tok/s or log-probabilities "
-                         "are read then")
+                         "decode steps (mlx_lm.server's case); no tok/s is read then")
     ap.add_argument("--join-after", type=int, default=2)
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     a = ap.parse_args(argv)
@@ -134,19 +150,25 @@ def main(argv=None) -> int:
                 if a.join:
                     from mlx_lily.testing.generation import batch_greedy_joining
 
+                    raw = []
                     toks = batch_greedy_joining(model, prompts[:-a.join], prompts[-a.join:],
                                                 [a.gen] * len(prompts), a.join_after,
-                                                prefill_step_size=step)
-                    tps, batch_lp = None, [None] * len(prompts)
+                                                logprobs=raw, prefill_step_size=step)
+                    tps, batch_lp = None, [[_np32(x) for x in row] for row in raw]
                 else:
                     toks, tps, batch_lp = batched(model, prompts, a.gen, step)
             diffs = [first_diff(s, t) for s, t in zip(solo, toks)]
-            lp_diffs = [max_diff(x, y) for x, y in zip(solo_lp, batch_lp)]
+            lp_diffs = [max_diff(x[0] if x else None, y[0] if y else None)
+                        for x, y in zip(solo_lp, batch_lp)]
+            onsets = [onset(x, y, s, t) for x, y, s, t in zip(solo_lp, batch_lp, solo, toks)]
             entry.update(first_diff=diffs, first_logprobs_max_diff=lp_diffs,
+                         first_logprobs_diff_step=[o[0] for o in onsets],
+                         logprobs_max_diff_per_step=[o[1] for o in onsets],
                          batch_decode_tps=tps, solo=list(solo), batched=toks)
             print(f"{arm}: B={len(prompts)} lengths {lengths}: first differing token per row "
                   f"{diffs} (-1 = identical); first token's log-probabilities, max |alone - "
-                  f"batched| per row {lp_diffs}; batched decode "
+                  f"batched| per row {lp_diffs}; first step whose log-probabilities differ "
+                  f"{[o[0] for o in onsets]}; batched decode "
                   f"{'-' if tps is None else f'{tps:.1f}'} tok/s", flush=True)
         except Exception as e:  # noqa: BLE001  (the other arm still runs; the JSON says why)
             failed = True

@@ -18,7 +18,8 @@ of the compiled decode steps' key, so each setting traces its own steps in its w
 
 Writes ``knob_sweep.json`` after every cell (a run cut by a time limit keeps what it
 measured): per group, case and setting the timed ``generation_tps`` / ``prompt_tps`` of
-every trial; per group the settings' ratio to ``default`` (geometric mean over the cases of
+every trial (``peak_memory`` is the process's high-water mark so far, not the cell's;
+``end_unix`` when the trial ended); per group the settings' ratio to ``default`` (geometric mean over the cases of
 the mean generation tok/s) and ``pick``, the setting kept by :func:`pick_setting`. Also
 writes ``picks.env`` (``VAR=VALUE`` lines of the picked settings) for a later step.
 """
@@ -161,8 +162,10 @@ class Runner:
         out = []
         for _ in range(trials):
             r = self.once(*case)
-            out.append({k: round(float(getattr(r, k)), 3)
-                        for k in ("prompt_tps", "generation_tps", "peak_memory")})
+            t = {k: round(float(getattr(r, k)), 3)
+                 for k in ("prompt_tps", "generation_tps", "peak_memory")}
+            t["end_unix"] = round(time.time(), 2)  # to line up with a clock log
+            out.append(t)
         return {"trials": out, "wall_s": round(time.perf_counter() - t0, 2)}
 
 

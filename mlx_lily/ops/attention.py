@@ -50,13 +50,14 @@ SPLIT_K_MIN_CONTEXT = 32768
 DECODE_SIMDGROUPS = 4
 DECODE_BLOCK_MIN = 32
 # Fixed block (keys per simdgroup) at T >= SPLIT_K_MIN_CONTEXT, per backend.
-# CUDA: attention_bench's block sweep on the H200 (2 KV heads, D 256, G 8, us per
-# call, chained): 128K 206/168/146/136/124 for blocks 32..512, 32K 84/77/68/64/65.
-FIXED_BLOCK = {"cuda": 512, "metal": 256}
-# Simdgroups the general rule aims for. CUDA: fewer, longer blocks won over filling every
-# SM (same sweep, 4K: 58/38/40/36/45 us for blocks 32..512; the combine pass grows with
-# the number of blocks), hence 128. Apple: up to 40 GPU cores x 8.
-TARGET_SIMDGROUPS = {"cuda": 128, "metal": 320}
+# CUDA: mlx_lm.benchmark's procedure in one process on the H200 (benchmarks/gpu/
+# knob_sweep.py, B = 1, 128 generated tokens): with this block and 512 target warps,
+# 32K decode 236 tok/s against 202 with 512 / 128, 4K 249 against 224 (docs/results.md).
+# A chained kernel-only sweep had favoured 512; the whole decode step did not.
+FIXED_BLOCK = {"cuda": 128, "metal": 256}
+# Simdgroups the general rule aims for. CUDA: the same sweep (256 warps with a 64-key cap:
+# 214 / 224 tok/s at 4K / 32K). Apple: up to 40 GPU cores x 8.
+TARGET_SIMDGROUPS = {"cuda": 512, "metal": 320}
 
 # Load groups in flight per warp/simdgroup in the decode partial kernel (``PF``: CUDA 8-key
 # tiles, Metal key rows): results do not depend on it. 1 until a measurement picks 2;

@@ -386,8 +386,7 @@ def gated_delta_fused(qkv, z, b, a, conv_weight, conv_state, A_log, dt_bias, sta
     also applies ``out_proj`` (``OUTP``) and its result ``r [B, 1, K]`` follows ``h``.
     ``batch_fold`` (with ``proj``; CUDA): batch rows per block (``BN``); each weight tile
     of the projection and out_proj GEMVs is read once for them, and every row gets the
-    arithmetic of ``batch_fold=1`` (bit-identical on the emulator; the GPU test has not
-    run yet).
+    arithmetic of ``batch_fold=1`` (bit-identical on the emulator and on an H200).
 
     Raises:
         ValueError: ``proj`` with S > 1; ``out_proj`` without ``proj``; ``proj_split`` > 1
@@ -778,8 +777,9 @@ PROJ_SPLIT_ENV = "MLX_LILY_GDN_PROJ_SPLIT"  # CUDA: blocks per head, overriding 
 #: Batch rows per block of the PROJ launch (``BN``), per backend. CUDA: at 1, a batch of
 #: B rows reads each head's projection and out_proj weights B times, in B*Hv*PROJ_SPLIT
 #: blocks of 512 threads (one per SM at the ~100 registers ptxas gives them: about B
-#: waves on 132 SMs); folding reads them once per block of rows. Not yet measured on a
-#: GPU, hence 1. Metal's twin takes 1 only.
+#: waves on 132 SMs); folding reads them once per block of rows, but serialises the rows'
+#: recurrence steps in the block: on the H200 folds of 2 / 4 / 8 were slower at every B
+#: of 2 / 4 / 8 (docs/results.md), hence 1. Metal's twin takes 1 only.
 BATCH_FOLD = {"cuda": 1, "metal": 1}
 #: Most batch rows one block folds (``MLX_LILY_GDN_BATCH_FOLD``'s range).
 MAX_BATCH_FOLD = 8
