@@ -25,9 +25,11 @@ def test_onset_finds_the_first_step_that_differs():
     b[2][1] = 0.25  # the arithmetic parts at step 2; the tokens still agree
     first, per = bp.onset(a, b, [1, 2, 3, 4, 5], [1, 2, 3, 4, 5])
     assert first == 2 and per == [0.0, 0.0, 0.25, 0.0, 0.0]
-    # tokens part at step 1: later steps were fed different tokens and are not compared
+    # tokens part at step 1: later steps were fed different tokens and are not compared;
+    # identical log-probabilities up to there cannot hide the differing token
     first, per = bp.onset(a, b, [1, 2, 3, 4, 5], [1, 9, 3, 4, 5])
-    assert first == -1 and per == [0.0, 0.0]
+    assert first == 1 and per == [0.0, 0.0]
+    assert bp.onset([], [], [1, 2], [1, 3]) == (1, [])
     b[0][0] = float("nan")
     assert bp.onset(a, b, [1], [1])[0] == 0
 
@@ -40,6 +42,7 @@ def test_join_run_on_the_tiny_checkpoint(tiny_ckpt, tmp_path):  # noqa: F811
     assert r.returncode == 0, r.stderr[-3000:]
     lily = json.loads((tmp_path / "batch_parity.json").read_text())["arms"]["lily"]
     assert lily["join"] == 1 and len(lily["batched"]) == 3
+    assert json.loads((tmp_path / "batch_parity.json").read_text())["env"]["MLX_LILY_QUALIFY"] == "0"
     # the CPU runs mlx-lm's own code: every row equals its prompt alone, at every step
     assert lily["first_diff"] == [-1, -1, -1]
     assert lily["first_logprobs_diff_step"] == [-1, -1, -1]

@@ -31,17 +31,39 @@ def test_parse_group_adds_default_first():
         "MLX_LILY_MOE_FUSED_RPW": "2,2,1", "MLX_LILY_DECODE_PF": "2"}
 
 
-@pytest.mark.parametrize("text", ["512:128:2", "512:128:2=", "512=default", "1:2=FOO=1",
-                                  "1:2=MLX_LILY_X", "1:2=2,MLX_LILY_X=1"])
+@pytest.mark.parametrize("text", [
+    "512:128:2", "512:128:2=", "512=default", "1:2=FOO=1", "1:2=MLX_LILY_X",
+    "1:2=2,MLX_LILY_DECODE_PF=1",
+    "1:2=MLX_LILY_NO_SUCH_KNOB=1",            # not a knob or setting
+    "1:2=MLX_LILY_ATTN_FIXED_BLOCK=100",      # a value the knob does not accept
+    "1:2=MLX_LILY_DECODE_PF=2,",              # a trailing comma joins the value: "2,"
+    "1:2=MLX_LILY_MOE_FUSED_RPW=2,2",
+])
 def test_parse_group_rejects(text):
     with pytest.raises(ValueError):
         ks.parse_group(text)
 
 
-def test_rotated():
-    assert ks.rotated(["a", "b", "c"], 0) == ["a", "b", "c"]
-    assert ks.rotated(["a", "b", "c"], 1) == ["b", "c", "a"]
-    assert ks.rotated(["a", "b", "c"], 4) == ["b", "c", "a"]
+def test_user_settings_are_accepted():
+    assert ks.parse_setting("MLX_LILY_DISABLE=moe_fused") == {"MLX_LILY_DISABLE": "moe_fused"}
+
+
+def test_round_order_balances_positions():
+    assert ks.round_order(["a", "b", "c"], 0) == ["a", "b", "c"]
+    assert ks.round_order(["a", "b", "c"], 1) == ["c", "b", "a"]
+    assert ks.round_order(["a", "b", "c"], 2) == ["a", "b", "c"]
+    pos = {x: ks.round_order(["a", "b", "c", "d"], 0).index(x)
+           + ks.round_order(["a", "b", "c", "d"], 1).index(x) for x in "abcd"}
+    assert set(pos.values()) == {3}
+
+
+def test_apply_env_sets_one_setting_and_clears_the_others():
+    env = {"MLX_LILY_DECODE_PF": "2", "MLX_LILY_KERNELS": "all", "HOME": "/h"}
+    names = {"MLX_LILY_DECODE_PF", "MLX_LILY_ATTN_FIXED_BLOCK"}
+    ks.apply_env({"MLX_LILY_ATTN_FIXED_BLOCK": "64"}, names, env)
+    assert env == {"MLX_LILY_ATTN_FIXED_BLOCK": "64", "MLX_LILY_KERNELS": "all", "HOME": "/h"}
+    ks.apply_env({}, names, env)
+    assert env == {"MLX_LILY_KERNELS": "all", "HOME": "/h"}
 
 
 def _cell(*tps):

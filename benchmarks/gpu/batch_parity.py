@@ -45,7 +45,7 @@ def batched(model, prompts, n, step):
     while responses := gen.next_generated():
         for r in responses:
             out[r.uid].append(int(r.token))
-            lps[r.uid].append(_np32(r.logprobs))
+            lps[r.uid].append(r.logprobs)  # read back after the clock stops
         if t0 is None:
             t0 = time.perf_counter()
         else:
@@ -53,7 +53,7 @@ def batched(model, prompts, n, step):
     dt = time.perf_counter() - t0 if t0 is not None else 0.0
     gen.close()
     return ([out[u] for u in uids], (count / dt if dt > 0 else 0.0),
-            [lps[u] for u in uids])
+            [[_np32(x) for x in lps[u]] for u in uids])
 
 
 def _np32(lp):
@@ -72,11 +72,14 @@ def alone(model, prompt, n, step):
 def onset(alone_lps, batch_lps, tokens_alone, tokens_batch):
     """``(first step whose log-probabilities differ at all, -1 when none; max |diff| per
     step)``, over the steps where both runs had fed the same tokens (up to and including
-    the first differing token)."""
-    n = first_diff(tokens_alone, tokens_batch)
-    n = min(len(alone_lps), len(batch_lps)) if n < 0 else n + 1
+    the first differing token). Where the tokens differ but no compared step's
+    log-probabilities do (some missing), the first differing token's step."""
+    td = first_diff(tokens_alone, tokens_batch)
+    n = min(len(alone_lps), len(batch_lps)) if td < 0 else td + 1
     per = [max_diff(a, b) for a, b in zip(alone_lps[:n], batch_lps[:n])]
     first = next((i for i, d in enumerate(per) if d is None or d != 0.0), -1)
+    if first < 0 and td >= 0:
+        first = td
     return first, [None if d is None else round(d, 6) for d in per]
 
 
@@ -132,7 +135,9 @@ def main(argv=None) -> int:
     lengths = [int(x) for x in a.lengths.split(",") if x]
     prompts = [synthetic_ids(L, vocab, [], seed=i + 1).tolist() for i, L in enumerate(lengths)]
     res = {"command": " ".join([os.path.basename(sys.argv[0])] + sys.argv[1:]),
-           "tree": os.environ.get("MLX_LILY_TREE_REV"), "mlx": mx.__version__, "arms": {}}
+           "tree": os.environ.get("MLX_LILY_TREE_REV"), "mlx": mx.__version__,
+           "env": {k: v for k, v in sorted(os.environ.items()) if k.startswith("MLX_LILY_")},
+           "arms": {}}
     os.makedirs(a.out, exist_ok=True)
     from mlx_lily import kernels
 

@@ -1,27 +1,32 @@
 """Benchmarking knobs compared in one process: the model loads (and MLX compiles its
-kernels) once, then every setting of a group runs each of the group's cases the way
+kernels) once, then every setting of a group runs each of the group's cases as
 ``mlx_lm.benchmark`` runs one (a warm-up generation, then ``--trials`` timed ones:
-``stream_generate`` for one prompt, ``batch_generate`` for B; random prompts from seed 0,
-no end-of-sequence stop, prefill step 2048), the settings' order rotated from one round to
-the next. A diagnostic for choosing defaults: the figure users see is still
-``mlx_lm.benchmark`` itself (``user_bench.py``).
+``stream_generate`` for one prompt, ``batch_generate`` for B; random prompts, seed 0 before
+each generation; no end-of-sequence stop; prefill step 2048), the settings' order reversed
+in every other round so that each setting's mean position is the same. A diagnostic for
+choosing defaults: the figure users see is still ``mlx_lm.benchmark`` itself
+(``user_bench.py``).
 
     python benchmarks/gpu/knob_sweep.py --model DIR --out DIR \\
         --group "512:128:2,512:128:8=default MLX_LILY_GDN_BATCH_FOLD=4" \\
-        --group "4096:128:1=default MLX_LILY_DECODE_PF=2,MLX_LILY_ATTN_FIXED_BLOCK=128"
+        --group "32768:128:1=default MLX_LILY_DECODE_PF=2,MLX_LILY_ATTN_FIXED_BLOCK=512"
 
 A group is ``CASES=SETTINGS``: CASES a comma list of ``P:G[:B]`` (prompt tokens, generation
 tokens, batch), SETTINGS space-separated, each ``default`` or comma-joined ``VAR=VALUE`` of
-``MLX_LILY_*`` knobs (``docs/tuning.md``); a setting's variables are set for its runs and
-removed after. Lily's kernels follow the environment (``MLX_LILY_KERNELS``). Knobs are part
-of the compiled decode steps' key, so each setting traces its own steps in its warm-up.
+``MLX_LILY_*`` knobs (``docs/tuning.md``) or user settings (``mlx_lily.config``), each
+value checked by that variable's own parser. A setting's variables are set for its runs;
+every variable any setting of the sweep names is removed before each cell (also one the
+caller had set: ``default`` means the built-in value). Lily's kernels follow the
+environment (``MLX_LILY_KERNELS``). Knobs are part of the compiled decode steps' key, so
+each setting traces its own steps in its warm-up.
 
-Writes ``knob_sweep.json`` after every cell (a run cut by a time limit keeps what it
-measured): per group, case and setting the timed ``generation_tps`` / ``prompt_tps`` of
+Writes ``knob_sweep.json`` and ``picks.env`` after every cell (a run cut by a time limit
+keeps what it measured); a cell whose case took longer last time than the budget has left
+is skipped: per group, case and setting the timed ``generation_tps`` / ``prompt_tps`` of
 every trial (``peak_memory`` is the process's high-water mark so far, not the cell's;
 ``end_unix`` when the trial ended); per group the settings' ratio to ``default`` (geometric mean over the cases of
 the mean generation tok/s) and ``pick``, the setting kept by :func:`pick_setting`. Also
-writes ``picks.env`` (``VAR=VALUE`` lines of the picked settings) for a later step.
+``picks.env`` holds the ``VAR=VALUE`` lines of the picked settings, for a later step.
 """
 
 from __future__ import annotations
@@ -49,7 +54,8 @@ def parse_setting(text: str) -> dict:
     ``=`` continues the previous value (``"A=2,4,1,B=2"`` -> ``{"A": "2,4,1", "B": "2"}``).
 
     Raises:
-        ValueError: an item is not ``VAR=VALUE`` with an ``MLX_LILY_`` variable.
+        ValueError: an item is not ``VAR=VALUE`` with a variable of ``mlx_lily.tuning`` or
+            ``mlx_lily.config``, or the value is one that variable does not accept.
     """
     if text == "default":
         return {}
@@ -62,7 +68,24 @@ def parse_setting(text: str) -> dict:
         if not eq or not var.startswith("MLX_LILY_") or not val:
             raise ValueError(f"setting {text!r}: {item!r} is not MLX_LILY_<NAME>=VALUE")
         out[var], last = val, var
+    for var, val in out.items():
+        _check_value(text, var, val)
     return out
+
+
+def _check_value(text: str, var: str, val: str) -> None:
+    """``ValueError`` unless ``var`` is a knob or user setting that accepts ``val``."""
+    from mlx_lily import config, tuning
+    from mlx_lily.config import BadValue
+
+    table = {s.env: s for s in (*tuning.KNOBS.values(), *config.SETTINGS.values())}
+    if var not in table:
+        raise ValueError(f"setting {text!r}: {var} is no mlx-lily knob or setting")
+    try:
+        table[var].parse(val.strip())
+    except BadValue:
+        raise ValueError(f"setting {text!r}: {var}={val!r} is not accepted "
+                         f"({table[var].accepted})") from None
 
 
 def parse_group(text: str) -> dict:
@@ -83,10 +106,10 @@ def parse_group(text: str) -> dict:
     return {"cases": [parse_case(c) for c in cases.split(",")], "settings": names}
 
 
-def rotated(items: list, k: int) -> list:
-    """``items`` rotated left by ``k`` (the settings' order in round ``k``)."""
-    k %= max(1, len(items))
-    return items[k:] + items[:k]
+def round_order(items: list, k: int) -> list:
+    """The settings' order in round ``k``: as given in even rounds, reversed in odd ones
+    (over each pair of rounds every setting's mean position is the same)."""
+    return list(items) if k % 2 == 0 else list(reversed(items))
 
 
 def pick_setting(ratios: dict, worst: dict) -> str:
@@ -164,16 +187,18 @@ class Runner:
             r = self.once(*case)
             t = {k: round(float(getattr(r, k)), 3)
                  for k in ("prompt_tps", "generation_tps", "peak_memory")}
-            t["end_unix"] = round(time.time(), 2)  # to line up with a clock log
+            now = time.time()  # to line up with a clock log (nvidia-smi's local time)
+            t["end_unix"] = round(now, 2)
+            t["end_local"] = time.strftime("%Y/%m/%d %H:%M:%S", time.localtime(now))
             out.append(t)
         return {"trials": out, "wall_s": round(time.perf_counter() - t0, 2)}
 
 
-def apply_env(setting: dict, all_vars: set) -> None:
-    """Set ``setting``'s variables and remove the other variables any setting names."""
+def apply_env(setting: dict, all_vars: set, environ=os.environ) -> None:
+    """Remove every variable of ``all_vars`` from ``environ``, then set ``setting``'s."""
     for v in all_vars:
-        os.environ.pop(v, None)
-    os.environ.update(setting)
+        environ.pop(v, None)
+    environ.update(setting)
 
 
 def main(argv=None) -> int:
@@ -183,7 +208,7 @@ def main(argv=None) -> int:
                     help="CASES=SETTINGS (see the module docstring); repeatable")
     ap.add_argument("--trials", type=int, default=2, help="timed generations per cell")
     ap.add_argument("--rounds", type=int, default=2,
-                    help="passes over each group's settings, order rotated each pass")
+                    help="passes over each group's settings, order reversed every other pass")
     ap.add_argument("--budget-s", type=float, default=0,
                     help="start no new cell after this many seconds (0: no limit)")
     ap.add_argument("--stock", action="store_true", help="do not patch (stock mlx-lm)")
@@ -219,6 +244,12 @@ def main(argv=None) -> int:
 
     def save():
         path.write_text(json.dumps(result, indent=1, default=str))
+        picks = {}
+        for g in result["groups"]:
+            picks.update(parse_setting(g.get("pick", "default")))
+        (out_dir / "picks.env").write_text("".join(f"{k}={v}\n" for k, v in sorted(picks.items())))
+
+    last_wall: dict = {}  # case -> seconds its last cell took
 
     stopped = False
     for g in groups:
@@ -227,9 +258,10 @@ def main(argv=None) -> int:
                  "cells": cells}
         result["groups"].append(entry)
         for rnd in range(args.rounds):
-            for s in rotated(g["settings"], rnd):
+            for s in round_order(g["settings"], rnd):
                 for c in g["cases"]:
-                    if args.budget_s and time.perf_counter() - t_start > args.budget_s:
+                    left = args.budget_s - (time.perf_counter() - t_start)
+                    if args.budget_s and left < last_wall.get(case_key(c), 0.0):
                         stopped = True
                         break
                     apply_env(parse_setting(s), all_vars)
@@ -237,6 +269,7 @@ def main(argv=None) -> int:
                         s, {"trials": [], "wall_s": 0.0})
                     try:
                         got = runner.cell(c, args.trials)
+                        last_wall[case_key(c)] = got["wall_s"]
                         slot["trials"] += got["trials"]
                         slot["wall_s"] = round(slot["wall_s"] + got["wall_s"], 2)
                     except Exception as e:  # recorded; the sweep goes on
@@ -255,10 +288,6 @@ def main(argv=None) -> int:
     result["stopped_by_budget"] = stopped
     result["wall_s"] = round(time.perf_counter() - t_start, 1)
     save()
-    picks = {}
-    for g in result["groups"]:
-        picks.update(parse_setting(g.get("pick", "default")))
-    (out_dir / "picks.env").write_text("".join(f"{k}={v}\n" for k, v in sorted(picks.items())))
     for g in result["groups"]:
         print(f"cases {g['cases']}: ratios {g.get('ratio_to_default')} -> pick {g.get('pick')}")
     return 0

@@ -54,12 +54,12 @@
 #   knob-sweep: benchmarking knobs compared in one process (knob_sweep.py: one model load,
 #            mlx_lm.benchmark's procedure per case), groups KNOB_GROUPS ('|'-separated
 #            CASES=SETTINGS; default: the one-launch MoE block against its three launches
-#            at B = 1 / 8, decode attention's split at 4K / 32K / 128K, the one-launch MoE
-#            block's rows per lane group at B = 2 / 4 / 8),
+#            at B = 1 / 8, decode attention's fixed block at 32K / 128K and its target warps
+#            at 4K, the one-launch MoE block's rows per lane group at B = 2 / 4 / 8),
 #            KNOB_TRIALS (2) x KNOB_ROUNDS (2), limit KNOB_SWEEP_LIMIT_S (900); kernels the
 #            shipped CUDA set plus batch_decode. Its picks (W/knob-sweep/picks.env) apply to
-#            the parity phases that follow; W/knob-sweep.clocks.csv samples the GPU's
-#            clocks, power and load every 200 ms meanwhile.
+#            the parity-mixed and parity-join phases that follow; W/knob-sweep.clocks.csv
+#            samples the GPU's clocks, power and load every 200 ms meanwhile.
 # One process at a time; each step's log is W/<step>.log, the timeline W/round.log.
 set -u
 export PYTHONUNBUFFERED=1
@@ -244,15 +244,17 @@ picks() {  # the knob sweep's picks as VAR=VALUE words (none before it ran)
 
 phase_knob_sweep() {
   local d="512:128:1,4096:128:1,512:128:8=default MLX_LILY_DISABLE=moe_fused"
-  d+="|4096:128:1,32768:128:1,131072:128:1=default MLX_LILY_ATTN_FIXED_BLOCK=256"
-  d+=" MLX_LILY_ATTN_DECODE_WARPS=1024,MLX_LILY_ATTN_FIXED_BLOCK=64"
+  d+="|32768:128:1,131072:128:1=default MLX_LILY_ATTN_FIXED_BLOCK=256"
+  d+=" MLX_LILY_ATTN_FIXED_BLOCK=512"
+  d+="|4096:128:1,4096:128:4=default MLX_LILY_ATTN_DECODE_WARPS=128"
   d+="|512:128:2,512:128:4,512:128:8=default MLX_LILY_MOE_FUSED_RPW=1,2,1"
   d+=" MLX_LILY_MOE_FUSED_RPW=2,2,1"
   local gl g args=() limit=${KNOB_SWEEP_LIMIT_S:-900}
   IFS='|' read -r -a gl <<< "${KNOB_GROUPS:-$d}"
   for g in "${gl[@]}"; do args+=(--group "$g"); done
   # the GPU's clocks, power and load every 200 ms beside it (B = 1 trials spread widely)
-  nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,utilization.gpu \
+  timeout $(( limit + 5 )) nvidia-smi \
+    --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,utilization.gpu \
     --format=csv -lms 200 > "$W/knob-sweep.clocks.csv" 2>&1 &
   local smi=$!
   MLX_LILY_KERNELS=$SHIPPED,batch_decode step knob-sweep "$limit" \
@@ -265,8 +267,8 @@ phase_knob_sweep() {
 
 phase_attn_sweep() {
   local all="default MLX_LILY_DECODE_PF=2"
-  all+=" MLX_LILY_ATTN_DECODE_WARPS=512,MLX_LILY_ATTN_FIXED_BLOCK=128"
-  all+=" MLX_LILY_ATTN_DECODE_WARPS=512,MLX_LILY_ATTN_FIXED_BLOCK=128,MLX_LILY_DECODE_PF=2"
+  all+=" MLX_LILY_ATTN_DECODE_WARPS=128,MLX_LILY_ATTN_FIXED_BLOCK=512"
+  all+=" MLX_LILY_ATTN_FIXED_BLOCK=256,MLX_LILY_DECODE_PF=2"
   all+=" MLX_LILY_ATTN_DECODE_WARPS=256,MLX_LILY_ATTN_FIXED_BLOCK=64"
   sweep_run attn-sweep "${ATTN_SWEEP:-$all}" "${ATTN_SWEEP_CASES:-4096:128:1,32768:128:1}" \
     "$SHIPPED" ${ATTN_SWEEP_LIMIT_S:-300}

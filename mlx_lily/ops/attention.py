@@ -53,7 +53,8 @@ DECODE_BLOCK_MIN = 32
 # CUDA: mlx_lm.benchmark's procedure in one process on the H200 (benchmarks/gpu/
 # knob_sweep.py, B = 1, 128 generated tokens): with this block and 512 target warps,
 # 32K decode 236 tok/s against 202 with 512 / 128, 4K 249 against 224 (docs/results.md).
-# A chained kernel-only sweep had favoured 512; the whole decode step did not.
+# attention_bench's chained kernel-only sweep had favoured 256-512-key blocks at 32K and
+# 512 at 128K; the whole step at 32K did not. 128K has not run with this block.
 FIXED_BLOCK = {"cuda": 128, "metal": 256}
 # Simdgroups the general rule aims for. CUDA: the same sweep (256 warps with a 64-key cap:
 # 214 / 224 tok/s at 4K / 32K). Apple: up to 40 GPU cores x 8.
