@@ -280,6 +280,37 @@ def test_emulated_batch_with_a_request_joining_equals_alone(model):
 
 
 @needs_emu
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "whole-step"])
+def test_emulated_cuda_batch_with_a_request_joining_equals_alone(model, compiled, monkeypatch):
+    """The CUDA kernels' bodies on the emulator (``emulated_cuda``: CUDA launch shapes and
+    CUDA-only ops such as ``moe_fused`` and ``gdn_proj``), every kernel on: a request
+    joining a running batch leaves every row's tokens and every step's log-probabilities
+    equal to that prompt alone; with ``MLX_LILY_COMPILE=1`` a lone prompt decodes through
+    the one-sequence whole-stack step (built uncompiled)."""
+    from mlx_lily.testing.dispatch import emulated_cuda
+    from mlx_lily.testing.generation import greedy_trace
+
+    first, later = _join_prompts()
+    with emulated_cuda() as twins:
+        if compiled:
+            monkeypatch.setenv("MLX_LILY_COMPILE", "1")
+        with mlx_lily.patched(model):
+            assert mlx_lily.backend_info()["ops"]["moe_fused"] == "kernel"
+            alone = [greedy_trace(model, p, n) for p, n in zip(first + later, JOIN_MAX)]
+            lps: list = []
+            batch = batch_greedy_joining(model, first, later, JOIN_MAX, logprobs=lps)
+            steps = model.language_model.model._lily_steps.recent if compiled else None
+    assert [t for t, _ in alone] == batch
+    for (_, la), lb in zip(alone, lps):
+        assert len(la) == len(lb)
+        for a, b in zip(la, lb):
+            assert mx.array_equal(a, b).item()
+    assert "lily_moe_decode" not in twins and "lily_gdn_decode" not in twins
+    if compiled:
+        assert steps, "the one-sequence whole step did not run"
+
+
+@needs_emu
 @pytest.mark.parametrize("lengths", [(37, 37), (37,), LENGTHS], ids=["equal", "one", "mixed"])
 def test_emulated_compiled_batch_steps_equal_alone(model, lengths):
     """Compiled decode steps on (``MLX_LILY_COMPILE=1``, built as plain functions by

@@ -75,6 +75,16 @@ template <typename V> inline V __ldcg(const V* p) { return *(const volatile V*)p
 inline float fmaxf(float a, float b) { return metal::max(a, b); }
 inline float rsqrtf(float a) { return metal::precise::rsqrt(a); }
 #define __syncthreads() threadgroup_barrier(mem_flags::mem_threadgroup)
+inline float exp2f(float a) { return metal::exp2(a); }
+inline float log2f(float a) { return metal::log2(a); }
+inline float cosf(float a) { return metal::cos(a); }
+inline float sinf(float a) { return metal::sin(a); }
+inline float sqrtf(float a) { return metal::sqrt(a); }
+inline float tanhf(float a) { return metal::tanh(a); }
+inline float fminf(float a, float b) { return metal::min(a, b); }
+inline float powf(float a, float b) { return metal::pow(a, b); }
+inline float __expf(float a) { return metal::exp(a); }
+inline float __fdividef(float a, float b) { return a / b; }
 """
 
 
