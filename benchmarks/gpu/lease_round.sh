@@ -14,7 +14,8 @@
 #   checks:  batch-vs-alone parity (parity-equal: prompts of one length, the compiled batch
 #            step; parity-one: one request, default kernels; parity-mixed: mixed lengths;
 #            each also a phase of its own; parity-join, a phase only: two of four mixed-
-#            length requests join the running batch); the first carries this machine's MLX JIT,
+#            length requests join the running batch; parity-join-eager, the same with
+#            MLX_LILY_COMPILE=0); the first carries this machine's MLX JIT,
 #            nothing in it is timed
 #   profile: per-kernel GPU time of Lily's decode step (kernel_times.py, ncu) at each batch
 #            of PROFILE_BATCHES (default 1 2 8) and context of PROFILE_CONTEXTS (default
@@ -58,7 +59,7 @@
 #            at 4K, the one-launch MoE block's rows per lane group at B = 2 / 4 / 8),
 #            KNOB_TRIALS (2) x KNOB_ROUNDS (2), limit KNOB_SWEEP_LIMIT_S (900); kernels the
 #            shipped CUDA set plus batch_decode. Its picks (W/knob-sweep/picks.env) apply to
-#            the parity-mixed and parity-join phases that follow; W/knob-sweep.clocks.csv
+#            the parity-mixed and parity-join(-eager) phases that follow; W/knob-sweep.clocks.csv
 #            samples the GPU's clocks, power and load every 200 ms meanwhile.
 # One process at a time; each step's log is W/<step>.log, the timeline W/round.log.
 set -u
@@ -138,6 +139,13 @@ phase_parity_join() {
   MLX_LILY_KERNELS=$BATCH_SET step batch-parity-join 300 env $(picks) \
     python3 "$R/benchmarks/gpu/batch_parity.py" --model "$Q36" --lengths 37,5,130,2049 \
     --gen 16 --join 2 --out "$W/batch-parity-join"
+}
+
+phase_parity_join_eager() {
+  # the same with every decode step eager (MLX_LILY_COMPILE=0): tells mx.compile's part
+  MLX_LILY_KERNELS=$BATCH_SET MLX_LILY_COMPILE=0 step batch-parity-join-eager 300 env $(picks) \
+    python3 "$R/benchmarks/gpu/batch_parity.py" --model "$Q36" --lengths 37,5,130,2049 \
+    --gen 16 --join 2 --out "$W/batch-parity-join-eager"
 }
 
 phase_profile() {
@@ -288,6 +296,7 @@ for p in "${PHASE_LIST[@]}"; do
     parity-one) phase_parity_one ;;
     parity-mixed) phase_parity_mixed ;;
     parity-join) phase_parity_join ;;
+    parity-join-eager) phase_parity_join_eager ;;
     gputests|trained|profile|detail|bench|qualify|gate|long) "phase_$p" ;;
     attn-sweep) phase_attn_sweep ;;
     fold-sweep) phase_fold_sweep ;;
