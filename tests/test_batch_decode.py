@@ -281,7 +281,7 @@ def test_emulated_batch_with_a_request_joining_equals_alone(model):
 
 @needs_emu
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "whole-step"])
-def test_emulated_cuda_batch_with_a_request_joining_equals_alone(model, compiled, monkeypatch):
+def test_emulated_cuda_batch_with_a_request_joining_equals_alone(model, compiled):
     """The CUDA kernels' bodies on the emulator (``emulated_cuda``: CUDA launch shapes and
     CUDA-only ops such as ``moe_fused`` and ``gdn_proj``), every kernel on: a request
     joining a running batch leaves every row's tokens and every step's log-probabilities
@@ -291,9 +291,10 @@ def test_emulated_cuda_batch_with_a_request_joining_equals_alone(model, compiled
     from mlx_lily.testing.generation import greedy_trace
 
     first, later = _join_prompts()
-    with emulated_cuda() as twins:
+    # the inner MonkeyPatch undoes its setting before emulated_cuda restores its own
+    with emulated_cuda() as twins, pytest.MonkeyPatch.context() as mp:
         if compiled:
-            monkeypatch.setenv("MLX_LILY_COMPILE", "1")
+            mp.setenv("MLX_LILY_COMPILE", "1")
         with mlx_lily.patched(model):
             assert mlx_lily.backend_info()["ops"]["moe_fused"] == "kernel"
             alone = [greedy_trace(model, p, n) for p, n in zip(first + later, JOIN_MAX)]
