@@ -5,27 +5,12 @@ through mlx-lm's ``generate_step``, and prompts batched through mlx-lm's
 from __future__ import annotations
 
 
-def greedy_run(model, prompt, n: int, **kw) -> tuple:
-    """``(tokens, first_logprobs)``: the first ``n`` greedy token ids (ints) of ``prompt``
-    (a list of ids) through ``mlx_lm.generate.generate_step`` (``kw`` passed on, e.g.
-    ``prefill_step_size``), and the first token's log-probabilities (``mx.array [V]`` in
-    the model's dtype; None when ``n`` is 0)."""
-    import mlx.core as mx
-    from mlx_lm.generate import generate_step
-
-    out, first = [], None
-    for (tok, lp), _i in zip(generate_step(mx.array(prompt), model, max_tokens=n, **kw),
-                             range(n)):
-        out.append(int(tok))
-        if first is None:
-            first = lp.reshape(-1)
-    return out, first
-
-
 def greedy_trace(model, prompt, n: int, **kw) -> tuple:
-    """``(tokens, logprobs)``: ``greedy_run``'s tokens and every step's log-probabilities
-    (a list of ``n`` ``mx.array [V]`` in the model's dtype), to find the first step at which
-    two runs' arithmetic parts (a differing token may come steps later)."""
+    """``(tokens, logprobs)``: the first ``n`` greedy token ids (ints) of ``prompt`` (a list
+    of ids) through ``mlx_lm.generate.generate_step`` (``kw`` passed on, e.g.
+    ``prefill_step_size``), and every step's log-probabilities (a list of ``n``
+    ``mx.array [V]`` in the model's dtype), to find the first step at which
+    two runs' arithmetic departs (a differing token may come steps later)."""
     import mlx.core as mx
     from mlx_lm.generate import generate_step
 
@@ -38,8 +23,8 @@ def greedy_trace(model, prompt, n: int, **kw) -> tuple:
 
 
 def greedy(model, prompt, n: int, **kw) -> list:
-    """The first ``n`` greedy token ids of ``prompt`` (``greedy_run``'s tokens)."""
-    return greedy_run(model, prompt, n, **kw)[0]
+    """The first ``n`` greedy token ids of ``prompt`` (``greedy_trace``'s tokens)."""
+    return greedy_trace(model, prompt, n, **kw)[0]
 
 
 def batch_greedy(model, prompts, max_tokens) -> list:
