@@ -44,6 +44,12 @@ def parse_case(text: str) -> tuple[int, int, int]:
     return p, g, (b[0] if b else 1)
 
 
+def lily_env(environ) -> dict:
+    """The ``MLX_LILY_*`` variables of ``environ`` (kernel set, benchmarking knobs) that
+    the children inherit, sorted by name."""
+    return {k: environ[k] for k in sorted(environ) if k.startswith("MLX_LILY")}
+
+
 def parse_output(text: str) -> dict:
     """mlx-lm's benchmark output -> ``{"averages": {...}, "trials": [{...}, ...]}``
     (floats; empty when the line is missing)."""
@@ -151,7 +157,7 @@ def main(argv=None) -> int:
     env.pop("MLX_LILY", None)  # the stock arm must be stock
     result = {"model": opts.model, "trials": opts.trials, "device": _device(),
               "versions": _versions(), "commit": os.environ.get("MLX_LILY_TREE_REV", "unknown"),
-              "cases": []}
+              "lily_env": lily_env(os.environ), "cases": []}
     out = Path(opts.out)
     out.mkdir(parents=True, exist_ok=True)
     for i, (p, g, b) in enumerate(cases):

@@ -122,6 +122,10 @@ KNOBS.update({k.attr: k for k in (
             one_of("16", "8", values={"16": 16, "8": 8}), "'16', '8'",
             "Metal: weight bytes each lane loads per step in lily_qgemv / "
             "lily_norm_qgemv (default: qgemv.BYTES_PER_LANE)"),
+    Setting("qgemv_mma", "MLX_LILY_QGEMV_MMA", False, _switch,
+            "'1', '0' (also on/off, yes/no)",
+            "CUDA: 1: decode GEMVs of qgemv (LM head, output projections) on tensor cores "
+            "(lily_qgemv_mma: each weight tile read once for all rows)"),
     Setting("attn_decode", "MLX_LILY_ATTN_DECODE", None, one_of("gqa", "simd", "simd2"),
             "'gqa', 'simd', 'simd2'",
             "Metal: the decode attention partial kernel (default: "

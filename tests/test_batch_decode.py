@@ -21,6 +21,7 @@ from mlx_lm.models.cache import BatchKVCache, make_prompt_cache
 
 import _models
 import mlx_lily
+from mlx_lily import kernels
 from mlx_lily.testing.dispatch import emulated_metal
 from mlx_lily.testing.generation import batch_greedy, batch_greedy_joining, greedy
 
@@ -280,13 +281,15 @@ def test_emulated_batch_with_a_request_joining_equals_alone(model):
 
 
 @needs_emu
-@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "whole-step"])
-def test_emulated_cuda_batch_with_a_request_joining_equals_alone(model, compiled):
+@pytest.mark.parametrize("compiled,mma", [(False, False), (True, False), (False, True)],
+                         ids=["eager", "whole-step", "eager-mma"])
+def test_emulated_cuda_batch_with_a_request_joining_equals_alone(model, compiled, mma):
     """The CUDA kernels' bodies on the emulator (``emulated_cuda``: CUDA launch shapes and
     CUDA-only ops such as ``moe_fused`` and ``gdn_proj``), every kernel on: a request
     joining a running batch leaves every row's tokens and every step's log-probabilities
     equal to that prompt alone; with ``MLX_LILY_COMPILE=1`` a lone prompt decodes through
-    the one-sequence whole-stack step (built uncompiled)."""
+    the one-sequence whole-stack step (built uncompiled); with ``MLX_LILY_QGEMV_MMA=1``
+    the decode GEMVs take the tensor-core kernel (its mma emulated with lane shuffles)."""
     from mlx_lily.testing.dispatch import emulated_cuda
     from mlx_lily.testing.generation import greedy_trace
 
@@ -295,12 +298,15 @@ def test_emulated_cuda_batch_with_a_request_joining_equals_alone(model, compiled
     with emulated_cuda() as twins, pytest.MonkeyPatch.context() as mp:
         if compiled:
             mp.setenv("MLX_LILY_COMPILE", "1")
+        if mma:
+            mp.setenv("MLX_LILY_QGEMV_MMA", "1")
         with mlx_lily.patched(model):
             assert mlx_lily.backend_info()["ops"]["moe_fused"] == "kernel"
             alone = [greedy_trace(model, p, n) for p, n in zip(first + later, JOIN_MAX)]
             lps: list = []
             batch = batch_greedy_joining(model, first, later, JOIN_MAX, logprobs=lps)
             steps = model.language_model.model._lily_steps.recent if compiled else None
+            built = {spec.name for spec, _ in kernels._CACHE}
     assert [t for t, _ in alone] == batch
     for (_, la), lb in zip(alone, lps):
         assert len(la) == len(lb)
@@ -309,6 +315,7 @@ def test_emulated_cuda_batch_with_a_request_joining_equals_alone(model, compiled
     assert "lily_moe_decode" not in twins and "lily_gdn_decode" not in twins
     if compiled:
         assert steps, "the one-sequence whole step did not run"
+    assert ("lily_qgemv_mma" in built) == mma and "lily_qgemv_mma" not in twins
 
 
 @needs_emu

@@ -51,6 +51,7 @@ BAD_KNOBS = {
     "gdn_scan_load": "shared",
     "qgemv_shape": "4,9",  # RPW over 8
     "qgemv_bpl": "4",
+    "qgemv_mma": "fast",
 }
 
 

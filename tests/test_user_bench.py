@@ -63,3 +63,10 @@ def test_markdown_ratio_and_error_cells():
 def test_failed_child_is_recorded(tmp_path):
     r = ub.run_arm([sys.executable, "-c", "import sys; print('oops'); sys.exit(3)"], 30, {})
     assert r["error"] == "exit 3" and r["tail"] == ["oops"]
+
+
+def test_lily_env_keeps_only_lily_variables():
+    env = {"MLX_LILY_QGEMV_MMA": "1", "MLX_LILY_KERNELS": "verified", "PATH": "/bin",
+           "MLX_LILY_TREE_REV": "abc"}
+    assert ub.lily_env(env) == {"MLX_LILY_KERNELS": "verified", "MLX_LILY_QGEMV_MMA": "1",
+                                "MLX_LILY_TREE_REV": "abc"}

@@ -13,7 +13,9 @@ them, which includes launch overhead (tens of microseconds for the small GEMVs: 
     python3 benchmarks/gpu/gemv_rows_bench.py --shaders OTHER/shaders --out DIR2
 
 ``--shaders`` builds the kernels from another tree's ``shaders/`` folder (a candidate
-kernel timed against this tree's in the same call).
+kernel timed against this tree's in the same call). On CUDA the ``qgemv`` shapes also
+run the tensor-core form ``lily_qgemv_mma`` (rows ``kernel: "mma"``, with
+``max_abs_diff_vs_simt``: its largest difference from ``lily_qgemv``'s result).
 """
 
 from __future__ import annotations
@@ -63,6 +65,7 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=40)
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--shaders", type=Path, help="build from this shaders/ folder instead")
+    ap.add_argument("--no-mma", action="store_true", help="leave out lily_qgemv_mma")
     args = ap.parse_args()
     if args.shaders is not None:
         root = args.shaders.resolve()
@@ -75,6 +78,8 @@ def main() -> None:
         mx.random.seed(o)
         q, s, b = _weights(o, k)
         kern = kernels.build(mod.SPEC, backend)
+        mma = (kernels.build(Q.MMA_SPEC, backend)
+               if mod is Q and backend == "cuda" and not args.no_mma else None)
         nw = (1 + 0.1 * mx.random.normal((k,))).astype(mx.bfloat16)
         for rows in (int(r) for r in args.rows.split(",")):
             x = mx.random.normal((rows, 1, k)).astype(mx.bfloat16)
@@ -85,15 +90,27 @@ def main() -> None:
                     return Q.launch(kern, xx, q, s, b, 64, 4)
                 return NQ.launch(kern, xx, rr, nw, 1e-6, q, s, b, 64, 4)[0]
 
-            y = run()
-            alone = mx.concatenate([run(x[i:i + 1], res[i:i + 1]) for i in range(rows)])
-            gpu = _gpu_us(run, x, args.iters)
-            row = dict(op=name, k=k, o=o, rows=rows,
-                       gpu_us=None if gpu is None else round(gpu, 1),
-                       wall_us=round(_wall_us(run, x, args.iters), 1),
-                       bits_equal_alone=bool(mx.array_equal(y, alone).item()))
-            print(json.dumps(row), flush=True)
-            out.append(row)
+            def run_mma(xx=x, rr=None):
+                return Q.mma_plan(mma, xx.shape, xx.dtype, q, s, b, 64, 4)(xx)
+
+            y_simt = None
+            for kind, fn in (("simt", run), ("mma", run_mma)):
+                if kind == "mma" and mma is None:
+                    continue
+                y = fn()
+                alone = mx.concatenate([fn(x[i:i + 1], res[i:i + 1]) for i in range(rows)])
+                gpu = _gpu_us(fn, x, args.iters)
+                row = dict(op=name, kernel=kind, k=k, o=o, rows=rows,
+                           gpu_us=None if gpu is None else round(gpu, 1),
+                           wall_us=round(_wall_us(fn, x, args.iters), 1),
+                           bits_equal_alone=bool(mx.array_equal(y, alone).item()))
+                if kind == "simt":
+                    y_simt = y
+                else:
+                    d = mx.abs(y.astype(mx.float32) - y_simt.astype(mx.float32))
+                    row["max_abs_diff_vs_simt"] = round(float(d.max().item()), 5)
+                print(json.dumps(row), flush=True)
+                out.append(row)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "gemv_rows.json").write_text(json.dumps(
         dict(backend=backend, device=str(mx.default_device()), iters=args.iters,

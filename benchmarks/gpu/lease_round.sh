@@ -33,7 +33,10 @@
 #   bench:   mlx_lm.benchmark through user_bench.py, stock and Lily in one run (BENCH_CASES,
 #            user_bench.py's --cases, replaces the default list; limit BENCH_LIMIT_S;
 #            BENCH_TRIALS, default 1); Lily's kernels are the device's record (the last
-#            qualification of this round when one ran) plus batch_decode
+#            qualification of this round when one ran) plus batch_decode; BENCH_PICKS=1:
+#            under the knob sweep's picks (bench and long; user_bench.json records them)
+#   gemv-micro: the decode GEMVs at 1..8 rows, lily_qgemv against lily_qgemv_mma
+#            (gemv_rows_bench.py, limit GEMV_MICRO_LIMIT_S, default 240)
 #   qualify: qualification on a fresh record folder (QUALIFY_RUNS times, default 1, each on
 #            its own folder; QUALIFY_WARM=1: once more on the first run's folder, whose
 #            kernel caches that run filled, once per method of QUALIFY_WARM_METHODS, e.g.
@@ -41,7 +44,8 @@
 #            under the last record unless the list names the gate itself
 #   gate:    the A/B gate (benchmarks/ab.py) under this round's record (limit GATE_LIMIT_S,
 #            default 420 s: on a fresh H100 the stock arm's JIT alone took 212 s)
-#   long:    Lily alone at B = 1 over 512 / 4K / 32K / 128K (3 trials), then 4K at B = 4 / 8
+#   long:    Lily alone at B = 1 over 512 / 4K / 32K / 128K (LONG_CASES; 3 trials, limit
+#            LONG_LIMIT_S, default 300), then 4K at B = 4 / 8 (unless LONG_BATCH=0)
 #   attn-sweep: decode attention's split through mlx_lm.benchmark (user_bench.py, Lily alone,
 #            the shipped CUDA set by name), one run per setting of ATTN_SWEEP (space-separated;
 #            "default" or comma-joined VAR=VALUE of the MLX_LILY_ATTN_* / MLX_LILY_DECODE_PF
@@ -182,10 +186,19 @@ phase_moe_micro() {
     --rows "${MOE_MICRO_ROWS:-1,2,8}" --out "$W/moe-micro"
 }
 
+bench_env() {  # the knob sweep's picks under BENCH_PICKS=1, as an env command; else none
+  [ "${BENCH_PICKS:-0}" = 1 ] && echo env $(picks)
+}
+
+phase_gemv_micro() {
+  step gemv-micro ${GEMV_MICRO_LIMIT_S:-240} \
+    python3 "$R/benchmarks/gpu/gemv_rows_bench.py" --out "$W/gemv-micro"
+}
+
 phase_bench() {
   # stock's -b 4 at 4K would fail in MLX (4 x 2,048-token chunks exceed its CUDA grid limit)
   MLX_LILY_CACHE_DIR=${QUALIFIED_DIR:-${MLX_LILY_CACHE_DIR:-$HOME/.cache/mlx-lily}} \
-  MLX_LILY_KERNELS=$BATCH_SET step bench-ab ${BENCH_LIMIT_S:-780} \
+  MLX_LILY_KERNELS=$BATCH_SET step bench-ab ${BENCH_LIMIT_S:-780} $(bench_env) \
     python3 "$R/benchmarks/user_bench.py" --model "$Q36" --arms lily,stock \
     --trials ${BENCH_TRIALS:-1} \
     --cases "${BENCH_CASES:-512:128:1,512:128:2,512:128:4,512:128:8,4096:128:1,4096:128:2}" \
@@ -225,10 +238,11 @@ phase_gate() {
 }
 
 phase_long() {
-  MLX_LILY_KERNELS=$BATCH_SET step bench-lily 300 \
+  MLX_LILY_KERNELS=$BATCH_SET step bench-lily ${LONG_LIMIT_S:-300} $(bench_env) \
     python3 "$R/benchmarks/user_bench.py" --model "$Q36" --arms lily --trials 3 \
-    --cases 512:128:1,4096:128:1,32768:128:1,131072:128:1 --out "$W/bench-lily"
-  MLX_LILY_KERNELS=$BATCH_SET step bench-lily-batch 200 \
+    --cases ${LONG_CASES:-512:128:1,4096:128:1,32768:128:1,131072:128:1} --out "$W/bench-lily"
+  [ "${LONG_BATCH:-1}" = 1 ] || return 0
+  MLX_LILY_KERNELS=$BATCH_SET step bench-lily-batch 200 $(bench_env) \
     python3 "$R/benchmarks/user_bench.py" --model "$Q36" --arms lily --trials 1 \
     --cases 4096:128:4,4096:128:8 --out "$W/bench-lily-batch"
 }
@@ -298,6 +312,7 @@ for p in "${PHASE_LIST[@]}"; do
     parity-join) phase_parity_join ;;
     parity-join-eager) phase_parity_join_eager ;;
     gputests|trained|profile|detail|bench|qualify|gate|long) "phase_$p" ;;
+    gemv-micro) phase_gemv_micro ;;
     attn-sweep) phase_attn_sweep ;;
     fold-sweep) phase_fold_sweep ;;
     knob-sweep) phase_knob_sweep ;;

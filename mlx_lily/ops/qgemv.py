@@ -27,8 +27,18 @@ SPEC = kernels.KernelSpec(
     name="lily_qgemv", stem="qgemv",
     inputs=("x", "w", "scales", "biases"), outputs=("y",))
 
+#: The tensor-core form (CUDA, ``MLX_LILY_QGEMV_MMA=1``; the same contract, no Metal twin):
+#: ``shaders/cuda/qgemv_mma.cu``. Each weight tile is read once for all rows.
+MMA_SPEC = kernels.KernelSpec(
+    name="lily_qgemv_mma", stem="qgemv_mma",
+    inputs=("x", "w", "scales", "biases"), outputs=("y",))
+
 #: Largest number of activation rows the kernel takes (it re-reads W once per row).
 MAX_ROWS = 8
+#: Warps an mma launch aims for in all (about 16 per SM on the H200's 132), and the most
+#: warps (K splits) one of its blocks takes (``mma_warps``).
+MMA_TARGET_WARPS = 2048
+MMA_MAX_NW = 16
 #: Launch shape: warps per threadgroup and output rows per lane group (``launch_shape``;
 #: on Metal ``MLX_LILY_QGEMV_SHAPE`` replaces it).
 NW = 4
@@ -136,13 +146,15 @@ def bytes_per_lane(backend: str) -> int:
 
 
 def launch_knobs(backend: str) -> tuple | None:
-    """What the Metal launch knobs give on ``backend`` (``(MLX_LILY_QGEMV_SHAPE,
-    MLX_LILY_QGEMV_BPL)`` parsed, None where unset), for launch-plan cache keys; None on
-    other backends (the knobs do not act there)."""
-    if backend != "metal":
-        return None
+    """What the launch knobs give on ``backend``, for launch-plan cache keys: on Metal
+    ``(MLX_LILY_QGEMV_SHAPE, MLX_LILY_QGEMV_BPL)`` parsed (None where unset), on CUDA
+    ``MLX_LILY_QGEMV_MMA``'s value; None on other backends (no knob acts there)."""
     from .. import tuning
 
+    if backend == "cuda":
+        return bool(tuning.qgemv_mma)
+    if backend != "metal":
+        return None
     return tuning.qgemv_shape, tuning.qgemv_bpl
 
 
@@ -246,6 +258,89 @@ def launch(kernel, x: mx.array, w: mx.array, scales: mx.array, biases: mx.array,
                 rpw=rpw, bpl=bpl, init_value=init_value)(x)
 
 
+def use_mma(backend: str) -> bool:
+    """Whether decode GEMVs take the tensor-core kernel on ``backend``: CUDA only, under
+    the benchmarking knob ``MLX_LILY_QGEMV_MMA=1`` (``tuning.qgemv_mma``)."""
+    if backend != "cuda":
+        return False
+    from .. import tuning
+
+    return bool(tuning.qgemv_mma)
+
+
+def mma_supports(x: mx.array, w: mx.array, scales: mx.array, biases, group_size: int,
+                 bits: int, mode: str = "affine") -> bool:
+    """True when ``lily_qgemv_mma`` computes this call: what ``supports`` accepts, with
+    4-bit weights, groups a multiple of 64 (and K a multiple of the group), bf16 or f16
+    activations."""
+    if not supports(x, w, scales, biases, group_size, bits, mode):
+        return False
+    return (bits == 4 and group_size % 64 == 0 and x.dtype in (mx.bfloat16, mx.float16)
+            and x.shape[-1] % group_size == 0)
+
+
+def mma_warps(k: int, o: int) -> int:
+    """Warps per block of an ``o``-row, ``k``-input mma launch (K split over them): the
+    smallest power of two giving ``MMA_TARGET_WARPS`` warps over the ``ceil(o/16)``
+    blocks, at most ``MMA_MAX_NW`` and at most half the row's 64-wide chunks (one when a
+    row has one chunk)."""
+    blocks = -(-o // 16)
+    cap = max(1, min(MMA_MAX_NW, (k // 64) // 2))
+    nw = 1
+    while nw < cap and blocks * nw < MMA_TARGET_WARPS:
+        nw *= 2
+    return nw
+
+
+def mma_launch_args(x_shape, x_dtype, w, scales, group_size: int, bits: int, *,
+                    nw: int | None = None, init_value: float | None = None) -> dict:
+    """Template, grid, threadgroup and output shape/dtype of a ``lily_qgemv_mma`` launch
+    for activations ``x_shape`` (``[..., K]``, N <= ``MAX_ROWS`` rows in all) of
+    ``x_dtype``; ``nw`` defaults to ``mma_warps``."""
+    k = x_shape[-1]
+    o = w.shape[0]
+    lead = tuple(x_shape[:-1])
+    n = 1
+    for s_ in lead:
+        n *= s_
+    nw = nw or mma_warps(k, o)
+    kw = dict(template=[("T", x_dtype), ("S", scales.dtype), ("K", k), ("O", o),
+                        ("BITS", bits), ("GS", group_size), ("N", n), ("NW", nw)],
+              grid=(-(-o // 16) * 32 * nw, 1, 1), threadgroup=(32 * nw, 1, 1),
+              output_shapes=[lead + (o,)], output_dtypes=[x_dtype])
+    if init_value is not None:
+        kw["init_value"] = init_value
+    return kw
+
+
+def mma_plan(kernel, x_shape, x_dtype, w, scales, biases, group_size: int, bits: int, *,
+             nw: int | None = None, init_value: float | None = None):
+    """``plan`` for the ``lily_qgemv_mma`` kernel object: a callable ``run(x) -> y``."""
+    kw = mma_launch_args(x_shape, x_dtype, w, scales, group_size, bits, nw=nw,
+                         init_value=init_value)
+
+    def run(x):
+        return kernel(inputs=[x, w, scales, biases], **kw)[0]
+
+    return run
+
+
+def plan_for(backend: str, x: mx.array, w, scales, biases, group_size: int, bits: int,
+             mode: str = "affine"):
+    """The launch plan (``run(x) -> y``) serving inputs shaped as ``x`` on ``backend``:
+    the tensor-core kernel where ``use_mma`` and ``mma_supports`` allow and it builds,
+    else ``lily_qgemv`` where ``supports`` allows; None when neither serves."""
+    if use_mma(backend) and mma_supports(x, w, scales, biases, group_size, bits, mode):
+        kern = kernels.get(MMA_SPEC, backend)
+        if kern is not None:
+            return mma_plan(kern, x.shape, x.dtype, w, scales, biases, group_size, bits)
+    if supports(x, w, scales, biases, group_size, bits, mode):
+        kern = kernels.get(SPEC, backend)
+        if kern is not None:
+            return plan(kern, x.shape, x.dtype, w, scales, biases, group_size, bits)
+    return None
+
+
 def has_kernel(backend: str) -> bool:
     """True when the GEMV kernel can run on ``backend`` here."""
     return backend in ("metal", "cuda") and kernels.get(SPEC, backend) is not None
@@ -267,12 +362,8 @@ def try_kernel(x, w, scales, biases, group_size, bits, mode="affine") -> mx.arra
     backend = current_backend()
     if backend not in ("metal", "cuda") or not op_enabled(NAME):
         return None
-    if not supports(x, w, scales, biases, group_size, bits, mode):
-        return None
-    k = kernels.get(SPEC, backend)
-    if k is None:
-        return None
-    return launch(k, x, w, scales, biases, group_size, bits)
+    run = plan_for(backend, x, w, scales, biases, group_size, bits, mode)
+    return None if run is None else run(x)
 
 
 def qgemv(x, w, scales, biases, group_size, bits):
@@ -288,7 +379,8 @@ def for_qproj(x: mx.array, proj) -> mx.array | None:
     parameters are cached on the projection per (backend, shape, dtype, Metal launch
     knobs: a qualification's variants run in one process). A decode step
     of B sequences (``x [B, 1, in]``, ``decode_rows``) runs the same kernel with B rows:
-    each row's arithmetic is the one-row GEMV's."""
+    each row's arithmetic is the one-row GEMV's (``lily_qgemv``, or ``lily_qgemv_mma``
+    under ``MLX_LILY_QGEMV_MMA=1`` on CUDA: ``plan_for``)."""
     if decode_rows(x) is None:
         return None
     backend = current_backend()
@@ -299,12 +391,6 @@ def for_qproj(x: mx.array, proj) -> mx.array | None:
     key = (backend, x.shape, x.dtype, launch_knobs(backend))
     run = plans.get(key, False)
     if run is False:
-        run = None
-        if supports(x, proj.weight, proj.scales, proj.biases, proj.group_size, proj.bits,
-                    proj.mode or "affine"):
-            kern = kernels.get(SPEC, backend)
-            if kern is not None:
-                run = plan(kern, x.shape, x.dtype, proj.weight, proj.scales, proj.biases,
-                           proj.group_size, proj.bits)
-        plans[key] = run
+        run = plans[key] = plan_for(backend, x, proj.weight, proj.scales, proj.biases,
+                                    proj.group_size, proj.bits, proj.mode or "affine")
     return run(x) if run is not None else None

@@ -62,6 +62,7 @@ inline float __uint_as_float(uint u) { return as_type<float>(u); }
 inline float __int_as_float(int u) { return as_type<float>(u); }
 inline uint __float_as_uint(float f) { return as_type<uint>(f); }
 template <typename V> inline V __shfl_xor_sync(uint, V v, int o) { return simd_shuffle_xor(v, ushort(o)); }
+template <typename V> inline V __shfl_sync(uint, V v, int l) { return simd_shuffle(v, ushort(l)); }
 inline float fmaf(float a, float b, float c) { return metal::fma(a, b, c); }
 inline float expf(float a) { return metal::exp(a); }
 inline float logf(float a) { return metal::log(a); }
