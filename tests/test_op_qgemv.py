@@ -327,31 +327,33 @@ def test_gpu_rows_equal_each_row_alone():
 # ----------------------------------------------------------------- the tensor-core form
 MMA_BACKENDS = [b for b in KERNEL_BACKENDS
                 if (b.values[0] if hasattr(b, "values") else b) in ("cuda", "cuda-emu")]
-MMA_CASES = [  # (K, O, rows, dtype, group, warps): against the fp32 truth and rows alone
-    (2048, 40, 8, mx.bfloat16, 64, None),  # production input width, a batch of 8
-    (4096, 37, 2, mx.bfloat16, 64, 16),    # output projections' width, 16 K splits
-    (192, 9, 3, mx.bfloat16, 64, 2),       # 3 chunks over 2 warps, O < 16
-    (256, 17, 5, mx.float16, 128, 1),      # f16, group 128, one warp
-    (64, 7, 1, mx.bfloat16, 64, 1),        # one chunk, one row
+MMA_CASES = [  # (K, O, rows, dtype, group, warps, m-tiles): vs the fp32 truth, rows alone
+    (2048, 40, 8, mx.bfloat16, 64, None, 1),  # production input width, a batch of 8
+    (4096, 37, 2, mx.bfloat16, 64, 16, 2),    # output projections' width, 16 K splits
+    (192, 9, 3, mx.bfloat16, 64, 2, 1),       # 3 chunks over 2 warps, O < 16
+    (256, 70, 5, mx.float16, 128, 1, 4),      # f16, group 128, 4 m-tiles, partial last
+    (64, 7, 1, mx.bfloat16, 64, 1, 2),        # one chunk, one row
 ]
 
 
 @pytest.mark.parametrize("backend", MMA_BACKENDS)
-@pytest.mark.parametrize("case", MMA_CASES, ids=lambda c: f"K{c[0]}-O{c[1]}-n{c[2]}-g{c[4]}")
+@pytest.mark.parametrize("case", MMA_CASES,
+                         ids=lambda c: f"K{c[0]}-O{c[1]}-n{c[2]}-g{c[4]}-rt{c[6]}")
 def test_mma_kernel_close_to_truth_and_rows_equal_alone(backend, case):
     """``lily_qgemv_mma`` within the GEMV's bound of the fp32 truth (the real kernel's
     outputs NaN-poisoned first), and every row of an n-row launch bit-identical to that
     row launched alone (batch invariance). On the emulator its mma runs as lane shuffles
     over the same fragments, so a wrong fragment or K permutation fails here."""
-    k, o, rows, dtype, gs, nw = case
+    k, o, rows, dtype, gs, nw, rt = case
     mx.random.seed(hash(case) % 1000)
     q, s, b = make_weights(o, k, 4, gs, sdtype=dtype)
     x = mx.random.normal((rows, k)).astype(dtype)
     kern, init = kernel_for(Q.MMA_SPEC, backend)
-    y = Q.mma_plan(kern, x.shape, x.dtype, q, s, b, gs, 4, nw=nw, init_value=init)(x)
+    y = Q.mma_plan(kern, x.shape, x.dtype, q, s, b, gs, 4, nw=nw, rt=rt,
+                   init_value=init)(x)
     check_close(y, truth(x, q, s, b, gs, 4), x, q, s, b, gs, 4, dtype)
     for i in range(rows):
-        alone = Q.mma_plan(kern, (1, k), x.dtype, q, s, b, gs, 4, nw=nw,
+        alone = Q.mma_plan(kern, (1, k), x.dtype, q, s, b, gs, 4, nw=nw, rt=rt,
                            init_value=init)(x[i:i + 1])
         assert mx.array_equal(y[i:i + 1], alone).item(), i
 
@@ -360,6 +362,7 @@ def test_mma_warps_and_support():
     """The K split fills the target warps without exceeding half a row's chunks; the mma
     form takes only 4-bit, 64-multiple groups, bf16/f16 activations."""
     assert Q.mma_warps(2048, 248320) == 1          # the LM head: blocks enough
+    assert Q.mma_warps(2048, 248320, rt=4) == 1 and Q.mma_warps(4096, 2048, rt=4) == 16
     assert Q.mma_warps(4096, 2048) == 16           # out_proj: 128 blocks, 16 K splits
     assert Q.mma_warps(64, 7) == 1 and Q.mma_warps(256, 40) == 2
     q, s, b = make_weights(40, 256, 4, 64)
@@ -405,11 +408,13 @@ def test_mma_cuda_body_compiles_within_budget():
     from mlx_lily.testing import cuda_check
 
     head, body = kernels.cuda_parts("qgemv_mma")
-    for T, k, o, n, nw in ((mx.bfloat16, 2048, 248320, 8, 1), (mx.bfloat16, 4096, 2048, 1, 16),
-                           (mx.float16, 128, 37, 3, 2)):
+    for T, k, o, n, nw, rt in ((mx.bfloat16, 2048, 248320, 8, 1, 1),
+                               (mx.bfloat16, 2048, 248320, 8, 1, 4),
+                               (mx.bfloat16, 4096, 2048, 1, 16, 2),
+                               (mx.float16, 128, 37, 3, 2, 1)):
         r = cuda_check.resources(
             "lily_qgemv_mma", [("x", T, 2), ("w", mx.uint32, 2), ("scales", T, 2),
                                ("biases", T, 2)], [("y", T)], body, head,
             template=[("T", T), ("S", T), ("K", k), ("O", o), ("BITS", 4), ("GS", 64),
-                      ("N", n), ("NW", nw)])
+                      ("N", n), ("NW", nw), ("RT", rt)])
         assert 0 < r["registers"] <= 128 and r["spill_stores"] == r["spill_loads"] == 0, r

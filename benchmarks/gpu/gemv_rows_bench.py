@@ -14,7 +14,8 @@ them, which includes launch overhead (tens of microseconds for the small GEMVs: 
 
 ``--shaders`` builds the kernels from another tree's ``shaders/`` folder (a candidate
 kernel timed against this tree's in the same call). On CUDA the ``qgemv`` shapes also
-run the tensor-core form ``lily_qgemv_mma`` (rows ``kernel: "mma"``, with
+run the tensor-core form ``lily_qgemv_mma`` at 1, 2 and 4 m-tiles per warp (rows
+``kernel: "mma-rtN"``, with
 ``max_abs_diff_vs_simt``: its largest difference from ``lily_qgemv``'s result).
 """
 
@@ -90,13 +91,15 @@ def main() -> None:
                     return Q.launch(kern, xx, q, s, b, 64, 4)
                 return NQ.launch(kern, xx, rr, nw, 1e-6, q, s, b, 64, 4)[0]
 
-            def run_mma(xx=x, rr=None):
-                return Q.mma_plan(mma, xx.shape, xx.dtype, q, s, b, 64, 4)(xx)
+            def run_mma(xx=x, rr=None, rt=1):
+                return Q.mma_plan(mma, xx.shape, xx.dtype, q, s, b, 64, 4, rt=rt)(xx)
 
             y_simt = None
-            for kind, fn in (("simt", run), ("mma", run_mma)):
-                if kind == "mma" and mma is None:
-                    continue
+            kinds = [("simt", run)]
+            if mma is not None:
+                kinds += [(f"mma-rt{rt}", lambda xx=x, rr=None, rt=rt: run_mma(xx, rr, rt))
+                          for rt in (1, 2, 4)]
+            for kind, fn in kinds:
                 y = fn()
                 alone = mx.concatenate([fn(x[i:i + 1], res[i:i + 1]) for i in range(rows)])
                 gpu = _gpu_us(fn, x, args.iters)

@@ -39,6 +39,9 @@ MAX_ROWS = 8
 #: warps (K splits) one of its blocks takes (``mma_warps``).
 MMA_TARGET_WARPS = 2048
 MMA_MAX_NW = 16
+#: 16-row m-tiles one warp of the mma kernel computes per chunk (1, 2 or 4: the rows'
+#: x fragments and chunk sums are shared by them).
+MMA_RT = 1
 #: Launch shape: warps per threadgroup and output rows per lane group (``launch_shape``;
 #: on Metal ``MLX_LILY_QGEMV_SHAPE`` replaces it).
 NW = 4
@@ -279,12 +282,13 @@ def mma_supports(x: mx.array, w: mx.array, scales: mx.array, biases, group_size:
             and x.shape[-1] % group_size == 0)
 
 
-def mma_warps(k: int, o: int) -> int:
+def mma_warps(k: int, o: int, rt: int = MMA_RT) -> int:
     """Warps per block of an ``o``-row, ``k``-input mma launch (K split over them): the
-    smallest power of two giving ``MMA_TARGET_WARPS`` warps over the ``ceil(o/16)``
+    smallest power of two giving ``MMA_TARGET_WARPS`` warps over the ``ceil(o/(16*rt))``
     blocks, at most ``MMA_MAX_NW`` and at most half the row's 64-wide chunks (one when a
-    row has one chunk)."""
-    blocks = -(-o // 16)
+    row has one chunk). It does not depend on the number of activation rows, so a row
+    gets the same arithmetic at every batch size."""
+    blocks = -(-o // (16 * rt))
     cap = max(1, min(MMA_MAX_NW, (k // 64) // 2))
     nw = 1
     while nw < cap and blocks * nw < MMA_TARGET_WARPS:
@@ -293,20 +297,24 @@ def mma_warps(k: int, o: int) -> int:
 
 
 def mma_launch_args(x_shape, x_dtype, w, scales, group_size: int, bits: int, *,
-                    nw: int | None = None, init_value: float | None = None) -> dict:
+                    nw: int | None = None, rt: int | None = None,
+                    init_value: float | None = None) -> dict:
     """Template, grid, threadgroup and output shape/dtype of a ``lily_qgemv_mma`` launch
     for activations ``x_shape`` (``[..., K]``, N <= ``MAX_ROWS`` rows in all) of
-    ``x_dtype``; ``nw`` defaults to ``mma_warps``."""
+    ``x_dtype``; ``rt`` (m-tiles per warp) defaults to ``MMA_RT``, ``nw`` to
+    ``mma_warps``."""
     k = x_shape[-1]
     o = w.shape[0]
     lead = tuple(x_shape[:-1])
     n = 1
     for s_ in lead:
         n *= s_
-    nw = nw or mma_warps(k, o)
+    rt = rt or MMA_RT
+    nw = nw or mma_warps(k, o, rt)
     kw = dict(template=[("T", x_dtype), ("S", scales.dtype), ("K", k), ("O", o),
-                        ("BITS", bits), ("GS", group_size), ("N", n), ("NW", nw)],
-              grid=(-(-o // 16) * 32 * nw, 1, 1), threadgroup=(32 * nw, 1, 1),
+                        ("BITS", bits), ("GS", group_size), ("N", n), ("NW", nw),
+                        ("RT", rt)],
+              grid=(-(-o // (16 * rt)) * 32 * nw, 1, 1), threadgroup=(32 * nw, 1, 1),
               output_shapes=[lead + (o,)], output_dtypes=[x_dtype])
     if init_value is not None:
         kw["init_value"] = init_value
@@ -314,9 +322,9 @@ def mma_launch_args(x_shape, x_dtype, w, scales, group_size: int, bits: int, *,
 
 
 def mma_plan(kernel, x_shape, x_dtype, w, scales, biases, group_size: int, bits: int, *,
-             nw: int | None = None, init_value: float | None = None):
+             nw: int | None = None, rt: int | None = None, init_value: float | None = None):
     """``plan`` for the ``lily_qgemv_mma`` kernel object: a callable ``run(x) -> y``."""
-    kw = mma_launch_args(x_shape, x_dtype, w, scales, group_size, bits, nw=nw,
+    kw = mma_launch_args(x_shape, x_dtype, w, scales, group_size, bits, nw=nw, rt=rt,
                          init_value=init_value)
 
     def run(x):
