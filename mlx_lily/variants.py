@@ -28,7 +28,10 @@ whose parity ``tests/test_variants.py`` checks under the Metal emulator.
   one op, and a timed variant covers both kernels): 8 or 32
   rows per threadgroup instead of 16 at K 2048 (``MLX_LILY_QGEMV_SHAPE`` 2,4 / 8,4), 8
   bytes of weights per lane per step instead of 16 (``MLX_LILY_QGEMV_BPL=8``), and both
-  as MLX's ``qmv_fast`` launches them (8 rows per 64-thread threadgroup, 8-byte loads).
+  as MLX's ``qmv_fast`` launches them (8 rows per 64-thread threadgroup, 8-byte loads);
+  on CUDA the tensor-core form ``lily_qgemv_mma`` (``MLX_LILY_QGEMV_MMA=1``: each weight
+  tile read once for the step's rows; ``CUDA_ONLY``). ``mma`` covers ``qgemv``'s own
+  calls only: ``lily_norm_qgemv`` (the norm-fused projections) keeps its kernel.
 
 Dispatch-level alternatives that are whole switches are not repeated here: the
 qualifier already times each of ``gdn_proj`` (the GDN decode kernel computes its own
@@ -37,7 +40,7 @@ input projection vs a separate ``norm_qgemv`` GEMV launch feeding it) and
 as ops of ``backend.OP_NAMES``.
 
 ``METAL_ONLY``: variants whose settings only act on Metal (other backends run the
-default there). ``for_backend`` is the table one backend qualifies: without those
+default there); ``CUDA_ONLY`` likewise for CUDA. ``for_backend`` is the table one backend qualifies: without those
 elsewhere, and without the variants equal to that backend's default (``down_sl1`` and
 ``fixed_block_256`` on Metal, ``down_sl3`` and ``fixed_block_128`` on CUDA).
 This module imports neither MLX nor mlx-lm (``for_backend`` imports the op modules).
@@ -51,6 +54,7 @@ _BLOCK = "MLX_LILY_ATTN_FIXED_BLOCK"
 _LOAD = "MLX_LILY_MOEG_LOAD"
 _QSHAPE = "MLX_LILY_QGEMV_SHAPE"
 _QBPL = "MLX_LILY_QGEMV_BPL"
+_QMMA = "MLX_LILY_QGEMV_MMA"
 
 #: The one-row GEMV variants (``qgemv``'s; ``lily_norm_qgemv`` follows the same knobs).
 _GEMV = {
@@ -85,7 +89,7 @@ VARIANTS: dict = {
         "coop_load_tile32": {_LOAD: "coop", "MLX_LILY_MOE_TILE_ROWS": "32"},
         "coop_load_tile64": {_LOAD: "coop", "MLX_LILY_MOE_TILE_ROWS": "64"},
     },
-    "qgemv": {n: dict(e) for n, e in _GEMV.items()},
+    "qgemv": {**{n: dict(e) for n, e in _GEMV.items()}, "mma": {_QMMA: "1"}},
 }
 
 #: Every environment variable a variant sets, in name order (compiled decode steps are
@@ -97,6 +101,7 @@ METAL_ONLY = frozenset({("attention", "decode_simd"), ("attention", "decode_simd
                         *(("moe_grouped", n) for n in ("coop_load", "coop_load_tile16",
                                                        "coop_load_tile32", "coop_load_tile64")),
                         *(("qgemv", n) for n in _GEMV)})
+CUDA_ONLY = frozenset({("qgemv", "mma")})
 
 
 def _default(env: str, backend: str):
@@ -116,6 +121,8 @@ def _default(env: str, backend: str):
         from .ops import qgemv
 
         return (qgemv.NW, qgemv.RPW) if env == _QSHAPE else qgemv.BYTES_PER_LANE["metal"]
+    if env == _QMMA:
+        return False  # off unless set (a CUDA variant)
     if env in (_ATTN, _BLOCK):
         from .ops import attention
 
@@ -146,7 +153,7 @@ LONG_CONTEXT = frozenset({("attention", n) for n in VARIANTS["attention"]
 def for_backend(backend: str, table: dict | None = None,
                 decode_context: int | None = None) -> dict:
     """``table`` (default ``VARIANTS``) as ``backend`` qualifies it: without the
-    Metal-only variants elsewhere, without those equal to the backend's default, and,
+    Metal-only variants elsewhere (and the CUDA-only ones off CUDA), without those equal to the backend's default, and,
     given a ``decode_context`` (tokens) below ``attention.SPLIT_K_MIN_CONTEXT``, without
     the ``LONG_CONTEXT`` variants (they would run the default kernel there)."""
     short = False
@@ -158,6 +165,7 @@ def for_backend(backend: str, table: dict | None = None,
     for op, vs in (VARIANTS if table is None else table).items():
         keep = {name: env for name, env in vs.items()
                 if (backend == "metal" or (op, name) not in METAL_ONLY)
+                and (backend == "cuda" or (op, name) not in CUDA_ONLY)
                 and not (short and (op, name) in LONG_CONTEXT)
                 and not is_default(env, backend)}
         if keep:

@@ -3,6 +3,8 @@ truth on every parity backend, QProj routing, and the CUDA twin's nvcc compile."
 
 from __future__ import annotations
 
+import zlib
+
 import mlx.core as mx
 import mlx.nn as nn
 import pytest
@@ -89,7 +91,7 @@ CASES = [  # (K, O, bits, gs, rows, dtype)
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"K{c[0]}-O{c[1]}-b{c[2]}-g{c[3]}-n{c[4]}")
 def test_kernel_parity(backend, case):
     k, o, bits, gs, rows, dtype = case
-    mx.random.seed(hash(case) % 1000)
+    mx.random.seed(zlib.crc32(repr(case).encode()) % 1000)
     q, s, b = make_weights(o, k, bits, gs)
     x = mx.random.normal((rows, k)).astype(dtype)
     t = truth(x, q, s, b, gs, bits)
@@ -244,7 +246,7 @@ def test_rows_equal_each_row_alone(backend, case):
     sequences) equals that row launched alone, bit for bit; the results are also near
     the fp32 truth (a wrong row mapping cannot pass by matching itself)."""
     k, o, bits, gs, rows, dtype = case
-    mx.random.seed(hash(case) % 1000)
+    mx.random.seed(zlib.crc32(repr(case).encode()) % 1000)
     q, s, b = make_weights(o, k, bits, gs)
     x = mx.random.normal((rows, k)).astype(dtype)
     kern, init = kernel_for(Q.SPEC, backend)
@@ -332,6 +334,7 @@ MMA_CASES = [  # (K, O, rows, dtype, group, warps, m-tiles): vs the fp32 truth, 
     (4096, 37, 2, mx.bfloat16, 64, 16, 2),    # output projections' width, 16 K splits
     (192, 9, 3, mx.bfloat16, 64, 2, 1),       # 3 chunks over 2 warps, O < 16
     (256, 70, 5, mx.float16, 128, 1, 4),      # f16, group 128, 4 m-tiles, partial last
+    (512, 21, 4, mx.bfloat16, 128, 2, 1),     # bf16, group 128
     (64, 7, 1, mx.bfloat16, 64, 1, 2),        # one chunk, one row
 ]
 
@@ -345,7 +348,7 @@ def test_mma_kernel_close_to_truth_and_rows_equal_alone(backend, case):
     row launched alone (batch invariance). On the emulator its mma runs as lane shuffles
     over the same fragments, so a wrong fragment or K permutation fails here."""
     k, o, rows, dtype, gs, nw, rt = case
-    mx.random.seed(hash(case) % 1000)
+    mx.random.seed(zlib.crc32(repr(case).encode()) % 1000)
     q, s, b = make_weights(o, k, 4, gs, sdtype=dtype)
     x = mx.random.normal((rows, k)).astype(dtype)
     kern, init = kernel_for(Q.MMA_SPEC, backend)
@@ -358,6 +361,19 @@ def test_mma_kernel_close_to_truth_and_rows_equal_alone(backend, case):
         assert mx.array_equal(y[i:i + 1], alone).item(), i
 
 
+@pytest.mark.parametrize("backend", [b for b in MMA_BACKENDS if isinstance(b, str)])
+def test_mma_kernel_unaligned_activations(backend, monkeypatch):
+    """bf16 activations 2 bytes off a 16-byte boundary: the mma kernel's element-load
+    path for x; results within the bound of the truth."""
+    monkeypatch.setitem(MISALIGN, "bf16", 2)
+    mx.random.seed(8)
+    q, s, b = make_weights(24, 1024, 4, 64)
+    x = mx.random.normal((3, 1024)).astype(mx.bfloat16)
+    kern, init = kernel_for(Q.MMA_SPEC, backend)
+    y = Q.mma_plan(kern, x.shape, x.dtype, q, s, b, 64, 4, init_value=init)(x)
+    check_close(y, truth(x, q, s, b, 64, 4), x, q, s, b, 64, 4, mx.bfloat16)
+
+
 def test_mma_warps_and_support():
     """The K split fills the target warps without exceeding half a row's chunks; the mma
     form takes only 4-bit, 64-multiple groups, bf16/f16 activations."""
@@ -365,6 +381,7 @@ def test_mma_warps_and_support():
     assert Q.mma_warps(2048, 248320, rt=4) == 1 and Q.mma_warps(4096, 2048, rt=4) == 16
     assert Q.mma_warps(4096, 2048) == 16           # out_proj: 128 blocks, 16 K splits
     assert Q.mma_warps(64, 7) == 1 and Q.mma_warps(256, 40) == 2
+    assert Q.mma_warps(384, 40) == 2 and Q.mma_warps(1536, 40) == 8  # cap 3 / 12: powers of 2
     q, s, b = make_weights(40, 256, 4, 64)
     x = mx.zeros((2, 256), mx.bfloat16)
     assert Q.mma_supports(x, q, s, b, 64, 4)
@@ -373,6 +390,10 @@ def test_mma_warps_and_support():
     assert not Q.mma_supports(x, q8, s8, b8, 64, 4 * 2)
     q32, s32, b32 = make_weights(40, 256, 4, 32)
     assert not Q.mma_supports(x, q32, s32, b32, 32, 4)
+    q3, s3, b3 = make_weights(40, 192, 4, 64)  # K = 192: no lane mapping for lily_qgemv
+    x3 = mx.zeros((2, 192), mx.bfloat16)
+    assert Q.mma_supports(x3, q3, s3, b3, 64, 4) and not Q.supports(x3, q3, s3, b3, 64, 4)
+    assert not Q.mma_supports(mx.zeros((9, 256), mx.bfloat16), q, s, b, 64, 4)  # > 8 rows
 
 
 def test_mma_routing_follows_the_knob(monkeypatch):

@@ -374,7 +374,8 @@ def test_grouped_load_knob(monkeypatch):
 
 
 # ----------------------------------------------------------------------------- one-row GEMVs
-GEMV = variants.VARIANTS["qgemv"]
+GEMV = {n: e for n, e in variants.VARIANTS["qgemv"].items()  # the Metal launch variants
+        if ("qgemv", n) not in variants.CUDA_ONLY}
 _GEMV_KNOBS = ("MLX_LILY_QGEMV_SHAPE", "MLX_LILY_QGEMV_BPL")
 
 
@@ -574,8 +575,13 @@ def test_qproj_plan_follows_the_gemv_knobs(monkeypatch, _aligned):
 
 
 def test_gemv_variants_are_metal_only_and_not_the_default():
+    """The launch-shape variants qualify on Metal only, the tensor-core form on CUDA
+    only; neither is a backend's default."""
     metal, cuda = variants.for_backend("metal"), variants.for_backend("cuda")
-    assert set(metal["qgemv"]) == set(GEMV) and "qgemv" not in cuda
+    assert set(metal["qgemv"]) == set(GEMV) and set(cuda["qgemv"]) == {"mma"}
+    assert ("qgemv", "mma") in variants.CUDA_ONLY and "mma" not in GEMV
+    assert set(variants.VARIANTS["qgemv"]) == set(GEMV) | {"mma"}
+    assert "qgemv" not in variants.for_backend("cpu")
     assert all(("qgemv", n) in variants.METAL_ONLY for n in GEMV)
     assert "norm_qgemv" not in variants.VARIANTS  # the knobs are global: one op owns them
     table = {"qgemv": {"same": {"MLX_LILY_QGEMV_SHAPE": "4,4"},

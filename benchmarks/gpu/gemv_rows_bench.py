@@ -79,8 +79,13 @@ def main() -> None:
         mx.random.seed(o)
         q, s, b = _weights(o, k)
         kern = kernels.build(mod.SPEC, backend)
-        mma = (kernels.build(Q.MMA_SPEC, backend)
-               if mod is Q and backend == "cuda" and not args.no_mma else None)
+        mma = None
+        if mod is Q and backend == "cuda" and not args.no_mma:
+            try:  # a --shaders tree without qgemv_mma.cu times lily_qgemv alone
+                kernels.shader_path("cuda", Q.MMA_SPEC.stem + ".cu")
+                mma = kernels.build(Q.MMA_SPEC, backend)
+            except FileNotFoundError:
+                mma = None
         nw = (1 + 0.1 * mx.random.normal((k,))).astype(mx.bfloat16)
         for rows in (int(r) for r in args.rows.split(",")):
             x = mx.random.normal((rows, 1, k)).astype(mx.bfloat16)

@@ -33,7 +33,8 @@
 #   bench:   mlx_lm.benchmark through user_bench.py, stock and Lily in one run (BENCH_CASES,
 #            user_bench.py's --cases, replaces the default list; limit BENCH_LIMIT_S;
 #            BENCH_TRIALS, default 1); Lily's kernels are the device's record (the last
-#            qualification of this round when one ran) plus batch_decode; BENCH_PICKS=1:
+#            qualification of this round when one ran; off the H200 without one, the shipped
+#            set by name: batch_set) plus batch_decode; BENCH_PICKS=1:
 #            under the knob sweep's picks (bench and long; user_bench.json records them)
 #   gemv-micro: the decode GEMVs at 1..8 rows, lily_qgemv against lily_qgemv_mma
 #            (gemv_rows_bench.py, limit GEMV_MICRO_LIMIT_S, default 240)
@@ -91,11 +92,21 @@ reap_gpu() {  # a timed-out step's grandchildren (ncu's target) may still hold G
 }
 Q36=/tmp/q36
 AUTH="$HOME/.cache/mlx-lily/models"
-BATCH_SET=verified,batch_decode  # the device's set plus batched decode (not yet verified)
 # the shipped CUDA set (kernels.VERIFIED["cuda"]) by name, for runs that must not depend on
 # the device's record (another GPU than the shipped record's qualifies first)
 SHIPPED=$(cd /tmp && python3 -c "from mlx_lily.kernels import VERIFIED; print(','.join(sorted(VERIFIED['cuda'])))")
 QUALIFIED_DIR=""  # the last qualification's record folder, once one ran
+# whether the shipped set applies to this GPU (kernels.SHIPPED_DEVICES: the H200)
+SHIPPED_HERE=$(cd /tmp && python3 -c "from mlx_lily.kernels import shipped_matches; print(int(shipped_matches('cuda')))")
+batch_set() {  # the device's set plus batched decode (not yet verified): "verified" where the
+  # shipped set or this round's qualification applies, else the shipped set by name (on
+  # another GPU without a record "verified" names no op, and Lily would run stock)
+  if [ -n "$QUALIFIED_DIR" ] || [ "$SHIPPED_HERE" = 1 ]; then
+    echo verified,batch_decode
+  else
+    echo "$SHIPPED,batch_decode"
+  fi
+}
 
 phase_gputests() {
   # -v names each test: a run cut by the limit (a fresh machine's JIT) still says how far it got
@@ -122,7 +133,7 @@ phase_trained() {
 # the first of these to run carries the 35B model's MLX JIT (up to ~320 s)
 phase_parity_equal() {
   # prompts of one length: the batch decodes through the compiled whole-stack step
-  MLX_LILY_KERNELS=$BATCH_SET step batch-parity-equal 480 \
+  MLX_LILY_KERNELS=$(batch_set) step batch-parity-equal 480 \
     python3 "$R/benchmarks/gpu/batch_parity.py" --model "$Q36" --lengths 130,130,130,130 \
     --gen 32 --out "$W/batch-parity-equal"
 }
@@ -133,21 +144,21 @@ phase_parity_one() {
     --gen 32 --out "$W/batch-parity-one"
 }
 phase_parity_mixed() {
-  MLX_LILY_KERNELS=$BATCH_SET step batch-parity 240 env $(picks) \
+  MLX_LILY_KERNELS=$(batch_set) step batch-parity 240 env $(picks) \
     python3 "$R/benchmarks/gpu/batch_parity.py" --model "$Q36" --lengths 5,37,130,2049 \
     --gen 32 --out "$W/batch-parity"
 }
 
 phase_parity_join() {
   # a request joining a running batch (mlx_lm.server's case), mixed lengths
-  MLX_LILY_KERNELS=$BATCH_SET step batch-parity-join 300 env $(picks) \
+  MLX_LILY_KERNELS=$(batch_set) step batch-parity-join 300 env $(picks) \
     python3 "$R/benchmarks/gpu/batch_parity.py" --model "$Q36" --lengths 37,5,130,2049 \
     --gen 16 --join 2 --out "$W/batch-parity-join"
 }
 
 phase_parity_join_eager() {
   # the same with every decode step eager (MLX_LILY_COMPILE=0): tells mx.compile's part
-  MLX_LILY_KERNELS=$BATCH_SET MLX_LILY_COMPILE=0 step batch-parity-join-eager 300 env $(picks) \
+  MLX_LILY_KERNELS=$(batch_set) MLX_LILY_COMPILE=0 step batch-parity-join-eager 300 env $(picks) \
     python3 "$R/benchmarks/gpu/batch_parity.py" --model "$Q36" --lengths 37,5,130,2049 \
     --gen 16 --join 2 --out "$W/batch-parity-join-eager"
 }
@@ -198,7 +209,7 @@ phase_gemv_micro() {
 phase_bench() {
   # stock's -b 4 at 4K would fail in MLX (4 x 2,048-token chunks exceed its CUDA grid limit)
   MLX_LILY_CACHE_DIR=${QUALIFIED_DIR:-${MLX_LILY_CACHE_DIR:-$HOME/.cache/mlx-lily}} \
-  MLX_LILY_KERNELS=$BATCH_SET step bench-ab ${BENCH_LIMIT_S:-780} $(bench_env) \
+  MLX_LILY_KERNELS=$(batch_set) step bench-ab ${BENCH_LIMIT_S:-780} $(bench_env) \
     python3 "$R/benchmarks/user_bench.py" --model "$Q36" --arms lily,stock \
     --trials ${BENCH_TRIALS:-1} \
     --cases "${BENCH_CASES:-512:128:1,512:128:2,512:128:4,512:128:8,4096:128:1,4096:128:2}" \
@@ -238,11 +249,11 @@ phase_gate() {
 }
 
 phase_long() {
-  MLX_LILY_KERNELS=$BATCH_SET step bench-lily ${LONG_LIMIT_S:-300} $(bench_env) \
+  MLX_LILY_KERNELS=$(batch_set) step bench-lily ${LONG_LIMIT_S:-300} $(bench_env) \
     python3 "$R/benchmarks/user_bench.py" --model "$Q36" --arms lily --trials 3 \
     --cases ${LONG_CASES:-512:128:1,4096:128:1,32768:128:1,131072:128:1} --out "$W/bench-lily"
   [ "${LONG_BATCH:-1}" = 1 ] || return 0
-  MLX_LILY_KERNELS=$BATCH_SET step bench-lily-batch 200 $(bench_env) \
+  MLX_LILY_KERNELS=$(batch_set) step bench-lily-batch 200 $(bench_env) \
     python3 "$R/benchmarks/user_bench.py" --model "$Q36" --arms lily --trials 1 \
     --cases 4096:128:4,4096:128:8 --out "$W/bench-lily-batch"
 }

@@ -109,7 +109,7 @@ def for_qproj(h0, res, norm_w, eps, proj):
     """The kernel's ``(y [..., out], h)`` for a one-row input of the quantized ``QProj``
     ``proj`` when it serves on this backend, else None (the caller materialises the norm
     and projects; always under ``MLX_LILY_NORM_GEMV=split``). The launch plan is cached
-    on the projection per (backend, shape, dtype, Metal launch knobs)."""
+    on the projection per (backend, shape, dtype, ``qgemv.launch_knobs``)."""
     if _qgemv.decode_rows(h0) is None or not proj.quantized or split_requested():
         return None
     backend = current_backend()

@@ -13,6 +13,8 @@ Source: MLX affine quantization (``mx.quantize``); row-parallel GEMV of Lily's d
 
 from __future__ import annotations
 
+import functools
+
 import mlx.core as mx
 
 from .. import kernels
@@ -148,7 +150,7 @@ def bytes_per_lane(backend: str) -> int:
     return BYTES_PER_LANE.get(backend, 16)
 
 
-def launch_knobs(backend: str) -> tuple | None:
+def launch_knobs(backend: str) -> tuple | bool | None:
     """What the launch knobs give on ``backend``, for launch-plan cache keys: on Metal
     ``(MLX_LILY_QGEMV_SHAPE, MLX_LILY_QGEMV_BPL)`` parsed (None where unset), on CUDA
     ``MLX_LILY_QGEMV_MMA``'s value; None on other backends (no knob acts there)."""
@@ -263,23 +265,43 @@ def launch(kernel, x: mx.array, w: mx.array, scales: mx.array, biases: mx.array,
 
 def use_mma(backend: str) -> bool:
     """Whether decode GEMVs take the tensor-core kernel on ``backend``: CUDA only, under
-    the benchmarking knob ``MLX_LILY_QGEMV_MMA=1`` (``tuning.qgemv_mma``)."""
+    the benchmarking knob ``MLX_LILY_QGEMV_MMA=1`` (``tuning.qgemv_mma``, also set by a
+    qualification record's ``mma`` variant), on a GPU of compute capability 8.0 or
+    later (``mma.sync`` on bf16) or one whose capability is unknown."""
     if backend != "cuda":
         return False
     from .. import tuning
 
-    return bool(tuning.qgemv_mma)
+    return bool(tuning.qgemv_mma) and _mma_capable()
+
+
+@functools.lru_cache(maxsize=1)
+def _mma_capable() -> bool:
+    from .. import cuda_cache
+
+    arch = cuda_cache.device_arch()
+    return arch is None or tuple(arch) >= (8, 0)
 
 
 def mma_supports(x: mx.array, w: mx.array, scales: mx.array, biases, group_size: int,
                  bits: int, mode: str = "affine") -> bool:
-    """True when ``lily_qgemv_mma`` computes this call: what ``supports`` accepts, with
-    4-bit weights, groups a multiple of 64 (and K a multiple of the group), bf16 or f16
-    activations."""
-    if not supports(x, w, scales, biases, group_size, bits, mode):
+    """True when ``lily_qgemv_mma`` computes this call: affine 4-bit weights ``w [O, K/8]``
+    uint32 with bias, groups of 64 or 128 along K (K a multiple of the group), scales
+    and biases ``[O, K/group]`` of one float dtype, bf16 or f16 activations, 1 to
+    ``MAX_ROWS`` rows."""
+    if mode != "affine" or biases is None or bits != 4 or group_size not in (64, 128):
         return False
-    return (bits == 4 and group_size % 64 == 0 and x.dtype in (mx.bfloat16, mx.float16)
-            and x.shape[-1] % group_size == 0)
+    if x.dtype not in (mx.bfloat16, mx.float16) or w.dtype != mx.uint32 or w.ndim != 2:
+        return False
+    if scales.dtype not in _FLOATS or biases.dtype != scales.dtype or scales.ndim != 2:
+        return False
+    k = x.shape[-1] if x.ndim else 0
+    o = w.shape[0]
+    if not k or k % group_size or w.shape[1] * 8 != k:
+        return False
+    if scales.shape != (o, k // group_size) or biases.shape != scales.shape:
+        return False
+    return 1 <= x.size // k <= MAX_ROWS
 
 
 def mma_warps(k: int, o: int, rt: int = MMA_RT) -> int:
@@ -291,7 +313,7 @@ def mma_warps(k: int, o: int, rt: int = MMA_RT) -> int:
     blocks = -(-o // (16 * rt))
     cap = max(1, min(MMA_MAX_NW, (k // 64) // 2))
     nw = 1
-    while nw < cap and blocks * nw < MMA_TARGET_WARPS:
+    while nw * 2 <= cap and blocks * nw < MMA_TARGET_WARPS:
         nw *= 2
     return nw
 
@@ -336,8 +358,9 @@ def mma_plan(kernel, x_shape, x_dtype, w, scales, biases, group_size: int, bits:
 def plan_for(backend: str, x: mx.array, w, scales, biases, group_size: int, bits: int,
              mode: str = "affine"):
     """The launch plan (``run(x) -> y``) serving inputs shaped as ``x`` on ``backend``:
-    the tensor-core kernel where ``use_mma`` and ``mma_supports`` allow and it builds,
-    else ``lily_qgemv`` where ``supports`` allows; None when neither serves."""
+    the tensor-core kernel where ``use_mma`` and ``mma_supports`` allow and its kernel
+    object is allowed (``kernels.get``; it compiles at its first launch), else
+    ``lily_qgemv`` where ``supports`` allows; None when neither serves."""
     if use_mma(backend) and mma_supports(x, w, scales, biases, group_size, bits, mode):
         kern = kernels.get(MMA_SPEC, backend)
         if kern is not None:
@@ -384,8 +407,8 @@ def for_qproj(x: mx.array, proj) -> mx.array | None:
     """``QProj.__call__``'s fast path: the kernel's ``[..., out]`` for a one-row input of
     a quantized projection when it serves on this backend and ``USE_FOR_QPROJ`` allows,
     else None (the caller runs ``mx.quantized_matmul``). The decision and launch
-    parameters are cached on the projection per (backend, shape, dtype, Metal launch
-    knobs: a qualification's variants run in one process). A decode step
+    parameters are cached on the projection per (backend, shape, dtype, launch knobs:
+    ``launch_knobs``; a qualification's variants run in one process). A decode step
     of B sequences (``x [B, 1, in]``, ``decode_rows``) runs the same kernel with B rows:
     each row's arithmetic is the one-row GEMV's (``lily_qgemv``, or ``lily_qgemv_mma``
     under ``MLX_LILY_QGEMV_MMA=1`` on CUDA: ``plan_for``)."""
