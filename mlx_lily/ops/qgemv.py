@@ -9,6 +9,12 @@ a weight row with 16-byte loads (Metal: 8-byte with ``MLX_LILY_QGEMV_BPL=8``, th
 pattern of MLX's ``qmv_fast``) and accumulates ``scale*dot(q, x) + bias*sum(x)`` per
 quantization group in fp32 (the MLX qmv formulation), one reduction per output row.
 Source: MLX affine quantization (``mx.quantize``); row-parallel GEMV of Lily's decode.
+
+On CUDA, ``lily_qgemv_mma`` (``shaders/cuda/qgemv_mma.cu``, ``MLX_LILY_QGEMV_MMA=1`` or
+qualification's ``mma`` variant) serves the same contract for 4-bit weights on tensor
+cores: 16 weight rows by all of the step's rows per ``mma.sync.m16n8k16`` (PTX ISA
+fragment layout), the 4-bit values built exactly in bf16/f16 (as the grouped MoE GEMMs
+do, ``moeg_common.cuh``), ``scale*dot + bias*sum(x)`` per 64-value chunk in fp32.
 """
 
 from __future__ import annotations
