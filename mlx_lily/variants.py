@@ -40,9 +40,10 @@ input projection vs a separate ``norm_qgemv`` GEMV launch feeding it) and
 as ops of ``backend.OP_NAMES``.
 
 ``METAL_ONLY``: variants whose settings only act on Metal (other backends run the
-default there); ``CUDA_ONLY`` likewise for CUDA. ``for_backend`` is the table one backend qualifies: without those
-elsewhere, and without the variants equal to that backend's default (``down_sl1`` and
-``fixed_block_256`` on Metal, ``down_sl3`` and ``fixed_block_128`` on CUDA).
+default there); ``CUDA_ONLY`` likewise for CUDA. ``for_backend`` is the table one
+backend qualifies: without those elsewhere, and without the variants equal to that
+backend's default (``down_sl1`` and ``fixed_block_256`` on Metal, ``down_sl3`` and
+``fixed_block_128`` on CUDA).
 This module imports neither MLX nor mlx-lm (``for_backend`` imports the op modules).
 """
 
@@ -153,9 +154,10 @@ LONG_CONTEXT = frozenset({("attention", n) for n in VARIANTS["attention"]
 def for_backend(backend: str, table: dict | None = None,
                 decode_context: int | None = None) -> dict:
     """``table`` (default ``VARIANTS``) as ``backend`` qualifies it: without the
-    Metal-only variants elsewhere (and the CUDA-only ones off CUDA), without those equal to the backend's default, and,
-    given a ``decode_context`` (tokens) below ``attention.SPLIT_K_MIN_CONTEXT``, without
-    the ``LONG_CONTEXT`` variants (they would run the default kernel there)."""
+    Metal-only variants elsewhere (and the CUDA-only ones off CUDA), without those equal
+    to the backend's default, and, given a ``decode_context`` (tokens) below
+    ``attention.SPLIT_K_MIN_CONTEXT``, without the ``LONG_CONTEXT`` variants (they would
+    run the default kernel there)."""
     short = False
     if decode_context is not None:
         from .ops import attention

@@ -163,7 +163,7 @@ def launch_knobs(backend: str) -> tuple | bool | None:
     from .. import tuning
 
     if backend == "cuda":
-        return bool(tuning.qgemv_mma)
+        return use_mma(backend)
     if backend != "metal":
         return None
     return tuning.qgemv_shape, tuning.qgemv_bpl
@@ -253,6 +253,12 @@ def plan(kernel, x_shape, x_dtype, w: mx.array, scales: mx.array, biases: mx.arr
     and dtype (template, grid and output shape worked out once)."""
     kw = launch_args(x_shape, x_dtype, w, scales, group_size, bits, nw=nw, rpw=rpw,
                      bpl=bpl, init_value=init_value)
+    return _runner(kernel, kw, w, scales, biases)
+
+
+def _runner(kernel, kw: dict, w, scales, biases):
+    """``run(x) -> y``: one launch of ``kernel`` on ``[x, w, scales, biases]`` with the
+    launch arguments ``kw`` (``launch_args`` or ``mma_launch_args``)."""
 
     def run(x):
         return kernel(inputs=[x, w, scales, biases], **kw)[0]
@@ -354,11 +360,7 @@ def mma_plan(kernel, x_shape, x_dtype, w, scales, biases, group_size: int, bits:
     """``plan`` for the ``lily_qgemv_mma`` kernel object: a callable ``run(x) -> y``."""
     kw = mma_launch_args(x_shape, x_dtype, w, scales, group_size, bits, nw=nw, rt=rt,
                          init_value=init_value)
-
-    def run(x):
-        return kernel(inputs=[x, w, scales, biases], **kw)[0]
-
-    return run
+    return _runner(kernel, kw, w, scales, biases)
 
 
 def plan_for(backend: str, x: mx.array, w, scales, biases, group_size: int, bits: int,
