@@ -422,6 +422,43 @@ def test_mma_routing_follows_the_knob(monkeypatch):
     assert calls == ["lily_qgemv"]
 
 
+def test_mma_takes_pending_norm_projections_and_gdn_projection(monkeypatch):
+    """Under ``MLX_LILY_QGEMV_MMA=1`` on CUDA (emulated) a projection behind a pending
+    add + RMSNorm runs ``lily_add_rms_norm`` and ``lily_qgemv_mma`` instead of the fused
+    ``lily_norm_qgemv``, with the same residual sum and outputs close to it; the GDN
+    decode kernel's fused projection steps aside for such a weight
+    (``proj_unsupported``) and not for one the mma kernel does not serve (8-bit)."""
+    from mlx_lily.ops import gated_delta as G
+    from mlx_lily.ops.proj import PendingNorm
+    from mlx_lily.testing.dispatch import emulated_cuda
+
+    mx.random.seed(5)
+    lin = nn.Linear(256, 34, bias=False)  # P = 2*Dk + 2*Dv + 2 rows of one 8-wide head
+    lin.weight = (mx.random.normal((34, 256)) * 0.06).astype(mx.bfloat16)
+    view = QProj.view([nn.QuantizedLinear.from_linear(lin, 64, 4)])
+    dims = dict(num_k_heads=1, head_k_dim=8, num_v_heads=1, head_v_dim=8)
+    h0, res = (mx.random.normal((2, 1, 256)).astype(mx.bfloat16) for _ in range(2))
+    nw = (1 + 0.1 * mx.random.normal((256,))).astype(mx.bfloat16)
+    p = G.DecodeProj(h0, res, nw, 1e-6, view.weight, view.scales, view.biases, 64, 4, None)
+    with emulated_cuda(), pytest.MonkeyPatch.context() as mp:
+        calls = count_kernel_launches(mp)
+        pend = PendingNorm(h0, res, nw, 1e-6)
+        y0 = view.call_pending(pend)[0]
+        h_fused = pend.h
+        assert calls == ["lily_norm_qgemv"], calls
+        assert not Q.mma_serves("cuda", h0, p.w, p.scales, p.biases, 64, 4)
+        mp.setenv("MLX_LILY_QGEMV_MMA", "1")
+        del calls[:]
+        pend = PendingNorm(h0, res, nw, 1e-6)
+        y1 = view.call_pending(pend)[0]
+        assert calls == ["lily_add_rms_norm", "lily_qgemv_mma"], calls
+        assert mx.array_equal(pend.h, h_fused).item()
+        assert G.proj_unsupported(p, *([None] * 6), **dims) == "tensor-core projection"
+        q8 = nn.QuantizedLinear.from_linear(lin, 64, 8)
+        assert not Q.mma_serves("cuda", h0, q8.weight, q8.scales, q8.biases, 64, 8)
+    assert_close(y1, y0, rtol=0.02, atol=0.02)
+
+
 @pytest.mark.skipif(nvcc_path() is None, reason="nvcc not installed")
 def test_mma_cuda_body_compiles_within_budget():
     """nvcc builds the tensor-core body for sm_90a at the LM head's and out_proj's shapes

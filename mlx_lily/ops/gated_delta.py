@@ -921,8 +921,10 @@ def proj_unsupported(p: DecodeProj, conv_weight, conv_state, A_log, dt_bias, sta
     (``PROJ``), or None: one step (S == 1); what ``norm_qgemv.supports`` accepts for the
     projection (4/8-bit affine, K up to its limit) with exactly ``P`` rows and a result
     of the activation dtype; what ``kernel_unsupported`` accepts for the rest; the
-    threadgroup arrays within ``PROJ_MAX_SHARED``."""
+    threadgroup arrays within ``PROJ_MAX_SHARED``; and not a projection the tensor-core
+    GEMV serves (``qgemv.mma_serves``: it reads the weight once for all rows)."""
     from . import norm_qgemv as _nq
+    from . import qgemv as _qg
 
     Hk, Dk, Hv, Dv = num_k_heads, head_k_dim, num_v_heads, head_v_dim
     hs = p.h0.shape
@@ -938,6 +940,9 @@ def proj_unsupported(p: DecodeProj, conv_weight, conv_state, A_log, dt_bias, sta
     if not _nq.supports(p.h0, p.res, p.norm_w, p.w, p.scales, p.biases, p.group_size,
                         p.bits):
         return "projection"
+    if _qg.mma_serves(current_backend(), p.h0, p.w, p.scales, p.biases, p.group_size,
+                      p.bits):
+        return "tensor-core projection"
     if fold_shared_bytes(1, K, Dk, Dv, decode_warps(Dv), T.size, False) > PROJ_MAX_SHARED:
         return "threadgroup memory"
     return kernel_unsupported(

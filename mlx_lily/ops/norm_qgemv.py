@@ -19,7 +19,7 @@ from .. import kernels
 from ..backend import current_backend, op_enabled
 from ..registry import switch_on
 from . import qgemv as _qgemv
-from .add_rms_norm import add_rms_norm_reference
+from .add_rms_norm import add_rms_norm, add_rms_norm_reference
 
 NAME = "norm_qgemv"
 
@@ -108,11 +108,15 @@ def split_requested() -> bool:
 def for_qproj(h0, res, norm_w, eps, proj):
     """The kernel's ``(y [..., out], h)`` for a one-row input of the quantized ``QProj``
     ``proj`` when it serves on this backend, else None (the caller materialises the norm
-    and projects; always under ``MLX_LILY_NORM_GEMV=split``). The launch plan is cached
+    and projects; always under ``MLX_LILY_NORM_GEMV=split``, and where the tensor-core
+    GEMV serves the projection: ``qgemv.mma_serves``). The launch plan is cached
     on the projection per (backend, shape, dtype, ``qgemv.launch_knobs``)."""
     if _qgemv.decode_rows(h0) is None or not proj.quantized or split_requested():
         return None
     backend = current_backend()
+    if _qgemv.mma_serves(backend, h0, proj.weight, proj.scales, proj.biases,
+                         proj.group_size, proj.bits, proj.mode or "affine"):
+        return None
     # the GEMV half is qgemv's: its switches apply too
     if (backend not in ("metal", "cuda") or not switch_on(NAME, backend)
             or not op_enabled(_qgemv.NAME) or not _qgemv.USE_FOR_QPROJ.get(backend, False)
@@ -135,9 +139,14 @@ def for_qproj(h0, res, norm_w, eps, proj):
 
 
 def norm_qgemv(h0, res, norm_w, eps, w, scales, biases, group_size, bits):
-    """Dispatcher: the fused kernel when it serves this backend and call, else the
-    reference. Same arguments and results as ``norm_qgemv_reference``."""
+    """Dispatcher: ``add_rms_norm`` and the tensor-core GEMV where it serves
+    (``qgemv.mma_serves``), else the fused kernel when it serves this backend and call,
+    else the reference. Same arguments and results as ``norm_qgemv_reference``."""
     backend = current_backend()
+    if _qgemv.mma_serves(backend, h0, w, scales, biases, group_size, bits) and op_enabled(
+            _qgemv.NAME):
+        h, x = add_rms_norm(h0, res, norm_w, eps)
+        return _qgemv.qgemv(x, w, scales, biases, group_size, bits), h
     if backend in ("metal", "cuda") and op_enabled(NAME) and supports(
             h0, res, norm_w, w, scales, biases, group_size, bits):
         kern = kernels.get(SPEC, backend)

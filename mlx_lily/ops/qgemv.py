@@ -287,6 +287,16 @@ def use_mma(backend: str) -> bool:
     return bool(tuning.qgemv_mma) and _mma_capable()
 
 
+def mma_serves(backend: str, x: mx.array, w, scales, biases, group_size: int, bits: int,
+               mode: str = "affine") -> bool:
+    """True when a decode GEMV of ``x`` on this weight takes ``lily_qgemv_mma`` on
+    ``backend`` (``use_mma`` and ``mma_supports``). Projections with a pending residual
+    add + RMSNorm then run ``add_rms_norm`` and this kernel (``norm_qgemv.for_qproj``),
+    and the GDN decode kernel leaves its input projection to them (``gdn_proj`` steps
+    aside): the fused forms read a weight row once per activation row."""
+    return use_mma(backend) and mma_supports(x, w, scales, biases, group_size, bits, mode)
+
+
 @functools.lru_cache(maxsize=1)
 def _mma_capable() -> bool:
     from .. import cuda_cache
