@@ -125,7 +125,8 @@ KNOBS.update({k.attr: k for k in (
     Setting("qgemv_mma", "MLX_LILY_QGEMV_MMA", False, _switch,
             "'1', '0' (also on/off, yes/no)",
             "CUDA: 1: decode GEMVs of qgemv (LM head, output projections) on tensor cores "
-            "(lily_qgemv_mma: each weight tile read once for all rows)"),
+            "(lily_qgemv_mma: each weight tile read once for all rows), and the 4-bit "
+            "norm-fused projections too (lily_norm_qgemv_mma; gdn_proj steps aside)"),
     Setting("attn_decode", "MLX_LILY_ATTN_DECODE", None, one_of("gqa", "simd", "simd2"),
             "'gqa', 'simd', 'simd2'",
             "Metal: the decode attention partial kernel (default: "

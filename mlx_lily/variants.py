@@ -30,8 +30,10 @@ whose parity ``tests/test_variants.py`` checks under the Metal emulator.
   bytes of weights per lane per step instead of 16 (``MLX_LILY_QGEMV_BPL=8``), and both
   as MLX's ``qmv_fast`` launches them (8 rows per 64-thread threadgroup, 8-byte loads);
   on CUDA the tensor-core form ``lily_qgemv_mma`` (``MLX_LILY_QGEMV_MMA=1``: each weight
-  tile read once for the step's rows; ``CUDA_ONLY``). ``mma`` covers ``qgemv``'s own
-  calls only: ``lily_norm_qgemv`` (the norm-fused projections) keeps its kernel.
+  tile read once for the step's rows; ``CUDA_ONLY``). Under ``mma`` the norm-fused
+  projections take ``lily_norm_qgemv_mma`` (or ``add_rms_norm`` and ``lily_qgemv_mma``)
+  and ``gdn_proj`` steps aside for 4-bit projections (``qgemv.mma_serves``), at every
+  number of rows.
 
 Dispatch-level alternatives that are whole switches are not repeated here: the
 qualifier already times each of ``gdn_proj`` (the GDN decode kernel computes its own

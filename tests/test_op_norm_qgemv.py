@@ -163,6 +163,70 @@ def test_rows_equal_each_row_alone(backend, case):
         assert mx.array_equal(y[i:i + 1], yi).item() and mx.array_equal(h[i:i + 1], hi).item()
 
 
+MMA_BACKENDS = [b for b in KERNEL_BACKENDS
+                if (b.values[0] if hasattr(b, "values") else b) in ("cuda", "cuda-emu")]
+
+
+@pytest.mark.parametrize("backend", MMA_BACKENDS)
+@pytest.mark.parametrize("case", [(2048, 40, 64, 8, mx.bfloat16),   # production width, B = 8
+                                  (256, 37, 64, 3, mx.float16),     # f16, partial m-tile
+                                  (512, 21, 128, 4, mx.bfloat16),   # group 128
+                                  (128, 7, 64, 1, mx.bfloat16)],    # two chunks, one row
+                         ids=lambda c: f"K{c[0]}-O{c[1]}-g{c[2]}-n{c[3]}")
+def test_mma_kernel_parity_and_rows_equal_alone(backend, case):
+    """``lily_norm_qgemv_mma``: ``h`` exact, ``y`` within the fp32 bound of the truth from
+    the reference's normalised rows (the real kernel's outputs NaN-poisoned first), and
+    every row of an n-row launch bit-identical to that row launched alone."""
+    k, o, gs, rows, dtype = case
+    q, s, b = make_weights(o, k, 4, gs, sdtype=dtype)
+    h0, res, nw = make_inputs(rows, k, dtype, o + rows)
+    kern, init = kernel_for(NQ.MMA_SPEC, backend)
+    assert NQ.mma_supports(h0, res, nw, q, s, b, gs, 4)
+    y, h = NQ.mma_plan(kern, h0.shape, dtype, q, s, b, gs, 4, init_value=init)(
+        h0, res, nw, 1e-6)
+    check(y, h, h0, res, nw, 1e-6, q, s, b, gs, 4, dtype)
+    for i in range(rows):
+        yi, hi = NQ.mma_plan(kern, (1, k), dtype, q, s, b, gs, 4, init_value=init)(
+            h0[i:i + 1], res[i:i + 1], nw, 1e-6)
+        assert mx.array_equal(y[i:i + 1], yi).item() and mx.array_equal(h[i:i + 1], hi).item()
+
+
+def test_mma_supports_does_not_depend_on_rows():
+    """The folded tensor-core form takes a width whose block holds ``qgemv.MAX_ROWS`` rows
+    in 48 KiB (the model's 2048), at one row as at eight, and no wider one (4096), so the
+    rows of a step never change which kernel a projection runs."""
+    q, s, b = make_weights(40, 2048, 4, 64)
+    q4, s4, b4 = make_weights(40, 4096, 4, 64)
+    for rows in (1, 8):
+        h0, res, nw = make_inputs(rows, 2048, mx.bfloat16, rows)
+        assert NQ.mma_supports(h0, res, nw, q, s, b, 64, 4)
+        assert not NQ.mma_supports(h0, res, nw, q, s, b, 64, 8)
+        h0, res, nw = make_inputs(rows, 4096, mx.bfloat16, rows)
+        assert not NQ.mma_supports(h0, res, nw, q4, s4, b4, 64, 4)
+    assert NQ.mma_shared_bytes(2048, 12352, 2) <= NQ.MMA_SHARED_BYTES
+
+
+@pytest.mark.skipif(nvcc_path() is None, reason="nvcc not installed")
+def test_mma_cuda_body_compiles_within_budget():
+    """nvcc builds ``lily_norm_qgemv_mma`` for sm_90a at the model's GDN input projection
+    (2048 -> 12352, 8 rows, its warps) and a small f16 shape, without spills, within 128
+    registers and the 48 KiB of static shared memory."""
+    from mlx_lily.ops import qgemv as Q
+    from mlx_lily.testing import cuda_check
+
+    head, body = kernels.cuda_parts("norm_qgemv_mma")
+    for T, k, o, n in ((mx.bfloat16, 2048, 12352, 8), (mx.bfloat16, 2048, 12352, 1),
+                       (mx.float16, 256, 37, 3)):
+        r = cuda_check.resources(
+            "lily_norm_qgemv_mma", [("hin", T, 2), ("res", T, 2), ("nw", T, 1),
+                                    ("eps", mx.float32, 1), ("w", mx.uint32, 2),
+                                    ("scales", T, 2), ("biases", T, 2)],
+            [("y", T), ("h", T)], body, head,
+            template=[("T", T), ("S", T), ("K", k), ("O", o), ("BITS", 4), ("GS", 64),
+                      ("N", n), ("NW", Q.mma_warps(k, o)), ("RT", 1)])
+        assert 0 < r["registers"] <= 128 and r["spill_stores"] == r["spill_loads"] == 0, r
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not any(b in parity_backends() for b in ("cuda", "metal")),
                     reason="no GPU backend")

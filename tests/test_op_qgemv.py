@@ -424,8 +424,9 @@ def test_mma_routing_follows_the_knob(monkeypatch):
 
 def test_mma_takes_pending_norm_projections_and_gdn_projection(monkeypatch):
     """Under ``MLX_LILY_QGEMV_MMA=1`` on CUDA (emulated) a projection behind a pending
-    add + RMSNorm runs ``lily_add_rms_norm`` and ``lily_qgemv_mma`` instead of the fused
-    ``lily_norm_qgemv``, with the same residual sum and outputs close to it; the GDN
+    add + RMSNorm runs ``lily_norm_qgemv_mma`` instead of ``lily_norm_qgemv``, with the
+    same residual sum and outputs close to it (and, where that kernel's rows do not fit
+    its shared memory, ``lily_add_rms_norm`` then ``lily_qgemv_mma``); the GDN
     decode kernel's fused projection steps aside for such a weight
     (``proj_unsupported``) and not for one the mma kernel does not serve (8-bit)."""
     from mlx_lily.ops import gated_delta as G
@@ -451,9 +452,16 @@ def test_mma_takes_pending_norm_projections_and_gdn_projection(monkeypatch):
         del calls[:]
         pend = PendingNorm(h0, res, nw, 1e-6)
         y1 = view.call_pending(pend)[0]
-        assert calls == ["lily_add_rms_norm", "lily_qgemv_mma"], calls
+        assert calls == ["lily_norm_qgemv_mma"], calls
         assert mx.array_equal(pend.h, h_fused).item()
         assert G.proj_unsupported(p, *([None] * 6), **dims) == "tensor-core projection"
+        wide = nn.Linear(4096, 16, bias=False)
+        wide.weight = (mx.random.normal((16, 4096)) * 0.02).astype(mx.bfloat16)
+        wview = QProj.view([nn.QuantizedLinear.from_linear(wide, 64, 4)])
+        h4, r4 = (mx.random.normal((2, 1, 4096)).astype(mx.bfloat16) for _ in range(2))
+        del calls[:]
+        wview.call_pending(PendingNorm(h4, r4, mx.ones((4096,), mx.bfloat16), 1e-6))
+        assert calls == ["lily_add_rms_norm", "lily_qgemv_mma"], calls
         q8 = nn.QuantizedLinear.from_linear(lin, 64, 8)
         assert not Q.mma_serves("cuda", h0, q8.weight, q8.scales, q8.biases, 64, 8)
     assert_close(y1, y0, rtol=0.02, atol=0.02)

@@ -11,6 +11,8 @@
 #            GPUTESTS_K, a pytest -k expression)
 #   trained: train (or reuse) the production-width model, then its long-context numerics;
 #            alone on the GPU (beside a 35B model the trainer ran out of memory)
+#   (PARITY_ENV: space-separated VAR=VALUE words every parity phase runs under, after the
+#   knob sweep's picks, e.g. "MLX_LILY_QGEMV_MMA=1")
 #   checks:  batch-vs-alone parity (parity-equal: prompts of one length, the compiled batch
 #            step; parity-one: one request, default kernels; parity-mixed: mixed lengths;
 #            each also a phase of its own; parity-join, a phase only: two of four mixed-
@@ -133,32 +135,32 @@ phase_trained() {
 # the first of these to run carries the 35B model's MLX JIT (up to ~320 s)
 phase_parity_equal() {
   # prompts of one length: the batch decodes through the compiled whole-stack step
-  MLX_LILY_KERNELS=$(batch_set) step batch-parity-equal 480 \
+  MLX_LILY_KERNELS=$(batch_set) step batch-parity-equal 480 env ${PARITY_ENV:-} \
     python3 "$R/benchmarks/gpu/batch_parity.py" --model "$Q36" --lengths 130,130,130,130 \
     --gen 32 --out "$W/batch-parity-equal"
 }
 phase_parity_one() {
   # one request in mlx-lm's batch caches (mlx_lm.server), default kernels
-  step batch-parity-one 480 \
+  step batch-parity-one 480 env ${PARITY_ENV:-} \
     python3 "$R/benchmarks/gpu/batch_parity.py" --model "$Q36" --lengths 130 \
     --gen 32 --out "$W/batch-parity-one"
 }
 phase_parity_mixed() {
-  MLX_LILY_KERNELS=$(batch_set) step batch-parity 240 env $(picks) \
+  MLX_LILY_KERNELS=$(batch_set) step batch-parity 240 env $(picks) ${PARITY_ENV:-} \
     python3 "$R/benchmarks/gpu/batch_parity.py" --model "$Q36" --lengths 5,37,130,2049 \
     --gen 32 --out "$W/batch-parity"
 }
 
 phase_parity_join() {
   # a request joining a running batch (mlx_lm.server's case), mixed lengths
-  MLX_LILY_KERNELS=$(batch_set) step batch-parity-join 300 env $(picks) \
+  MLX_LILY_KERNELS=$(batch_set) step batch-parity-join 300 env $(picks) ${PARITY_ENV:-} \
     python3 "$R/benchmarks/gpu/batch_parity.py" --model "$Q36" --lengths 37,5,130,2049 \
     --gen 16 --join 2 --out "$W/batch-parity-join"
 }
 
 phase_parity_join_eager() {
   # the same with every decode step eager (MLX_LILY_COMPILE=0): tells mx.compile's part
-  MLX_LILY_KERNELS=$(batch_set) MLX_LILY_COMPILE=0 step batch-parity-join-eager 300 env $(picks) \
+  MLX_LILY_KERNELS=$(batch_set) MLX_LILY_COMPILE=0 step batch-parity-join-eager 300 env $(picks) ${PARITY_ENV:-} \
     python3 "$R/benchmarks/gpu/batch_parity.py" --model "$Q36" --lengths 37,5,130,2049 \
     --gen 16 --join 2 --out "$W/batch-parity-join-eager"
 }

@@ -29,6 +29,15 @@ SPEC = kernels.KernelSpec(
     name="lily_norm_qgemv", stem="norm_qgemv",
     inputs=("hin", "res", "nw", "eps", "w", "scales", "biases"), outputs=("y", "h"))
 
+#: The tensor-core form (CUDA, where ``qgemv.mma_serves``): ``shaders/cuda/norm_qgemv_mma.cu``,
+#: the same contract for up to ``qgemv.MAX_ROWS`` rows; template and grid as
+#: ``qgemv.mma_launch_args``.
+MMA_SPEC = kernels.KernelSpec(
+    name="lily_norm_qgemv_mma", stem="norm_qgemv_mma",
+    inputs=("hin", "res", "nw", "eps", "w", "scales", "biases"), outputs=("y", "h"))
+#: Static shared memory a CUDA block may hold (the mma form keeps its rows there).
+MMA_SHARED_BYTES = 49152
+
 #: Largest input width: the normalised row lives in threadgroup memory.
 MAX_K = 8192
 #: Threadgroup bytes the row may take (Apple's limit is 32 KiB per threadgroup).
@@ -60,6 +69,42 @@ def supports(h0, res, norm_w, w, scales, biases, group_size, bits, mode="affine"
     return (k <= MAX_K and k * h0.dtype.size <= MAX_ROW_BYTES and res.shape == h0.shape and res.dtype == h0.dtype
             and norm_w.shape == (k,) and norm_w.dtype == h0.dtype
             and _qgemv.supports(h0, w, scales, biases, group_size, bits, mode))
+
+
+def mma_shared_bytes(k: int, o: int, itemsize: int) -> int:
+    """Shared memory of a ``lily_norm_qgemv_mma`` block for ``k``-wide inputs of
+    ``itemsize`` bytes and ``o`` outputs, counted at ``qgemv.MAX_ROWS`` rows (so whether
+    the kernel serves does not depend on the step's rows): the rows, the warps'
+    partials, the norm's reduction slots."""
+    nw = _qgemv.mma_warps(k, o)
+    return _qgemv.MAX_ROWS * k * itemsize + nw * _qgemv.MMA_RT * 4 * 32 * 4 + 4 * nw
+
+
+def mma_supports(h0, res, norm_w, w, scales, biases, group_size, bits, mode="affine") -> bool:
+    """True when ``lily_norm_qgemv_mma`` computes this call: what ``qgemv.mma_supports``
+    accepts for ``h0`` as the activation, ``res`` of h0's shape and dtype, ``norm_w [K]``
+    of that dtype, and ``mma_shared_bytes`` within ``MMA_SHARED_BYTES``."""
+    k = h0.shape[-1] if h0.ndim else 0
+    return (k > 0 and res.shape == h0.shape and res.dtype == h0.dtype
+            and norm_w.shape == (k,) and norm_w.dtype == h0.dtype
+            and _qgemv.mma_supports(h0, w, scales, biases, group_size, bits, mode)
+            and mma_shared_bytes(k, w.shape[0], h0.dtype.size) <= MMA_SHARED_BYTES)
+
+
+def mma_plan(kernel, x_shape, x_dtype, w, scales, biases, group_size, bits, *,
+             init_value=None):
+    """``plan`` for the ``lily_norm_qgemv_mma`` kernel object: ``run(h0, res, norm_w,
+    eps) -> (y, h)`` for inputs ``x_shape`` of ``x_dtype``."""
+    kw = _qgemv.mma_launch_args(x_shape, x_dtype, w, scales, group_size, bits,
+                                init_value=init_value)
+    kw["output_shapes"].append(tuple(x_shape))
+    kw["output_dtypes"].append(x_dtype)
+
+    def run(h0, res, norm_w, eps):
+        y, h = kernel(inputs=[h0, res, norm_w, kernels.f32_scalar(eps), w, scales, biases], **kw)
+        return y, h
+
+    return run
 
 
 def plan(kernel, x_shape, x_dtype, w, scales, biases, group_size, bits, *, nw=None, rpw=None,
@@ -108,15 +153,13 @@ def split_requested() -> bool:
 def for_qproj(h0, res, norm_w, eps, proj):
     """The kernel's ``(y [..., out], h)`` for a one-row input of the quantized ``QProj``
     ``proj`` when it serves on this backend, else None (the caller materialises the norm
-    and projects; always under ``MLX_LILY_NORM_GEMV=split``, and where the tensor-core
-    GEMV serves the projection: ``qgemv.mma_serves``). The launch plan is cached
+    and projects; always under ``MLX_LILY_NORM_GEMV=split``). Where the tensor-core GEMV
+    serves the projection (``qgemv.mma_serves``) the kernel is ``lily_norm_qgemv_mma``,
+    or None when ``mma_supports`` refuses (then ``add_rms_norm`` and ``lily_qgemv_mma``). The launch plan is cached
     on the projection per (backend, shape, dtype, ``qgemv.launch_knobs``)."""
     if _qgemv.decode_rows(h0) is None or not proj.quantized or split_requested():
         return None
     backend = current_backend()
-    if _qgemv.mma_serves(backend, h0, proj.weight, proj.scales, proj.biases,
-                         proj.group_size, proj.bits, proj.mode or "affine"):
-        return None
     # the GEMV half is qgemv's: its switches apply too
     if (backend not in ("metal", "cuda") or not switch_on(NAME, backend)
             or not op_enabled(_qgemv.NAME) or not _qgemv.USE_FOR_QPROJ.get(backend, False)
@@ -128,8 +171,19 @@ def for_qproj(h0, res, norm_w, eps, proj):
     run = plans.get(key, False)
     if run is False:
         run = None
-        if supports(h0, res, norm_w, proj.weight, proj.scales, proj.biases, proj.group_size,
-                    proj.bits, proj.mode or "affine"):
+        mode = proj.mode or "affine"
+        if _qgemv.mma_serves(backend, h0, proj.weight, proj.scales, proj.biases,
+                             proj.group_size, proj.bits, mode):
+            # tensor cores: the folded form where it fits, else None (the caller runs
+            # add_rms_norm, then qgemv's mma kernel), for every number of rows alike
+            kern = kernels.get(MMA_SPEC, backend)
+            if kern is not None and mma_supports(h0, res, norm_w, proj.weight, proj.scales,
+                                                 proj.biases, proj.group_size, proj.bits,
+                                                 mode):
+                run = mma_plan(kern, h0.shape, h0.dtype, proj.weight, proj.scales,
+                               proj.biases, proj.group_size, proj.bits)
+        elif supports(h0, res, norm_w, proj.weight, proj.scales, proj.biases, proj.group_size,
+                      proj.bits, mode):
             kern = kernels.get(SPEC, backend)
             if kern is not None:
                 run = plan(kern, h0.shape, h0.dtype, proj.weight, proj.scales, proj.biases,
@@ -139,12 +193,18 @@ def for_qproj(h0, res, norm_w, eps, proj):
 
 
 def norm_qgemv(h0, res, norm_w, eps, w, scales, biases, group_size, bits):
-    """Dispatcher: ``add_rms_norm`` and the tensor-core GEMV where it serves
-    (``qgemv.mma_serves``), else the fused kernel when it serves this backend and call,
-    else the reference. Same arguments and results as ``norm_qgemv_reference``."""
+    """Dispatcher: where the tensor-core GEMV serves (``qgemv.mma_serves``), its folded
+    form (``lily_norm_qgemv_mma``) when ``mma_supports``, else ``add_rms_norm`` and that
+    GEMV; otherwise the fused kernel when it serves this backend and call, else the
+    reference. Same arguments and results as ``norm_qgemv_reference``."""
     backend = current_backend()
     if _qgemv.mma_serves(backend, h0, w, scales, biases, group_size, bits) and op_enabled(
             _qgemv.NAME):
+        kern = kernels.get(MMA_SPEC, backend) if op_enabled(NAME) else None
+        if kern is not None and mma_supports(h0, res, norm_w, w, scales, biases, group_size,
+                                             bits):
+            return mma_plan(kern, h0.shape, h0.dtype, w, scales, biases, group_size,
+                            bits)(h0, res, norm_w, eps)
         h, x = add_rms_norm(h0, res, norm_w, eps)
         return _qgemv.qgemv(x, w, scales, biases, group_size, bits), h
     if backend in ("metal", "cuda") and op_enabled(NAME) and supports(

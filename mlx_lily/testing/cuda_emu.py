@@ -89,6 +89,11 @@ inline float __fdividef(float a, float b) { return a / b; }
 """
 
 
+#: Static shared memory a CUDA block may declare (the emulator's limit for CUDA bodies;
+#: Metal bodies keep Apple's 32 KiB).
+CUDA_STATIC_SHARED = 49152
+
+
 def cuda_on_emu(spec):
     """The CUDA twin of ``spec`` as an emulated kernel: same body, ``threadIdx`` /
     ``blockIdx`` / ``__shared__`` / ``__syncthreads`` / warp shuffles mapped onto Metal's
@@ -110,7 +115,8 @@ def cuda_on_emu(spec):
                                   output_names=list(spec.outputs), source=body,
                                   header=CUDA_ON_EMU_HEADER + head,
                                   ensure_row_contiguous=spec.ensure_row_contiguous,
-                                  address_spaces=False)  # CUDA bodies: no Metal spaces
+                                  address_spaces=False,  # CUDA bodies: no Metal spaces
+                                  threadgroup_memory_limit=CUDA_STATIC_SHARED)
 
 
 def kernel_for(spec, backend):
