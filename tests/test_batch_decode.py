@@ -316,6 +316,7 @@ def test_emulated_cuda_batch_with_a_request_joining_equals_alone(model, compiled
     if compiled:
         assert steps, "the one-sequence whole step did not run"
     assert ("lily_qgemv_mma" in built) == mma and "lily_qgemv_mma" not in twins
+    assert ("lily_norm_qgemv_mma" in built) == mma
 
 
 @needs_emu

@@ -168,26 +168,30 @@ MMA_BACKENDS = [b for b in KERNEL_BACKENDS
 
 
 @pytest.mark.parametrize("backend", MMA_BACKENDS)
-@pytest.mark.parametrize("case", [(2048, 40, 64, 8, mx.bfloat16),   # production width, B = 8
-                                  (256, 37, 64, 3, mx.float16),     # f16, partial m-tile
-                                  (512, 21, 128, 4, mx.bfloat16),   # group 128
-                                  (128, 7, 64, 1, mx.bfloat16)],    # two chunks, one row
-                         ids=lambda c: f"K{c[0]}-O{c[1]}-g{c[2]}-n{c[3]}")
+@pytest.mark.parametrize("case", [(2048, 40, 64, 8, mx.bfloat16, None),  # production width
+                                  (256, 37, 64, 3, mx.float16, None),   # f16, partial m-tile
+                                  (512, 21, 128, 4, mx.bfloat16, None),  # group 128
+                                  (128, 7, 64, 1, mx.bfloat16, None),   # two chunks, one row
+                                  (512, 24, 64, 5, mx.bfloat16, 2),     # 16-byte norm loads
+                                  (1024, 17, 64, 2, mx.bfloat16, 4)],   # 16-byte, as the model
+                         ids=lambda c: f"K{c[0]}-O{c[1]}-g{c[2]}-n{c[3]}-w{c[5]}")
 def test_mma_kernel_parity_and_rows_equal_alone(backend, case):
     """``lily_norm_qgemv_mma``: ``h`` exact, ``y`` within the fp32 bound of the truth from
     the reference's normalised rows (the real kernel's outputs NaN-poisoned first), and
-    every row of an n-row launch bit-identical to that row launched alone."""
-    k, o, gs, rows, dtype = case
+    every row of an n-row launch bit-identical to that row launched alone. The last two
+    cases' warps make ``K`` a multiple of 256 per warp, so the norm takes its 16-byte
+    path (the model's 2048 at 4 warps does)."""
+    k, o, gs, rows, dtype, nwarps = case
     q, s, b = make_weights(o, k, 4, gs, sdtype=dtype)
     h0, res, nw = make_inputs(rows, k, dtype, o + rows)
     kern, init = kernel_for(NQ.MMA_SPEC, backend)
     assert NQ.mma_supports(h0, res, nw, q, s, b, gs, 4)
-    y, h = NQ.mma_plan(kern, h0.shape, dtype, q, s, b, gs, 4, init_value=init)(
+    y, h = NQ.mma_plan(kern, h0.shape, dtype, q, s, b, gs, 4, nw=nwarps, init_value=init)(
         h0, res, nw, 1e-6)
     check(y, h, h0, res, nw, 1e-6, q, s, b, gs, 4, dtype)
     for i in range(rows):
-        yi, hi = NQ.mma_plan(kern, (1, k), dtype, q, s, b, gs, 4, init_value=init)(
-            h0[i:i + 1], res[i:i + 1], nw, 1e-6)
+        yi, hi = NQ.mma_plan(kern, (1, k), dtype, q, s, b, gs, 4, nw=nwarps,
+                             init_value=init)(h0[i:i + 1], res[i:i + 1], nw, 1e-6)
         assert mx.array_equal(y[i:i + 1], yi).item() and mx.array_equal(h[i:i + 1], hi).item()
 
 

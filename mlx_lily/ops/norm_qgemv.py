@@ -29,8 +29,8 @@ SPEC = kernels.KernelSpec(
     name="lily_norm_qgemv", stem="norm_qgemv",
     inputs=("hin", "res", "nw", "eps", "w", "scales", "biases"), outputs=("y", "h"))
 
-#: The tensor-core form (CUDA, where ``qgemv.mma_serves``): ``shaders/cuda/norm_qgemv_mma.cu``,
-#: the same contract for up to ``qgemv.MAX_ROWS`` rows; template and grid as
+#: The tensor-core form (CUDA, where ``qgemv.mma_serves``):
+#: ``shaders/cuda/norm_qgemv_mma.cu``, the same contract for up to ``qgemv.MAX_ROWS`` rows; template and grid as
 #: ``qgemv.mma_launch_args``.
 MMA_SPEC = kernels.KernelSpec(
     name="lily_norm_qgemv_mma", stem="norm_qgemv_mma",
@@ -91,11 +91,12 @@ def mma_supports(h0, res, norm_w, w, scales, biases, group_size, bits, mode="aff
             and mma_shared_bytes(k, w.shape[0], h0.dtype.size) <= MMA_SHARED_BYTES)
 
 
-def mma_plan(kernel, x_shape, x_dtype, w, scales, biases, group_size, bits, *,
+def mma_plan(kernel, x_shape, x_dtype, w, scales, biases, group_size, bits, *, nw=None,
              init_value=None):
     """``plan`` for the ``lily_norm_qgemv_mma`` kernel object: ``run(h0, res, norm_w,
-    eps) -> (y, h)`` for inputs ``x_shape`` of ``x_dtype``."""
-    kw = _qgemv.mma_launch_args(x_shape, x_dtype, w, scales, group_size, bits,
+    eps) -> (y, h)`` for inputs ``x_shape`` of ``x_dtype``; ``nw`` (warps per block)
+    defaults to ``qgemv.mma_warps``."""
+    kw = _qgemv.mma_launch_args(x_shape, x_dtype, w, scales, group_size, bits, nw=nw,
                                 init_value=init_value)
     kw["output_shapes"].append(tuple(x_shape))
     kw["output_dtypes"].append(x_dtype)
@@ -155,7 +156,9 @@ def for_qproj(h0, res, norm_w, eps, proj):
     ``proj`` when it serves on this backend, else None (the caller materialises the norm
     and projects; always under ``MLX_LILY_NORM_GEMV=split``). Where the tensor-core GEMV
     serves the projection (``qgemv.mma_serves``) the kernel is ``lily_norm_qgemv_mma``,
-    or None when ``mma_supports`` refuses (then ``add_rms_norm`` and ``lily_qgemv_mma``). The launch plan is cached
+    or None when ``mma_supports`` refuses (``QProj.call_pending`` then runs
+    ``add_rms_norm`` and ``lily_qgemv_mma``; the MoE router's caller its own router
+    kernel, ``moe_experts``). The launch plan is cached
     on the projection per (backend, shape, dtype, ``qgemv.launch_knobs``)."""
     if _qgemv.decode_rows(h0) is None or not proj.quantized or split_requested():
         return None
@@ -194,9 +197,10 @@ def for_qproj(h0, res, norm_w, eps, proj):
 
 def norm_qgemv(h0, res, norm_w, eps, w, scales, biases, group_size, bits):
     """Dispatcher: where the tensor-core GEMV serves (``qgemv.mma_serves``), its folded
-    form (``lily_norm_qgemv_mma``) when ``mma_supports``, else ``add_rms_norm`` and that
-    GEMV; otherwise the fused kernel when it serves this backend and call, else the
-    reference. Same arguments and results as ``norm_qgemv_reference``."""
+    form (``lily_norm_qgemv_mma``) when ``mma_supports`` and the ``norm_qgemv`` op is on,
+    else ``add_rms_norm`` and that GEMV; otherwise the fused kernel when it serves this
+    backend and call, else the reference. Same arguments and results as
+    ``norm_qgemv_reference``."""
     backend = current_backend()
     if _qgemv.mma_serves(backend, h0, w, scales, biases, group_size, bits) and op_enabled(
             _qgemv.NAME):

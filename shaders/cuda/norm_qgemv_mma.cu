@@ -18,7 +18,8 @@
 // @header qgemv_norm.cuh
 // @header qgemv_mma.cuh
 // ---- body ----
-  __shared__ T xs[N * K];  // first shared array: 16-byte aligned in practice (loads check)
+  __shared__ uint4 xs4[(N * K * sizeof(T) + 15) / 16];  // the rows, 16-byte aligned
+  T* xs = reinterpret_cast<T*>(xs4);
   __shared__ float red[NW];
   __shared__ float part[NW * RT * 4 * 32];
   const int tid = threadIdx.x;
