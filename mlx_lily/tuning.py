@@ -127,6 +127,10 @@ KNOBS.update({k.attr: k for k in (
             "CUDA: 1: decode GEMVs of qgemv (LM head, output projections) on tensor cores "
             "(lily_qgemv_mma: each weight tile read once for all rows), and the 4-bit "
             "norm-fused projections too (lily_norm_qgemv_mma; gdn_proj steps aside)"),
+    Setting("gdn_packed_outp", "MLX_LILY_GDN_PACKED_OUTP", False, _switch,
+            "'1', '0' (also on/off, yes/no)",
+            "CUDA: 1: where a GDN decode row is projected by a separate launch (e.g. under "
+            "MLX_LILY_QGEMV_MMA), the GDN decode kernel applies out_proj itself"),
     Setting("attn_decode", "MLX_LILY_ATTN_DECODE", None, one_of("gqa", "simd", "simd2"),
             "'gqa', 'simd', 'simd2'",
             "Metal: the decode attention partial kernel (default: "

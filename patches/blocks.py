@@ -329,6 +329,22 @@ def gdn_core_proj(self, proj, pending, mask, cache):
     return _gdn_finish(self, out, new_conv, new_state, cache, 1)
 
 
+def _packed_out_proj(self, cache, B):
+    """``(OutProj, counters)`` for a packed one-token GDN step whose decode kernel applies
+    ``out_proj`` (``gated_delta.packed_outp_requested``: CUDA, ``MLX_LILY_GDN_PACKED_OUTP``),
+    or None: the layer's prepared row-contiguous ``out_proj`` and its cache's counters."""
+    from mlx_lily.backend import current_backend as backend_now  # emulators patch it
+
+    if not gdn_ops.packed_outp_requested(backend_now()):
+        return None
+    op = getattr(getattr(self, "_lily", None), "out_proj", None)
+    counters = gdn_counters(cache, gdn_ops.counters_needed(B, self.num_v_heads))
+    if op is None or not op.quantized or counters is None:
+        return None
+    return (gdn_ops.OutProj(op.weight, op.scales, op.biases, op.group_size, op.bits),
+            counters)
+
+
 def gdn_core(self, qkv, z, b, a, mask, cache, packed=False):
     """Shared tail of both GDN variants: conv, recurrence, gated norm, cache update,
     ``out_proj``. ``qkv [B,S,C]``, ``z [B,S,Hv,Dv]``, ``b``/``a [B,S,Hv]``; or, with
@@ -338,9 +354,14 @@ def gdn_core(self, qkv, z, b, a, mask, cache, packed=False):
     state = cache[1] if cache is not None else None
     dims = _gdn_dims(self, mask, cache)
     if packed:
-        out, new_conv, new_state = gated_delta_packed(
+        o = _packed_out_proj(self, cache, B) if S == 1 else None
+        res = gated_delta_packed(
             qkv, self.conv1d.weight, conv_state, self.A_log, self.dt_bias, state,
-            self.norm.weight, **dims)
+            self.norm.weight, *(o or ()), **dims)
+        if o is not None:  # out_proj applied (inside the decode kernel where it serves)
+            _gdn_store(cache, res[1], res[2], S)
+            return res[3]
+        out, new_conv, new_state = res
     else:
         out, new_conv, new_state = gated_delta(
             qkv, z, b, a, self.conv1d.weight, conv_state, self.A_log, self.dt_bias, state,

@@ -22,6 +22,7 @@ from mlx_lm.models.cache import BatchKVCache, make_prompt_cache
 import _models
 import mlx_lily
 from mlx_lily import kernels
+from mlx_lily.ops import gated_delta as gdn_ops
 from mlx_lily.testing.dispatch import emulated_metal
 from mlx_lily.testing.generation import batch_greedy, batch_greedy_joining, greedy
 
@@ -281,25 +282,41 @@ def test_emulated_batch_with_a_request_joining_equals_alone(model):
 
 
 @needs_emu
-@pytest.mark.parametrize("compiled,mma", [(False, False), (True, False), (False, True)],
-                         ids=["eager", "whole-step", "eager-mma"])
+@pytest.mark.parametrize("compiled,mma", [(False, False), (True, False), (False, True),
+                                          (False, "outp")],
+                         ids=["eager", "whole-step", "eager-mma", "eager-mma-outp"])
 def test_emulated_cuda_batch_with_a_request_joining_equals_alone(model, compiled, mma):
     """The CUDA kernels' bodies on the emulator (``emulated_cuda``: CUDA launch shapes and
     CUDA-only ops such as ``moe_fused`` and ``gdn_proj``), every kernel on: a request
     joining a running batch leaves every row's tokens and every step's log-probabilities
     equal to that prompt alone; with ``MLX_LILY_COMPILE=1`` a lone prompt decodes through
     the one-sequence whole-stack step (built uncompiled); with ``MLX_LILY_QGEMV_MMA=1``
-    the decode GEMVs take the tensor-core kernel (its mma emulated with lane shuffles)."""
+    the decode GEMVs take the tensor-core kernel (its mma emulated with lane shuffles);
+    "outp": also ``MLX_LILY_GDN_PACKED_OUTP=1`` (the GDN decode kernel applies out_proj
+    to the row the tensor-core projection packed)."""
     from mlx_lily.testing.dispatch import emulated_cuda
     from mlx_lily.testing.generation import greedy_trace
 
     first, later = _join_prompts()
+    if mma:  # a model of its own: launch plans cached on its projections name the kernels
+        model = _models.build("qwen3_5_moe")
     # the inner MonkeyPatch undoes its setting before emulated_cuda restores its own
     with emulated_cuda() as twins, pytest.MonkeyPatch.context() as mp:
         if compiled:
             mp.setenv("MLX_LILY_COMPILE", "1")
         if mma:
             mp.setenv("MLX_LILY_QGEMV_MMA", "1")
+        if mma == "outp":
+            mp.setenv("MLX_LILY_GDN_PACKED_OUTP", "1")
+        outp_calls = []
+        fused = gdn_ops.gated_delta_fused
+
+        def spy(*a, **kw):  # counts the decode launches applying out_proj to a packed row
+            if kw.get("out_counters") is not None:
+                outp_calls.append(1)
+            return fused(*a, **kw)
+
+        mp.setattr(gdn_ops, "gated_delta_fused", spy)
         with mlx_lily.patched(model):
             assert mlx_lily.backend_info()["ops"]["moe_fused"] == "kernel"
             alone = [greedy_trace(model, p, n) for p, n in zip(first + later, JOIN_MAX)]
@@ -315,8 +332,9 @@ def test_emulated_cuda_batch_with_a_request_joining_equals_alone(model, compiled
     assert "lily_moe_decode" not in twins and "lily_gdn_decode" not in twins
     if compiled:
         assert steps, "the one-sequence whole step did not run"
-    assert ("lily_qgemv_mma" in built) == mma and "lily_qgemv_mma" not in twins
-    assert ("lily_norm_qgemv_mma" in built) == mma
+    assert ("lily_qgemv_mma" in built) == bool(mma) and "lily_qgemv_mma" not in twins
+    assert ("lily_norm_qgemv_mma" in built) == bool(mma)
+    assert bool(outp_calls) == (mma == "outp")
 
 
 @needs_emu

@@ -748,6 +748,96 @@ def test_decode_kernel_proj(backend, case):
         _check_proj_vs_reference(got, cpu_reference_proj(p, inp, dims))
 
 
+PACKED_OUT_CASES = [
+    dict(B=3, K=256, Hk=1, Hv=2, seed=21),                      # 3 rows, 4-bit, groups of 64
+    dict(B=2, K=512, Hk=2, Hv=4, D=64, seed=22, batched=True),  # mask + lengths, 2 words
+    dict(B=1, K=2048, Hk=1, Hv=2, seed=23),                     # the model's width, one row
+]
+
+
+@pytest.mark.parametrize("backend", [_param(b) for b in KERNEL_BACKENDS
+                                     if b in ("cuda", "cuda-emu")])
+@pytest.mark.parametrize("case", PACKED_OUT_CASES, ids=lambda c: _case_id(c))
+def test_decode_kernel_packed_out_proj(backend, case):
+    """OUTP on a packed row (no PROJ: the row an input, ``out_counters``): ``out`` / conv /
+    state bit-identical to the packed launch without it, ``r`` within one bf16 ulp of
+    ``lily_qgemv`` on that ``out`` (other fp32 orders), the counters zeros again, and each
+    row of the batch bit-identical to that row launched alone (outputs NaN-poisoned on a
+    GPU)."""
+    from mlx_lily.ops import qgemv as Q
+
+    case = dict(case)
+    K_, batched = case.pop("K"), case.pop("batched", False)
+    inp, dims = make_inputs(S=1, fused_views=False, **case)
+    p = make_proj(inp, dims, K=K_, seed=case["seed"])
+    o = make_out_proj(p, dims, seed=case["seed"])._replace(group_size=64, bits=4)
+    B = p.h0.shape[0]
+    y = mx.random.normal((B, 1, p.w.shape[0])).astype(BF)
+    mask = mx.array([True, False] * (B // 2) + [True] * (B % 2))[:, None] if batched else None
+    lengths = mx.array([1, 0] * (B // 2) + [1] * (B % 2), mx.int32) if batched else None
+    stream = mx.gpu if backend == "cuda" else mx.cpu
+    init = float("nan") if backend == "cuda" else None
+    kw = dict(**dims, init_value=init, mask=mask, lengths=lengths,
+              get_kernel=lambda spec: _kernel(spec, backend))
+    ctr = G.proj_counters(B + 2)
+    assert G.packed_out_unsupported(y, o, ctr, **dims) is None
+    with mx.stream(stream):
+        got = G.gated_delta_fused(y, None, None, None, **_rest(inp), packed=True,
+                                  out_proj=o, out_counters=ctr, **kw)
+        plain = G.gated_delta_fused(y, None, None, None, **_rest(inp), packed=True, **kw)
+        r_gemv = Q.launch(_kernel(Q.SPEC, backend), got[0], o.w, o.scales, o.biases, 64, 4,
+                          init_value=init)
+        mx.eval(got, plain, r_gemv)
+    for g, w in zip(got[:3], plain):
+        assert mx.array_equal(g, w).item()
+    assert_close(got[3], r_gemv, dtype=BF, ulps=1, ulp_of="max", atol=1e-6,
+                 max_diff_frac=0.1, what="out_proj")
+    assert not np.array(ctr).any(), "arrival counters not reset"
+    if batched:
+        return  # a masked row's results are padding
+    for i in range(B):
+        one = {k: (v[i:i + 1] if k in ("conv_state", "state") and v is not None else v)
+               for k, v in _rest(inp).items()}
+        with mx.stream(stream):
+            alone = G.gated_delta_fused(y[i:i + 1], None, None, None, **one, packed=True,
+                                        out_proj=o, out_counters=G.proj_counters(1), **kw)
+            mx.eval(alone)
+        for g, a in zip(got, alone):
+            assert mx.array_equal(g[i:i + 1], a).item(), i
+
+
+def test_packed_out_proj_reasons_and_routing(monkeypatch):
+    """``packed_out_unsupported`` names what it refuses; ``gated_delta_packed`` with an
+    ``out_proj`` takes the decode kernel's OUTP only under ``MLX_LILY_GDN_PACKED_OUTP=1``
+    on CUDA (emulated), else ``lily_qgemv`` after the packed launch, with equal conv and
+    state either way."""
+    from mlx_lily.testing.dispatch import count_kernel_launches, emulated_cuda
+
+    inp, dims = make_inputs(B=2, S=1, Hk=1, Hv=2, fused_views=False, seed=24)
+    p = make_proj(inp, dims, K=256, seed=24)
+    o = make_out_proj(p, dims, seed=24)._replace(group_size=64, bits=4)
+    y = mx.random.normal((2, 1, p.w.shape[0])).astype(BF)
+    ctr = G.proj_counters(4)
+    assert G.packed_out_unsupported(y, o, ctr[:1], **dims) == "counters"
+    assert G.packed_out_unsupported(y, o._replace(bits=None), ctr, **dims) == \
+        "out_proj quantization"
+    assert G.packed_out_unsupported(y, o._replace(w=o.w[:, :-1]), ctr, **dims) == \
+        "out_proj weight"
+    rest = _rest(inp)
+    with emulated_cuda(), pytest.MonkeyPatch.context() as mp:
+        calls = count_kernel_launches(mp)
+        a = G.gated_delta_packed(y, *rest.values(), o, ctr, **dims)
+        assert calls == ["lily_gdn_decode", "lily_qgemv"], calls
+        mp.setenv("MLX_LILY_GDN_PACKED_OUTP", "1")
+        del calls[:]
+        b = G.gated_delta_packed(y, *rest.values(), o, ctr, **dims)
+        assert calls == ["lily_gdn_decode"], calls
+    for g, w in zip(a[1:3], b[1:3]):
+        assert mx.array_equal(g, w).item()
+    assert_close(b[3], a[3], dtype=BF, ulps=1, ulp_of="max", atol=1e-6, max_diff_frac=0.1,
+                 what="out_proj")
+
+
 FOLD_CASES = [
     dict(B=3, K=256, Hk=1, Hv=2, split=2, out=True, fold=2, seed=9),    # a partial group
     dict(B=4, K=512, Hk=2, Hv=4, D=64, out=True, fold=4, seed=10),      # one group, 2 words
@@ -1158,8 +1248,8 @@ def _cuda_check():
 @pytest.mark.slow
 def test_cuda_decode_fold_registers():
     """The production PROJ + OUTP decode kernel fits the 128 registers per thread a block
-    of 512 threads may have (else its launch fails), at every fold (ptxas of nvcc; MLX's
-    NVRTC may allocate differently)."""
+    of 512 threads may have (else its launch fails), at every fold, and so does OUTP on a
+    packed row (ptxas of nvcc; MLX's NVRTC may allocate differently)."""
     cc = _cuda_check()
     head, body = K.cuda_parts("gdn_decode")
     T, f = BF, mx.float32
@@ -1178,6 +1268,10 @@ def test_cuda_decode_fold_registers():
                     BN=bn)
         r = cc.resources("lily_gdn_decode", ins, outs, body, head, template=list(tmpl.items()))
         assert r["registers"] <= 128 and r["spill_stores"] == 0, (bn, r)
+    # OUTP on a packed row (no PROJ; MLX_LILY_GDN_PACKED_OUTP), the model's shapes
+    tmpl.update(PROJ=False, SPLIT=1, BN=1, RPW=1)
+    r = cc.resources("lily_gdn_decode", ins, outs, body, head, template=list(tmpl.items()))
+    assert r["registers"] <= 128 and r["spill_stores"] == 0, ("packed OUTP", r)
 
 
 def cached_nvcc_check(name, inputs, outputs, source, header, template):

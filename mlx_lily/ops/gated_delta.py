@@ -245,12 +245,16 @@ class DecodeProj(NamedTuple):
 
 class OutProj(NamedTuple):
     """``out_proj`` for ``lily_gdn_decode``'s OUTP: ``[K, Hv*Dv]`` affine-quantized weight
-    (uint32 ``[K, Hv*Dv*bits/32]``, scales/biases ``[K, Hv*Dv/group_size]``) with the
-    input projection's bits and group size, no bias; row-contiguous arrays."""
+    (uint32 ``[K, Hv*Dv*bits/32]``, scales/biases ``[K, Hv*Dv/group_size]``), no bias;
+    row-contiguous arrays. With the input projection inside (``DecodeProj``) it has that
+    projection's bits and group size; on a packed row (``gated_delta_packed``) its own
+    ``group_size`` and ``bits``."""
 
     w: mx.array
     scales: mx.array
     biases: mx.array
+    group_size: int | None = None
+    bits: int | None = None
 
 
 def counters_needed(B: int, Hv: int, out_proj: bool = True) -> int:
@@ -357,7 +361,8 @@ def gated_delta_fused(qkv, z, b, a, conv_weight, conv_state, A_log, dt_bias, sta
                       norm_weight, *, num_k_heads, head_k_dim, num_v_heads, head_v_dim,
                       eps, get_kernel, scan_cfg=(8, 1, 4), decode_nw=None, mask=None,
                       lengths=None, init_value=None, packed=False, scan="kernel", proj=None,
-                      proj_split=1, return_proj=False, out_proj=None, batch_fold=1):
+                      proj_split=1, return_proj=False, out_proj=None, batch_fold=1,
+                      out_counters=None):
     """The fused kernels for a call ``kernel_unsupported`` accepted.
 
     S == 1: one ``lily_gdn_decode`` launch. S > 1: ``lily_gdn_prep`` (conv, SiLU, l2norm,
@@ -383,13 +388,16 @@ def gated_delta_fused(qkv, z, b, a, conv_weight, conv_state, A_log, dt_bias, sta
     (> 1 needs ``proj.counters``; CUDA only); ``return_proj`` adds a fifth result, the
     rows each head read ``[B, Hv, 2*Dk+2*Dv+2]`` fp32 (tests). ``out_proj`` (an
     ``OutProj``, with ``proj``; CUDA; ``proj.counters`` of B*Hv + B zeros): the kernel
-    also applies ``out_proj`` (``OUTP``) and its result ``r [B, 1, K]`` follows ``h``.
+    also applies ``out_proj`` (``OUTP``) and its result ``r [B, 1, K]`` follows ``h``;
+    without ``proj``, on a ``packed`` row with ``out_proj.bits`` / ``group_size`` and
+    ``out_counters`` (int32, at least B zeros, left zeros), ``r`` is the fourth result.
     ``batch_fold`` (with ``proj``; CUDA): batch rows per block (``BN``); each weight tile
     of the projection and out_proj GEMVs is read once for them, and every row gets the
     arithmetic of ``batch_fold=1`` (bit-identical on the emulator and on an H200).
 
     Raises:
-        ValueError: ``proj`` with S > 1; ``out_proj`` without ``proj``; ``proj_split`` > 1
+        ValueError: ``proj`` with S > 1; ``out_proj`` without ``proj`` and without a packed
+            row, its bits / group size or ``out_counters``; ``proj_split`` > 1
             or ``out_proj`` without enough ``proj.counters``; ``batch_fold`` other than 1
             without ``proj``, or outside 1..``MAX_BATCH_FOLD``.
     """
@@ -426,8 +434,11 @@ def gated_delta_fused(qkv, z, b, a, conv_weight, conv_state, A_log, dt_bias, sta
     if S == 1:
         nw = decode_nw or decode_warps(Dv)
         split = 1
-        if out_proj is not None and proj is None:
-            raise ValueError("gated_delta_fused: out_proj needs proj")
+        if out_proj is not None and proj is None and (
+                not packed or out_proj.bits is None or out_proj.group_size is None
+                or out_counters is None or out_counters.size < B):
+            raise ValueError("gated_delta_fused: out_proj needs proj, or a packed row with "
+                             "out_proj's bits and group size and out_counters of B zeros")
         if proj is not None:
             kdim = proj.h0.shape[-1]
             split = int(proj_split)
@@ -443,6 +454,13 @@ def gated_delta_fused(qkv, z, b, a, conv_weight, conv_state, A_log, dt_bias, sta
             ptmpl = [("PROJ", True), ("S", proj.scales.dtype), ("K", kdim),
                      ("BITS", proj.bits), ("GS", proj.group_size), ("RPW", PROJ_RPW)]
             h_shape, p_shape = (B, 1, kdim), (B, Hv, 2 * Dk + 2 * Dv + 2)
+        elif out_proj is not None:  # packed row, out_proj inside: K/S/BITS/GS are ow's
+            kdim = out_proj.w.shape[0]
+            pin = [_dummy("x", T), _dummy("x", T), _dummy("x", T), _dummy("eps", mx.float32),
+                   _dummy("w", mx.uint32), _dummy("x", T), _dummy("x", T), out_counters]
+            ptmpl = [("PROJ", False), ("S", out_proj.scales.dtype), ("K", kdim),
+                     ("BITS", out_proj.bits), ("GS", out_proj.group_size), ("RPW", 1)]
+            h_shape = p_shape = (1,)
         else:
             pin = [_dummy("x", T), _dummy("x", T), _dummy("x", T), _dummy("eps", mx.float32),
                    _dummy("w", mx.uint32), _dummy("x", T), _dummy("x", T),
@@ -472,6 +490,8 @@ def gated_delta_fused(qkv, z, b, a, conv_weight, conv_state, A_log, dt_bias, sta
         if proj is not None:
             res = (out, new_conv, new_state, h) + ((r,) if out_proj is not None else ())
             return res + ((rows,) if return_proj else ())
+        if out_proj is not None:
+            return out, new_conv, new_state, r
         return out, new_conv, new_state
     D = Dk
     n_tiles = -(-S // PREP_TT)
@@ -735,25 +755,92 @@ def split_packed(y, *, num_k_heads, head_k_dim, num_v_heads, head_v_dim, **_):
     return qkv, z.reshape(B, S, num_v_heads, head_v_dim), b, a
 
 
+def packed_out_unsupported(y, out_proj: OutProj, counters, *, num_v_heads, head_v_dim,
+                           **_) -> str | None:
+    """Why ``lily_gdn_decode`` cannot apply ``out_proj`` inside on the packed row ``y``
+    ``[B, 1, P]``, or None: the weight ``[K, Hv*Dv]`` 4- or 8-bit affine with its
+    ``bits`` / ``group_size`` given and scales of a float dtype, each head's columns whole
+    groups and a power-of-two number of 16-byte words, ``K`` a multiple of 4, and
+    ``counters`` with at least B zeros."""
+    Hv, Dv = num_v_heads, head_v_dim
+    bits, gs = out_proj.bits, out_proj.group_size
+    if bits not in (4, 8) or gs not in (32, 64, 128):
+        return "out_proj quantization"
+    vpl = 128 // bits
+    words = Dv // vpl
+    k = out_proj.w.shape[0] if out_proj.w.ndim == 2 else 0
+    if (not k or k % 4 or out_proj.w.shape != (k, Hv * Dv * bits // 32)
+            or out_proj.w.dtype != mx.uint32):
+        return "out_proj weight"
+    if (out_proj.scales.shape != (k, Hv * Dv // gs) or out_proj.biases.shape
+            != out_proj.scales.shape or out_proj.scales.dtype not in (mx.bfloat16, mx.float16,
+                                                                      mx.float32)
+            or out_proj.biases.dtype != out_proj.scales.dtype):
+        return "out_proj scales"
+    if Dv % gs or gs % vpl or words * vpl != Dv or words > 32 or words & (words - 1):
+        return "out_proj head slice"
+    if counters is None or counters.size < y.shape[0]:
+        return "counters"
+    return None
+
+
+#: ``MLX_LILY_GDN_PACKED_OUTP=1`` (``tuning.gdn_packed_outp``; CUDA): where the packed
+#: decode row comes from a separate projection, ``lily_gdn_decode`` applies ``out_proj``
+#: itself (one launch fewer per GDN layer; each row's out_proj per head, simt) instead of
+#: the output projection's GEMV launch.
+PACKED_OUTP_ENV = "MLX_LILY_GDN_PACKED_OUTP"
+
+
+def packed_outp_requested(backend: str) -> bool:
+    """Whether a packed decode row takes ``out_proj`` inside on ``backend``: CUDA, the
+    benchmarking knob ``MLX_LILY_GDN_PACKED_OUTP``, and the switches of ``gdn_out_proj``
+    and of the launch it replaces (``qgemv_out``)."""
+    from .. import tuning
+    from ..registry import switch_on
+    from . import qgemv as _qg
+
+    return (backend == "cuda" and bool(tuning.gdn_packed_outp) and switch_on(OUT_OP, backend)
+            and switch_on(_qg.OUT_PROJ_OP, backend))
+
+
 def gated_delta_packed(y, conv_weight, conv_state, A_log, dt_bias, state, norm_weight,
-                       **dims):
+                       out_proj: OutProj | None = None, counters=None, **dims):
     """``gated_delta`` on the fused input projection's output ``y [B, S, C+Hv*Dv+2*Hv]``
     (``q|k|v|z|b|a``, as ``qwen3_5``'s four projections fused at patch time). A decode
     step (S == 1) the kernel serves is one ``lily_gdn_decode`` launch reading z, b, a
     from ``y``'s columns (no split or reshape in the graph); anything else splits ``y``
-    (``split_packed``) and calls ``gated_delta``. Same results as ``gated_delta``."""
+    (``split_packed``) and calls ``gated_delta``. Same results as ``gated_delta``.
+
+    With ``out_proj`` (an ``OutProj`` with its bits and group size) and ``counters``
+    (int32, at least B zeros, left zeros), the launch also applies ``out_proj`` where
+    ``packed_outp_requested`` and ``packed_out_unsupported`` allow, and ``r [B, 1, K]``
+    is a fourth result; otherwise ``r`` comes from ``qgemv`` (or the reference when the
+    ``qgemv_out`` switch is off)."""
+    if out_proj is not None:
+        backend = current_backend()
+        if y.shape[1] == 1 and packed_outp_requested(backend) and (
+                packed_out_unsupported(y, out_proj, counters, **dims) is None
+                and _k.kernels_allowed(PACKED_OP, backend)
+                and _packed_kernel_serves(y, conv_weight, conv_state, A_log, dt_bias, state,
+                                          norm_weight, **dims)
+                and _k.get(DECODE, backend) is not None):
+            return gated_delta_fused(
+                y, None, None, None, conv_weight, conv_state, A_log, dt_bias, state,
+                norm_weight, get_kernel=lambda spec: _k.get(spec, backend), packed=True,
+                out_proj=out_proj, out_counters=counters, **dims)
+        from ..registry import switch_on
+        from . import qgemv as _qg
+
+        res = gated_delta_packed(y, conv_weight, conv_state, A_log, dt_bias, state,
+                                 norm_weight, **dims)
+        gemv = _qg.qgemv if switch_on(_qg.OUT_PROJ_OP, backend) else _qg.qgemv_reference
+        return (*res, gemv(res[0], out_proj.w, out_proj.scales, out_proj.biases,
+                           out_proj.group_size, out_proj.bits))
     backend = current_backend()
-    B, S, P = y.shape
-    if S == 1 and (backend == "metal" or backend == "cuda") and _k.kernels_allowed(
+    if y.shape[1] == 1 and (backend == "metal" or backend == "cuda") and _k.kernels_allowed(
             PACKED_OP, backend):
-        Hk, Dk = dims["num_k_heads"], dims["head_k_dim"]
-        Hv, Dv = dims["num_v_heads"], dims["head_v_dim"]
-        C = 2 * Hk * Dk + Hv * Dv
-        T = y.dtype
-        if (P == C + Hv * Dv + 2 * Hv and kernel_unsupported(
-                _Shape((B, S, C), T), _Shape((B, S, Hv, Dv), T), _Shape((B, S, Hv), T),
-                _Shape((B, S, Hv), T), conv_weight, conv_state, A_log, dt_bias, state,
-                norm_weight, **dims) is None
+        if (_packed_kernel_serves(y, conv_weight, conv_state, A_log, dt_bias, state,
+                                  norm_weight, **dims)
                 and _k.get(DECODE, backend) is not None):
             return gated_delta_fused(
                 y, None, None, None, conv_weight, conv_state, A_log, dt_bias, state,
@@ -761,6 +848,21 @@ def gated_delta_packed(y, conv_weight, conv_state, A_log, dt_bias, state, norm_w
                 **dims)
     return gated_delta(*split_packed(y, **dims), conv_weight, conv_state, A_log, dt_bias,
                        state, norm_weight, **dims)
+
+
+def _packed_kernel_serves(y, conv_weight, conv_state, A_log, dt_bias, state, norm_weight,
+                          **dims) -> bool:
+    """Whether ``lily_gdn_decode`` takes the packed row ``y [B, 1, P]`` (its width and
+    what ``kernel_unsupported`` accepts)."""
+    Hk, Dk = dims["num_k_heads"], dims["head_k_dim"]
+    Hv, Dv = dims["num_v_heads"], dims["head_v_dim"]
+    B, S, P = y.shape
+    C = 2 * Hk * Dk + Hv * Dv
+    T = y.dtype
+    return S == 1 and P == C + Hv * Dv + 2 * Hv and kernel_unsupported(
+        _Shape((B, S, C), T), _Shape((B, S, Hv, Dv), T), _Shape((B, S, Hv), T),
+        _Shape((B, S, Hv), T), conv_weight, conv_state, A_log, dt_bias, state,
+        norm_weight, **dims) is None
 
 
 # ---------------------------------------------------------------- projection inside

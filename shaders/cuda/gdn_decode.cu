@@ -25,7 +25,8 @@
 // of ORPW per lane group) to r_parts; the last of the batch row's Hv heads to arrive
 // (counter counters[B*Hv + bi], reset by it) sums the Hv partials in head order (fixed:
 // the result does not depend on arrival order) and writes r_out = T(sum). counters then
-// needs B*Hv + B zeros.
+// needs B*Hv + B zeros. OUTP with PACKED and without PROJ (the packed row an input; K, S,
+// BITS, GS describe ow): the same, its counters counters[bi] (B zeros).
 // BN (with PROJ): batch rows per block; block y = g*Hv + h serves head h of rows
 // g*BN .. g*BN+BN-1 (those < B). Each weight tile of the GEMVs (the projection, and
 // out_proj under OUTP) is loaded once and dotted with each row's input in turn, so a row
@@ -148,7 +149,7 @@ __device__ __forceinline__ void lily_gdn_pending_norm(const T* hin, const T* res
   __shared__ int last_part[1];
   __shared__ uint4 os4[OUTP ? BN * ((Dv * sizeof(T) + 15) / 16) : 1];  // out_h rows for OUTP
   T* os_ = reinterpret_cast<T*>(os4);
-  static_assert(!OUTP || PROJ, "gdn_decode: OUTP needs PROJ");
+  static_assert(!OUTP || PROJ || PACKED, "gdn_decode: OUTP needs PROJ or PACKED");
   constexpr int XST = PROJ ? (K * int(sizeof(T)) + 15) / 16 * 16 / int(sizeof(T)) : 0;
   constexpr int OST = (Dv * int(sizeof(T)) + 15) / 16 * 16 / int(sizeof(T));
   // rows of this block: bg*BN + j for j < nrows
@@ -425,8 +426,8 @@ __device__ __forceinline__ void lily_gdn_pending_norm(const T* hin, const T* res
         });
       }
     }
-    if (!lily_last_to_arrive(const_cast<int*>(counters) + hin_shape[0] * Hv + bg, Hv,
-                             last_part, tid)) {
+    if (!lily_last_to_arrive(const_cast<int*>(counters) + (PROJ ? hin_shape[0] * Hv : 0) + bg,
+                             Hv, last_part, tid)) {
       return;
     }
     static_assert(K % 4 == 0, "gdn_decode: OUTP sums 4 outputs per 16-byte load");
