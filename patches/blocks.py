@@ -358,10 +358,10 @@ def gdn_core(self, qkv, z, b, a, mask, cache, packed=False):
         res = gated_delta_packed(
             qkv, self.conv1d.weight, conv_state, self.A_log, self.dt_bias, state,
             self.norm.weight, *(o or ()), **dims)
-        if o is not None:  # out_proj applied (inside the decode kernel where it serves)
+        if o is not None and res[3] is not None:  # out_proj applied inside the kernel
             _gdn_store(cache, res[1], res[2], S)
             return res[3]
-        out, new_conv, new_state = res
+        out, new_conv, new_state = res[:3]
     else:
         out, new_conv, new_state = gated_delta(
             qkv, z, b, a, self.conv1d.weight, conv_state, self.A_log, self.dt_bias, state,

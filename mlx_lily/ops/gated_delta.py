@@ -760,8 +760,9 @@ def packed_out_unsupported(y, out_proj: OutProj, counters, *, num_v_heads, head_
     """Why ``lily_gdn_decode`` cannot apply ``out_proj`` inside on the packed row ``y``
     ``[B, 1, P]``, or None: the weight ``[K, Hv*Dv]`` 4- or 8-bit affine with its
     ``bits`` / ``group_size`` given and scales of a float dtype, each head's columns whole
-    groups and a power-of-two number of 16-byte words, ``K`` a multiple of 4, and
-    ``counters`` with at least B zeros."""
+    groups and a power-of-two number of 16-byte words, ``K`` a multiple of 4, a result of
+    ``y``'s dtype (as ``mx.quantized_matmul`` would return), and ``counters`` with at
+    least B zeros."""
     Hv, Dv = num_v_heads, head_v_dim
     bits, gs = out_proj.bits, out_proj.group_size
     if bits not in (4, 8) or gs not in (32, 64, 128):
@@ -779,6 +780,8 @@ def packed_out_unsupported(y, out_proj: OutProj, counters, *, num_v_heads, head_
         return "out_proj scales"
     if Dv % gs or gs % vpl or words * vpl != Dv or words > 32 or words & (words - 1):
         return "out_proj head slice"
+    if not _k.stock_result_dtype(y.dtype, out_proj.scales.dtype):
+        return "out_proj dtype"
     if counters is None or counters.size < y.shape[0]:
         return "counters"
     return None
@@ -812,10 +815,9 @@ def gated_delta_packed(y, conv_weight, conv_state, A_log, dt_bias, state, norm_w
     (``split_packed``) and calls ``gated_delta``. Same results as ``gated_delta``.
 
     With ``out_proj`` (an ``OutProj`` with its bits and group size) and ``counters``
-    (int32, at least B zeros, left zeros), the launch also applies ``out_proj`` where
-    ``packed_outp_requested`` and ``packed_out_unsupported`` allow, and ``r [B, 1, K]``
-    is a fourth result; otherwise ``r`` comes from ``qgemv`` (or the reference when the
-    ``qgemv_out`` switch is off)."""
+    (int32, at least B zeros, left zeros) a fourth result follows: ``r [B, 1, K]`` when
+    the launch also applied ``out_proj`` (``packed_outp_requested`` and
+    ``packed_out_unsupported`` allow), else None (the caller applies it as without)."""
     if out_proj is not None:
         backend = current_backend()
         if y.shape[1] == 1 and packed_outp_requested(backend) and (
@@ -828,14 +830,8 @@ def gated_delta_packed(y, conv_weight, conv_state, A_log, dt_bias, state, norm_w
                 y, None, None, None, conv_weight, conv_state, A_log, dt_bias, state,
                 norm_weight, get_kernel=lambda spec: _k.get(spec, backend), packed=True,
                 out_proj=out_proj, out_counters=counters, **dims)
-        from ..registry import switch_on
-        from . import qgemv as _qg
-
-        res = gated_delta_packed(y, conv_weight, conv_state, A_log, dt_bias, state,
-                                 norm_weight, **dims)
-        gemv = _qg.qgemv if switch_on(_qg.OUT_PROJ_OP, backend) else _qg.qgemv_reference
-        return (*res, gemv(res[0], out_proj.w, out_proj.scales, out_proj.biases,
-                           out_proj.group_size, out_proj.bits))
+        return (*gated_delta_packed(y, conv_weight, conv_state, A_log, dt_bias, state,
+                                    norm_weight, **dims), None)
     backend = current_backend()
     if y.shape[1] == 1 and (backend == "metal" or backend == "cuda") and _k.kernels_allowed(
             PACKED_OP, backend):
