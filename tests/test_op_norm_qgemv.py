@@ -210,6 +210,29 @@ def test_mma_supports_does_not_depend_on_rows():
     assert NQ.mma_shared_bytes(2048, 12352, 2) <= NQ.MMA_SHARED_BYTES
 
 
+def test_mma_loop_copy_matches_qgemv_mma_body():
+    """``qgemv_mma.cuh``'s ``lily_qgemv_mma_block`` is ``qgemv_mma.cu``'s body (kept as a
+    copy so that kernel's registers stay as measured): line for line the same but for
+    the partials' flat indexing, ``tid`` / ``bx`` for ``threadIdx.x`` / ``blockIdx.x``
+    and the index-range assumptions."""
+    import re
+
+    from mlx_lily.kernels import shader_path
+
+    body = shader_path("cuda", "qgemv_mma.cu").read_text().split("// ---- body ----\n", 1)[1]
+    head = shader_path("cuda", "qgemv_mma.cuh").read_text()
+    fn = head.split("int bx) {\n", 1)[1].split("\n}\n// ---- end lily qgemv_mma helpers", 1)[0]
+    fn = re.sub(r"#ifndef LILY_EMU\n.*?#endif\n", "", fn, count=1, flags=re.S)
+    body = body.replace("threadIdx.x", "tid").replace("blockIdx.x", "bx")
+    body = re.sub(r"\n *__shared__ float part\[NW\]\[RT \* 4\]\[32\];[^\n]*", "", body)
+    body = re.sub(r"part\[(\w+)\]\[(4 \* r \+ i)\]\[lane\]",
+                  lambda m: (f"part[({m.group(1)} * RT * 4 + {m.group(2)}) * 32 + lane]"
+                             if m.group(1) != "0" else f"part[({m.group(2)}) * 32 + lane]"),
+                  body)
+    assert [l.rstrip() for l in fn.strip("\n").splitlines()] == \
+        [l.rstrip() for l in body.strip("\n").splitlines()]
+
+
 @pytest.mark.skipif(nvcc_path() is None, reason="nvcc not installed")
 def test_mma_cuda_body_compiles_within_budget():
     """nvcc builds ``lily_norm_qgemv_mma`` for sm_90a at the model's GDN input projection

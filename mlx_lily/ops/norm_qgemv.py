@@ -30,8 +30,8 @@ SPEC = kernels.KernelSpec(
     inputs=("hin", "res", "nw", "eps", "w", "scales", "biases"), outputs=("y", "h"))
 
 #: The tensor-core form (CUDA, where ``qgemv.mma_serves``):
-#: ``shaders/cuda/norm_qgemv_mma.cu``, the same contract for up to ``qgemv.MAX_ROWS`` rows; template and grid as
-#: ``qgemv.mma_launch_args``.
+#: ``shaders/cuda/norm_qgemv_mma.cu``, the same contract for up to ``qgemv.MAX_ROWS``
+#: rows; template and grid as ``qgemv.mma_launch_args``.
 MMA_SPEC = kernels.KernelSpec(
     name="lily_norm_qgemv_mma", stem="norm_qgemv_mma",
     inputs=("hin", "res", "nw", "eps", "w", "scales", "biases"), outputs=("y", "h"))
@@ -100,6 +100,12 @@ def mma_plan(kernel, x_shape, x_dtype, w, scales, biases, group_size, bits, *, n
                                 init_value=init_value)
     kw["output_shapes"].append(tuple(x_shape))
     kw["output_dtypes"].append(x_dtype)
+    return _runner(kernel, kw, w, scales, biases)
+
+
+def _runner(kernel, kw: dict, w, scales, biases):
+    """``run(h0, res, norm_w, eps) -> (y, h)``: one launch of ``kernel`` with the launch
+    arguments ``kw`` (``plan``'s or ``mma_plan``'s)."""
 
     def run(h0, res, norm_w, eps):
         y, h = kernel(inputs=[h0, res, norm_w, kernels.f32_scalar(eps), w, scales, biases], **kw)
@@ -115,12 +121,7 @@ def plan(kernel, x_shape, x_dtype, w, scales, biases, group_size, bits, *, nw=No
     kw = _qgemv.launch_args(x_shape, x_dtype, w, scales, group_size, bits, nw=nw, rpw=rpw,
                             bpl=bpl, init_value=init_value,
                             extra_outputs=[(tuple(x_shape), x_dtype)])
-
-    def run(h0, res, norm_w, eps):
-        y, h = kernel(inputs=[h0, res, norm_w, kernels.f32_scalar(eps), w, scales, biases], **kw)
-        return y, h
-
-    return run
+    return _runner(kernel, kw, w, scales, biases)
 
 
 def launch(kernel, h0, res, norm_w, eps, w, scales, biases, group_size, bits, *, nw=None,
