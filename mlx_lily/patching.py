@@ -447,6 +447,12 @@ def _collect_targets():
         mod = _optional_module(name)
         if mod is not None and getattr(mod, "generate_step", None) is gen.generate_step:
             triples.append((mod, "generate_step", wrapped))
+    # BatchGenerator's prefill: one sequence at a time (patches.batch_prefill)
+    ppb = getattr(gen, "PromptProcessingBatch", None)
+    if isinstance(ppb, type) and "prompt" in ppb.__dict__:
+        from mlx_lily.patches.batch_prefill import wrap_prompt
+
+        triples.append((ppb, "prompt", wrap_prompt(ppb.__dict__["prompt"])))
     for name in ("mlx_lm.generate", "mlx_lm.chat"):
         mod = _optional_module(name)
         default = getattr(mod, "DEFAULT_PREFILL_STEP_SIZE", None)

@@ -99,6 +99,72 @@ def test_cpu_batch_with_a_prompt_past_the_prefill_step(model):
     assert lily == alone
 
 
+def _rows_dependent_embedding(model, monkeypatch):
+    """Make the embedding's result depend on the call's rows, as the kernel MLX picks for a
+    GPU matmul does: a prefill chunk of two or more sequences gets its embeddings scaled
+    by 1.05; one sequence, and any decode step, does not."""
+    cls = type(model.language_model.model.embed_tokens)
+    embed = cls.__call__
+
+    def call(self, x):
+        out = embed(self, x)
+        return out * 1.05 if x.ndim == 2 and x.shape[0] > 1 and x.shape[1] > 1 else out
+
+    monkeypatch.setattr(cls, "__call__", call)
+
+
+def test_batch_prefill_runs_each_sequence_alone(model, monkeypatch):
+    """Under the patch, ``BatchGenerator``'s prefill runs one sequence at a time
+    (``patches.batch_prefill``), both when prompts start together and when a request
+    joins: with an op whose arithmetic depends on the call's rows, every row's tokens and
+    every step's log-probabilities still equal that prompt alone. With mlx-lm's one padded
+    call (the per-row prefill refused) the same op moves the log-probabilities, so the
+    check can fail."""
+    from mlx_lily.patches import batch_prefill
+    from mlx_lily.testing.generation import greedy_trace
+
+    first, later = _join_prompts()
+    _rows_dependent_embedding(model, monkeypatch)
+    with mlx_lily.patched(model):
+        alone = [greedy_trace(model, p, n) for p, n in zip(first + later, JOIN_MAX)]
+        lps: list = []
+        batch = batch_greedy_joining(model, first, later, JOIN_MAX, logprobs=lps)
+        together = batch_greedy(model, first + later, JOIN_MAX)
+        monkeypatch.setattr(batch_prefill, "per_row_unsupported", lambda *a: "refused")
+        padded_lps: list = []
+        batch_greedy_joining(model, first, later, JOIN_MAX, logprobs=padded_lps)
+    assert batch == [t for t, _ in alone] == together
+    for (_, la), lb in zip(alone, lps):
+        assert all(mx.array_equal(a, b).item() for a, b in zip(la, lb))
+    assert not all(mx.array_equal(a, b).item()
+                   for (_, la), lb in zip(alone, padded_lps) for a, b in zip(la, lb))
+
+
+def test_batch_prefill_per_row_refusals(model):
+    """Which ``PromptProcessingBatch.prompt`` calls keep mlx-lm's padded call."""
+    from types import SimpleNamespace
+
+    from mlx_lm.models.cache import ArraysCache, RotatingKVCache
+
+    from mlx_lily.patches.batch_prefill import per_row_unsupported
+
+    two = [[1, 2], [3]]
+    with mlx_lily.patched(model):
+        caches = _merge_caches([make_prompt_cache(model) for _ in range(2)])
+        ok = SimpleNamespace(model=model, prompt_cache=caches)
+        assert per_row_unsupported(ok, two) is None
+        assert per_row_unsupported(ok, [[1, 2]]) == "one sequence"
+        assert per_row_unsupported(SimpleNamespace(model=object(), prompt_cache=caches),
+                                   two) == "not a Lily model"
+        rotating = _merge_caches([[RotatingKVCache(max_size=8)] for _ in range(2)])
+        assert per_row_unsupported(SimpleNamespace(model=model, prompt_cache=rotating),
+                                   two) == "cache type BatchRotatingKVCache"
+        padded = ArraysCache(2)
+        padded.prepare(lengths=[2, 1])
+        assert per_row_unsupported(SimpleNamespace(model=model, prompt_cache=[padded]),
+                                   two) == "an ArraysCache with padding"
+
+
 # ------------------------------------------------------------------------- Metal emulator
 def _prefill_alone(model, prompt):
     cache = make_prompt_cache(model)

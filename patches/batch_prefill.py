@@ -1,0 +1,114 @@
+"""Batch prefill one sequence at a time, so a request's prefill does not depend on what it
+was batched with.
+
+mlx-lm's ``BatchGenerator`` prefills the prompts it starts together as one right-padded
+``[B, L_max]`` call (``PromptProcessingBatch.prompt``), and a request joining a running
+batch is prefilled that way beside the other new ones. On a GPU the matrix products of
+that call see ``B * L_max`` rows, and MLX picks their kernels (and with them the order of
+the sums) by the number of rows, so a prompt's first-token distribution differed between
+alone and beside a longer prompt (an H100, ``docs/results.md``). Here each sequence of
+such a call runs as a batch of one, through the same code and shapes as that request
+alone, and the rows' caches are then merged the way mlx-lm merges caches
+(``BatchKVCache.merge``: left-padded to the longest row).
+
+The cost is prefill throughput: ``B`` calls of ``[1, L_i]`` rows instead of one of
+``[B, L_max]`` (a short prompt batched with others is read through each weight once
+per call).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import mlx.core as mx
+from mlx_lm.models.cache import ArraysCache, BatchKVCache, KVCache
+
+
+def _row_kv(c: BatchKVCache, i: int) -> BatchKVCache:
+    """Row ``i`` of ``c`` as a one-row ``BatchKVCache``: what that sequence's cache is
+    when ``BatchGenerator`` runs it alone (an empty one, or its history merged)."""
+    if c.keys is None:
+        return BatchKVCache([0])
+    return BatchKVCache.merge([c.extract(i)])
+
+
+def _row_arrays(c: ArraysCache, i: int) -> ArraysCache:
+    """Row ``i`` of ``c`` as a one-row cache of its class (its state arrays sliced; a
+    missing array stays missing), as ``ArraysCache.merge`` builds it for one sequence."""
+    row = type(c)(len(c.cache))
+    if not c.empty():
+        row.cache = [None if a is None else a[i:i + 1] for a in c.cache]
+    return type(c).merge([row])
+
+
+def _merge_kv(rows: list) -> BatchKVCache:
+    return BatchKVCache.merge([KVCache() if r.keys is None else r.extract(0) for r in rows])
+
+
+def _merge_arrays(rows: list) -> ArraysCache:
+    merged = type(rows[0]).merge(rows)
+    pads = [r.left_padding for r in rows]
+    merged.left_padding = None if any(p is None for p in pads) else mx.concatenate(pads)
+    return merged
+
+
+def per_row_unsupported(batch, tokens) -> str | None:
+    """Why ``batch.prompt(tokens)`` keeps mlx-lm's one padded call, or None.
+
+    Args:
+        batch: an mlx-lm ``PromptProcessingBatch``.
+        tokens: the call's prompt token ids, one list per sequence.
+    Returns:
+        A short reason, or None when every sequence is prefilled alone: a patched Lily
+        model, two or more sequences, ``batch_decode`` on (the same switch as the batched
+        decode steps) and only caches this module splits (mlx-lm's ``BatchKVCache``
+        with no pending left padding, ``ArraysCache`` with none).
+    """
+    from mlx_lily.patches.blocks import batch_kernels_on
+
+    if len(tokens) < 2:
+        return "one sequence"
+    if not getattr(batch.model, "_lily_prepared", False):
+        return "not a Lily model"
+    if not batch_kernels_on():
+        return "batch_decode off"
+    for c in batch.prompt_cache:
+        if type(c) is BatchKVCache:
+            if c._right_padding is not None or (c.keys is None and
+                                                 any(c.left_padding.tolist())):
+                return "a BatchKVCache with pending padding"
+        elif isinstance(c, ArraysCache) and type(c).merge.__func__ is ArraysCache.merge.__func__:
+            if c.lengths is not None or (c.left_padding is not None
+                                         and any(c.left_padding.tolist())):
+                return "an ArraysCache with padding"
+        else:
+            return f"cache type {type(c).__name__}"
+    return None
+
+
+def wrap_prompt(original):
+    """``PromptProcessingBatch.prompt`` prefilling each sequence alone where
+    ``per_row_unsupported`` allows it, else ``original`` (mlx-lm's method)."""
+
+    def prompt(self, tokens):
+        if per_row_unsupported(self, tokens) is not None:
+            return original(self, tokens)
+        if len(self.uids) != len(tokens):
+            raise ValueError("The batch length doesn't match the number of inputs")
+        rows = []
+        for i, toks in enumerate(tokens):
+            one = copy.copy(self)  # shares model, step size, ...; its own row below
+            one.uids = [self.uids[i]]
+            one.tokens = [self.tokens[i]]  # the same list: extended in place
+            one.prompt_cache = [_row_kv(c, i) if type(c) is BatchKVCache
+                                else _row_arrays(c, i) for c in self.prompt_cache]
+            if len(toks):
+                original(one, [toks])
+            rows.append(one.prompt_cache)
+        self.prompt_cache = [
+            _merge_kv(layer) if type(layer[0]) is BatchKVCache else _merge_arrays(layer)
+            for layer in zip(*rows)]
+        mx.eval([c.state for c in self.prompt_cache])
+
+    prompt.__wrapped__ = original
+    return prompt
