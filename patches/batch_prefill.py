@@ -19,6 +19,7 @@ per call).
 from __future__ import annotations
 
 import copy
+import functools
 
 import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache, BatchKVCache, KVCache
@@ -26,27 +27,64 @@ from mlx_lm.models.cache import ArraysCache, BatchKVCache, KVCache
 
 def _row_kv(c: BatchKVCache, i: int) -> BatchKVCache:
     """Row ``i`` of ``c`` as a one-row ``BatchKVCache``: what that sequence's cache is
-    when ``BatchGenerator`` runs it alone (an empty one, or its history merged)."""
+    when ``BatchGenerator`` runs it alone (an empty one, or its history, left padding
+    cut, as ``BatchKVCache.merge`` of one cache leaves it)."""
+    row = BatchKVCache([0])
+    row.step = c.step
     if c.keys is None:
-        return BatchKVCache([0])
-    return BatchKVCache.merge([c.extract(i)])
+        return row
+    n = c._idx - int(c.left_padding[i].item())
+    if n > 0:
+        row.keys = mx.contiguous(c.keys[i:i + 1, :, c._idx - n:c._idx])
+        row.values = mx.contiguous(c.values[i:i + 1, :, c._idx - n:c._idx])
+        row.offset = row.offset + n
+        row._idx = n
+    return row
 
 
 def _row_arrays(c: ArraysCache, i: int) -> ArraysCache:
-    """Row ``i`` of ``c`` as a one-row cache of its class (its state arrays sliced; a
-    missing array stays missing), as ``ArraysCache.merge`` builds it for one sequence."""
-    row = type(c)(len(c.cache))
+    """Row ``i`` of ``c`` as a one-row ``ArraysCache``: its state arrays sliced (a missing
+    array stays missing) and its ``left_padding`` (``advance`` takes it below zero as
+    tokens pass), as the sequence's cache is when it runs alone."""
+    row = ArraysCache(len(c.cache))
     if not c.empty():
         row.cache = [None if a is None else a[i:i + 1] for a in c.cache]
-    return type(c).merge([row])
+    row = ArraysCache.merge([row])
+    if c.left_padding is not None:
+        row.left_padding = c.left_padding[i:i + 1]
+    return row
 
 
 def _merge_kv(rows: list) -> BatchKVCache:
-    return BatchKVCache.merge([KVCache() if r.keys is None else r.extract(0) for r in rows])
+    """One ``BatchKVCache`` of the one-row caches ``rows``, each row right-aligned at the
+    longest row's length (left-padded, as ``BatchKVCache.merge`` places them), with the
+    largest row's capacity and growth step (the capacity mlx-lm's padded call would have
+    left, and a decode step picks its split-K block from it)."""
+    lengths = [0 if r.keys is None else r._idx for r in rows]
+    longest = max(lengths)
+    merged = BatchKVCache([longest - n for n in lengths])
+    merged.step = max(r.step for r in rows)
+    live = [r for r in rows if r.keys is not None]
+    if not live:
+        return merged
+    cap = max([longest] + [r.keys.shape[2] for r in live])
+    k0, v0 = live[0].keys, live[0].values
+    keys = mx.zeros((len(rows), k0.shape[1], cap, k0.shape[3]), k0.dtype)
+    values = mx.zeros((len(rows), v0.shape[1], cap, v0.shape[3]), v0.dtype)
+    for i, (r, n) in enumerate(zip(rows, lengths)):
+        if n:
+            keys[i:i + 1, :, longest - n:longest] = r.keys[..., :n, :]
+            values[i:i + 1, :, longest - n:longest] = r.values[..., :n, :]
+    merged.keys, merged.values = keys, values
+    merged.offset = merged.offset + longest
+    merged._idx = longest
+    return merged
 
 
 def _merge_arrays(rows: list) -> ArraysCache:
-    merged = type(rows[0]).merge(rows)
+    """One ``ArraysCache`` of the one-row caches ``rows``; ``left_padding`` kept per row
+    (the SSM mask a row has alone) where every row has one."""
+    merged = ArraysCache.merge(rows)
     pads = [r.left_padding for r in rows]
     merged.left_padding = None if any(p is None for p in pads) else mx.concatenate(pads)
     return merged
@@ -62,7 +100,8 @@ def per_row_unsupported(batch, tokens) -> str | None:
         A short reason, or None when every sequence is prefilled alone: a patched Lily
         model, two or more sequences, ``batch_decode`` on (the same switch as the batched
         decode steps) and only caches this module splits (mlx-lm's ``BatchKVCache``
-        with no pending left padding, ``ArraysCache`` with none).
+        with no pending padding, ``ArraysCache`` with no padding left to enter; the
+        negative ``left_padding`` that ``advance`` leaves after tokens passed is none).
     """
     from mlx_lily.patches.blocks import batch_kernels_on
 
@@ -75,11 +114,11 @@ def per_row_unsupported(batch, tokens) -> str | None:
     for c in batch.prompt_cache:
         if type(c) is BatchKVCache:
             if c._right_padding is not None or (c.keys is None and
-                                                 any(c.left_padding.tolist())):
+                                                 mx.any(c.left_padding != 0).item()):
                 return "a BatchKVCache with pending padding"
-        elif isinstance(c, ArraysCache) and type(c).merge.__func__ is ArraysCache.merge.__func__:
+        elif type(c) is ArraysCache:
             if c.lengths is not None or (c.left_padding is not None
-                                         and any(c.left_padding.tolist())):
+                                         and mx.any(c.left_padding > 0).item()):
                 return "an ArraysCache with padding"
         else:
             return f"cache type {type(c).__name__}"
@@ -88,8 +127,11 @@ def per_row_unsupported(batch, tokens) -> str | None:
 
 def wrap_prompt(original):
     """``PromptProcessingBatch.prompt`` prefilling each sequence alone where
-    ``per_row_unsupported`` allows it, else ``original`` (mlx-lm's method)."""
+    ``per_row_unsupported`` allows it, else ``original`` (mlx-lm's method). The returned
+    method takes ``tokens`` (one list of ids per sequence) and raises ValueError, as
+    mlx-lm's does, when their number differs from the batch's."""
 
+    @functools.wraps(original)
     def prompt(self, tokens):
         if per_row_unsupported(self, tokens) is not None:
             return original(self, tokens)
@@ -110,5 +152,4 @@ def wrap_prompt(original):
             for layer in zip(*rows)]
         mx.eval([c.state for c in self.prompt_cache])
 
-    prompt.__wrapped__ = original
     return prompt

@@ -113,34 +113,81 @@ def _rows_dependent_embedding(model, monkeypatch):
     monkeypatch.setattr(cls, "__call__", call)
 
 
+#: Prefill chunks of 16 tokens: the 37- and 130-token prompts take several
+#: ``PromptProcessingBatch.prompt`` calls, the later ones on caches with history.
+SMALL_STEP = 16
+
+
+def _same(a_lps, b_lps) -> bool:
+    return all(len(la) == len(lb) and all(mx.array_equal(a, b).item()
+                                          for a, b in zip(la, lb))
+               for la, lb in zip(a_lps, b_lps))
+
+
 def test_batch_prefill_runs_each_sequence_alone(model, monkeypatch):
     """Under the patch, ``BatchGenerator``'s prefill runs one sequence at a time
-    (``patches.batch_prefill``), both when prompts start together and when a request
-    joins: with an op whose arithmetic depends on the call's rows, every row's tokens and
-    every step's log-probabilities still equal that prompt alone. With mlx-lm's one padded
-    call (the per-row prefill refused) the same op moves the log-probabilities, so the
-    check can fail."""
+    (``patches.batch_prefill``), both when prompts start together and when two requests
+    join a running batch, over several prefill chunks: with an op whose arithmetic depends
+    on the call's rows, every row's tokens and every step's log-probabilities still equal
+    that prompt alone. With mlx-lm's one padded call (the per-row prefill refused) the same
+    op moves the log-probabilities, so the check can fail."""
     from mlx_lily.patches import batch_prefill
     from mlx_lily.testing.generation import greedy_trace
 
-    first, later = _join_prompts()
+    first = [prompt_of(37, 0), prompt_of(5, 1)]
+    later = [prompt_of(130, 2), prompt_of(21, 3)]
+    max_tokens = (8, 6, 5, 4)
+    kw = {"prefill_step_size": SMALL_STEP}
     _rows_dependent_embedding(model, monkeypatch)
     with mlx_lily.patched(model):
-        alone = [greedy_trace(model, p, n) for p, n in zip(first + later, JOIN_MAX)]
-        lps: list = []
-        batch = batch_greedy_joining(model, first, later, JOIN_MAX, logprobs=lps)
-        together = batch_greedy(model, first + later, JOIN_MAX)
+        alone = [greedy_trace(model, p, n, **kw) for p, n in zip(first + later, max_tokens)]
+        join_lps: list = []
+        joined = batch_greedy_joining(model, first, later, max_tokens, logprobs=join_lps, **kw)
+        together_lps: list = []
+        together = batch_greedy(model, first + later, max_tokens, logprobs=together_lps, **kw)
         monkeypatch.setattr(batch_prefill, "per_row_unsupported", lambda *a: "refused")
         padded_lps: list = []
-        batch_greedy_joining(model, first, later, JOIN_MAX, logprobs=padded_lps)
-    assert batch == [t for t, _ in alone] == together
-    for (_, la), lb in zip(alone, lps):
-        assert all(mx.array_equal(a, b).item() for a, b in zip(la, lb))
-    assert not all(mx.array_equal(a, b).item()
-                   for (_, la), lb in zip(alone, padded_lps) for a, b in zip(la, lb))
+        batch_greedy_joining(model, first, later, max_tokens, logprobs=padded_lps, **kw)
+    alone_lps = [lps for _, lps in alone]
+    assert joined == [t for t, _ in alone] == together
+    assert _same(alone_lps, join_lps) and _same(alone_lps, together_lps)
+    assert not _same(alone_lps, padded_lps)
 
 
-def test_batch_prefill_per_row_refusals(model):
+def test_batch_prefill_merged_cache_matches_the_rows(model):
+    """After a per-row prefill of prompts of 37 and 5 tokens the batch's caches hold each
+    row's keys right-aligned at the longest row (left padding 32 / 0 ... as
+    ``BatchKVCache.merge`` places them), with the capacity and growth step of the longest
+    row's own cache (not just its length), and the GDN states of each row alone."""
+    from mlx_lm.generate import PromptProcessingBatch
+
+    prompts = [prompt_of(37, 0), prompt_of(5, 1)]
+    with mlx_lily.patched(model):
+        batch = PromptProcessingBatch(model, [0, 1], [make_prompt_cache(model)
+                                                      for _ in prompts])
+        batch.prompt([p[:-1] for p in prompts])
+        alone = []
+        for i, p in enumerate(prompts):
+            one = PromptProcessingBatch(model, [i], [make_prompt_cache(model)])
+            one.prompt([p[:-1]])
+            alone.append(one.prompt_cache)
+    for j, c in enumerate(batch.prompt_cache):
+        rows = [a[j] for a in alone]
+        if type(c) is BatchKVCache:
+            assert c._idx == 36 and c.left_padding.tolist() == [0, 32]
+            assert c.offset.tolist() == [36, 4]
+            assert c.keys.shape[2] == rows[0].keys.shape[2] > 36
+            assert c.step == rows[0].step
+            for i, (r, n) in enumerate(zip(rows, (36, 4))):
+                assert mx.array_equal(c.keys[i:i + 1, :, 36 - n:36], r.keys[..., :n, :]).item()
+        else:
+            for i, r in enumerate(rows):
+                assert all(mx.array_equal(a[i:i + 1], b).item()
+                           for a, b in zip(c.cache, r.cache))
+            assert c.left_padding.tolist() == [r.left_padding.item() for r in rows]
+
+
+def test_batch_prefill_per_row_refusals(model, monkeypatch):
     """Which ``PromptProcessingBatch.prompt`` calls keep mlx-lm's padded call."""
     from types import SimpleNamespace
 
@@ -149,20 +196,29 @@ def test_batch_prefill_per_row_refusals(model):
     from mlx_lily.patches.batch_prefill import per_row_unsupported
 
     two = [[1, 2], [3]]
+
+    def reason(caches, m=model):
+        return per_row_unsupported(SimpleNamespace(model=m, prompt_cache=caches), two)
+
     with mlx_lily.patched(model):
         caches = _merge_caches([make_prompt_cache(model) for _ in range(2)])
-        ok = SimpleNamespace(model=model, prompt_cache=caches)
-        assert per_row_unsupported(ok, two) is None
-        assert per_row_unsupported(ok, [[1, 2]]) == "one sequence"
-        assert per_row_unsupported(SimpleNamespace(model=object(), prompt_cache=caches),
-                                   two) == "not a Lily model"
+        assert reason(caches) is None
+        assert per_row_unsupported(SimpleNamespace(model=model, prompt_cache=caches),
+                                   [[1, 2]]) == "one sequence"
+        assert reason(caches, object()) == "not a Lily model"
         rotating = _merge_caches([[RotatingKVCache(max_size=8)] for _ in range(2)])
-        assert per_row_unsupported(SimpleNamespace(model=model, prompt_cache=rotating),
-                                   two) == "cache type BatchRotatingKVCache"
+        assert reason(rotating) == "cache type BatchRotatingKVCache"
         padded = ArraysCache(2)
         padded.prepare(lengths=[2, 1])
-        assert per_row_unsupported(SimpleNamespace(model=model, prompt_cache=[padded]),
-                                   two) == "an ArraysCache with padding"
+        assert reason([padded]) == "an ArraysCache with padding"
+        passed = ArraysCache(2, left_padding=[0, 0])
+        passed.advance(3)  # tokens went through: left_padding [-3, -3], nothing to enter
+        assert reason([passed]) is None
+        kv = BatchKVCache([0, 0])
+        kv.prepare(right_padding=[0, 2])
+        assert reason([kv]) == "a BatchKVCache with pending padding"
+        monkeypatch.setenv("MLX_LILY_DISABLE", "batch_decode")
+        assert reason(caches) == "batch_decode off"
 
 
 # ------------------------------------------------------------------------- Metal emulator

@@ -27,17 +27,23 @@ def greedy(model, prompt, n: int, **kw) -> list:
     return greedy_trace(model, prompt, n, **kw)[0]
 
 
-def batch_greedy(model, prompts, max_tokens) -> list:
+def batch_greedy(model, prompts, max_tokens, logprobs: list | None = None, **gen_kw) -> list:
     """Greedy token ids per prompt through ``BatchGenerator``: all prompts prefilled
-    together, row i stopping after ``max_tokens[i]`` tokens (no stop token)."""
+    together, row i stopping after ``max_tokens[i]`` tokens (no stop token); ``gen_kw``
+    goes to ``BatchGenerator`` (e.g. ``prefill_step_size``). With ``logprobs`` (an empty
+    list), it receives each row's per-step log-probabilities (a list of ``mx.array [V]``
+    per row, in prompt order)."""
     from mlx_lm.generate import BatchGenerator
 
     gen = BatchGenerator(model, stop_tokens=[[-1]], prefill_batch_size=len(prompts),
-                         completion_batch_size=len(prompts))
+                         completion_batch_size=len(prompts), **gen_kw)
     uids = gen.insert(prompts, list(max_tokens))
     out = {u: [] for u in uids}
-    _collect(gen, out)
+    lps = {} if logprobs is not None else None
+    _collect(gen, out, logprobs=lps)
     gen.close()
+    if logprobs is not None:
+        logprobs.extend(lps.get(u, []) for u in uids)
     return [out[u] for u in uids]
 
 
