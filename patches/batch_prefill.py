@@ -27,16 +27,18 @@ from mlx_lm.models.cache import ArraysCache, BatchKVCache, KVCache
 
 def _row_kv(c: BatchKVCache, i: int) -> BatchKVCache:
     """Row ``i`` of ``c`` as a one-row ``BatchKVCache``: what that sequence's cache is
-    when ``BatchGenerator`` runs it alone (an empty one, or its history, left padding
-    cut, as ``BatchKVCache.merge`` of one cache leaves it)."""
+    when ``BatchGenerator`` runs it alone (an empty one, or its history with the left
+    padding cut and the buffer's free rows kept, so the longest row keeps the capacity
+    it has alone)."""
     row = BatchKVCache([0])
     row.step = c.step
     if c.keys is None:
         return row
-    n = c._idx - int(c.left_padding[i].item())
+    pad = int(c.left_padding[i].item())
+    n = c._idx - pad
     if n > 0:
-        row.keys = mx.contiguous(c.keys[i:i + 1, :, c._idx - n:c._idx])
-        row.values = mx.contiguous(c.values[i:i + 1, :, c._idx - n:c._idx])
+        row.keys = mx.contiguous(c.keys[i:i + 1, :, pad:])
+        row.values = mx.contiguous(c.values[i:i + 1, :, pad:])
         row.offset = row.offset + n
         row._idx = n
     return row
@@ -58,8 +60,8 @@ def _row_arrays(c: ArraysCache, i: int) -> ArraysCache:
 def _merge_kv(rows: list) -> BatchKVCache:
     """One ``BatchKVCache`` of the one-row caches ``rows``, each row right-aligned at the
     longest row's length (left-padded, as ``BatchKVCache.merge`` places them), with the
-    largest row's capacity and growth step (the capacity mlx-lm's padded call would have
-    left, and a decode step picks its split-K block from it)."""
+    longest row's capacity (what that row has alone, and mlx-lm's padded call would have
+    left; a decode step picks its split-K block from it) and the largest growth step."""
     lengths = [0 if r.keys is None else r._idx for r in rows]
     longest = max(lengths)
     merged = BatchKVCache([longest - n for n in lengths])
@@ -67,7 +69,8 @@ def _merge_kv(rows: list) -> BatchKVCache:
     live = [r for r in rows if r.keys is not None]
     if not live:
         return merged
-    cap = max([longest] + [r.keys.shape[2] for r in live])
+    cap = max([longest] + [r.keys.shape[2] for r, n in zip(rows, lengths)
+                           if n == longest and r.keys is not None])
     k0, v0 = live[0].keys, live[0].values
     keys = mx.zeros((len(rows), k0.shape[1], cap, k0.shape[3]), k0.dtype)
     values = mx.zeros((len(rows), v0.shape[1], cap, v0.shape[3]), v0.dtype)
@@ -137,16 +140,17 @@ def wrap_prompt(original):
             return original(self, tokens)
         if len(self.uids) != len(tokens):
             raise ValueError("The batch length doesn't match the number of inputs")
-        rows = []
+        rows = [[_row_kv(c, i) if type(c) is BatchKVCache else _row_arrays(c, i)
+                 for c in self.prompt_cache] for i in range(len(tokens))]
+        self.prompt_cache = []  # the rows hold the history now: one copy at a time
         for i, toks in enumerate(tokens):
             one = copy.copy(self)  # shares model, step size, ...; its own row below
             one.uids = [self.uids[i]]
             one.tokens = [self.tokens[i]]  # the same list: extended in place
-            one.prompt_cache = [_row_kv(c, i) if type(c) is BatchKVCache
-                                else _row_arrays(c, i) for c in self.prompt_cache]
+            one.prompt_cache = rows[i]
             if len(toks):
                 original(one, [toks])
-            rows.append(one.prompt_cache)
+            rows[i] = one.prompt_cache
         self.prompt_cache = [
             _merge_kv(layer) if type(layer[0]) is BatchKVCache else _merge_arrays(layer)
             for layer in zip(*rows)]

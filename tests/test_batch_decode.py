@@ -155,36 +155,45 @@ def test_batch_prefill_runs_each_sequence_alone(model, monkeypatch):
 
 
 def test_batch_prefill_merged_cache_matches_the_rows(model):
-    """After a per-row prefill of prompts of 37 and 5 tokens the batch's caches hold each
-    row's keys right-aligned at the longest row (left padding 32 / 0 ... as
-    ``BatchKVCache.merge`` places them), with the capacity and growth step of the longest
-    row's own cache (not just its length), and the GDN states of each row alone."""
+    """After a per-row prefill of prompts of 37 and 5 tokens, in two calls as a segmented
+    prompt takes them (20 + 16 and 3 + 1 tokens), the batch's caches hold each row's keys
+    right-aligned at the longest row (left padding 0 / 32, as ``BatchKVCache.merge`` places
+    them), with the capacity and growth step the longest row has alone (not its length,
+    nor a buffer regrown from it), and the GDN states of each row alone."""
     from mlx_lm.generate import PromptProcessingBatch
 
     prompts = [prompt_of(37, 0), prompt_of(5, 1)]
+    cuts = (20, 3)
     with mlx_lily.patched(model):
         batch = PromptProcessingBatch(model, [0, 1], [make_prompt_cache(model)
                                                       for _ in prompts])
-        batch.prompt([p[:-1] for p in prompts])
+        batch.prompt([p[:k] for p, k in zip(prompts, cuts)])
+        batch.prompt([p[k:-1] for p, k in zip(prompts, cuts)])
         alone = []
-        for i, p in enumerate(prompts):
+        for i, (p, k) in enumerate(zip(prompts, cuts)):
             one = PromptProcessingBatch(model, [i], [make_prompt_cache(model)])
-            one.prompt([p[:-1]])
+            one.prompt([p[:k]])
+            one.prompt([p[k:-1]])
             alone.append(one.prompt_cache)
+    n_kv = 0
     for j, c in enumerate(batch.prompt_cache):
         rows = [a[j] for a in alone]
         if type(c) is BatchKVCache:
+            n_kv += 1
             assert c._idx == 36 and c.left_padding.tolist() == [0, 32]
             assert c.offset.tolist() == [36, 4]
             assert c.keys.shape[2] == rows[0].keys.shape[2] > 36
             assert c.step == rows[0].step
             for i, (r, n) in enumerate(zip(rows, (36, 4))):
                 assert mx.array_equal(c.keys[i:i + 1, :, 36 - n:36], r.keys[..., :n, :]).item()
+                assert mx.array_equal(c.values[i:i + 1, :, 36 - n:36],
+                                      r.values[..., :n, :]).item()
         else:
             for i, r in enumerate(rows):
                 assert all(mx.array_equal(a[i:i + 1], b).item()
                            for a, b in zip(c.cache, r.cache))
             assert c.left_padding.tolist() == [r.left_padding.item() for r in rows]
+    assert n_kv > 0
 
 
 def test_batch_prefill_per_row_refusals(model, monkeypatch):
