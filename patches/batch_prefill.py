@@ -12,8 +12,8 @@ alone, and the rows' caches are then merged the way mlx-lm merges caches
 (``BatchKVCache.merge``: left-padded to the longest row).
 
 The cost is prefill throughput: ``B`` calls of ``[1, L_i]`` rows instead of one of
-``[B, L_max]`` (a short prompt batched with others is read through each weight once
-per call).
+``[B, L_max]`` (eight 512-token prompts on an H100: about 7,500 prompt tok/s instead of
+20,000, ``docs/results.md``).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import copy
 import functools
 
 import mlx.core as mx
-from mlx_lm.models.cache import ArraysCache, BatchKVCache, KVCache
+from mlx_lm.models.cache import ArraysCache, BatchKVCache
 
 
 def _row_kv(c: BatchKVCache, i: int) -> BatchKVCache:
