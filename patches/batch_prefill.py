@@ -25,16 +25,15 @@ import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache, BatchKVCache
 
 
-def _row_kv(c: BatchKVCache, i: int) -> BatchKVCache:
-    """Row ``i`` of ``c`` as a one-row ``BatchKVCache``: what that sequence's cache is
-    when ``BatchGenerator`` runs it alone (an empty one, or its history with the left
-    padding cut and the buffer's free rows kept, so the longest row keeps the capacity
-    it has alone)."""
+def _row_kv(c: BatchKVCache, i: int, pad: int) -> BatchKVCache:
+    """Row ``i`` of ``c`` (whose left padding is ``pad`` entries) as a one-row
+    ``BatchKVCache``: what that sequence's cache is when ``BatchGenerator`` runs it alone
+    (an empty one, or its history with the left padding cut and the buffer's free rows
+    kept, so the longest row keeps the capacity it has alone)."""
     row = BatchKVCache([0])
     row.step = c.step
     if c.keys is None:
         return row
-    pad = int(c.left_padding[i].item())
     n = c._idx - pad
     if n > 0:
         row.keys = mx.contiguous(c.keys[i:i + 1, :, pad:])
@@ -140,8 +139,12 @@ def wrap_prompt(original):
             return original(self, tokens)
         if len(self.uids) != len(tokens):
             raise ValueError("The batch length doesn't match the number of inputs")
-        rows = [[_row_kv(c, i) if type(c) is BatchKVCache else _row_arrays(c, i)
-                 for c in self.prompt_cache] for i in range(len(tokens))]
+        # each attention cache's left padding read once (one host sync per cache)
+        pads = [c.left_padding.tolist() if type(c) is BatchKVCache and c.keys is not None
+                else None for c in self.prompt_cache]
+        rows = [[_row_kv(c, i, int(p[i]) if p else 0) if type(c) is BatchKVCache
+                 else _row_arrays(c, i) for c, p in zip(self.prompt_cache, pads)]
+                for i in range(len(tokens))]
         self.prompt_cache = []  # the rows hold the history now: one copy at a time
         for i, toks in enumerate(tokens):
             one = copy.copy(self)  # shares model, step size, ...; its own row below

@@ -49,6 +49,10 @@
 #            default 420 s: on a fresh H100 the stock arm's JIT alone took 212 s)
 #   long:    Lily alone at B = 1 over 512 / 4K / 32K / 128K (LONG_CASES; 3 trials, limit
 #            LONG_LIMIT_S, default 300), then 4K at B = 4 / 8 (unless LONG_BATCH=0)
+#   timeline: host phases against the GPU's start and end of each B = 1 decode step
+#            (decode_timeline.py, Lily alone, kernels as bench's) at each context of
+#            TIMELINE_CONTEXTS (default 512 4096 32768), TIMELINE_STEPS steps (default 128)
+#            x 2 rounds, each limited to TIMELINE_LIMIT_S (default 240)
 #   attn-sweep: decode attention's split through mlx_lm.benchmark (user_bench.py, Lily alone,
 #            the shipped CUDA set by name), one run per setting of ATTN_SWEEP (space-separated;
 #            "default" or comma-joined VAR=VALUE of the MLX_LILY_ATTN_* / MLX_LILY_DECODE_PF
@@ -260,6 +264,15 @@ phase_long() {
     --cases 4096:128:4,4096:128:8 --out "$W/bench-lily-batch"
 }
 
+phase_timeline() {
+  local c
+  for c in ${TIMELINE_CONTEXTS:-512 4096 32768}; do
+    MLX_LILY_KERNELS=$(batch_set) step decode-timeline-c$c ${TIMELINE_LIMIT_S:-240} \
+      python3 "$R/benchmarks/gpu/decode_timeline.py" "$Q36" --context "$c" --arms lily \
+      --steps ${TIMELINE_STEPS:-128} --warmup 8 --rounds 2 --out "$W/decode-timeline-c$c"
+  done
+}
+
 sweep_run() {  # sweep_run NAME "SETTINGS" CASES KERNELS LIMIT_S: one user_bench run per setting
   local name=$1 settings=$2 cases=$3 kset=$4 limit=$5 s i=0 envs
   for s in $settings; do
@@ -324,7 +337,7 @@ for p in "${PHASE_LIST[@]}"; do
     parity-mixed) phase_parity_mixed ;;
     parity-join) phase_parity_join ;;
     parity-join-eager) phase_parity_join_eager ;;
-    gputests|trained|profile|detail|bench|qualify|gate|long) "phase_$p" ;;
+    gputests|trained|profile|detail|bench|qualify|gate|long|timeline) "phase_$p" ;;
     gemv-micro) phase_gemv_micro ;;
     attn-sweep) phase_attn_sweep ;;
     fold-sweep) phase_fold_sweep ;;
