@@ -63,7 +63,7 @@ each a set of environment settings the variant runs under, applied by
    launch no Lily kernel for the census to see: the census carries a mark for each, so
    they are timed in both phases. Ops that
    serve only decode steps of several sequences (``Op.one_sequence`` False:
-   ``batch_decode``) are not candidates: qualification runs one sequence.
+   ``batch_decode``) are not timed here: the batch phase (4.) decides them.
    That is the greedy method (``--method greedy``, ``GREEDY``). The default,
    ``TOP_DOWN`` (``DEFAULT_METHOD``), builds the set the other way: the whole passing set
    (``whole_set``) is timed against the references, then each member, fusions first
@@ -77,6 +77,18 @@ each a set of environment settings the variant runs under, applied by
    unpatched mlx-lm in the same paired rounds (Lily patched and unpatched round by
    round); if it is slower than stock in either phase beyond ``SLOWER_TOL`` nothing
    qualifies (Lily steps aside).
+4. Batch phase (``batch_decode``: decode steps of several sequences in mlx-lm's
+   ``BatchGenerator``, as ``mlx_lm.server`` runs concurrent requests), when the qualified
+   set holds the ops it requires: parity first, bit for bit: each of ``BATCH_PROMPTS``
+   generated alone (mlx-lm's ``generate_step``, greedy, ``BATCH_TOKENS`` tokens) against
+   the same prompts batched, the last ``BATCH_JOINING`` of them joining the running
+   batch after ``BATCH_JOIN_AFTER`` steps; every row's tokens and every step's
+   log-probabilities must equal the prompt alone (the contract of ``batch_decode``:
+   an answer does not depend on what else the server was doing). Then speed: batched
+   decode steps of ``BATCH_ROWS`` sequences through ``BatchGenerator`` with and without
+   it, in paired rounds as above (``batch_round``), for prompts of one length (the
+   compiled batch step) and of mixed lengths (left-padded rows); it is kept when it is
+   faster by the rule above, the two batch shapes as its two phases.
 
 The parity forwards and the references' logits run eagerly; each op set timed in decode
 traces its compiled decode step once (a new ``compile_key``; on CUDA MLX also compiles
@@ -129,7 +141,7 @@ from . import backend as _backend
 from . import config, tuning
 
 SCHEMA = "mlx-lily-qualify"
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5  # 5: the batch phase (records without it qualify again)
 QUALIFY_ENV = "MLX_LILY_QUALIFY"
 EMULATE_ENV = "MLX_LILY_QUALIFY_EMULATE"
 #: Candidate variants per op besides ``"default"``: ``{op: {variant: {env name: value}}}``
@@ -156,6 +168,16 @@ DECODE_ROUNDS = 6
 PREFILL_LEN = 512
 PARITY_PREFILL = 64
 PREFILL_REPS = 3  # paired prefill rounds
+#: The batch phase's parity: prompt lengths (tokens), of which the last BATCH_JOINING join
+#: the running batch after BATCH_JOIN_AFTER decode steps, and the tokens each row decodes.
+BATCH_PROMPTS = (37, 5, 130, 70)
+BATCH_JOINING = 2
+BATCH_JOIN_AFTER = 2
+BATCH_TOKENS = 8
+#: The batch phase's timing: batches of BATCH_ROWS sequences, prompts of one length
+#: (BATCH_LENGTH tokens) and of mixed lengths (up to BATCH_LENGTH).
+BATCH_ROWS = 4
+BATCH_LENGTH = 64
 #: How the timing step builds the set: ``"greedy"`` (ops one at a time, chains, then the
 #: whole passing set and its leave-one-out) or ``"top-down"`` (the whole passing set, then
 #: each member, in each of its variants, against the set without it and the members that
@@ -729,6 +751,93 @@ def prefill_round(model, length: int) -> float:
     return 1e3 * (time.perf_counter() - t0)
 
 
+def batch_prompts(lengths, seed: int) -> list:
+    """Token id lists of the given ``lengths``, varied and deterministic (``seed``), below
+    500 like ``first_contact.warmup_ids``."""
+    from .first_contact import warmup_ids
+
+    return [warmup_ids(n, seed=seed + i)[0].tolist() for i, n in enumerate(lengths)]
+
+
+def batch_parity(model, prompts, joining: int, join_after: int, tokens: int) -> dict:
+    """``prompts`` (token id lists) each generated alone through mlx-lm's
+    ``generate_step`` against the same prompts batched through ``BatchGenerator``, the
+    last ``joining`` of them joining the running batch after ``join_after`` decode steps;
+    ``tokens`` greedy tokens per row, under the current op set.
+
+    Returns:
+        ``{"ok": every row's tokens and every step's log-probabilities equal alone,
+        "first_token_diff": [first differing token index per row, -1 none],
+        "first_logprobs_diff_step": [per row, -1 none], "max_logprob_diff": [per row],
+        "error": None or what differed}``.
+    """
+    import mlx.core as mx
+
+    from .testing.generation import batch_greedy, batch_greedy_joining, greedy_trace
+
+    alone = [greedy_trace(model, p, tokens) for p in prompts]
+    lps: list = []
+    n_first = len(prompts) - joining
+    if joining:
+        got = batch_greedy_joining(model, prompts[:n_first], prompts[n_first:],
+                                   [tokens] * len(prompts), join_after=join_after,
+                                   logprobs=lps)
+    else:
+        got = batch_greedy(model, prompts, [tokens] * len(prompts), logprobs=lps)
+    tok_diff, lp_diff, lp_max = [], [], []
+    for (a_toks, a_lps), b_toks, b_lps in zip(alone, got, lps):
+        tok_diff.append(next((i for i, (x, y) in enumerate(zip(a_toks, b_toks)) if x != y),
+                             -1 if len(a_toks) == len(b_toks) else min(len(a_toks), len(b_toks))))
+        diffs = [float(mx.max(mx.abs(x.astype(mx.float32) - y.astype(mx.float32))))
+                 for x, y in zip(a_lps, b_lps)]
+        lp_diff.append(next((i for i, d in enumerate(diffs) if d != 0.0),
+                            -1 if len(a_lps) == len(b_lps) else min(len(a_lps), len(b_lps))))
+        lp_max.append(max(diffs, default=0.0))
+    ok = all(d == -1 for d in tok_diff) and all(d == -1 for d in lp_diff)
+    error = None if ok else (
+        "a batched row differed from the prompt alone (first differing token per row "
+        f"{tok_diff}, first differing log-probabilities step {lp_diff}, largest "
+        f"difference {max(lp_max):.3g})")
+    return {"ok": ok, "first_token_diff": tok_diff, "first_logprobs_diff_step": lp_diff,
+            "max_logprob_diff": lp_max, "error": error}
+
+
+class BatchDecodeRun:
+    """One op set's batched decode through mlx-lm's ``BatchGenerator`` (``mlx_lm.server``'s
+    path): ``prompts`` prefilled together by ``start`` (under the set's settings; the
+    first token and two untimed steps follow, where a compiled step is traced), then
+    ``batch_round`` times the next steps; ``steps`` bounds the steps it can take."""
+
+    def __init__(self, model, prompts, steps: int):
+        self.model, self.prompts, self.steps = model, [list(p) for p in prompts], int(steps)
+        self.gen = None
+
+    def start(self) -> None:
+        from mlx_lm.generate import BatchGenerator
+
+        n = len(self.prompts)
+        self.gen = BatchGenerator(self.model, stop_tokens=[[-1]], prefill_batch_size=n,
+                                  completion_batch_size=n)
+        self.gen.insert(self.prompts, [self.steps + 8] * n)
+        for _ in range(3):
+            self.gen.next_generated()
+
+    def close(self) -> None:
+        if self.gen is not None:
+            self.gen.close()
+            self.gen = None
+
+
+def batch_round(run: BatchDecodeRun, steps: int) -> float:
+    """Mean ms per batched decode step over ``steps`` steps of ``run`` (each one
+    ``BatchGenerator.next_generated`` call: a step of every row, its tokens read back, as
+    the server does)."""
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        run.gen.next_generated()
+    return 1e3 * (time.perf_counter() - t0) / steps
+
+
 def paired_rounds(arms, measure, rounds: int) -> tuple:
     """Times of two arms taken in alternation: ``rounds`` rounds, each arm once per round,
     in the order A B, B A, A B, ... (a drift of the machine's speed during the rounds
@@ -1133,9 +1242,8 @@ def qualify_model(model, *, ops=None, decode_steps: int = DECODE_STEPS,
             off = kernels.runtime_disabled().get(op)
             if not registry.get(op).one_sequence:
                 for r in results[op].values():
-                    r["error"] = ("not qualified here: it serves decode steps of several "
-                                  "sequences, which qualification (one sequence) neither "
-                                  "checks nor times")
+                    r["error"] = ("serves decode steps of several sequences: the batch "
+                                  "phase, after the one-sequence ops, decides it")
             elif off is not None:
                 for r in results[op].values():
                     r["error"] = off
@@ -1497,6 +1605,18 @@ def qualify_model(model, *, ops=None, decode_steps: int = DECODE_STEPS,
     if qualified and sp and min(sp.values()) < 1 - SLOWER_TOL:
         overall["dropped"] = sorted(qualified)
         qualified = {}
+    if "batch_decode" in results:
+        r = results["batch_decode"][DEFAULT_VARIANT]
+        need = [o for o in first_contact.requires("batch_decode") if o not in qualified]
+        if need:
+            r["error"] = (f"batch phase not run: it requires {', '.join(need)}, which did "
+                          "not qualify")
+        else:
+            with mlx_lily.patched(force=True), led.phase("batch"):
+                _batch_phase(model, r, arm, list(kept), env_of(kept), decode_steps,
+                             decode_rounds, seed, say)
+            if r["passed"] and r["faster"]:
+                qualified["batch_decode"] = DEFAULT_VARIANT
     say(f"qualified {len(qualified)} of {len(cands)} ops"
         + (f"; vs stock: {' '.join(f'{k} x{s:.3f}' for k, s in sp.items())}" if sp else "")
         + ("; slower than stock: Lily steps aside" if overall.get("dropped") else ""))
@@ -1521,8 +1641,66 @@ def qualify_model(model, *, ops=None, decode_steps: int = DECODE_STEPS,
                        "and prefill chunks, speed-up = the median per-round ratio; "
                        + ("an op not kept alone timed again with the ops that require it; "
                           if method == GREEDY else "")
-                       + "the qualified set checked and timed against stock the same way"),
+                       + "the qualified set checked and timed against stock the same way; "
+                       "batch_decode: each prompt alone vs batched through BatchGenerator "
+                       "(two joining) bit for bit, then batched decode steps with vs "
+                       "without it in paired rounds"),
             "seconds": led.elapsed()}
+
+
+def _batch_phase(model, r: dict, arm, kept: list, env: dict, steps: int, rounds: int,
+                 seed: int, say) -> None:
+    """The batch phase of ``qualify_model`` for ``batch_decode`` (module docstring, 4.):
+    fills ``r`` (its result: ``passed``, ``agreement`` = ``batch_parity``'s verdict,
+    ``faster``, ``kernel_ms`` / ``base_ms`` / ``speedup`` / ``noise`` per batch shape,
+    ``error``). ``arm(opset, env)`` makes an op set's context (``qualify_model``'s);
+    ``kept`` is the qualified one-sequence set, ``env`` its variants' settings. Runs
+    on the patched ``model`` (its loaded layers)."""
+    on = _ordered(kept + ["batch_decode"])
+    r.update(error=None, settings=env, parity_set=on)
+    try:
+        with arm(on, env)():
+            v = batch_parity(model, batch_prompts(BATCH_PROMPTS, seed), BATCH_JOINING,
+                             BATCH_JOIN_AFTER, BATCH_TOKENS)
+    except Exception as e:  # noqa: BLE001  (a launch or build failure fails the op)
+        r.update(passed=False, error=f"batch parity raised {e!r}")
+        say(f"batch_decode: {r['error']}")
+        return
+    r.update(passed=v["ok"], agreement=v, error=v["error"])
+    say(f"batch_decode parity ({len(BATCH_PROMPTS)} prompts, {BATCH_JOINING} joining): "
+        + ("every row equals the prompt alone" if v["ok"] else v["error"]))
+    if not v["ok"]:
+        return
+    shapes = {"batch_equal": [BATCH_LENGTH] * BATCH_ROWS,
+              "batch_mixed": [max(1, BATCH_LENGTH * (i + 1) // BATCH_ROWS)
+                              for i in range(BATCH_ROWS)]}
+    arms = (arm(kept, env), arm(on, env))
+    out = {"base_ms": {}, "kernel_ms": {}, "speedup": {}, "noise": {}}
+    try:
+        for name, lengths in shapes.items():
+            prompts = batch_prompts(lengths, seed + 11)
+            runs = [BatchDecodeRun(model, prompts, steps * rounds) for _ in arms]
+            try:
+                for run, a in zip(runs, arms):
+                    with a():
+                        run.start()
+                b, k = paired_rounds(arms, lambda i: batch_round(runs[i], steps), rounds)
+            finally:
+                for run in runs:
+                    run.close()
+            out["base_ms"][name] = statistics.median(b)
+            out["kernel_ms"][name] = statistics.median(k)
+            out["speedup"][name], out["noise"][name] = ratio_stats(b, k)
+            out.setdefault("rounds", {})[name] = {"base": b, "kernel": k}
+    except Exception as e:  # noqa: BLE001
+        r.update(faster=False, error=f"batch timing raised {e!r}")
+        say(f"batch_decode: {r['error']}")
+        return
+    r.update(out)
+    r["faster"] = faster_speedup(out["speedup"], out["noise"])
+    say(f"batch_decode: {BATCH_ROWS} sequences, "
+        + " ".join(f"{k} x{x:.3f}" for k, x in out["speedup"].items())
+        + (" -> kept" if r["faster"] else " -> not faster"))
 
 
 # ----------------------------------------------------------------------------- child
@@ -1676,6 +1854,9 @@ def report_rows(record: dict) -> list:
     for op, variants in record.get("ops", {}).items():
         for name, r in variants.items():
             k, b, s = r.get("kernel_ms") or {}, r.get("base_ms") or {}, r.get("speedup") or {}
+            batch = "; ".join(f"{ph[len('batch_'):]} batches {_ms(b.get(ph))} -> "
+                              f"{_ms(k.get(ph))} ms a step (x{s[ph]:.3f})"
+                              for ph in s if ph.startswith("batch_") and s[ph])
             rows.append({"op": op, "variant": name, "passed": bool(r.get("passed")),
                          "qualified": record.get("qualified", {}).get(op) == name,
                          "kernel_decode_ms": k.get("decode"), "stock_decode_ms": b.get("decode"),
@@ -1683,7 +1864,7 @@ def report_rows(record: dict) -> list:
                          "kernel_prefill_ms": k.get("prefill"),
                          "stock_prefill_ms": b.get("prefill"),
                          "speedup_prefill": s.get("prefill"),
-                         "error": r.get("error") or "".join(
+                         "error": r.get("error") or batch or "".join(
                              f"{ph}: same launches as without it, not timed; "
                              for ph in (r.get("timing") or {}).get("reused", ())) or None})
     return rows

@@ -979,13 +979,79 @@ def test_whole_set_leaves_out_ops_that_would_serve_untimed():
 
 @needs_emu
 def test_switches_for_several_sequences_are_not_candidates(monkeypatch):
-    """``batch_decode`` serves only steps of several sequences: qualification, which runs
-    one, neither checks nor times it, and says so in the record."""
+    """``batch_decode`` serves only steps of several sequences: the one-sequence timing
+    leaves it out, and the batch phase does not run while the ops it requires did not
+    qualify (all timings equal here: nothing qualifies); the record says so."""
     res = _qualify_timed_by(monkeypatch, ["attention", "qgemv", "attn_packed", "batch_decode"],
                             lambda run, steps: 10.0)
     r = res["ops"]["batch_decode"]["default"]
-    assert not r["passed"] and "several sequences" in r["error"] and r["kernel_ms"] is None
+    assert not r["passed"] and "batch phase not run" in r["error"] and r["kernel_ms"] is None
+    assert "attention" in r["error"] and "batch_decode" not in res["qualified"]
     assert "batch_decode" not in (res["overall"].get("whole_set") or {}).get("ops", [])
+    assert "batch" not in res["phases"]
+
+
+def _small_batch_phase(monkeypatch):
+    """The batch phase on short prompts (the emulator runs every launch on the host)."""
+    monkeypatch.setattr(qualify, "BATCH_PROMPTS", (9, 5, 13, 7))
+    monkeypatch.setattr(qualify, "BATCH_TOKENS", 4)
+    monkeypatch.setattr(qualify, "BATCH_LENGTH", 8)
+    monkeypatch.setattr(qualify, "BATCH_ROWS", 2)
+
+
+BATCH_OPS = ["attention", "attn_packed", "qgemv", "batch_decode"]
+
+
+def _faster_with_each_kernel(run, steps):
+    """A decode round's ms, 1 ms less for each of batch_decode's required ops on."""
+    on = kernels._OVERRIDE[0] or frozenset()
+    return 10.0 - sum(o in on for o in BATCH_OPS[:3])
+
+
+@needs_emu
+@pytest.mark.parametrize("off_on_ms, kept", [((10.0, 6.0), True), ((10.0, 10.5), False)])
+def test_batch_phase_keeps_batch_decode_when_rows_equal_alone_and_it_pays(
+        monkeypatch, off_on_ms, kept):
+    """Once the ops it requires qualified, ``batch_decode`` is checked as the server runs
+    it (``BatchGenerator``: four prompts, two joining the running batch; every row's
+    tokens and log-probabilities equal the prompt alone, on the emulated kernels) and
+    timed with vs without it on batches of one length and of mixed lengths; it
+    qualifies only when faster."""
+    _small_batch_phase(monkeypatch)
+    monkeypatch.setattr(qualify, "batch_round", lambda run, steps: off_on_ms[
+        "batch_decode" in (kernels._OVERRIDE[0] or frozenset())])
+    lines: list = []
+    res = _qualify_timed_by(monkeypatch, BATCH_OPS, _faster_with_each_kernel,
+                            progress=lines.append)
+    assert set(BATCH_OPS[:3]) <= set(res["qualified"]), res["qualified"]
+    r = res["ops"]["batch_decode"]["default"]
+    assert r["passed"] and r["agreement"]["ok"], r
+    assert r["agreement"]["first_token_diff"] == [-1] * 4
+    assert r["agreement"]["first_logprobs_diff_step"] == [-1] * 4
+    assert set(r["speedup"]) == {"batch_equal", "batch_mixed"}
+    assert r["speedup"]["batch_equal"] == pytest.approx(off_on_ms[0] / off_on_ms[1])
+    assert r["faster"] is kept and ("batch_decode" in res["qualified"]) is kept
+    assert "batch" in res["phases"] and any("batch_decode parity" in x for x in lines)
+    row = next(x for x in qualify.report_rows(res) if x["op"] == "batch_decode")
+    assert "equal batches 10.000 ->" in row["error"] and "mixed batches" in row["error"]
+
+
+@needs_emu
+def test_batch_parity_tells_a_batch_that_departs_from_alone():
+    """``batch_parity`` on the emulated kernels: with ``batch_decode`` every row equals
+    its prompt alone; without it (a batch's decode steps take mlx-lm's code for
+    attention, a prompt alone Lily's kernels) it reports the rows that differ."""
+    model = _models.build("qwen3_5_moe", seed=3)
+    prompts = qualify.batch_prompts((9, 5, 13, 7), seed=1)
+    verdicts = {}
+    with emulated_metal(), mlx_lily.patched(model):
+        for name, ops in (("on", BATCH_OPS), ("off", BATCH_OPS[:3])):
+            with kernels.only_ops(ops):
+                verdicts[name] = qualify.batch_parity(model, prompts, 2, 2, 4)
+    assert verdicts["on"]["ok"] and verdicts["on"]["error"] is None, verdicts["on"]
+    off = verdicts["off"]
+    assert not off["ok"] and "differed from the prompt alone" in off["error"]
+    assert any(d >= 0 for d in off["first_logprobs_diff_step"]), off
 
 
 @needs_emu

@@ -49,6 +49,29 @@ def test_run_loop_records(host_clock):
     assert set(m) == set(timeline.KEYS) | {"clock_align_err_ms"}
 
 
+@pytest.mark.parametrize("gc_mode", ["off", "freeze"])
+def test_run_loop_gc_modes_and_cpu_times(host_clock, gc_mode):
+    """The collector mode applies during the loop only (off: no collection counted) and
+    each step's CPU time of a phase lies within its wall time."""
+    import gc
+
+    from mlx_lily.bench.ab import build_context, copy_cache, load_target
+
+    t = load_target(synthetic="tiny")
+    ctx = build_context(t.model, list(range(5, 40)), 16)
+    assert gc.isenabled()
+    r = timeline.run_loop(t.model, copy_cache(ctx), 7, steps=4, warmup=1, gc_mode=gc_mode)
+    assert gc.isenabled() and gc.get_freeze_count() == 0
+    assert r["gc_mode"] == gc_mode and len(r["gc_collections"]) == 3
+    if gc_mode == "off":
+        assert r["gc_collections"] == [0, 0, 0]
+    for s in r["steps_ms"]:
+        for phase in ("build", "dispatch"):
+            assert 0 <= s[f"{phase}_cpu"] <= s[phase] + 1.0  # ms: clock granularity
+    with pytest.raises(ValueError, match="gc_mode"):
+        timeline.run_loop(t.model, copy_cache(ctx), 7, steps=1, warmup=0, gc_mode="later")
+
+
 def test_calibrate_refuses_without_timer():
     if gpu_clock.available():
         pytest.skip("CUDA backend present")

@@ -22,7 +22,7 @@ from pathlib import Path
 from mlx_lily.bench import env_override, gpu_clock, parse_arm_envs, write_json
 from mlx_lily.bench.ab import (arm_context, build_context, copy_cache, environment, load_target,
                                log, synthetic_ids, vocab_bounds)
-from mlx_lily.bench.timeline import KEYS, run_loop
+from mlx_lily.bench.timeline import GC_MODES, KEYS, run_loop
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].replace("\n", " "))
@@ -37,6 +37,9 @@ def main(argv=None) -> int:
     p.add_argument("--arm-env", action="append", default=[], metavar="NAME:VAR=VALUE",
                    help="one more Lily arm run with environment variable VAR=VALUE; repeatable")
     p.add_argument("--ops", default=None)
+    p.add_argument("--gc", default="on", choices=GC_MODES,
+                   help="Python's cyclic collector during each timed loop: as it is, off, or "
+                        "with the objects allocated before the loop frozen out of its scans")
     p.add_argument("--out", type=Path, default=None)
     a = p.parse_args(argv)
     arms = {x: None for x in a.arms.split(",") if x}
@@ -55,14 +58,14 @@ def main(argv=None) -> int:
         ctx = build_context(t.model, ids[:a.context], 2048)
     env = {k: os.environ.get(k) for k in ("MLX_MAX_OPS_PER_BUFFER", "MLX_MAX_MB_PER_BUFFER",
                                           "MLX_USE_CUDA_GRAPHS")}
-    res = {"environment": environment(ops), "mlx_env": env, "context": a.context,
+    res = {"environment": environment(ops), "mlx_env": env, "gc": a.gc, "context": a.context,
            "steps": a.steps, "warmup": a.warmup, "rounds": a.rounds, "arms": {}}
     for rnd in range(a.rounds):
         for arm, var_val in arms.items():
             with env_override(*(var_val or (None,))), \
                     arm_context("lily" if var_val else arm, t.model, ops):
                 r = run_loop(t.model, copy_cache(ctx), int(ids[a.context]), a.steps,
-                             a.warmup)
+                             a.warmup, gc_mode=a.gc)
             if var_val:
                 r["env"] = dict([var_val])
             res["arms"].setdefault(arm, []).append(r)

@@ -52,7 +52,10 @@
 #   timeline: host phases against the GPU's start and end of each B = 1 decode step
 #            (decode_timeline.py, Lily alone, kernels as bench's) at each context of
 #            TIMELINE_CONTEXTS (default 512 4096 32768), TIMELINE_STEPS steps (default 128)
-#            x 2 rounds, each limited to TIMELINE_LIMIT_S (default 240)
+#            x 2 rounds, each limited to TIMELINE_LIMIT_S (default 240); TIMELINE_RUNS:
+#            space-separated runs, each "default" or comma-joined words that are VAR=VALUE
+#            (environment, e.g. MLX_USE_CUDA_GRAPHS=0) or --gc=off / --gc=freeze (default:
+#            one run, "default"); each run's folders end in -r<n> after the first
 #   attn-sweep: decode attention's split through mlx_lm.benchmark (user_bench.py, Lily alone,
 #            the shipped CUDA set by name), one run per setting of ATTN_SWEEP (space-separated;
 #            "default" or comma-joined VAR=VALUE of the MLX_LILY_ATTN_* / MLX_LILY_DECODE_PF
@@ -265,11 +268,23 @@ phase_long() {
 }
 
 phase_timeline() {
-  local c
-  for c in ${TIMELINE_CONTEXTS:-512 4096 32768}; do
-    MLX_LILY_KERNELS=$(batch_set) step decode-timeline-c$c ${TIMELINE_LIMIT_S:-240} \
-      python3 "$R/benchmarks/gpu/decode_timeline.py" "$Q36" --context "$c" --arms lily \
-      --steps ${TIMELINE_STEPS:-128} --warmup 8 --rounds 2 --out "$W/decode-timeline-c$c"
+  local c run i=0 envs args w ws sfx
+  for run in ${TIMELINE_RUNS:-default}; do
+    i=$((i + 1)); sfx=""; [ "$i" = 1 ] || sfx="-r$i"
+    envs=(); args=()
+    if [ "$run" != default ]; then
+      IFS=, read -r -a ws <<< "$run"
+      for w in "${ws[@]}"; do
+        case "$w" in --*) args+=("$w") ;; *) envs+=("$w") ;; esac
+      done
+    fi
+    for c in ${TIMELINE_CONTEXTS:-512 4096 32768}; do
+      echo "$run" > "$W/decode-timeline-c$c$sfx.setting"
+      MLX_LILY_KERNELS=$(batch_set) step decode-timeline-c$c$sfx ${TIMELINE_LIMIT_S:-240} \
+        env ${envs[@]+"${envs[@]}"} python3 "$R/benchmarks/gpu/decode_timeline.py" "$Q36" \
+        --context "$c" --arms lily --steps ${TIMELINE_STEPS:-128} --warmup 8 --rounds 2 \
+        ${args[@]+"${args[@]}"} --out "$W/decode-timeline-c$c$sfx"
+    done
   done
 }
 

@@ -28,8 +28,15 @@ from mlx_lily.bench import gpu_clock
 #: row, ``build``, ``dispatch`` and the ``gpu_*`` / ``*_dispatch_*`` figures are of the step
 #: dispatched in that iteration, ``wait`` and ``interval`` of the step before it (the one
 #: whose token ``.item()`` returns): medians are unaffected, per-step rows pair so.
+#: ``build_cpu`` / ``dispatch_cpu``: the calling thread's CPU time in those phases
+#: (``time.thread_time_ns``); a phase whose wall time far exceeds its CPU time waited
+#: (descheduled, blocked in a lock or a driver call), one whose CPU time grew too ran
+#: slower or did more.
 KEYS = ("interval", "build", "dispatch", "wait", "gpu_busy", "gpu_idle_before",
-         "start_after_dispatch_begin", "end_after_dispatch_end")
+        "start_after_dispatch_begin", "end_after_dispatch_end", "build_cpu", "dispatch_cpu")
+#: ``run_loop``'s ``gc`` modes: Python's cyclic collector as it is, off during the loop,
+#: or with every object allocated before the loop frozen (``gc.freeze``) out of its scans.
+GC_MODES = ("on", "off", "freeze")
 
 
 def calibrate(tries: int = 15) -> tuple[int, int]:
@@ -51,16 +58,43 @@ def calibrate(tries: int = 15) -> tuple[int, int]:
     return g - (h0 + h1) // 2, (h1 - h0) // 2
 
 
-def run_loop(model, cache, first: int, steps: int, warmup: int) -> dict:
+def run_loop(model, cache, first: int, steps: int, warmup: int, gc_mode: str = "on") -> dict:
     """The generate_step loop from ``cache`` (mlx-lm cache list, updated in place) and token
-    ``first`` with host and GPU stamps: ``steps`` timed steps after ``warmup``.
+    ``first`` with host and GPU stamps: ``steps`` timed steps after ``warmup``; Python's
+    cyclic collector in ``gc_mode`` (``GC_MODES``) during the loop, restored after.
 
     Returns:
         ``{"median_ms": {key: ms}, "steps_ms": [...], "clock_offset_ns",
-        "clock_align_err_ns", "tok_s"}`` (keys: ``KEYS``).
+        "clock_align_err_ns", "tok_s", "gc_mode", "gc_collections": collections during
+        the loop, per generation}`` (keys: ``KEYS``).
     Raises:
         RuntimeError: not on MLX's CUDA backend (``gpu_clock``).
+        ValueError: ``gc_mode`` not in ``GC_MODES``.
     """
+    import gc
+
+    if gc_mode not in GC_MODES:
+        raise ValueError(f"run_loop: gc_mode {gc_mode!r} is not one of {GC_MODES}")
+    was_enabled = gc.isenabled()
+    if gc_mode == "off":
+        gc.disable()
+    elif gc_mode == "freeze":
+        gc.collect()
+        gc.freeze()
+    before = [g["collections"] for g in gc.get_stats()]
+    try:
+        out = _run_loop(model, cache, first, steps, warmup)
+    finally:
+        if gc_mode == "freeze":
+            gc.unfreeze()
+        if was_enabled:
+            gc.enable()
+    out["gc_mode"] = gc_mode
+    out["gc_collections"] = [g["collections"] - b for g, b in zip(gc.get_stats(), before)]
+    return out
+
+
+def _run_loop(model, cache, first: int, steps: int, warmup: int) -> dict:
     from mlx_lm.generate import generation_stream
 
     zero = mx.array([0, 0, 0, 0], dtype=mx.uint32)  # spin 0 us (16 bytes: device memory)
@@ -80,15 +114,16 @@ def run_loop(model, cache, first: int, steps: int, warmup: int) -> dict:
     cur = step(mx.array([first], dtype=mx.int32))
     mx.async_eval(*cur)
     recs = []
+    cpu = time.thread_time_ns
     for _ in range(steps + warmup + 1):  # intervals need the step before
-        h0 = time.time_ns()
+        c0, h0 = cpu(), time.time_ns()
         nxt = step(cur[0])
-        h1 = time.time_ns()
+        c1, h1 = cpu(), time.time_ns()
         mx.async_eval(*nxt)
-        h2 = time.time_ns()
+        c2, h2 = cpu(), time.time_ns()
         cur[0].item()
         h3 = time.time_ns()
-        recs.append({"h": (h0, h1, h2, h3), "arrays": nxt})
+        recs.append({"h": (h0, h1, h2, h3), "c": (c0, c1, c2), "arrays": nxt})
         cur = nxt
     cur[0].item()
     mx.synchronize()
@@ -99,10 +134,12 @@ def run_loop(model, cache, first: int, steps: int, warmup: int) -> dict:
         g0 = gpu_clock.ns(recs[i]["arrays"][2]) - off
         g1 = gpu_clock.ns(recs[i]["arrays"][3]) - off
         pg1 = gpu_clock.ns(recs[i - 1]["arrays"][3]) - off
+        c0, c1, c2 = recs[i]["c"]
         rows.append({"interval": h3 - recs[i - 1]["h"][3], "build": h1 - h0,
                      "dispatch": h2 - h1, "wait": h3 - h2, "gpu_busy": g1 - g0,
                      "gpu_idle_before": g0 - pg1, "start_after_dispatch_begin": g0 - h1,
-                     "end_after_dispatch_end": g1 - h2})
+                     "end_after_dispatch_end": g1 - h2, "build_cpu": c1 - c0,
+                     "dispatch_cpu": c2 - c1})
     rows = rows[warmup:]
     med = {k: statistics.median(r[k] for r in rows) / 1e6 for k in KEYS}
     return {"median_ms": med, "steps_ms": [{k: r[k] / 1e6 for k in KEYS} for r in rows],
