@@ -1008,32 +1008,85 @@ def _faster_with_each_kernel(run, steps):
     return 10.0 - sum(o in on for o in BATCH_OPS[:3])
 
 
+def _with_batch_decode(ms):
+    """``ms[0]`` while ``batch_decode`` is off, ``ms[1]`` while it is on."""
+    return ms["batch_decode" in (kernels._OVERRIDE[0] or frozenset())]
+
+
 @needs_emu
-@pytest.mark.parametrize("off_on_ms, kept", [((10.0, 6.0), True), ((10.0, 10.5), False)])
+@pytest.mark.parametrize("decode_ms, prefill_ms, kept", [
+    ((10.0, 6.0), (10.0, 10.0), True),    # batched steps faster, a prompt alone as fast
+    ((10.0, 10.5), (10.0, 10.0), False),  # batched steps slower
+    ((10.0, 6.0), (10.0, 11.0), False),   # a prompt alone prefills slower
+])
 def test_batch_phase_keeps_batch_decode_when_rows_equal_alone_and_it_pays(
-        monkeypatch, off_on_ms, kept):
+        monkeypatch, decode_ms, prefill_ms, kept):
     """Once the ops it requires qualified, ``batch_decode`` is checked as the server runs
-    it (``BatchGenerator``: four prompts, two joining the running batch; every row's
-    tokens and log-probabilities equal the prompt alone, on the emulated kernels) and
-    timed with vs without it on batches of one length and of mixed lengths; it
-    qualifies only when faster."""
+    it (``BatchGenerator``: four prompts, two joining the running batch, and two of one
+    length; every row's tokens and log-probabilities equal the prompt alone, on the
+    emulated kernels; a prompt alone, prefilled past the router kernel's row limit,
+    against the references), then timed with vs without it: batched decode steps on the
+    model's depth (batches of one length and of mixed lengths), a batch's prefill, and a
+    prompt alone's prefill. It qualifies only when the batched steps are faster and a
+    prompt alone prefills no slower."""
     _small_batch_phase(monkeypatch)
-    monkeypatch.setattr(qualify, "batch_round", lambda run, steps: off_on_ms[
-        "batch_decode" in (kernels._OVERRIDE[0] or frozenset())])
+    started = []
+    real_start = qualify.BatchDecodeRun.start
+
+    def start(self):
+        started.append((len(qualify._inner_model(self.model).layers),
+                        kernels._OVERRIDE[0] or frozenset()))
+        real_start(self)
+
+    monkeypatch.setattr(qualify.BatchDecodeRun, "start", start)
+    monkeypatch.setattr(qualify, "batch_round", lambda run, steps: _with_batch_decode(decode_ms))
     lines: list = []
     res = _qualify_timed_by(monkeypatch, BATCH_OPS, _faster_with_each_kernel,
-                            progress=lines.append)
+                            prefill=lambda model, length: _with_batch_decode(prefill_ms),
+                            progress=lines.append, depth=8)
     assert set(BATCH_OPS[:3]) <= set(res["qualified"]), res["qualified"]
     r = res["ops"]["batch_decode"]["default"]
-    assert r["passed"] and r["agreement"]["ok"], r
-    assert r["agreement"]["first_token_diff"] == [-1] * 4
-    assert r["agreement"]["first_logprobs_diff_step"] == [-1] * 4
-    assert set(r["speedup"]) == {"batch_equal", "batch_mixed"}
-    assert r["speedup"]["batch_equal"] == pytest.approx(off_on_ms[0] / off_on_ms[1])
+    assert r["passed"] and r["parity_set"] == qualify._ordered(BATCH_OPS), r
+    v = r["agreement"]
+    assert v["one_sequence"]["ok"] and v["joining"]["ok"] and v["equal"]["ok"], v
+    assert v["joining"]["first_token_diff"] == [-1] * 4
+    assert v["joining"]["first_logprobs_diff_step"] == [-1] * 4
+    assert set(r["speedup"]) == {"batch_equal", "batch_mixed", "batch_prefill", "prefill"}
+    assert r["speedup"]["batch_equal"] == pytest.approx(decode_ms[0] / decode_ms[1])
     assert r["faster"] is kept and ("batch_decode" in res["qualified"]) is kept
+    # each shape's two runs: on the model's depth, one per arm (the qualified set alone,
+    # and with batch_decode)
+    base = frozenset(res["qualified"]) - {"batch_decode"}
+    assert sorted(started, key=lambda x: len(x[1])) == [(8, base), (8, base),
+                                                       (8, base | {"batch_decode"}),
+                                                       (8, base | {"batch_decode"})]
     assert "batch" in res["phases"] and any("batch_decode parity" in x for x in lines)
     row = next(x for x in qualify.report_rows(res) if x["op"] == "batch_decode")
     assert "equal batches 10.000 ->" in row["error"] and "mixed batches" in row["error"]
+
+
+def test_a_child_stopped_in_the_batch_phase_keeps_its_one_sequence_result(
+        fake_device, monkeypatch):
+    """A child that wrote its result before the batch phase and then ran out of time
+    leaves a valid record of that result, ``batch_decode`` not qualified, and says why."""
+    real_popen = qualify.subprocess.Popen
+
+    def popen(cmd, **kw):
+        out = cmd[cmd.index("--child-out") + 1]
+        Path(out).write_text(json.dumps({
+            "partial": True, "identity": qualify.identity("metal"),
+            "qualified": {"qgemv": "default"},
+            "ops": {"qgemv": {"default": {"passed": True}},
+                    "batch_decode": {"default": {"passed": False, "error": "unfinished"}}}}))
+        return real_popen([sys.executable, "-c", "import time; time.sleep(60)"], **kw)
+
+    monkeypatch.setattr(qualify.subprocess, "Popen", popen)
+    rec = qualify.run(str(FIXTURE), backend="metal", timeout_s=3)
+    assert rec["status"] == "ok" and rec["qualified"] == {"qgemv": "default"}, rec
+    assert rec["batch_phase_stopped"] == "qualification did not finish within 3 s"
+    assert "the batch phase did not finish" in rec["ops"]["batch_decode"]["default"]["error"]
+    kernels.forget_record()
+    assert qualify.record_ops("metal") == frozenset({"qgemv"})
 
 
 @needs_emu

@@ -49,22 +49,33 @@ def test_run_loop_records(host_clock):
     assert set(m) == set(timeline.KEYS) | {"clock_align_err_ms"}
 
 
-@pytest.mark.parametrize("gc_mode", ["off", "freeze"])
+@pytest.mark.parametrize("gc_mode", ["on", "off", "freeze"])
 def test_run_loop_gc_modes_and_cpu_times(host_clock, gc_mode):
-    """The collector mode applies during the loop only (off: no collection counted) and
-    each step's CPU time of a phase lies within its wall time."""
+    """The collector mode applies during the loop only (a model call that leaves cyclic
+    garbage: collections counted unless off) and each step's CPU time of a phase lies
+    within its wall time."""
     import gc
 
     from mlx_lily.bench.ab import build_context, copy_cache, load_target
 
     t = load_target(synthetic="tiny")
     ctx = build_context(t.model, list(range(5, 40)), 16)
+
+    def cyclic_model(*args, **kw):
+        for _ in range(3000):
+            x: list = []
+            x.append(x)
+        return t.model(*args, **kw)
+
     assert gc.isenabled()
-    r = timeline.run_loop(t.model, copy_cache(ctx), 7, steps=4, warmup=1, gc_mode=gc_mode)
+    r = timeline.run_loop(cyclic_model, copy_cache(ctx), 7, steps=4, warmup=1,
+                          gc_mode=gc_mode)
     assert gc.isenabled() and gc.get_freeze_count() == 0
     assert r["gc_mode"] == gc_mode and len(r["gc_collections"]) == 3
     if gc_mode == "off":
         assert r["gc_collections"] == [0, 0, 0]
+    else:
+        assert r["gc_collections"][0] > 0
     for s in r["steps_ms"]:
         for phase in ("build", "dispatch"):
             assert 0 <= s[f"{phase}_cpu"] <= s[phase] + 1.0  # ms: clock granularity

@@ -76,6 +76,7 @@ def run_loop(model, cache, first: int, steps: int, warmup: int, gc_mode: str = "
     if gc_mode not in GC_MODES:
         raise ValueError(f"run_loop: gc_mode {gc_mode!r} is not one of {GC_MODES}")
     was_enabled = gc.isenabled()
+    thaw = gc_mode == "freeze" and gc.get_freeze_count() == 0  # leave a caller's freeze
     if gc_mode == "off":
         gc.disable()
     elif gc_mode == "freeze":
@@ -84,13 +85,14 @@ def run_loop(model, cache, first: int, steps: int, warmup: int, gc_mode: str = "
     before = [g["collections"] for g in gc.get_stats()]
     try:
         out = _run_loop(model, cache, first, steps, warmup)
+        # read before the collector is back on (its first allocation may collect)
+        out["gc_collections"] = [g["collections"] - b for g, b in zip(gc.get_stats(), before)]
     finally:
-        if gc_mode == "freeze":
+        if thaw:
             gc.unfreeze()
         if was_enabled:
             gc.enable()
     out["gc_mode"] = gc_mode
-    out["gc_collections"] = [g["collections"] - b for g, b in zip(gc.get_stats(), before)]
     return out
 
 
