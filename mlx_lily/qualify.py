@@ -851,24 +851,21 @@ def batch_round(run: BatchDecodeRun, steps: int) -> float:
 
 
 def batch_prefill_round(model, prompts) -> float:
-    """ms from inserting ``prompts`` into a fresh ``BatchGenerator`` to their first tokens
-    (the batch's prefill, as the server runs it for requests arriving together)."""
-    import mlx.core as mx
+    """ms a fresh ``BatchGenerator`` spends prefilling ``prompts`` (requests arriving
+    together): its own prompt-processing time (``BatchGenerator.stats``, each prompt call
+    evaluated), decode steps excluded."""
+    from mlx_lm.generate import BatchGenerator
 
-    run = BatchDecodeRun(model, prompts, 1)
+    n = len(prompts)
+    gen = BatchGenerator(model, stop_tokens=[[-1]], prefill_batch_size=n,
+                         completion_batch_size=n)
     try:
-        from mlx_lm.generate import BatchGenerator
-
-        n = len(run.prompts)
-        t0 = time.perf_counter()
-        run.gen = BatchGenerator(model, stop_tokens=[[-1]], prefill_batch_size=n,
-                                 completion_batch_size=n)
-        run.gen.insert(run.prompts, [4] * n)
-        run.gen.next_generated()
-        mx.synchronize()
-        return 1e3 * (time.perf_counter() - t0)
+        gen.insert([list(p) for p in prompts], [2] * n)
+        with gen.stats() as st:
+            gen.next_generated()
+        return 1e3 * st.prompt_time
     finally:
-        run.close()
+        gen.close()
 
 
 def paired_rounds(arms, measure, rounds: int) -> tuple:
@@ -1724,7 +1721,7 @@ def _batch_phase(model, deep, r: dict, arm, kept: list, env: dict, *, steps: int
         with kernels.only_ops(()), _backend.compile_suspended():
             ref = first_contact.forward_logits(model, prompt_len, long, seed=seed)
         v = _Parity(model, led, ref, prompt_len, long, seed).check(on, env)
-        verdicts["one_sequence"] = {k: v[k] for k in ("ok", "agreement", "error")}
+        verdicts["one_sequence"] = {k: v[k] for k in ("ok", "agreement", "error", "launched")}
         with arm(on, env)():
             verdicts["joining"] = batch_parity(model, batch_prompts(BATCH_PROMPTS, seed),
                                                BATCH_JOINING, BATCH_JOIN_AFTER, BATCH_TOKENS)
@@ -1757,9 +1754,12 @@ def _batch_phase(model, deep, r: dict, arm, kept: list, env: dict, *, steps: int
                 times[name] = paired_rounds(arms, lambda i: batch_round(runs[i], steps),
                                             rounds)
             finally:
-                for run in runs:
+                for run in reversed(runs):  # the last opened first (mlx-lm's wired limit)
                     run.close()
         prompts = batch_prompts(lengths["batch_mixed"], seed + 17)
+        for a in arms:  # untimed first prefills
+            with a():
+                batch_prefill_round(deep, prompts)
         times["batch_prefill"] = paired_rounds(
             arms, lambda i: batch_prefill_round(deep, prompts), prefill_reps)
         for a in arms:  # untimed first chunks
@@ -1843,7 +1843,9 @@ def run(model: str | None = None, synthetic: str | None = None, *, layers: int =
     """Qualify this device in a child process (``python -m mlx_lily.qualify --child``)
     killed after ``timeout_s`` seconds, then write the record (``write``) atomically.
     A child that times out or fails gives a record of that status with nothing
-    qualified. Returns the record. The child's progress lines go to this stderr.
+    qualified, unless it failed in the batch phase: then the result it saved before
+    that phase is the record (status ok, ``batch_decode`` not qualified,
+    ``"batch_phase_stopped"`` saying why). Returns the record. The child's progress lines go to this stderr.
     ``backend`` (default: the current one) names the record (tests: the emulated
     ``"metal"``)."""
     be = backend or _backend.current_backend()
@@ -1959,9 +1961,11 @@ def report_rows(record: dict) -> list:
     for op, variants in record.get("ops", {}).items():
         for name, r in variants.items():
             k, b, s = r.get("kernel_ms") or {}, r.get("base_ms") or {}, r.get("speedup") or {}
-            batch = "; ".join(f"{ph[len('batch_'):]} batches {_ms(b.get(ph))} -> "
-                              f"{_ms(k.get(ph))} ms a step (x{s[ph]:.3f})"
-                              for ph in s if ph.startswith("batch_") and s[ph])
+            batch = "; ".join(
+                (f"batch prefill {_ms(b.get(ph))} -> {_ms(k.get(ph))} ms" if ph == "batch_prefill"
+                 else f"{ph[len('batch_'):]} batches {_ms(b.get(ph))} -> {_ms(k.get(ph))} ms "
+                 "a step") + f" (x{s[ph]:.3f})"
+                for ph in s if ph.startswith("batch_") and s[ph])
             rows.append({"op": op, "variant": name, "passed": bool(r.get("passed")),
                          "qualified": record.get("qualified", {}).get(op) == name,
                          "kernel_decode_ms": k.get("decode"), "stock_decode_ms": b.get("decode"),

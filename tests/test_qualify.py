@@ -999,13 +999,13 @@ def _small_batch_phase(monkeypatch):
     monkeypatch.setattr(qualify, "BATCH_ROWS", 2)
 
 
-BATCH_OPS = ["attention", "attn_packed", "qgemv", "batch_decode"]
+BATCH_OPS = ["moe_router_topk", "attention", "attn_packed", "qgemv", "batch_decode"]
 
 
 def _faster_with_each_kernel(run, steps):
-    """A decode round's ms, 1 ms less for each of batch_decode's required ops on."""
+    """A decode round's ms, 1 ms less for each one-sequence op of ``BATCH_OPS`` on."""
     on = kernels._OVERRIDE[0] or frozenset()
-    return 10.0 - sum(o in on for o in BATCH_OPS[:3])
+    return 10.0 - sum(o in on for o in BATCH_OPS[:-1])
 
 
 def _with_batch_decode(ms):
@@ -1041,10 +1041,17 @@ def test_batch_phase_keeps_batch_decode_when_rows_equal_alone_and_it_pays(
     monkeypatch.setattr(qualify.BatchDecodeRun, "start", start)
     monkeypatch.setattr(qualify, "batch_round", lambda run, steps: _with_batch_decode(decode_ms))
     lines: list = []
+    saved: list = []
     res = _qualify_timed_by(monkeypatch, BATCH_OPS, _faster_with_each_kernel,
                             prefill=lambda model, length: _with_batch_decode(prefill_ms),
-                            progress=lines.append, depth=8)
-    assert set(BATCH_OPS[:3]) <= set(res["qualified"]), res["qualified"]
+                            progress=lines.append, depth=8,
+                            checkpoint=lambda r: saved.append(json.loads(json.dumps(r))))
+    assert set(BATCH_OPS[:-1]) <= set(res["qualified"]), res["qualified"]
+    # the result as it stood before the batch phase (what a child saves first)
+    (before,) = saved
+    assert "batch_decode" not in before["qualified"]
+    assert before["ops"]["batch_decode"]["default"]["error"] == "the batch phase did not finish"
+    assert set(before["qualified"]) == set(res["qualified"]) - {"batch_decode"}
     r = res["ops"]["batch_decode"]["default"]
     assert r["passed"] and r["parity_set"] == qualify._ordered(BATCH_OPS), r
     v = r["agreement"]
@@ -1063,6 +1070,31 @@ def test_batch_phase_keeps_batch_decode_when_rows_equal_alone_and_it_pays(
     assert "batch" in res["phases"] and any("batch_decode parity" in x for x in lines)
     row = next(x for x in qualify.report_rows(res) if x["op"] == "batch_decode")
     assert "equal batches 10.000 ->" in row["error"] and "mixed batches" in row["error"]
+    assert "batch prefill" in row["error"]
+    assert v["one_sequence"]["launched"].get("moe_router_topk"), v["one_sequence"]
+
+
+@needs_emu
+def test_one_sequence_parity_past_the_router_row_limit_runs_the_router_kernel():
+    """The batch phase's one-sequence parity prefills past the router kernel's row limit:
+    with ``batch_decode`` (which lifts the limit) the kernel routes that chunk too, and
+    the forward still passes against the references."""
+    from mlx_lily.ops import moe_router_topk
+
+    model = _models.build("qwen3_5_moe", seed=3)
+    long = 2 * moe_router_topk.MAX_ROWS + 1
+    p = first_contact.PROMPT_LEN
+    with emulated_metal(), mlx_lily.patched(model):
+        with kernels.only_ops(()), backend.compile_suspended():
+            ref = first_contact.forward_logits(model, p, long, seed=1)
+        par = qualify._Parity(model, qualify._Ledger(), ref, p, long, 1)
+        off, on = par.check(BATCH_OPS[:-1]), par.check(BATCH_OPS)
+
+    def routed(v):
+        return sum(v["launched"].get("moe_router_topk", {}).values())
+
+    assert off["ok"] and on["ok"], (off["error"], on["error"])
+    assert routed(on) > routed(off) > 0
 
 
 def test_a_child_stopped_in_the_batch_phase_keeps_its_one_sequence_result(
@@ -1098,7 +1130,7 @@ def test_batch_parity_tells_a_batch_that_departs_from_alone():
     prompts = qualify.batch_prompts((9, 5, 13, 7), seed=1)
     verdicts = {}
     with emulated_metal(), mlx_lily.patched(model):
-        for name, ops in (("on", BATCH_OPS), ("off", BATCH_OPS[:3])):
+        for name, ops in (("on", BATCH_OPS), ("off", BATCH_OPS[:-1])):
             with kernels.only_ops(ops):
                 verdicts[name] = qualify.batch_parity(model, prompts, 2, 2, 4)
     assert verdicts["on"]["ok"] and verdicts["on"]["error"] is None, verdicts["on"]
