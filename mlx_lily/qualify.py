@@ -811,6 +811,18 @@ def batch_parity(model, prompts, joining: int, join_after: int, tokens: int) -> 
             "max_logprob_diff": lp_max, "error": error}
 
 
+def _batch_generator(model, prompts, max_tokens: int):
+    """An mlx-lm ``BatchGenerator`` holding ``prompts`` (token id lists) as requests
+    arriving together (``mlx_lm.server``'s path), each to stop after ``max_tokens``."""
+    from mlx_lm.generate import BatchGenerator
+
+    n = len(prompts)
+    gen = BatchGenerator(model, stop_tokens=[[-1]], prefill_batch_size=n,
+                         completion_batch_size=n)
+    gen.insert([list(p) for p in prompts], [max_tokens] * n)
+    return gen
+
+
 class BatchDecodeRun:
     """One op set's batched decode through mlx-lm's ``BatchGenerator`` (``mlx_lm.server``'s
     path): ``prompts`` prefilled together by ``start`` (under the set's settings; the
@@ -818,16 +830,11 @@ class BatchDecodeRun:
     ``batch_round`` times the next steps; ``steps`` bounds the steps it can take."""
 
     def __init__(self, model, prompts, steps: int):
-        self.model, self.prompts, self.steps = model, [list(p) for p in prompts], int(steps)
+        self.model, self.prompts, self.steps = model, prompts, int(steps)
         self.gen = None
 
     def start(self) -> None:
-        from mlx_lm.generate import BatchGenerator
-
-        n = len(self.prompts)
-        self.gen = BatchGenerator(self.model, stop_tokens=[[-1]], prefill_batch_size=n,
-                                  completion_batch_size=n)
-        self.gen.insert(self.prompts, [self.steps + 8] * n)
+        self.gen = _batch_generator(self.model, self.prompts, self.steps + 8)
         for _ in range(3):
             self.gen.next_generated()
 
@@ -854,13 +861,8 @@ def batch_prefill_round(model, prompts) -> float:
     """ms a fresh ``BatchGenerator`` spends prefilling ``prompts`` (requests arriving
     together): its own prompt-processing time (``BatchGenerator.stats``, each prompt call
     evaluated), decode steps excluded."""
-    from mlx_lm.generate import BatchGenerator
-
-    n = len(prompts)
-    gen = BatchGenerator(model, stop_tokens=[[-1]], prefill_batch_size=n,
-                         completion_batch_size=n)
+    gen = _batch_generator(model, prompts, 2)
     try:
-        gen.insert([list(p) for p in prompts], [2] * n)
         with gen.stats() as st:
             gen.next_generated()
         return 1e3 * st.prompt_time
