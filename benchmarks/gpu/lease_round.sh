@@ -41,7 +41,8 @@
 #   gemv-micro: the decode GEMVs at 1..8 rows, lily_qgemv against lily_qgemv_mma
 #            (gemv_rows_bench.py, limit GEMV_MICRO_LIMIT_S, default 240)
 #   qualify: qualification on a fresh record folder (QUALIFY_RUNS times, default 1, each on
-#            its own folder; QUALIFY_WARM=1: once more on the first run's folder, whose
+#            its own folder, limited to QUALIFY_LIMIT_S, default 600; QUALIFY_WARM=1:
+#            once more on the first run's folder, whose
 #            kernel caches that run filled, once per method of QUALIFY_WARM_METHODS, e.g.
 #            "greedy top-down"; default: qualify's own default method), then the A/B gate
 #            under the last record unless the list names the gate itself
@@ -56,6 +57,10 @@
 #            space-separated runs, each "default" or comma-joined words that are VAR=VALUE
 #            (environment, e.g. MLX_USE_CUDA_GRAPHS=0) or --gc=off / --gc=freeze (default:
 #            one run, "default"); each run's folders end in -r<n> after the first
+#   env-sweep: mlx_lm.benchmark (user_bench.py, Lily alone, kernels as bench's) once per
+#            setting of ENV_SWEEP (space-separated; "default" or comma-joined VAR=VALUE, e.g.
+#            MLX_USE_CUDA_GRAPHS=0), cases ENV_SWEEP_CASES (default 4096:128:1,512:128:8),
+#            each run limited to ENV_SWEEP_LIMIT_S (default 300 s)
 #   attn-sweep: decode attention's split through mlx_lm.benchmark (user_bench.py, Lily alone,
 #            the shipped CUDA set by name), one run per setting of ATTN_SWEEP (space-separated;
 #            "default" or comma-joined VAR=VALUE of the MLX_LILY_ATTN_* / MLX_LILY_DECODE_PF
@@ -229,8 +234,9 @@ phase_qualify() {
   local n qd="" d
   for n in $(seq 1 "${QUALIFY_RUNS:-1}"); do
     qd=/tmp/qc$n; [ "$n" = 1 ] && qd=/tmp/qc; d=qualify; [ "$n" = 1 ] || d=qualify-$n
-    MLX_LILY_CACHE_DIR=$qd step $d 600 \
-      python3 -m mlx_lily.qualify --model "$Q36" --report --out "$W/$d" --timeout-s 580
+    MLX_LILY_CACHE_DIR=$qd step $d ${QUALIFY_LIMIT_S:-600} \
+      python3 -m mlx_lily.qualify --model "$Q36" --report --out "$W/$d" \
+      --timeout-s $(( ${QUALIFY_LIMIT_S:-600} - 20 ))
   done
   if [ "${QUALIFY_WARM:-0}" = 1 ]; then  # again on the first run's folder: its kernel caches are warm
     local m
@@ -337,6 +343,11 @@ phase_attn_sweep() {
     "$SHIPPED" ${ATTN_SWEEP_LIMIT_S:-300}
 }
 
+phase_env_sweep() {
+  sweep_run env-sweep "${ENV_SWEEP:-default}" "${ENV_SWEEP_CASES:-4096:128:1,512:128:8}" \
+    "$(batch_set)" ${ENV_SWEEP_LIMIT_S:-300}
+}
+
 phase_fold_sweep() {
   sweep_run fold-sweep "${FOLD_SWEEP:-default MLX_LILY_GDN_BATCH_FOLD=4 MLX_LILY_GDN_BATCH_FOLD=8}" \
     "${FOLD_SWEEP_CASES:-512:128:2,512:128:8}" "$SHIPPED,batch_decode" \
@@ -355,6 +366,7 @@ for p in "${PHASE_LIST[@]}"; do
     gputests|trained|profile|detail|bench|qualify|gate|long|timeline) "phase_$p" ;;
     gemv-micro) phase_gemv_micro ;;
     attn-sweep) phase_attn_sweep ;;
+    env-sweep) phase_env_sweep ;;
     fold-sweep) phase_fold_sweep ;;
     knob-sweep) phase_knob_sweep ;;
     moe-micro) phase_moe_micro ;;
