@@ -45,7 +45,7 @@
 #            once more on the first run's folder, whose
 #            kernel caches that run filled, once per method of QUALIFY_WARM_METHODS, e.g.
 #            "greedy top-down"; default: qualify's own default method), then the A/B gate
-#            under the last record unless the list names the gate itself
+#            under the last record unless the list names the gate itself or QUALIFY_GATE=0
 #   gate:    the A/B gate (benchmarks/ab.py) under this round's record (limit GATE_LIMIT_S,
 #            default 420 s: on a fresh H100 the stock arm's JIT alone took 212 s)
 #   long:    Lily alone at B = 1 over 512 / 4K / 32K / 128K (LONG_CASES; 3 trials, limit
@@ -249,6 +249,7 @@ phase_qualify() {
     done
   fi
   [ -n "$qd" ] && QUALIFIED_DIR=$qd
+  [ "${QUALIFY_GATE:-1}" = 0 ] && return 0
   case ",${ROUND_PHASES:-}," in *,gate,*) ;; *) phase_gate ;; esac
 }
 
