@@ -11,6 +11,11 @@ round: the medians over ``--steps`` steps after ``--warmup``. Prints a table; wr
 
 MLX's graph settings (``MLX_MAX_OPS_PER_BUFFER``, ``MLX_MAX_MB_PER_BUFFER``,
 ``MLX_USE_CUDA_GRAPHS``) are read once per process: run one process per setting.
+
+``--host-profile N``: after the rounds, each arm runs N more steps of the same loop under
+``cProfile`` (the host's Python and the C functions it calls, profiler overhead included;
+shares, not times) and writes its 40 costliest functions by own time to
+``host_profile_<arm>.txt``.
 """
 from __future__ import annotations
 
@@ -40,6 +45,8 @@ def main(argv=None) -> int:
     p.add_argument("--gc", default="on", choices=GC_MODES,
                    help="Python's cyclic collector during each timed loop: as it is, off, or "
                         "with the objects allocated before the loop frozen out of its scans")
+    p.add_argument("--host-profile", type=int, default=0, metavar="N",
+                   help="then N steps per arm under cProfile (host_profile_<arm>.txt)")
     p.add_argument("--out", type=Path, default=None)
     a = p.parse_args(argv)
     arms = {x: None for x in a.arms.split(",") if x}
@@ -81,7 +88,50 @@ def main(argv=None) -> int:
             print(f"{arm:{w}s}" + "".join(f"{r['median_ms'][k]:15.3f}" for k in KEYS))
     if a.out:
         log(f"wrote {write_json(a.out, 'decode_timeline.json', res)}")
+    if a.host_profile > 0:
+        for arm, var_val in arms.items():
+            with env_override(*(var_val or (None,))), \
+                    arm_context("lily" if var_val else arm, t.model, ops):
+                text = host_profile(t.model, copy_cache(ctx), int(ids[a.context]),
+                                    a.host_profile)
+            print(f"\nhost profile, {arm}, {a.host_profile} steps:\n{text}")
+            if a.out:
+                (a.out / f"host_profile_{arm}.txt").write_text(text)
     return 0
+
+
+def host_profile(model, cache, first: int, steps: int, top: int = 40) -> str:
+    """``steps`` decode steps of ``generate_step``'s loop (build, ``mx.async_eval``, the
+    previous token's ``.item()``) from ``cache`` and token ``first`` under ``cProfile``,
+    after 4 unprofiled steps: the ``top`` functions by own time, as ``pstats`` prints them."""
+    import cProfile
+    import io
+    import pstats
+
+    import mlx.core as mx
+    from mlx_lm.generate import generation_stream
+
+    def step(tok):
+        with mx.stream(generation_stream):
+            logits = model(tok[None], cache=cache)[:, -1, :]
+            logprobs = logits - mx.logsumexp(logits, keepdims=True)
+            return mx.argmax(logprobs, axis=-1), logprobs
+
+    cur = step(mx.array([first], dtype=mx.int32))
+    mx.async_eval(*cur)
+    prof = cProfile.Profile()
+    for i in range(steps + 4):
+        if i == 4:
+            prof.enable()
+        nxt = step(cur[0])
+        mx.async_eval(*nxt)
+        cur[0].item()
+        cur = nxt
+    prof.disable()
+    cur[0].item()
+    buf = io.StringIO()
+    pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(top)
+    return buf.getvalue()
 
 
 if __name__ == "__main__":
