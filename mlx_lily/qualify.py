@@ -814,12 +814,10 @@ def batch_parity(model, prompts, joining: int, join_after: int, tokens: int) -> 
 def _batch_generator(model, prompts, max_tokens: int):
     """An mlx-lm ``BatchGenerator`` holding ``prompts`` (token id lists) as requests
     arriving together (``mlx_lm.server``'s path), each to stop after ``max_tokens``."""
-    from mlx_lm.generate import BatchGenerator
+    from .testing.generation import batch_generator
 
-    n = len(prompts)
-    gen = BatchGenerator(model, stop_tokens=[[-1]], prefill_batch_size=n,
-                         completion_batch_size=n)
-    gen.insert([list(p) for p in prompts], [max_tokens] * n)
+    gen = batch_generator(model, len(prompts))
+    gen.insert([list(p) for p in prompts], [max_tokens] * len(prompts))
     return gen
 
 

@@ -27,16 +27,23 @@ def greedy(model, prompt, n: int, **kw) -> list:
     return greedy_trace(model, prompt, n, **kw)[0]
 
 
+def batch_generator(model, n: int, **gen_kw):
+    """An empty mlx-lm ``BatchGenerator`` as ``mlx_lm.server`` runs ``n`` concurrent
+    requests: no stop token, prefill and decode batches of up to ``n`` rows; ``gen_kw``
+    goes to ``BatchGenerator`` (e.g. ``prefill_step_size``)."""
+    from mlx_lm.generate import BatchGenerator
+
+    return BatchGenerator(model, stop_tokens=[[-1]], prefill_batch_size=n,
+                          completion_batch_size=n, **gen_kw)
+
+
 def batch_greedy(model, prompts, max_tokens, logprobs: list | None = None, **gen_kw) -> list:
     """Greedy token ids per prompt through ``BatchGenerator``: all prompts prefilled
     together, row i stopping after ``max_tokens[i]`` tokens (no stop token); ``gen_kw``
     goes to ``BatchGenerator`` (e.g. ``prefill_step_size``). With ``logprobs`` (an empty
     list), it receives each row's per-step log-probabilities (a list of ``mx.array [V]``
     per row, in prompt order)."""
-    from mlx_lm.generate import BatchGenerator
-
-    gen = BatchGenerator(model, stop_tokens=[[-1]], prefill_batch_size=len(prompts),
-                         completion_batch_size=len(prompts), **gen_kw)
+    gen = batch_generator(model, len(prompts), **gen_kw)
     uids = gen.insert(prompts, list(max_tokens))
     out = {u: [] for u in uids}
     lps = {} if logprobs is not None else None
@@ -74,14 +81,11 @@ def batch_greedy_joining(model, first, later, max_tokens, join_after: int = 2,
     per-step log-probabilities (a list of ``mx.array [V]`` per row, in row order). Raises
     ValueError when the first requests would finish before the others join
     (``join_after`` must be below their lengths)."""
-    from mlx_lm.generate import BatchGenerator
-
     n_first = len(first)
     if join_after >= min(max_tokens[:n_first]):
         raise ValueError(f"join_after={join_after}: every first request must still run")
     n = len(first) + len(later)
-    gen = BatchGenerator(model, stop_tokens=[[-1]], prefill_batch_size=n,
-                         completion_batch_size=n, **gen_kw)
+    gen = batch_generator(model, n, **gen_kw)
     uids = gen.insert(list(first), list(max_tokens[:n_first]))
     out = {u: [] for u in uids}
     lps = {} if logprobs is not None else None
