@@ -82,4 +82,7 @@ if [ -z "${NO_SYNTH:-}" ] && [ ! -f /tmp/q36/config.json ]; then
 fi
 (cd /tmp && python3 -c "import mlx.core as mx, mlx_lm, mlx_lily; print('mlx', mx.__version__, 'mlx-lm', mlx_lm.__version__, mx.default_device()); print(mlx_lily.backend_info())") 2>&1 | tee "$W/env.txt"
 nvidia-smi --query-gpu=name,memory.total,clocks.sm --format=csv >> "$W/env.txt" 2>&1
+# the host CPU: a B = 1 decode step's host work (build + dispatch) differs by machine
+grep -m1 "model name" /proc/cpuinfo >> "$W/env.txt" 2>&1
+grep -m1 "cpu MHz" /proc/cpuinfo >> "$W/env.txt" 2>&1
 echo "setup done at $(el) s, tree ${MLX_LILY_TREE_REV:-unknown}"
