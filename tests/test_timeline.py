@@ -90,6 +90,26 @@ def test_calibrate_refuses_without_timer():
         timeline.calibrate()
 
 
+def test_cli_host_profile(host_clock, tmp_path):
+    """--host-profile N: after the rounds, each arm's N profiled steps, written per arm; the
+    profile covers the model's forward (the loop's build)."""
+    import importlib.util
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu" / "decode_timeline.py"
+    spec = importlib.util.spec_from_file_location("decode_timeline_cli", script)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    out = tmp_path / "tl"
+    assert mod.main(["--synthetic", "tiny", "--context", "24", "--steps", "3", "--warmup", "1",
+                     "--rounds", "1", "--arms", "stock,lily", "--host-profile", "5",
+                     "--out", str(out)]) == 0
+    assert (out / "decode_timeline.json").exists()
+    for arm in ("stock", "lily"):
+        text = (out / f"host_profile_{arm}.txt").read_text()
+        assert "function calls" in text and "__call__" in text
+
+
 @pytest.mark.parametrize("spec", ["x:NOEQUALS", ":A=1", "lily:A=1"])
 def test_cli_rejects_bad_arm_env(spec):
     """A malformed or clashing --arm-env stops before any model is loaded."""
