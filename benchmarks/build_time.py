@@ -34,10 +34,11 @@ from mlx_lily.bench import write_json
 
 
 @contextlib.contextmanager
-def _stubbed_lily(layers: int):
+def _stubbed_lily(layers: int, kernel_set: str = "all"):
     """The production-dims model (lazy weights, ``layers`` layers, bf16), patched and
-    prepared on the CUDA path with every custom kernel stubbed to return zeros and no
-    warm-up; unpatched on exit."""
+    prepared on the CUDA path with the custom kernels of ``kernel_set`` (an
+    ``MLX_LILY_KERNELS`` value) stubbed to return zeros and no warm-up; unpatched on
+    exit."""
     import mlx.core as mx
 
     import mlx_lily
@@ -51,7 +52,7 @@ def _stubbed_lily(layers: int):
     kernels._CACHE.clear()
     mx.fast.cuda_kernel = stub_factory
     patching.warmup = lambda *a, **k: 0.0
-    os.environ["MLX_LILY_KERNELS"] = "all"
+    os.environ["MLX_LILY_KERNELS"] = kernel_set
     model, _ = synth._lazy_model(synth._text_config(num_hidden_layers=layers))
     model.eval()
     model.set_dtype(mx.bfloat16)

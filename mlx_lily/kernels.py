@@ -9,8 +9,11 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import hashlib
 import importlib.resources
+import os
 import re
+import warnings
 from pathlib import Path
 from typing import NamedTuple
 
@@ -296,6 +299,103 @@ def cuda_parts(stem: str) -> tuple[str, str]:
     return squeeze_spaces(prune_header(strip_source(head), body)), squeeze_spaces(body)
 
 
+@functools.lru_cache(maxsize=None)
+def metal_parts(stem: str) -> tuple[str, str]:
+    """``(header, body)`` of ``shaders/metal/<stem>.metal`` as handed to
+    ``mx.fast.metal_kernel``: ``split_header``, then ``strip_source`` and
+    ``squeeze_spaces`` on each part (comments and blanks go, tokens stay), because MLX's
+    Metal backend hashes each kernel's whole source at every launch as its CUDA backend
+    does (``CustomKernel::eval_gpu``, MLX 0.32). A text ``strip_source`` refuses (a line
+    continuation) is handed over as it is."""
+    head, body = split_header(shader_source("metal", stem + ".metal"))
+    try:
+        return squeeze_spaces(strip_source(head)), squeeze_spaces(strip_source(body))
+    except ValueError:
+        return head, body
+
+
+_SHAPE_SUFFIXES = ("_shape", "_strides", "_ndim")
+_INCLUDE_SAFE = re.compile(r"[A-Za-z0-9_./+-]+")  # path characters an #include may hold
+_LAUNCH_PARTS: dict = {}  # spec -> (header, body) handed to MLX
+
+
+def _write_once(path: Path, text: str) -> None:
+    """``text`` at ``path``, written through a temporary file and renamed into place
+    unless the file already holds exactly that text."""
+    try:
+        if path.read_text() == text:
+            return
+    except (OSError, UnicodeDecodeError):
+        pass
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def cuda_include_parts(spec: KernelSpec, folder: Path) -> tuple[str, str]:
+    """``cuda_parts(spec.stem)`` as two ``#include`` lines: the header and body texts are
+    written (once) to ``folder/<stem>-<hash>/head.cuh`` and ``body.cuh``, named by a
+    SHA-256 of both texts, and the returned header / body include them by absolute path.
+    NVRTC reads the files when it compiles, so it sees the same tokens as with the texts
+    inline (checked: the same cubin). The body keeps a comment naming each
+    ``<input>_shape`` / ``_strides`` / ``_ndim`` its text uses, because MLX decides from
+    the body string which of those arguments to pass.
+
+    Why: MLX (0.32, ``CustomKernel::eval_gpu``, CUDA and Metal backends) hashes a
+    kernel's whole generated source at every launch, ~0.3 us per KiB on an H200's host
+    (``benchmarks/gpu/dispatch_bench.py``); a B = 1 decode step launches ~1.3 MB of
+    source. Handing MLX ~200 bytes per kernel instead removes that cost; the module
+    name MLX caches compiled kernels under still changes whenever the text does (the
+    hash is in the path).
+
+    Raises:
+        OSError: the files cannot be written or read back, or ``folder``'s absolute path
+            holds characters this function does not put in an ``#include`` line.
+    """
+    head, body = cuda_parts(spec.stem)
+    digest = hashlib.sha256(f"{head}\0{body}".encode()).hexdigest()[:20]
+    where = Path(folder).expanduser().resolve() / f"{spec.stem}-{digest}"
+    if not _INCLUDE_SAFE.fullmatch(str(where)):
+        raise OSError(f"kernel source folder {where} holds characters not put in #include")
+    uses = [n + s for n in spec.inputs for s in _SHAPE_SUFFIXES if n + s in body]
+    inc_head = ""
+    if head:
+        _write_once(where / "head.cuh", head)
+        inc_head = f'#include "{where / "head.cuh"}"\n'
+    _write_once(where / "body.cuh", body)
+    inc_body = f'#include "{where / "body.cuh"}"\n'
+    if uses:
+        inc_body += "// " + " ".join(uses) + "\n"
+    return inc_head, inc_body
+
+
+def cuda_launch_parts(spec: KernelSpec) -> tuple[str, str]:
+    """``(header, body)`` handed to ``mx.fast.cuda_kernel`` for ``spec`` (cached per
+    process): ``cuda_include_parts`` under ``<cache_dir>/cuda-src`` (the user setting
+    ``MLX_LILY_CACHE_DIR``), or the texts themselves (``cuda_parts``) when the knob
+    ``MLX_LILY_CUDA_SOURCE=inline`` says so or the files cannot be written (one warning
+    naming the folder; the kernels work the same, each launch costs more host time)."""
+    parts = _LAUNCH_PARTS.get(spec)
+    if parts is None:
+        from . import tuning
+
+        if tuning.cuda_source == "include":
+            folder = Path(config.cache_dir) / "cuda-src"
+            try:
+                parts = cuda_include_parts(spec, folder)
+            except OSError as e:
+                if not _INCLUDE_WARNED:
+                    _INCLUDE_WARNED.append(True)
+                    warnings.warn(f"mlx-lily: cannot keep CUDA kernel sources in {folder} "
+                                  f"({e}); handing MLX the full texts instead (slower "
+                                  "launches, same results)", RuntimeWarning, stacklevel=2)
+        parts = parts or cuda_parts(spec.stem)
+        _LAUNCH_PARTS[spec] = parts
+    return parts
+
+
+_INCLUDE_WARNED: list = []
 _F32_SCALARS: dict = {}
 
 #: Elements of the small constant arrays kernels read (epsilons, scales, lengths): MLX's
@@ -383,14 +483,14 @@ def build(spec: KernelSpec, backend: str, factory=None):
     the Metal emulator's ``metal_kernel``).
     """
     if backend == "metal":
-        head, body = split_header(shader_source("metal", spec.stem + ".metal"))
+        head, body = metal_parts(spec.stem)
         factory = factory or mx.fast.metal_kernel
         return factory(name=spec.name, input_names=list(spec.inputs),
                        output_names=list(spec.outputs), source=body, header=head,
                        ensure_row_contiguous=spec.ensure_row_contiguous,
                        atomic_outputs=spec.atomic_outputs)
     if backend == "cuda":
-        head, body = cuda_parts(spec.stem)
+        head, body = cuda_launch_parts(spec)
         factory = factory or mx.fast.cuda_kernel
         kwargs = dict(name=spec.name, input_names=list(spec.inputs),
                       output_names=list(spec.outputs), source=body, header=head,
@@ -680,7 +780,7 @@ class RecordedCudaKernel:
     def __init__(self, kernel, spec: KernelSpec):
         self.kernel = kernel
         self.spec = spec
-        self.header, self.body = cuda_parts(spec.stem)
+        self.header, self.body = cuda_launch_parts(spec)
 
     def __call__(self, **kw):
         if cuda_cache._RECORDER is not None:

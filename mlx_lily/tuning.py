@@ -153,6 +153,11 @@ KNOBS.update({k.attr: k for k in (
             "'row', 'coop'",
             "Metal: how the prefill grouped GEMMs read a weight tile (default: "
             "moe_grouped.WEIGHT_LOAD)"),
+    Setting("cuda_source", "MLX_LILY_CUDA_SOURCE", "include", one_of("include", "inline"),
+            "'include', 'inline'",
+            "CUDA: how kernel sources reach MLX: two #include lines naming copies under "
+            "<cache_dir>/cuda-src (include) or the whole texts (inline, which MLX hashes "
+            "at every launch); read when a process builds its kernels"),
     Setting("gdn_scan_load", "MLX_LILY_GDN_SCAN_LOAD", None, one_of("direct", "staged"),
             "'direct', 'staged'",
             "Metal: the GDN prefill scan reads q/k from device memory per lane group "

@@ -113,15 +113,18 @@ def _with_old_gather(call):
     import dataclasses
     import re
 
-    head, n = re.subn(r"inline void lily_qgemv_gather\(XP xr, WP w, SP scales, SP biases,"
+    # the header as MLX gets it: comments and blanks squeezed (kernels.metal_parts)
+    head, n = re.subn(r"inline void lily_qgemv_gather\(XP xr,\s*WP w,\s*SP scales,\s*SP biases,"
                       r"[^{]*\{\n", _OLD_GATHER, call.header)
     assert n == 1
-    head = head.replace("typename XP,\n          typename WP, typename SP>\n"
-                        "inline void lily_qgemv_gather", "typename XP>\n"
-                        "inline void lily_qgemv_gather")
-    head = head.replace("typedef typename lily_word_ptr<WP, BPL>::type W4P;\n  W4P w4 = "
-                        "reinterpret_cast<W4P>(w);",
-                        "const device uint4* w4 = reinterpret_cast<const device uint4*>(w);")
+    head, n = re.subn(r"typename XP,\s*typename WP,\s*typename SP>\s*"
+                      r"inline void lily_qgemv_gather",
+                      "typename XP>\ninline void lily_qgemv_gather", head)
+    assert n == 1
+    head, n = re.subn(r"typedef typename lily_word_ptr<WP,\s*BPL>::type W4P;\s*"
+                      r"W4P w4\s*=\s*reinterpret_cast<W4P>\(w\);",
+                      "const device uint4* w4 = reinterpret_cast<const device uint4*>(w);", head)
+    assert n == 1
     return dataclasses.replace(call, header=head)
 
 

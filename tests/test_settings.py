@@ -53,6 +53,7 @@ BAD_KNOBS = {
     "qgemv_bpl": "4",
     "qgemv_mma": "fast",
     "gdn_packed_outp": "sometimes",
+    "cuda_source": "embedded",
 }
 
 
