@@ -111,11 +111,11 @@ def host_profile(model, cache, first: int, steps: int, top: int = 40) -> str:
     import mlx.core as mx
     from mlx_lm.generate import generation_stream
 
-    def step(tok):
+    from mlx_lily.bench.timeline import greedy_token
+
+    def step(tok):  # the timed loop's step without its GPU clock kernels
         with mx.stream(generation_stream):
-            logits = model(tok[None], cache=cache)[:, -1, :]
-            logprobs = logits - mx.logsumexp(logits, keepdims=True)
-            return mx.argmax(logprobs, axis=-1), logprobs
+            return greedy_token(model, cache, tok)
 
     cur = step(mx.array([first], dtype=mx.int32))
     mx.async_eval(*cur)

@@ -42,9 +42,9 @@
 #            (gemv_rows_bench.py, limit GEMV_MICRO_LIMIT_S, default 240)
 #   qualify: qualification on a fresh record folder (QUALIFY_RUNS times, default 1, each on
 #            its own folder, limited to QUALIFY_LIMIT_S, default 600; QUALIFY_WARM=1:
-#            once more on the first run's folder, whose
-#            kernel caches that run filled, once per method of QUALIFY_WARM_METHODS, e.g.
-#            "greedy top-down"; default: qualify's own default method), then the A/B gate
+#            once more on the first run's folder, whose kernel caches that run filled,
+#            once per method of QUALIFY_WARM_METHODS, e.g. "greedy top-down"; default:
+#            qualify's own default method), then the A/B gate
 #            under the last record unless the list names the gate itself or QUALIFY_GATE=0
 #   gate:    the A/B gate (benchmarks/ab.py) under this round's record (limit GATE_LIMIT_S,
 #            default 420 s: on a fresh H100 the stock arm's JIT alone took 212 s)

@@ -96,6 +96,19 @@ def run_loop(model, cache, first: int, steps: int, warmup: int, gc_mode: str = "
     return out
 
 
+def greedy_token(model, cache, tok):
+    """One decode step as mlx-lm's ``generate_step`` builds it for greedy sampling: the
+    logits of ``tok`` (``[1]`` int32) against ``cache``, their log-probabilities and the
+    argmax. Builds only (the caller evaluates, on its stream).
+
+    Returns:
+        ``(y, logprobs)``: ``[1]`` uint32 token and ``[1, vocab]`` log-probabilities.
+    """
+    logits = model(tok[None], cache=cache)[:, -1, :]
+    logprobs = logits - mx.logsumexp(logits, keepdims=True)
+    return mx.argmax(logprobs, axis=-1), logprobs
+
+
 def _run_loop(model, cache, first: int, steps: int, warmup: int) -> dict:
     from mlx_lm.generate import generation_stream
 
@@ -105,9 +118,7 @@ def _run_loop(model, cache, first: int, steps: int, warmup: int) -> dict:
     def step(tok):
         with mx.stream(generation_stream):
             t_in, g0 = gpu_clock.spin_us(tok, zero)
-            logits = model(t_in[None], cache=cache)[:, -1, :]
-            logprobs = logits - mx.logsumexp(logits, keepdims=True)
-            y = mx.argmax(logprobs, axis=-1)
+            y, logprobs = greedy_token(model, cache, t_in)
             # y depends on every layer, whose kernels also write the cache states: y and
             # logprobs are enough (more inputs would add to MLX's graph-size count)
             g1 = gpu_clock.stamp(y, logprobs)
