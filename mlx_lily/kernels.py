@@ -13,6 +13,7 @@ import hashlib
 import importlib.resources
 import os
 import re
+import threading
 import warnings
 from pathlib import Path
 from typing import NamedTuple
@@ -328,7 +329,7 @@ def _write_once(path: Path, text: str) -> None:
     except (OSError, UnicodeDecodeError):
         pass
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
     tmp.write_text(text)
     os.replace(tmp, path)
 

@@ -13,7 +13,8 @@ graphs on, MLX's default: with ``MLX_USE_CUDA_GRAPHS=0`` input sizes are not cou
 script times chains of a trivial kernel (copy 1024 floats) that also takes no extra inputs,
 ``--inputs`` or ``--many-inputs`` 16-byte arrays, or ``--inputs`` arrays of ``--big-mb``
 MiB (never read), or a ``--source-kb`` KiB source (the same kernel after a comment: MLX
-hashes each launch's whole generated source to find its module), one process, alternating
+hashes each launch's whole generated source to find its module), or that comment in a file
+the header ``#include``s (Lily's default form, ``MLX_LILY_CUDA_SOURCE``), one process, alternating
 variants (how the host cost grows with a launch's input count, its inputs' size and its
 source's length):
 host seconds to dispatch the chain (``mx.async_eval``) and wall seconds to finish it, per
@@ -28,6 +29,7 @@ import json
 import os
 import statistics
 import sys
+import tempfile
 import time
 
 import mlx.core as mx
@@ -38,12 +40,20 @@ _SRC = """
 """
 
 
-def _kernel(n_extra: int, source_kb: int = 0):
+def _kernel(n_extra: int, source_kb: int = 0, include_dir: str | None = None):
+    """The probe kernel with ``n_extra`` unused inputs and ``source_kb`` KiB of comment in
+    its header: inline, or (``include_dir``) in a file there that the header ``#include``s
+    (how ``mlx_lily.kernels.cuda_include_parts`` hands MLX Lily's kernels)."""
     names = ["x"] + [f"w{i}" for i in range(n_extra)]
     pad = ("// " + "x" * 60 + "\n") * (source_kb * 1024 // 64)
-    return mx.fast.cuda_kernel(name=f"lily_dispatch_probe{n_extra}_{source_kb}",
-                               input_names=names, output_names=["y"], source=_SRC,
-                               header=pad)
+    name = f"lily_dispatch_probe{n_extra}_{source_kb}"
+    if include_dir is not None:
+        path = os.path.join(include_dir, f"{name}.cuh")
+        with open(path, "w") as f:
+            f.write(pad)
+        pad, name = f'#include "{os.path.abspath(path)}"\n', name + "_inc"
+    return mx.fast.cuda_kernel(name=name, input_names=names, output_names=["y"],
+                               source=_SRC, header=pad)
 
 
 def _chain(kern, x, extras, length: int):
@@ -83,7 +93,9 @@ def main(argv=None) -> int:
                 f"{a.many_inputs} small inputs (16 B)": (_kernel(a.many_inputs),
                                                           small[:a.many_inputs]),
                 f"{a.inputs} large inputs ({a.big_mb} MiB)": (_kernel(a.inputs), big),
-                f"{a.source_kb} KiB source": (_kernel(0, a.source_kb), [])}
+                f"{a.source_kb} KiB source": (_kernel(0, a.source_kb), []),
+                f"{a.source_kb} KiB source as #include": (
+                    _kernel(0, a.source_kb, tempfile.mkdtemp(prefix="lily-dispatch-")), [])}
     res = {name: {"dispatch_s": [], "wall_s": []} for name in variants}
     for rep in range(a.reps + 1):  # the first round warms up (compiles)
         for name, (kern, extras) in variants.items():

@@ -66,6 +66,8 @@
 #            "default" or comma-joined VAR=VALUE of the MLX_LILY_ATTN_* / MLX_LILY_DECODE_PF
 #            knobs; default: five settings), cases ATTN_SWEEP_CASES (default
 #            4096:128:1,32768:128:1), each run limited to ATTN_SWEEP_LIMIT_S (default 300 s)
+#   dispatch: MLX's host cost per custom-kernel launch (dispatch_bench.py: input count, input
+#            size, a long source inline and as #include lines), limit DISPATCH_LIMIT_S (120)
 #   moe-micro: the one-launch MoE kernel at each launch shape (moe_decode_bench.py --sections
 #            fused) at MOE_MICRO_ROWS rows (default 1,2,8), limit MOE_MICRO_LIMIT_S
 #   fold-sweep: the GDN decode's batch fold (MLX_LILY_GDN_BATCH_FOLD) the same way, with
@@ -213,6 +215,11 @@ phase_moe_micro() {
 
 bench_env() {  # the knob sweep's picks under BENCH_PICKS=1, as an env command; else none
   [ "${BENCH_PICKS:-0}" = 1 ] && echo env $(picks)
+}
+
+phase_dispatch() {
+  step dispatch-bench ${DISPATCH_LIMIT_S:-120} \
+    python3 "$R/benchmarks/gpu/dispatch_bench.py" --out "$W/dispatch-bench"
 }
 
 phase_gemv_micro() {
@@ -366,6 +373,7 @@ for p in "${PHASE_LIST[@]}"; do
     parity-join-eager) phase_parity_join_eager ;;
     gputests|trained|profile|detail|bench|qualify|gate|long|timeline) "phase_$p" ;;
     gemv-micro) phase_gemv_micro ;;
+    dispatch) phase_dispatch ;;
     attn-sweep) phase_attn_sweep ;;
     env-sweep) phase_env_sweep ;;
     fold-sweep) phase_fold_sweep ;;
