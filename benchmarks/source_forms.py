@@ -67,7 +67,7 @@ def main(argv=None) -> int:
     p.add_argument("--out", type=Path, default=None)
     a = p.parse_args(argv)
 
-    os.environ.setdefault("MLX_LILY_CUDA_SOURCE", "include")
+    os.environ["MLX_LILY_CUDA_SOURCE"] = "include"  # the form compared with the texts
     from mlx_lily import cuda_cache, kernels
 
     kset = a.kernels or ",".join(sorted(kernels.VERIFIED["cuda"])) + ",batch_decode"

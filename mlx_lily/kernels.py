@@ -316,8 +316,10 @@ def metal_parts(stem: str) -> tuple[str, str]:
 
 
 _SHAPE_SUFFIXES = ("_shape", "_strides", "_ndim")
-_INCLUDE_SAFE = re.compile(r"[A-Za-z0-9_./+-]+")  # path characters an #include may hold
+#: Characters an include path may hold: printable ASCII but the quote and the backslash.
+_INCLUDE_SAFE = re.compile(r'[ !#-\[\]-~]+')
 _LAUNCH_PARTS: dict = {}  # spec -> (header, body) handed to MLX
+_INCLUDE_FILES: dict = {}  # spec -> ((path, text), ...) its include lines name
 
 
 def _write_once(path: Path, text: str) -> None:
@@ -330,42 +332,65 @@ def _write_once(path: Path, text: str) -> None:
         pass
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
 
 
-def cuda_include_parts(spec: KernelSpec, folder: Path) -> tuple[str, str]:
-    """``cuda_parts(spec.stem)`` as two ``#include`` lines: the header and body texts are
-    written (once) to ``folder/<stem>-<hash>/head.cuh`` and ``body.cuh``, named by a
-    SHA-256 of both texts, and the returned header / body include them by absolute path.
-    NVRTC reads the files when it compiles, so it sees the same tokens as with the texts
-    inline (checked: the same cubin). The body keeps a comment naming each
-    ``<input>_shape`` / ``_strides`` / ``_ndim`` its text uses, because MLX decides from
-    the body string which of those arguments to pass.
-
-    Why: MLX (0.32, ``CustomKernel::eval_gpu``, CUDA and Metal backends) hashes a
-    kernel's whole generated source at every launch, ~0.3 us per KiB on an H200's host
-    (``benchmarks/gpu/dispatch_bench.py``); a B = 1 decode step launches ~1.3 MB of
-    source. Handing MLX ~200 bytes per kernel instead removes that cost; the module
-    name MLX caches compiled kernels under still changes whenever the text does (the
-    hash is in the path).
+def _include_files(spec: KernelSpec, folder: Path) -> tuple:
+    """``((path, text), ...)``: where ``cuda_include_parts`` keeps ``spec``'s header (when
+    it has one) and body under ``folder``.
 
     Raises:
-        OSError: the files cannot be written or read back, or ``folder``'s absolute path
-            holds characters this function does not put in an ``#include`` line.
+        OSError: the path holds a character an include line cannot (a double quote,
+            a backslash, non-ASCII, control), or text MLX would take for an ``<input>_shape`` /
+            ``_strides`` / ``_ndim`` mention.
     """
     head, body = cuda_parts(spec.stem)
     digest = hashlib.sha256(f"{head}\0{body}".encode()).hexdigest()[:20]
     where = Path(folder).expanduser().resolve() / f"{spec.stem}-{digest}"
     if not _INCLUDE_SAFE.fullmatch(str(where)):
         raise OSError(f"kernel source folder {where} holds characters not put in #include")
+    clash = [n + s for n in spec.inputs for s in _SHAPE_SUFFIXES if n + s in str(where)]
+    if clash:  # MLX would pass that argument: another signature than the texts give
+        raise OSError(f"kernel source folder {where} names {clash[0]}, an argument of "
+                      f"{spec.name}")
+    files = ((where / "head.cuh", head),) if head else ()
+    return files + ((where / "body.cuh", body),)
+
+
+def cuda_include_parts(spec: KernelSpec, folder: Path) -> tuple[str, str]:
+    """``cuda_parts(spec.stem)`` as ``#include`` lines: the header (when there is one) and
+    body texts are written to ``folder/<stem>-<hash>/head.cuh`` and ``body.cuh``, named by
+    a SHA-256 of both texts, and the returned header / body include them by absolute
+    path. NVRTC reads the files when it compiles, so it sees the same tokens as with the
+    texts inline (``benchmarks/source_forms.py`` compares the images). The body keeps a
+    comment line naming each ``<input>_shape`` / ``_strides`` / ``_ndim`` its text uses,
+    because MLX decides from the body string which of those arguments to pass.
+
+    Why: MLX (0.32, ``CustomKernel::eval_gpu``, CUDA and Metal backends) hashes a
+    kernel's whole generated source at every launch, ~0.3 us per KiB on an H200's host
+    in eager calls (``benchmarks/gpu/dispatch_bench.py``); a B = 1 decode step hands MLX
+    ~1.4 MB of source inline, ~0.2 MB this way (MLX's generated signatures). The module
+    name MLX caches a compiled kernel under changes whenever the text does (the hash is
+    in the path), and also with the folder: images compiled under one cache folder are
+    not found under another.
+
+    Raises:
+        OSError: the files cannot be written, or the folder's path cannot be put in an
+            include line (``_include_files``).
+    """
+    files = _include_files(spec, folder)
+    for path, text in files:
+        _write_once(path, text)
+    lines = [f'#include "{path}"\n' for path, _ in files]
+    inc_head = lines[0] if len(files) == 2 else ""
+    inc_body = lines[-1]
+    body = files[-1][1]
     uses = [n + s for n in spec.inputs for s in _SHAPE_SUFFIXES if n + s in body]
-    inc_head = ""
-    if head:
-        _write_once(where / "head.cuh", head)
-        inc_head = f'#include "{where / "head.cuh"}"\n'
-    _write_once(where / "body.cuh", body)
-    inc_body = f'#include "{where / "body.cuh"}"\n'
     if uses:
         inc_body += "// " + " ".join(uses) + "\n"
     return inc_head, inc_body
@@ -376,24 +401,42 @@ def cuda_launch_parts(spec: KernelSpec) -> tuple[str, str]:
     process): ``cuda_include_parts`` under ``<cache_dir>/cuda-src`` (the user setting
     ``MLX_LILY_CACHE_DIR``), or the texts themselves (``cuda_parts``) when the knob
     ``MLX_LILY_CUDA_SOURCE=inline`` says so or the files cannot be written (one warning
-    naming the folder; the kernels work the same, each launch costs more host time)."""
+    naming the folder; the kernels work the same, each launch costs more host time).
+
+    Raises:
+        FileNotFoundError: the kernel's source file is missing (``shader_path``).
+    """
     parts = _LAUNCH_PARTS.get(spec)
     if parts is None:
         from . import tuning
 
+        texts = cuda_parts(spec.stem)  # a missing shader raises here, not below
         if tuning.cuda_source == "include":
             folder = Path(config.cache_dir) / "cuda-src"
             try:
                 parts = cuda_include_parts(spec, folder)
+                _INCLUDE_FILES[spec] = _include_files(spec, folder)
             except OSError as e:
+                parts = None
                 if not _INCLUDE_WARNED:
                     _INCLUDE_WARNED.append(True)
                     warnings.warn(f"mlx-lily: cannot keep CUDA kernel sources in {folder} "
                                   f"({e}); handing MLX the full texts instead (slower "
                                   "launches, same results)", RuntimeWarning, stacklevel=2)
-        parts = parts or cuda_parts(spec.stem)
+        parts = parts or texts
         _LAUNCH_PARTS[spec] = parts
     return parts
+
+
+def restore_include_files(spec: KernelSpec) -> None:
+    """Write ``spec``'s include files again where they are missing or differ (a cache
+    folder cleaned while the process runs): called before a launch that may make MLX
+    compile a new instantiation. Never raises (NVRTC then reports the missing file)."""
+    for path, text in _INCLUDE_FILES.get(spec, ()):
+        try:
+            _write_once(path, text)
+        except OSError:
+            pass
 
 
 _INCLUDE_WARNED: list = []
@@ -774,18 +817,26 @@ class GuardedKernel:
 
 class RecordedCudaKernel:
     """A ``mx.fast.cuda_kernel`` object that reports each launch to an open
-    ``mlx_lily.cuda_cache.recording()`` (for compiling ahead of time), then launches."""
+    ``mlx_lily.cuda_cache.recording()`` (for compiling ahead of time), and, at the first
+    launch of each template and output dtypes (a new instantiation MLX may compile),
+    restores the include files its source names (``restore_include_files``), then
+    launches."""
 
-    __slots__ = ("kernel", "spec", "header", "body")
+    __slots__ = ("kernel", "spec", "header", "body", "seen")
 
     def __init__(self, kernel, spec: KernelSpec):
         self.kernel = kernel
         self.spec = spec
         self.header, self.body = cuda_launch_parts(spec)
+        self.seen = set()
 
     def __call__(self, **kw):
         if cuda_cache._RECORDER is not None:
             cuda_cache.record(self.spec, self.header, self.body, kw)
+        key = (tuple(kw.get("template") or ()), tuple(kw.get("output_dtypes") or ()))
+        if key not in self.seen:
+            restore_include_files(self.spec)
+            self.seen.add(key)
         return self.kernel(**kw)
 
 
