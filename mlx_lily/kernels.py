@@ -383,7 +383,12 @@ def cuda_include_parts(spec: KernelSpec, folder: Path) -> tuple[str, str]:
         OSError: the files cannot be written, or the folder's path cannot be put in an
             include line (``_include_files``).
     """
-    files = _include_files(spec, folder)
+    return _write_includes(spec, _include_files(spec, folder))
+
+
+def _write_includes(spec: KernelSpec, files: tuple) -> tuple[str, str]:
+    """``cuda_include_parts`` for the ``_include_files`` result ``files``: writes them,
+    returns the header / body lines."""
     for path, text in files:
         _write_once(path, text)
     lines = [f'#include "{path}"\n' for path, _ in files]
@@ -414,8 +419,9 @@ def cuda_launch_parts(spec: KernelSpec) -> tuple[str, str]:
         if tuning.cuda_source == "include":
             folder = Path(config.cache_dir) / "cuda-src"
             try:
-                parts = cuda_include_parts(spec, folder)
-                _INCLUDE_FILES[spec] = _include_files(spec, folder)
+                files = _include_files(spec, folder)
+                parts = _write_includes(spec, files)
+                _INCLUDE_FILES[spec] = files
             except OSError as e:
                 parts = None
                 if not _INCLUDE_WARNED:

@@ -155,7 +155,7 @@ KNOBS.update({k.attr: k for k in (
             "moe_grouped.WEIGHT_LOAD)"),
     Setting("cuda_source", "MLX_LILY_CUDA_SOURCE", "include", one_of("include", "inline"),
             "'include', 'inline'",
-            "CUDA: how kernel sources reach MLX: two #include lines naming copies under "
+            "CUDA: how kernel sources reach MLX: #include lines naming copies under "
             "<cache_dir>/cuda-src (include) or the whole texts (inline, which MLX hashes "
             "at every launch); read when a process builds its kernels"),
     Setting("gdn_scan_load", "MLX_LILY_GDN_SCAN_LOAD", None, one_of("direct", "staged"),

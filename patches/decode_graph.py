@@ -22,7 +22,7 @@ from mlx_lily.ops import attention as attn_ops, gated_delta as gdn_ops
 from mlx_lily.ops.add_rms_norm import add_rms_norm
 from mlx_lily.qproj import PendingNorm, QProj
 from .projections import WeightSig, projection, run_projection, drop_views, one_row_linear, refresh
-from .launch_order import MOE_AFTER_ATTR, counter_count, counters_for, gdn_counters, moe_after
+from .launch_order import MOE_AFTER_ATTR, counters_for, moe_after
 from .blocks import layer_tail, layer_mixer, gdn_supported
 from .kv_growth import kv_rows, kv_write_index
 from .layouts import drop_plans
@@ -390,14 +390,10 @@ def run_whole_step(text_model, cs, layers, cache, h):
     fn = cs.recent.get(shapes)  # holds cs.whole's function too
     if fn is None:
         fn = _compile(_whole_step_fn(text_model, layers))
-    counts = cs.static.get(("counters", h.shape[0]))  # per layer (launch_order)
-    if counts is None:
-        counts = cs.static[("counters", h.shape[0])] = [
-            (layer.is_linear, counter_count(layer, h.shape[0])) for layer in layers]
     args = [h]
-    for (linear, n), c in zip(counts, cache):
-        args += ([c[0], c[1]] if linear else [c.keys, c.values])
-        args += [gdn_counters(c, n), moe_after(c, h)]
+    for layer, c in zip(layers, cache):
+        args += ([c[0], c[1]] if layer.is_linear else [c.keys, c.values])
+        args += [counters_for(layer, c, h), moe_after(c, h)]
     args.append(mx.array([offset or 0], dtype=mx.int32))
     try:
         out = fn(*args)

@@ -46,16 +46,11 @@ def _gdn_counter_count(layer, B):
     return gdn_ops.counters_needed(B, layer.linear_attn.num_v_heads) if layer.is_linear else 0
 
 
-def counter_count(layer, B):
-    """How many arrival counters a decoder layer's step of ``B`` rows uses: the GDN
-    launch's (GDN layers), then the one-launch MoE block's."""
-    return _gdn_counter_count(layer, B) + FUSED_COUNTERS
-
-
 def counters_for(layer, c, h):
     """The arrival counters of a decoder layer's real cache ``c`` (``gdn_counters``) for a
-    step of ``h [B, 1, D]`` (``counter_count``)."""
-    return gdn_counters(c, counter_count(layer, h.shape[0]))
+    step of ``h [B, 1, D]``: the GDN launch's (GDN layers), then the one-launch MoE
+    block's."""
+    return gdn_counters(c, _gdn_counter_count(layer, h.shape[0]) + FUSED_COUNTERS)
 
 
 def moe_counters(layer, counters, B, after):
