@@ -70,6 +70,9 @@
 #            size, a long source inline and as #include lines), limit DISPATCH_LIMIT_S (120)
 #   moe-micro: the one-launch MoE kernel at each launch shape (moe_decode_bench.py --sections
 #            fused) at MOE_MICRO_ROWS rows (default 1,2,8), limit MOE_MICRO_LIMIT_S
+#   phase-trace: per-block stamps of the one-launch MoE block and the GDN decode
+#            (phase_trace.py: 40 chained launches over 8 weight sets, production dims) at
+#            each row count of PHASE_TRACE_ROWS (default 1 8), limit PHASE_TRACE_LIMIT_S (240)
 #   fold-sweep: the GDN decode's batch fold (MLX_LILY_GDN_BATCH_FOLD) the same way, with
 #            batched decode on: FOLD_SWEEP settings (default: default, 4, 8), cases
 #            FOLD_SWEEP_CASES (default 512:128:2,512:128:8), FOLD_SWEEP_LIMIT_S
@@ -211,6 +214,14 @@ phase_moe_micro() {
   MLX_LILY_KERNELS=all step moe-micro ${MOE_MICRO_LIMIT_S:-300} \
     python3 "$R/benchmarks/gpu/moe_decode_bench.py" --sections fused \
     --rows "${MOE_MICRO_ROWS:-1,2,8}" --out "$W/moe-micro"
+}
+
+phase_phase_trace() {
+  local n
+  for n in ${PHASE_TRACE_ROWS:-1 8}; do
+    step phase-trace-b$n ${PHASE_TRACE_LIMIT_S:-240} \
+      python3 "$R/benchmarks/gpu/phase_trace.py" --rows "$n" --out "$W/phase-trace"
+  done
 }
 
 bench_env() {  # the knob sweep's picks under BENCH_PICKS=1, as an env command; else none
@@ -379,6 +390,7 @@ for p in "${PHASE_LIST[@]}"; do
     fold-sweep) phase_fold_sweep ;;
     knob-sweep) phase_knob_sweep ;;
     moe-micro) phase_moe_micro ;;
+    phase-trace) phase_phase_trace ;;
     *) echo "[$(el) s] unknown phase: $p" ;;
   esac
 done

@@ -42,6 +42,7 @@
 // @header gdn_common.cuh
 // @header qgemv_common.cuh
 // @header qgemv_norm.cuh
+// @header phase_trace.cuh
 
 // Row of the fused q|k|v|z|b|a weight holding projection row p of v-head h (q/k head hk):
 // p in [0, Dk) q, [Dk, 2Dk) k, then Dv of v, Dv of z, then b, a.
@@ -131,6 +132,9 @@ __device__ __forceinline__ void lily_gdn_pending_norm(const T* hin, const T* res
   const int tid = threadIdx.x;
   const int lane = tid & 31;
   const int warp = tid >> 5;
+  LILY_TRACE_CLEAR();
+  LILY_TRACE(0);
+  LILY_TRACE_SMID(7);
   static_assert(BN >= 1 && (BN == 1 || PROJ), "gdn_decode: BN > 1 needs PROJ");
   const int n = blockIdx.y;  // (row group, v-head) = (n / Hv, h)
   const int h = n % Hv;
@@ -175,6 +179,7 @@ __device__ __forceinline__ void lily_gdn_pending_norm(const T* hin, const T* res
                                       h == 0 && part == 0 ? h_out + int64_t(bj) * K : nullptr,
                                       xs + jr * XST, red, tid, lane, warp);
     }
+    LILY_TRACE(1);
     for (int p0 = part * RPP; p0 < NP; p0 += SPLIT * RPP) {
       // the tile lily_qgemv_gather loads, then each row's dot with it
       LilyRowTile<S, K, BITS, GS, RPW, LPR> tile;
@@ -196,9 +201,11 @@ __device__ __forceinline__ void lily_gdn_pending_norm(const T* hin, const T* res
         });
       }
     }
+    LILY_TRACE(2);
     if constexpr (SPLIT > 1) {
       if (!lily_last_to_arrive(const_cast<int*>(counters) + n, SPLIT, last_part, tid)) return;
     }
+    LILY_TRACE(3);
     __syncthreads();
   }
 
@@ -405,6 +412,7 @@ __device__ __forceinline__ void lily_gdn_pending_norm(const T* hin, const T* res
     constexpr int SGO = 32 / LPRO;
     constexpr int RPPO = NW * SGO * ORPW;
     __syncthreads();
+    LILY_TRACE(4);
     const int slo = lane % LPRO;
     const int o_slot = (warp * SGO + lane / LPRO) * ORPW;
     for (int o0 = 0; o0 < K; o0 += RPPO) {
@@ -426,6 +434,7 @@ __device__ __forceinline__ void lily_gdn_pending_norm(const T* hin, const T* res
         });
       }
     }
+    LILY_TRACE(5);
     if (!lily_last_to_arrive(const_cast<int*>(counters) + (PROJ ? hin_shape[0] * Hv : 0) + bg,
                              Hv, last_part, tid)) {
       return;
@@ -453,4 +462,5 @@ __device__ __forceinline__ void lily_gdn_pending_norm(const T* hin, const T* res
         ro[o + 3] = static_cast<T>(a3);
       }
     }
+    LILY_TRACE(6);
   }

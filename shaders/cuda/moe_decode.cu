@@ -25,6 +25,7 @@
 // @header qgemv_common.cuh
 // @header qgemv_norm.cuh
 // @header qgemv_route.cuh
+// @header phase_trace.cuh
 // An L2 (L1-bypassing) view of a buffer other blocks of the launch wrote.
 template <typename T>
 struct LilyL2 {
@@ -151,9 +152,14 @@ __device__ __forceinline__ void lily_copy_l2(T* dst, const T* src, int tid) {
   const int tid = threadIdx.x;
   const int lane = tid & 31;
   const int warp = tid >> 5;
+  LILY_TRACE_CLEAR();
+  LILY_TRACE(0);
   if (tid == 0) s_ticket = atomicAdd(ctr, 1);
   __syncthreads();
   const int t = s_ticket;
+  LILY_TRACE_VAL(6, t);
+  LILY_TRACE_SMID(7);
+  LILY_TRACE(1);
 
   if (t < N * RT) {
     // ---- router tile: lily_norm_qgemv's rows of the E+1 router outputs
@@ -170,10 +176,12 @@ __device__ __forceinline__ void lily_copy_l2(T* dst, const T* src, int tid) {
                                      first ? h + ro : nullptr,
                                      first ? reinterpret_cast<T*>(wn + O_XN) : nullptr, tid,
                                      lane, warp);
+    LILY_TRACE(2);
     T* lg = reinterpret_cast<T*>(wn + O_LG);
     tile.dot_each(xs, sl, [&](int r, float v) {
       if (sl == 0 && row0 + r <= E) lg[row0 + r] = static_cast<T>(v);
     });
+    LILY_TRACE(4);
     lily_arrive(ctr + 1, tid);
   } else if (t < N * (RT + GT)) {
     // ---- gate+up tile: lily_moe_gate_up (TOPK, PRE_NORM) for one slot's rows
@@ -192,6 +200,7 @@ __device__ __forceinline__ void lily_copy_l2(T* dst, const T* src, int tid) {
       tu.load(reinterpret_cast<const uint4*>(sup_w), sup_s, sup_b, row0, I - 1, sl);
     }
     lily_wait_count(ctr + 1, N * RT, tid);
+    LILY_TRACE(2);
     if (slot < K) {
       if (warp == 0) {
         LilyL2<T> lg{reinterpret_cast<const T*>(wn + O_LG)};
@@ -219,7 +228,9 @@ __device__ __forceinline__ void lily_copy_l2(T* dst, const T* src, int tid) {
     // x as the row's first router tile normalised it (the add + RMSNorm once per row)
     lily_copy_l2<T, D, 32 * NWK>(xs, reinterpret_cast<const T*>(wn + O_XN), tid);
     __syncthreads();
+    LILY_TRACE(3);
     lily_swiglu_rows<T>(tg, tu, xs, sl, reinterpret_cast<T*>(wn) + slot * I, row0, I);
+    LILY_TRACE(4);
     lily_arrive(ctr + 2, tid);
   } else if (t < TOTAL) {
     // ---- down tile: lily_moe_down (SL = 1) for DRPB output rows
@@ -232,6 +243,7 @@ __device__ __forceinline__ void lily_copy_l2(T* dst, const T* src, int tid) {
     LilyRowTile<S, I, BITS, GS, DRPW, DLPR> tile[K + 1];
     tile[K].load(reinterpret_cast<const uint4*>(sdown_w), sdown_s, sdown_b, row0, D - 1, sl);
     lily_wait_count(ctr + 2, N * GT, tid);
+    LILY_TRACE(2);
     if (tid < K) {
       s_inds[tid] = __ldcg(reinterpret_cast<const unsigned*>(wn + O_IN) + tid);
       s_cf[tid] = lily_f(__ldcg(reinterpret_cast<const T*>(wn + O_SC) + tid));
@@ -239,6 +251,7 @@ __device__ __forceinline__ void lily_copy_l2(T* dst, const T* src, int tid) {
     if (tid == K) s_cf[K] = lily_f(__ldcg(reinterpret_cast<const T*>(wn + O_SH)));
     lily_copy_l2<T, (K + 1) * I, 32 * NWK>(xs, reinterpret_cast<const T*>(wn), tid);
     __syncthreads();
+    LILY_TRACE(3);
 #pragma unroll
     for (int j = 0; j < K; ++j) {
       const size_t e = min(s_inds[j], (unsigned)(E - 1));
@@ -256,9 +269,11 @@ __device__ __forceinline__ void lily_copy_l2(T* dst, const T* src, int tid) {
       const int row = row0 + r;
       if (sl == 0 && row < D) y[(size_t)n * D + row] = static_cast<T>(v);
     }
+    LILY_TRACE(4);
   }
   // the last block to leave resets the counters for the next launch
   __syncthreads();
+  LILY_TRACE(5);
   if (tid == 0 && lily_add_acq_rel(ctr + 3, 1) == TOTAL - 1) {
     ctr[0] = 0;
     ctr[1] = 0;
