@@ -5,7 +5,7 @@ Qwen3.6-35B-A3B's 40), dispatchers forced onto the CUDA path
 nothing evaluated. What it times is the host work Lily adds per token before MLX's own
 dispatch: the patched forwards, the checks and the kernel launch plumbing.
 
-    python benchmarks/build_time.py --layers 40 --steps 40 --out DIR
+    python benchmarks/build_time.py --layers 40 --steps 40 [--kernels shipped] --out DIR
 
 Prints and writes DIR/build_time.json: median milliseconds per step (after ``--warmup``
 steps) with the compiled decode steps on (the default: the whole decoder stack as one
@@ -14,6 +14,8 @@ layer with the attention layers' mixers eager (``MLX_LILY_COMPILE_ATTN=0``: only
 halves compiled), and off. ``--growth-steps N``: N compiled steps from an empty cache,
 every one timed, with mlx-lm's KV growth step (256) and Lily's default
 (``MLX_LILY_KV_STEP``): the steps that grow the cache and retrace show in the mean.
+``--ledger-ab ROUNDS``: only the compiled step with and without its replay from the last
+step's ledger (``decode_graph._WholeLedger``), alternating in one process.
 ``--prefill-tokens N``: also the build of one N-token prefill call into a fresh cache (the
 Python part of a prefill chunk, which runs with the GPU idle: 12-25 ms for a 4095-token
 chunk on the H200's host).
@@ -84,13 +86,13 @@ def measure_prefill(layers: int, tokens: int, reps: int) -> float:
 
 
 def measure(layers: int, steps: int, warmup: int, compile_mode: str,
-            detail: bool = False):
+            detail: bool = False, kernel_set: str = "all"):
     import mlx.core as mx
     from mlx_lm.models.cache import make_prompt_cache
 
     os.environ["MLX_LILY_COMPILE"] = compile_mode
     ts = []
-    with _stubbed_lily(layers) as model:
+    with _stubbed_lily(layers, kernel_set) as model:
         cache = make_prompt_cache(model)
         tok = mx.array([[5]])
         for i in range(warmup + steps):
@@ -106,6 +108,37 @@ def measure(layers: int, steps: int, warmup: int, compile_mode: str,
             "slow_ms_total": sum(slow)}
 
 
+def measure_ledger_ab(layers: int, rounds: int, block: int, kernel_set: str) -> dict:
+    """The compiled whole step with and without its replay from the previous step's
+    ledger (``decode_graph._WholeLedger``; off: its ``matches`` refuses, so every step
+    takes the full path), in one process: ``rounds`` x (``block`` steps off, ``block``
+    on), so that the host's drift falls on both. Median and mean ms per step per arm."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from mlx_lily.patches import decode_graph as dg
+
+    os.environ["MLX_LILY_COMPILE"] = "1"
+    real = dg._WholeLedger.matches
+    ts = {"full": [], "replay": []}
+    with _stubbed_lily(layers, kernel_set) as model:
+        cache = make_prompt_cache(model)
+        tok = mx.array([[5]])
+        for _ in range(20):
+            model(tok, cache=cache)
+        for _ in range(rounds):
+            for arm in ("full", "replay"):
+                dg._WholeLedger.matches = real if arm == "replay" else (lambda *a: False)
+                model(tok, cache=cache)  # the arm's first step (the ledger is made here)
+                for _ in range(block):
+                    t0 = time.perf_counter()
+                    model(tok, cache=cache)
+                    ts[arm].append(time.perf_counter() - t0)
+        dg._WholeLedger.matches = real
+    return {arm: {"median_ms": statistics.median(v) * 1e3, "mean_ms": statistics.fmean(v) * 1e3,
+                  "steps": len(v)} for arm, v in ts.items()}
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].replace("\n", " "))
     p.add_argument("--layers", type=int, default=40)
@@ -116,9 +149,30 @@ def main(argv=None) -> int:
                         "cache with MLX_LILY_KV_STEP=256 (mlx-lm's growth) and the default")
     p.add_argument("--prefill-tokens", type=int, default=0,
                    help="also: the build of one prefill call of this many tokens")
+    p.add_argument("--kernels", default="all",
+                   help="MLX_LILY_KERNELS value of the decode steps (default: all; 'shipped': "
+                        "the shipped CUDA set plus batch_decode, what a CUDA user runs)")
+    p.add_argument("--ledger-ab", type=int, default=0, metavar="ROUNDS",
+                   help="only: the compiled step with and without the replay from the last "
+                        "step's ledger, ROUNDS alternating blocks of --steps steps each")
     p.add_argument("--out", type=Path, default=None)
     a = p.parse_args(argv)
-    res = {"layers": a.layers, "steps": a.steps, "warmup": a.warmup, "build_ms_median": {}}
+    if a.kernels == "shipped":
+        from mlx_lily import kernels
+
+        a.kernels = ",".join(sorted(kernels.VERIFIED["cuda"])) + ",batch_decode"
+    res = {"layers": a.layers, "steps": a.steps, "warmup": a.warmup, "kernels": a.kernels,
+           "build_ms_median": {}}
+    if a.ledger_ab:
+        res = {"layers": a.layers, "kernels": a.kernels, "rounds": a.ledger_ab,
+               "block": a.steps, "ledger_ab": measure_ledger_ab(a.layers, a.ledger_ab,
+                                                                a.steps, a.kernels)}
+        for arm, r in res["ledger_ab"].items():
+            print(f"{arm:7s} {r['median_ms']:.3f} ms median, {r['mean_ms']:.3f} ms mean per "
+                  f"decode step ({a.layers} layers, {r['steps']} steps)")
+        if a.out:
+            write_json(a.out, "build_time_ledger_ab.json", res)
+        return 0
     import subprocess
 
     for mode, name, extra in (("1", "compiled", {}),
@@ -131,7 +185,8 @@ def main(argv=None) -> int:
         env.update(extra)
         out = subprocess.run(
             [sys.executable, __file__, "--_one", mode, str(a.layers), str(a.steps),
-             str(a.warmup)], capture_output=True, text=True, check=True, env=env).stdout
+             str(a.warmup), a.kernels], capture_output=True, text=True, check=True,
+            env=env).stdout
         res["build_ms_median"][name] = float(out.strip().splitlines()[-1])
         print(f"{name:19s} {res['build_ms_median'][name]:.3f} ms per decode step "
               f"({a.layers} layers, median of {a.steps})")
@@ -172,6 +227,7 @@ if __name__ == "__main__":
         print(json.dumps(measure(int(sys.argv[2]), int(sys.argv[3]), 2, "1", detail=True)))
         sys.exit(0)
     if len(sys.argv) > 1 and sys.argv[1] == "--_one":  # one setting per process
-        print(measure(int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]), sys.argv[2]))
+        print(measure(int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]), sys.argv[2],
+                      kernel_set=sys.argv[6]))
         sys.exit(0)
     sys.exit(main())

@@ -64,12 +64,14 @@ class _CompiledSteps:
         self.whole = None  # whole-stack step: (KV shapes, compiled fn), False (failed), None
         self.recent: dict = {}  # KV shapes -> whole-stack fn, the last RECENT_WHOLE_STEPS
         self.static: dict = {}  # per-forward facts of the whole step, by dtype/switch
+        self.ledger = None  # _WholeLedger of the last whole step, or None
 
     def clear(self) -> None:
         self.fns.clear()
         self.whole = None
         self.recent.clear()
         self.static.clear()
+        self.ledger = None
 
     def __deepcopy__(self, memo):
         return _CompiledSteps()
@@ -357,6 +359,43 @@ def _whole_step_fn(text_model, layers):
 RECENT_WHOLE_STEPS = 4
 
 
+class _WholeLedger:
+    """What a whole-stack step left in the caches it updated, so that the next step can
+    take its inputs from there instead of checking and reading every cache again.
+
+    ``caches``: the step's cache objects in layer order; ``held``: per cache the arrays
+    the step stored (GDN: conv and recurrent state; attention: key and value buffers);
+    ``offsets``: per attention cache the row count it left; ``args``: the next step's
+    inputs after ``h`` (those arrays, each cache's counters and this step's MoE outputs)
+    without the offset; ``offset``: the attention layers' common row count. Valid
+    (``matches``) while every cache still holds those very arrays and row counts: any
+    other path that updates a cache stores new arrays or moves its ``offset``."""
+
+    __slots__ = ("caches", "linear", "held", "offsets", "args", "offset", "fn", "batch",
+                 "dtype", "compile_attn")
+
+    def matches(self, cache, h) -> bool:
+        """Whether ``cache`` (this step's cache list) and ``h`` are what the ledger's
+        step left: the same cache objects, each holding the arrays and row count that
+        step stored, ``h`` of the same batch and dtype, the attention step setting as
+        then, and room for one more row in every KV buffer (checked when recorded)."""
+        if (len(cache) != len(self.caches) or not all(map(operator.is_, cache, self.caches))
+                or h.shape[0] != self.batch or h.dtype != self.dtype
+                or tuning.compile_attn != self.compile_attn):
+            return False
+        held, offs = iter(self.held), iter(self.offsets)
+        for c, lin in zip(cache, self.linear):
+            a, b = next(held), next(held)
+            if lin:
+                st = c.cache
+                if st[0] is not a or st[1] is not b or c.lengths is not None:
+                    return False
+            elif c.keys is not a or c.values is not b or c.offset != next(offs):
+                return False
+        return True
+
+
+
 def run_whole_step(text_model, cs, layers, cache, h):
     """The decode step through ``_whole_step_fn`` (compiled on first use, kept in
     ``cs.whole``, ``cs`` the model's ``_CompiledSteps``) when every layer can run compiled now (``gdn_step_ok``,
@@ -365,6 +404,10 @@ def run_whole_step(text_model, cs, layers, cache, h):
     tracing failure marks it off for this model (one warning)."""
     if backend.compile_mode() != "whole":
         return None
+    led = cs.ledger
+    cs.ledger = None
+    if led is not None and led.matches(cache, h):
+        return _replay_whole_step(cs, led, layers, cache, h)
     # what holds for every step (switches, modules, dtype): once per compile key
     skey = ("whole-ok", h.dtype, tuning.compile_attn)
     dims = cs.static.get(skey)
@@ -420,6 +463,67 @@ def run_whole_step(text_model, cs, layers, cache, h):
             c.values = next(it)
             advance_kv(c)
         setattr(c, MOE_AFTER_ATTR, next(it))
+    cs.ledger = _new_ledger(fn, layers, cache, h, args, offset)
+    return out[0]
+
+
+def _new_ledger(fn, layers, cache, h, args, offset):
+    """The ``_WholeLedger`` of the step that just ran with ``args`` and stored its
+    results in ``cache``, or None where the next step could not replay it: a
+    ``BatchKVCache`` (its row counts are arrays), another cache type, or a KV buffer
+    without room for one more row."""
+    linear = tuple(bool(l.is_linear) for l in layers)
+    held, offsets, nxt = [], [], []
+    for lin, c, i in zip(linear, cache, range(1, len(args), 4)):
+        if lin:
+            if type(c) is not ArraysCache:
+                return None
+            a, b = c.cache[0], c.cache[1]
+        else:
+            if type(c) is not KVCache or c.offset + 1 > c.keys.shape[2]:
+                return None
+            a, b = c.keys, c.values
+            offsets.append(c.offset)
+        held += [a, b]
+        nxt += [a, b, args[i + 2], c.__dict__[MOE_AFTER_ATTR]]
+    led = _WholeLedger()
+    led.caches, led.linear, led.held, led.offsets = tuple(cache), linear, held, offsets
+    led.args, led.fn, led.batch, led.dtype = nxt, fn, h.shape[0], h.dtype
+    led.offset = (offset or 0) + 1 if offsets else 0
+    led.compile_attn = tuning.compile_attn
+    return led
+
+
+def _replay_whole_step(cs, led, layers, cache, h):
+    """``run_whole_step`` for a step whose caches are as the previous whole step left
+    them (``_WholeLedger.matches``): the same compiled function on the arrays that step
+    stored, its counters and MoE outputs, and the next row; the caches are updated and
+    the ledger renewed as ``run_whole_step`` does."""
+    out = led.fn(h, *led.args, mx.array([led.offset], dtype=mx.int32))
+    it = iter(out[1:])
+    held, offsets, nxt = [], [], led.args
+    for j, (lin, c) in enumerate(zip(led.linear, cache)):
+        a, b, m = next(it), next(it), next(it)
+        if lin:
+            st = c.cache
+            st[0] = a
+            st[1] = b
+        else:
+            c.keys = a
+            c.values = b
+            c.offset += 1
+            if c.offset + 1 > a.shape[2]:
+                held = None
+            elif held is not None:
+                offsets.append(c.offset)
+        c.__dict__[MOE_AFTER_ATTR] = m
+        if held is not None:
+            held += [a, b]
+            nxt[4 * j], nxt[4 * j + 1], nxt[4 * j + 3] = a, b, m
+    if held is not None:
+        led.held, led.offsets, led.args = held, offsets, nxt
+        led.offset += 1 if offsets else 0
+        cs.ledger = led
     return out[0]
 
 

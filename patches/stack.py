@@ -76,8 +76,6 @@ def make_text_model_call(module, cls_name, layer_cls_name, with_embeddings):
                    if self.fa_idx is not None else None)
         ssm_mask = (module.create_ssm_mask(h, cache[self.ssm_idx])
                     if self.ssm_idx is not None else None)
-        first = layers[0].input_layernorm
-        x = mx.fast.rms_norm(h, first.weight, first.eps)
         steps = cs = None
         # batch caches grow as plain ones where their rows take the one-sequence kernels
         grow_batch = batch_rows_on(h.shape[0]) and h.shape[0] <= MAX_BATCH_ROWS
@@ -98,6 +96,8 @@ def make_text_model_call(module, cls_name, layer_cls_name, with_embeddings):
                 y = run_whole_step(self, cs, layers, cache, h)
                 if y is not None:
                     return y
+            first = layers[0].input_layernorm
+            x = mx.fast.rms_norm(h, first.weight, first.eps)
             widen_kv_steps(cache, grow_batch)  # where caches grow: prefill, a step without room
             slots: dict = {}  # a layer module held at several places (deep_view): one trace
             for i, (layer, c) in enumerate(zip(layers, cache)):
