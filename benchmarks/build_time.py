@@ -110,17 +110,26 @@ def measure(layers: int, steps: int, warmup: int, compile_mode: str,
 
 def measure_ledger_ab(layers: int, rounds: int, block: int, kernel_set: str) -> dict:
     """The compiled whole step with and without its replay from the previous step's
-    ledger (``decode_graph._WholeLedger``; off: its ``matches`` refuses, so every step
+    ledger (``decode_graph._WholeLedger``; off: ``MLX_LILY_WHOLE_REPLAY=0``, so every step
     takes the full path), in one process: ``rounds`` x (``block`` steps off, ``block``
-    on), so that the host's drift falls on both. Median and mean ms per step per arm."""
+    on), so that the host's drift falls on both. Median and mean ms per step per arm, and
+    how many of its timed steps replayed (all in the replay arm, none in the other)."""
     import mlx.core as mx
     from mlx_lm.models.cache import make_prompt_cache
 
     from mlx_lily.patches import decode_graph as dg
 
     os.environ["MLX_LILY_COMPILE"] = "1"
-    real = dg._WholeLedger.matches
     ts = {"full": [], "replay": []}
+    replays = {"full": 0, "replay": 0, "untimed": 0}
+    arm_now = ["untimed"]
+    real_replay = dg._replay_whole_step
+
+    def counting(*args):
+        replays[arm_now[0]] += 1
+        return real_replay(*args)
+
+    dg._replay_whole_step = counting
     with _stubbed_lily(layers, kernel_set) as model:
         cache = make_prompt_cache(model)
         tok = mx.array([[5]])
@@ -128,15 +137,18 @@ def measure_ledger_ab(layers: int, rounds: int, block: int, kernel_set: str) -> 
             model(tok, cache=cache)
         for _ in range(rounds):
             for arm in ("full", "replay"):
-                dg._WholeLedger.matches = real if arm == "replay" else (lambda *a: False)
+                os.environ["MLX_LILY_WHOLE_REPLAY"] = "1" if arm == "replay" else "0"
+                arm_now[0] = "untimed"
                 model(tok, cache=cache)  # the arm's first step (the ledger is made here)
+                arm_now[0] = arm
                 for _ in range(block):
                     t0 = time.perf_counter()
                     model(tok, cache=cache)
                     ts[arm].append(time.perf_counter() - t0)
-        dg._WholeLedger.matches = real
+        os.environ.pop("MLX_LILY_WHOLE_REPLAY", None)
+        dg._replay_whole_step = real_replay
     return {arm: {"median_ms": statistics.median(v) * 1e3, "mean_ms": statistics.fmean(v) * 1e3,
-                  "steps": len(v)} for arm, v in ts.items()}
+                  "steps": len(v), "replayed": replays[arm]} for arm, v in ts.items()}
 
 
 def main(argv=None) -> int:
@@ -169,7 +181,8 @@ def main(argv=None) -> int:
                                                                 a.steps, a.kernels)}
         for arm, r in res["ledger_ab"].items():
             print(f"{arm:7s} {r['median_ms']:.3f} ms median, {r['mean_ms']:.3f} ms mean per "
-                  f"decode step ({a.layers} layers, {r['steps']} steps)")
+                  f"decode step ({a.layers} layers, {r['steps']} steps, {r['replayed']} "
+                  "replayed)")
         if a.out:
             write_json(a.out, "build_time_ledger_ab.json", res)
         return 0

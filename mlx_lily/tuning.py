@@ -43,6 +43,9 @@ KNOBS: dict = {k.attr: k for k in (
             "0: compiled decode steps per layer instead of the whole stack as one function"),
     Setting("compile_attn", "MLX_LILY_COMPILE_ATTN", True, flag, "'1', '0'",
             "0: attention layers' decode steps run eagerly inside compiled decode"),
+    Setting("whole_replay", "MLX_LILY_WHOLE_REPLAY", True, flag, "'1', '0'",
+            "0: every whole-stack decode step takes the full path (no replay from the "
+            "previous step's ledger)"),
     Setting("nvrtc", "MLX_LILY_NVRTC", None, _library,
             "a path to libnvrtc.so, or a library name the loader finds",
             "the NVRTC library for ahead-of-time CUDA compiles when MLX has not loaded one"),

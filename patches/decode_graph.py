@@ -406,7 +406,7 @@ def run_whole_step(text_model, cs, layers, cache, h):
         return None
     led = cs.ledger
     cs.ledger = None
-    if led is not None and led.matches(cache, h):
+    if led is not None and tuning.whole_replay and led.matches(cache, h):
         return _replay_whole_step(cs, led, layers, cache, h)
     # what holds for every step (switches, modules, dtype): once per compile key
     skey = ("whole-ok", h.dtype, tuning.compile_attn)

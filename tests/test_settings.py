@@ -27,6 +27,7 @@ BAD_SETTINGS = {
 BAD_KNOBS = {
     "compile_whole": "no",
     "compile_attn": "off",
+    "whole_replay": "no",
     "nvrtc": "/nonexistent/libnvrtc.so",
     "gdn_scan": "8,1",
     "prefill_eval_layers": "four",

@@ -56,9 +56,9 @@ def _decode(model, steps, meddle=None, ledger=True):
         mp.setattr(dg, "_replay_whole_step", counting)
         if not ledger:
             mp.setattr(dg, "_new_ledger", lambda *a: None)
-        with emulated_metal(), dg.uncompiled():
-            mp.setenv("MLX_LILY_COMPILE", "1")  # emulated_metal turned it off
-            mp.setenv("MLX_LILY_KV_STEP", "256")
+        with emulated_metal(), dg.uncompiled(), pytest.MonkeyPatch.context() as env:
+            env.setenv("MLX_LILY_COMPILE", "1")  # emulated_metal turned it off (undone first)
+            env.setenv("MLX_LILY_KV_STEP", "256")
             with mlx_lily.patched(model):
                 caches = {"a": make_prompt_cache(model)}
                 y = model(mx.array([PROMPT]), cache=caches["a"])
@@ -148,27 +148,21 @@ def test_ledger_matches_only_its_own_caches(model):
     dg.drop_compiled_steps()
 
 
-def test_build_time_ledger_ab_runs_both_arms(monkeypatch):
-    """``benchmarks/build_time.py --ledger-ab``: both arms time their steps in one process
-    (4 layers, stubbed kernels), the replay arm's steps through ``_replay_whole_step``,
-    the full arm's never, and ``_WholeLedger.matches`` is restored afterwards."""
+def test_build_time_ledger_ab_runs_both_arms(tmp_path):
+    """``benchmarks/build_time.py --ledger-ab`` (4 layers, stubbed kernels, its own
+    process: it stubs MLX's kernel factory): both arms time their steps, every timed step
+    of the replay arm replays and none of the full arm's (``MLX_LILY_WHOLE_REPLAY=0``)."""
+    import json
+    import os
+    import subprocess
     import sys
     from pathlib import Path
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-    import build_time
-
-    calls = {"full": 0, "replay": 0}
-    real_replay, real_matches = dg._replay_whole_step, dg._WholeLedger.matches
-
-    def counting(cs, led, *a):
-        calls["replay" if dg._WholeLedger.matches is real_matches else "full"] += 1
-        return real_replay(cs, led, *a)
-
-    monkeypatch.setattr(dg, "_replay_whole_step", counting)
-    monkeypatch.delenv("MLX_LILY_COMPILE", raising=False)
-    res = build_time.measure_ledger_ab(4, 2, 3, "all")
+    root = Path(__file__).resolve().parents[1]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MLX_LILY")}
+    subprocess.run([sys.executable, str(root / "benchmarks" / "build_time.py"), "--layers",
+                    "4", "--steps", "3", "--ledger-ab", "2", "--out", str(tmp_path)],
+                   check=True, env=env, capture_output=True, timeout=600)
+    res = json.loads((tmp_path / "build_time_ledger_ab.json").read_text())["ledger_ab"]
     assert res["full"]["steps"] == res["replay"]["steps"] == 6
-    assert calls["full"] == 0 and calls["replay"] >= 2 * 3
-    assert dg._WholeLedger.matches is real_matches
-    dg.drop_compiled_steps()
+    assert res["full"]["replayed"] == 0 and res["replay"]["replayed"] == 6
