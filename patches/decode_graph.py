@@ -363,29 +363,36 @@ class _WholeLedger:
     """What a whole-stack step left in the caches it updated, so that the next step can
     take its inputs from there instead of checking and reading every cache again.
 
-    ``caches``: the step's cache objects in layer order; ``held``: per cache the arrays
-    the step stored (GDN: conv and recurrent state; attention: key and value buffers);
+    ``refs``: weak references to the step's cache objects in layer order (a cache the
+    user drops drops the ledger with it: ``_drop_ledger``); ``held``: per cache the
+    arrays the step stored (GDN: conv state ``[B, KS-1, C]`` and recurrent state
+    ``[B, Hv, Dv, Dk]`` fp32; attention: key and value buffers ``[B, Hkv, capacity, D]``);
     ``offsets``: per attention cache the row count it left; ``args``: the next step's
-    inputs after ``h`` (those arrays, each cache's counters and this step's MoE outputs)
-    without the offset; ``offset``: the attention layers' common row count. Valid
-    (``matches``) while every cache still holds those very arrays and row counts: any
-    other path that updates a cache stores new arrays or moves its ``offset``."""
+    inputs after ``h``, four per layer (those two arrays, the cache's int32 counters, the
+    step's MoE output ``[B, 1, D]``), without the offset; ``offset``: the attention layers'
+    common row count. Valid (``matches``) while every cache still holds those very arrays
+    and row counts. The ledger passes the caches' own array objects, so an in-place write
+    to one reaches the step as it would on the full path; a path that stores other arrays
+    or moves a row count makes ``matches`` refuse."""
 
-    __slots__ = ("caches", "linear", "held", "offsets", "args", "offset", "fn", "batch",
-                 "dtype", "compile_attn")
+    __slots__ = ("refs", "linear", "held", "offsets", "args", "offset", "fn", "batch",
+                 "dtype", "compile_attn", "__weakref__")
 
     def matches(self, cache, h) -> bool:
-        """Whether ``cache`` (this step's cache list) and ``h`` are what the ledger's
-        step left: the same cache objects, each holding the arrays and row count that
-        step stored, ``h`` of the same batch and dtype, the attention step setting as
-        then, and room for one more row in every KV buffer (checked when recorded)."""
-        if (len(cache) != len(self.caches) or not all(map(operator.is_, cache, self.caches))
-                or h.shape[0] != self.batch or h.dtype != self.dtype
+        """Whether ``cache`` (this step's cache list) and ``h [B, 1, D]`` are what the
+        ledger's step left: the same cache objects, each holding the arrays and row count
+        that step stored, ``h`` of the same batch and dtype, the attention step setting
+        (``MLX_LILY_COMPILE_ATTN``, which ``compile_key`` does not hold) as then, and room
+        for one more row in every KV buffer (checked when recorded)."""
+        refs = self.refs
+        if (len(cache) != len(refs) or h.shape[0] != self.batch or h.dtype != self.dtype
                 or tuning.compile_attn != self.compile_attn):
             return False
         held, offs = iter(self.held), iter(self.offsets)
-        for c, lin in zip(cache, self.linear):
+        for c, r, lin in zip(cache, refs, self.linear):
             a, b = next(held), next(held)
+            if r() is not c:
+                return False
             if lin:
                 st = c.cache
                 if st[0] is not a or st[1] is not b or c.lengths is not None:
@@ -394,6 +401,13 @@ class _WholeLedger:
                 return False
         return True
 
+
+def _drop_ledger(cs_ref, led_ref, _dead=None) -> None:
+    """Forget the ledger ``led_ref()`` if it is still its model's (``cs_ref()``): one of
+    its caches was collected, and the ledger must not keep that cache's arrays alive."""
+    cs, led = cs_ref(), led_ref()
+    if cs is not None and led is not None and cs.ledger is led:
+        cs.ledger = None
 
 
 def run_whole_step(text_model, cs, layers, cache, h):
@@ -407,7 +421,9 @@ def run_whole_step(text_model, cs, layers, cache, h):
     led = cs.ledger
     cs.ledger = None
     if led is not None and tuning.whole_replay and led.matches(cache, h):
-        return _replay_whole_step(cs, led, layers, cache, h)
+        y = _replay_whole_step(cs, led, layers, cache, h)
+        if y is not None:
+            return y
     # what holds for every step (switches, modules, dtype): once per compile key
     skey = ("whole-ok", h.dtype, tuning.compile_attn)
     dims = cs.static.get(skey)
@@ -463,15 +479,15 @@ def run_whole_step(text_model, cs, layers, cache, h):
             c.values = next(it)
             advance_kv(c)
         setattr(c, MOE_AFTER_ATTR, next(it))
-    cs.ledger = _new_ledger(fn, layers, cache, h, args, offset)
+    cs.ledger = _new_ledger(cs, fn, layers, cache, h, args, offset)
     return out[0]
 
 
-def _new_ledger(fn, layers, cache, h, args, offset):
-    """The ``_WholeLedger`` of the step that just ran with ``args`` and stored its
-    results in ``cache``, or None where the next step could not replay it: a
-    ``BatchKVCache`` (its row counts are arrays), another cache type, or a KV buffer
-    without room for one more row."""
+def _new_ledger(cs, fn, layers, cache, h, args, offset):
+    """The ``_WholeLedger`` of the step that just ran ``fn`` with ``args`` and stored its
+    results in ``cache`` (for the model whose ``_CompiledSteps`` is ``cs``), or None where
+    the next step could not replay it: a ``BatchKVCache`` (its row counts are arrays),
+    another cache type, or a KV buffer without room for one more row."""
     linear = tuple(bool(l.is_linear) for l in layers)
     held, offsets, nxt = [], [], []
     for lin, c, i in zip(linear, cache, range(1, len(args), 4)):
@@ -487,7 +503,9 @@ def _new_ledger(fn, layers, cache, h, args, offset):
         held += [a, b]
         nxt += [a, b, args[i + 2], c.__dict__[MOE_AFTER_ATTR]]
     led = _WholeLedger()
-    led.caches, led.linear, led.held, led.offsets = tuple(cache), linear, held, offsets
+    drop = functools.partial(_drop_ledger, weakref.ref(cs), weakref.ref(led))
+    led.refs = tuple(weakref.ref(c, drop) for c in cache)
+    led.linear, led.held, led.offsets = linear, held, offsets
     led.args, led.fn, led.batch, led.dtype = nxt, fn, h.shape[0], h.dtype
     led.offset = (offset or 0) + 1 if offsets else 0
     led.compile_attn = tuning.compile_attn
@@ -497,9 +515,14 @@ def _new_ledger(fn, layers, cache, h, args, offset):
 def _replay_whole_step(cs, led, layers, cache, h):
     """``run_whole_step`` for a step whose caches are as the previous whole step left
     them (``_WholeLedger.matches``): the same compiled function on the arrays that step
-    stored, its counters and MoE outputs, and the next row; the caches are updated and
-    the ledger renewed as ``run_whole_step`` does."""
-    out = led.fn(h, *led.args, mx.array([led.offset], dtype=mx.int32))
+    stored, its counters and MoE outputs, and the next row. Returns the final norm's
+    output ``y [B, 1, D]`` with the caches updated and the ledger renewed as
+    ``run_whole_step`` does, or None, with nothing changed, when the compiled function
+    raises (the full path then runs it again and handles the failure)."""
+    try:
+        out = led.fn(h, *led.args, mx.array([led.offset], dtype=mx.int32))
+    except Exception:  # noqa: BLE001  (run_whole_step's full path reports it)
+        return None
     it = iter(out[1:])
     held, offsets, nxt = [], [], led.args
     for j, (lin, c) in enumerate(zip(led.linear, cache)):

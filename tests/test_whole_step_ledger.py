@@ -39,16 +39,34 @@ def model():
     return _models.build("qwen3_5_moe")
 
 
+def _state(caches, moe_attr):
+    """Every array a step leaves in ``caches`` (GDN states; KV rows up to the offset and
+    the offset; each cache's MoE output, the next step's ordering input) as numpy."""
+    out = []
+    for c in caches:
+        if hasattr(c, "offset"):
+            n = c.offset
+            out += [np.array(n), np.array(c.keys[..., :n, :].astype(mx.float32)),
+                    np.array(c.values[..., :n, :].astype(mx.float32))]
+        else:
+            out += [np.array(a.astype(mx.float32)) for a in c.cache]
+        m = c.__dict__.get(moe_attr)
+        out.append(None if m is None else np.array(m.astype(mx.float32)))
+    return out
+
+
 def _decode(model, steps, meddle=None, ledger=True):
-    """Greedy logits (``np.float32 [steps, V]``) of ``steps`` one-token calls after
-    ``PROMPT``, KV growth step 256 (the decode crosses it); ``meddle(i, caches)`` runs
-    before step ``i`` and returns the caches to use. With ``ledger=False`` no step
-    replays. Returns ``(logits, replays)``."""
-    replays = []
+    """Greedy decoding of ``steps`` one-token calls after ``PROMPT``, KV growth step 256
+    (the decode crosses it); ``meddle(i, caches)`` runs before step ``i`` and returns the
+    caches to use. With ``ledger=False`` no step replays. Returns ``(logits np.float32
+    [steps, V], replayed: one bool per step, states: _state after each step)``."""
+    from mlx_lily.patches.launch_order import MOE_AFTER_ATTR
+
+    replayed = []
     real = dg._replay_whole_step
 
     def counting(*a):
-        replays.append(1)
+        replayed[-1] = True
         return real(*a)
 
     dg.drop_compiled_steps()
@@ -59,67 +77,119 @@ def _decode(model, steps, meddle=None, ledger=True):
         with emulated_metal(), dg.uncompiled(), pytest.MonkeyPatch.context() as env:
             env.setenv("MLX_LILY_COMPILE", "1")  # emulated_metal turned it off (undone first)
             env.setenv("MLX_LILY_KV_STEP", "256")
+            env.delenv("MLX_LILY_COMPILE_ATTN", raising=False)
             with mlx_lily.patched(model):
-                caches = {"a": make_prompt_cache(model)}
+                caches = {"a": make_prompt_cache(model), "env": env}
                 y = model(mx.array([PROMPT]), cache=caches["a"])
                 tok = int(mx.argmax(y[0, -1]).item())
-                out = []
+                out, states = [], []
                 for i in range(steps):
                     c = caches["a"] if meddle is None else meddle(i, caches)
+                    replayed.append(False)
                     y = model(mx.array([[tok]]), cache=c)
                     row = y[0, -1].astype(mx.float32)
                     out.append(np.array(row))
+                    states.append(_state(c, MOE_AFTER_ATTR))
                     tok = int(mx.argmax(row).item())
     dg.drop_compiled_steps()
-    return np.stack(out), len(replays)
+    return np.stack(out), replayed, states
+
+
+def _same_states(got, want):
+    for i, (g, w) in enumerate(zip(got, want)):
+        assert len(g) == len(w)
+        for j, (a, b) in enumerate(zip(g, w)):
+            assert (a is None) == (b is None), (i, j)
+            if a is not None:
+                np.testing.assert_array_equal(a, b, err_msg=f"step {i}, array {j}")
 
 
 def test_replayed_steps_equal_full_steps(model):
-    """Plain decoding across the KV cache's growth: the same logits, bit for bit, with
-    and without replays; most steps replay."""
-    want, n0 = _decode(model, 10, ledger=False)
-    got, n = _decode(model, 10)
-    assert n0 == 0 and n >= 6
+    """Plain decoding across the KV cache's growth: the same logits and cache contents
+    (MoE outputs included), bit for bit, with and without replays; most steps replay."""
+    want, r0, s0 = _decode(model, 10, ledger=False)
+    got, r, s = _decode(model, 10)
+    assert not any(r0) and sum(r) >= 6
     np.testing.assert_array_equal(got, want)
+    _same_states(s, s0)
 
 
 def _meddler():
-    """Between steps: a GDN layer's recurrent state scaled (a new array), then a second
-    sequence's caches decoded once and the first resumed, then every cache rolled back
-    one step to copies taken earlier (the KV offsets moved back, the GDN arrays put back)."""
+    """Between steps: a GDN layer's recurrent state scaled (a new array); an attention
+    layer's key buffer scaled (a new array, same offset); a second sequence's caches
+    decoded once, then the first resumed; every cache rolled back two steps to what it
+    held earlier (KV offsets moved back, the GDN arrays put back); one step with
+    ``MLX_LILY_COMPILE_ATTN=0``; one with a GDN cache's ``lengths`` set."""
     saved = {}
 
     def meddle(i, caches):
-        c = caches["a"]
+        c, env = caches["a"], caches["env"]
         gdn = [x for x in c if type(x).__name__ == "ArraysCache"]
-        if i == 2:
+        kv = [x for x in c if hasattr(x, "offset")]
+        env.delenv("MLX_LILY_COMPILE_ATTN", raising=False)
+        gdn[0].lengths = None
+        if i == 1:
             gdn[0][1] = gdn[0][1] * 0.5
-        if i == 4:
+        if i == 2:
+            kv[0].keys = kv[0].keys * 0.5
+        if i == 3:
             caches["b"] = copy.deepcopy(c)
             return caches["b"]
-        if i == 5:
+        if i == 4:
             saved["c"] = [x.offset if hasattr(x, "offset") else list(x.cache) for x in c]
-        if i == 7:
+        if i == 6:
             for x, held in zip(c, saved["c"]):
                 if isinstance(held, int):
                     x.offset = held
                 else:
                     x.cache[:] = held
+        if i == 8:
+            env.setenv("MLX_LILY_COMPILE_ATTN", "0")
+        if i == 9:
+            gdn[0].lengths = mx.array([1], dtype=mx.int32)
         return c
 
     return meddle
 
 
 def test_replay_sees_caches_changed_between_steps(model):
-    """Caches changed between steps (a state replaced, another sequence, a roll-back that
-    puts earlier arrays back): the same logits, bit for bit, as the full path under the
-    same changes, and the changes show in the logits (the roll-back repeats a step)."""
-    want, _ = _decode(model, 10, meddle=_meddler(), ledger=False)
-    got, n = _decode(model, 10, meddle=_meddler())
-    assert n >= 3
+    """Caches changed between steps (above): the same logits and cache contents, bit for
+    bit, as the full path under the same changes; no replay at a changed step (the full
+    path runs there and makes a new ledger), at the step without the compiled attention
+    step or with ``lengths``; and the changes show in the logits."""
+    want, r0, s0 = _decode(model, 11, meddle=_meddler(), ledger=False)
+    got, r, s = _decode(model, 11, meddle=_meddler())
     np.testing.assert_array_equal(got, want)
-    plain, _ = _decode(model, 10, ledger=False)
-    assert not np.array_equal(plain[2:4], want[2:4])  # the scaled state changed them
+    _same_states(s, s0)
+    assert not any(r0)
+    assert [r[i] for i in (1, 2, 3, 4, 6, 8, 9)] == [False] * 7, r
+    assert r[5] and r[7], r
+    plain, _, _ = _decode(model, 11, ledger=False)
+    assert not np.array_equal(plain[1:3], want[1:3])  # the scaled state and keys
+
+
+def test_a_dropped_cache_drops_the_ledger(model):
+    """The ledger holds its caches weakly: once the user drops the cache list, its arrays
+    are freed (no ledger left on the model)."""
+    import gc
+    import weakref
+
+    dg.drop_compiled_steps()
+    with emulated_metal(), dg.uncompiled(), pytest.MonkeyPatch.context() as mp:
+        mp.setenv("MLX_LILY_COMPILE", "1")
+        with mlx_lily.patched(model):
+            inner = model.language_model.model
+            c = make_prompt_cache(model)
+            model(mx.array([PROMPT[:20]]), cache=c)
+            for t in (3, 4):
+                model(mx.array([[t]]), cache=c)
+            assert inner._lily_steps.ledger is not None
+            refs = [weakref.ref(x) for x in c]
+            del c
+            gc.collect()
+            assert all(r() is None for r in refs)
+            assert inner._lily_steps.ledger is None
+    dg.drop_compiled_steps()
 
 
 def test_ledger_matches_only_its_own_caches(model):
