@@ -55,9 +55,9 @@ def _state(caches, moe_attr):
     return out
 
 
-def _decode(model, steps, meddle=None, ledger=True):
-    """Greedy decoding of ``steps`` one-token calls after ``PROMPT``, KV growth step 256
-    (the decode crosses it); ``meddle(i, caches)`` runs before step ``i`` and returns the
+def _decode(model, steps, meddle=None, ledger=True, kv_step="256"):
+    """Greedy decoding of ``steps`` one-token calls after ``PROMPT``, KV growth step
+    ``kv_step`` (at 256 the decode crosses it); ``meddle(i, caches)`` runs before step ``i`` and returns the
     caches to use. With ``ledger=False`` no step replays. Returns ``(logits np.float32
     [steps, V], replayed: one bool per step, states: _state after each step)``."""
     from mlx_lily.patches.launch_order import MOE_AFTER_ATTR
@@ -76,7 +76,7 @@ def _decode(model, steps, meddle=None, ledger=True):
             mp.setattr(dg, "_new_ledger", lambda *a: None)
         with emulated_metal(), dg.uncompiled(), pytest.MonkeyPatch.context() as env:
             env.setenv("MLX_LILY_COMPILE", "1")  # emulated_metal turned it off (undone first)
-            env.setenv("MLX_LILY_KV_STEP", "256")
+            env.setenv("MLX_LILY_KV_STEP", kv_step)
             env.delenv("MLX_LILY_COMPILE_ATTN", raising=False)
             with mlx_lily.patched(model):
                 caches = {"a": make_prompt_cache(model), "env": env}
@@ -119,7 +119,8 @@ def _meddler():
     layer's key buffer scaled (a new array, same offset); a second sequence's caches
     decoded once, then the first resumed; every cache rolled back two steps to what it
     held earlier (KV offsets moved back, the GDN arrays put back); one step with
-    ``MLX_LILY_COMPILE_ATTN=0``; one with a GDN cache's ``lengths`` set."""
+    ``MLX_LILY_COMPILE_ATTN=0``; after a plain step, one with a GDN cache's ``lengths``
+    set."""
     saved = {}
 
     def meddle(i, caches):
@@ -145,7 +146,7 @@ def _meddler():
                     x.cache[:] = held
         if i == 8:
             env.setenv("MLX_LILY_COMPILE_ATTN", "0")
-        if i == 9:
+        if i == 10:
             gdn[0].lengths = mx.array([1], dtype=mx.int32)
         return c
 
@@ -157,14 +158,17 @@ def test_replay_sees_caches_changed_between_steps(model):
     bit, as the full path under the same changes; no replay at a changed step (the full
     path runs there and makes a new ledger), at the step without the compiled attention
     step or with ``lengths``; and the changes show in the logits."""
-    want, r0, s0 = _decode(model, 11, meddle=_meddler(), ledger=False)
-    got, r, s = _decode(model, 11, meddle=_meddler())
+    kw = dict(meddle=_meddler(), kv_step="2048")  # no KV growth among the changes
+    want, r0, s0 = _decode(model, 12, ledger=False, **kw)
+    kw["meddle"] = _meddler()
+    got, r, s = _decode(model, 12, **kw)
     np.testing.assert_array_equal(got, want)
     _same_states(s, s0)
     assert not any(r0)
-    assert [r[i] for i in (1, 2, 3, 4, 6, 8, 9)] == [False] * 7, r
+    # 9 and 11 follow steps that ran layer by layer (no ledger)
+    assert [r[i] for i in (1, 2, 3, 4, 6, 8, 9, 10, 11)] == [False] * 9, r
     assert r[5] and r[7], r
-    plain, _, _ = _decode(model, 11, ledger=False)
+    plain, _, _ = _decode(model, 12, ledger=False, kv_step="2048")
     assert not np.array_equal(plain[1:3], want[1:3])  # the scaled state and keys
 
 
@@ -193,8 +197,9 @@ def test_a_dropped_cache_drops_the_ledger(model):
 
 
 def test_ledger_matches_only_its_own_caches(model):
-    """``_WholeLedger.matches`` refuses another cache list, a cache holding another
-    array, a moved KV offset and another batch size."""
+    """``_WholeLedger.matches`` refuses another cache list, another batch size, a moved
+    KV offset, a GDN cache with ``lengths`` (the model's forward sends such a step down
+    the masked path before it gets here) and a cache holding another array."""
     dg.drop_compiled_steps()
     with emulated_metal(), dg.uncompiled(), pytest.MonkeyPatch.context() as mp:
         mp.setenv("MLX_LILY_COMPILE", "1")
@@ -213,6 +218,10 @@ def test_ledger_matches_only_its_own_caches(model):
             assert not led.matches(c, h)
             kv.offset += 1
             gdn = next(x for x in c if type(x).__name__ == "ArraysCache")
+            gdn.lengths = mx.array([1], dtype=mx.int32)
+            assert not led.matches(c, h)
+            gdn.lengths = None
+            assert led.matches(c, h)
             gdn[0] = gdn[0] + 0
             assert not led.matches(c, h)
     dg.drop_compiled_steps()
