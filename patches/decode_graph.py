@@ -364,19 +364,20 @@ class _WholeLedger:
     take its inputs from there instead of checking and reading every cache again.
 
     ``refs``: weak references to the step's cache objects in layer order (a cache the
-    user drops drops the ledger with it: ``_drop_ledger``); ``held``: per cache the
-    arrays the step stored (GDN: conv state ``[B, KS-1, C]`` and recurrent state
-    ``[B, Hv, Dv, Dk]`` fp32; attention: key and value buffers ``[B, Hkv, capacity, D]``);
-    ``offsets``: per attention cache the row count it left; ``args``: the next step's
-    inputs after ``h``, four per layer (those two arrays, the cache's int32 counters, the
-    step's MoE output ``[B, 1, D]``), without the offset; ``offset``: the attention layers'
-    common row count. Valid (``matches``) while every cache still holds those very arrays
-    and row counts. The ledger passes the caches' own array objects, so an in-place write
-    to one reaches the step as it would on the full path; a path that stores other arrays
-    or moves a row count makes ``matches`` refuse."""
+    user drops drops the ledger with it: ``_drop_ledger``); ``args``: the next step's
+    inputs after ``h``, four per layer: the two arrays the step stored in the layer's cache
+    (GDN: conv state ``[B, KS-1, C]`` and recurrent state ``[B, Hv, Dv, Dk]`` fp32;
+    attention: key and value buffers ``[B, Hkv, capacity, D]``), the cache's int32
+    counters and the step's MoE output ``[B, 1, D]``; ``offset``: the row count the step
+    left in every attention cache (the step's common offset + 1). Valid (``matches``)
+    while every cache still holds those very arrays and that row count. The ledger passes
+    the caches' own array objects, so an in-place write to one reaches the step as it would
+    on the full path; a path that stores other arrays or moves a row count makes
+    ``matches`` refuse."""
 
-    __slots__ = ("refs", "linear", "held", "offsets", "args", "offset", "fn", "batch",
-                 "dtype", "compile_attn", "__weakref__")
+    __slots__ = ("refs", "linear", "args", "offset", "fn", "batch", "dtype", "compile_attn",
+                 "__weakref__")
+    # offset stays 0 without attention layers, as the full path passes it
 
     def matches(self, cache, h) -> bool:
         """Whether ``cache`` (this step's cache list) and ``h [B, 1, D]`` are what the
@@ -384,20 +385,19 @@ class _WholeLedger:
         that step stored, ``h`` of the same batch and dtype, the attention step setting
         (``MLX_LILY_COMPILE_ATTN``, which ``compile_key`` does not hold) as then, and room
         for one more row in every KV buffer (checked when recorded)."""
-        refs = self.refs
+        refs, args, off = self.refs, self.args, self.offset
         if (len(cache) != len(refs) or h.shape[0] != self.batch or h.dtype != self.dtype
                 or tuning.compile_attn != self.compile_attn):
             return False
-        held, offs = iter(self.held), iter(self.offsets)
-        for c, r, lin in zip(cache, refs, self.linear):
-            a, b = next(held), next(held)
+        for j, (c, r, lin) in enumerate(zip(cache, refs, self.linear)):
             if r() is not c:
                 return False
+            a, b = args[4 * j], args[4 * j + 1]
             if lin:
                 st = c.cache
                 if st[0] is not a or st[1] is not b or c.lengths is not None:
                     return False
-            elif c.keys is not a or c.values is not b or c.offset != next(offs):
+            elif c.keys is not a or c.values is not b or c.offset != off:
                 return False
         return True
 
@@ -421,7 +421,7 @@ def run_whole_step(text_model, cs, layers, cache, h):
     led = cs.ledger
     cs.ledger = None
     if led is not None and tuning.whole_replay and led.matches(cache, h):
-        y = _replay_whole_step(cs, led, layers, cache, h)
+        y = _replay_whole_step(cs, led, cache, h)
         if y is not None:
             return y
     # what holds for every step (switches, modules, dtype): once per compile key
@@ -489,7 +489,7 @@ def _new_ledger(cs, fn, layers, cache, h, args, offset):
     the next step could not replay it: a ``BatchKVCache`` (its row counts are arrays),
     another cache type, or a KV buffer without room for one more row."""
     linear = tuple(bool(l.is_linear) for l in layers)
-    held, offsets, nxt = [], [], []
+    nxt = []
     for lin, c, i in zip(linear, cache, range(1, len(args), 4)):
         if lin:
             if type(c) is not ArraysCache:
@@ -499,20 +499,17 @@ def _new_ledger(cs, fn, layers, cache, h, args, offset):
             if type(c) is not KVCache or c.offset + 1 > c.keys.shape[2]:
                 return None
             a, b = c.keys, c.values
-            offsets.append(c.offset)
-        held += [a, b]
         nxt += [a, b, args[i + 2], c.__dict__[MOE_AFTER_ATTR]]
     led = _WholeLedger()
     drop = functools.partial(_drop_ledger, weakref.ref(cs), weakref.ref(led))
     led.refs = tuple(weakref.ref(c, drop) for c in cache)
-    led.linear, led.held, led.offsets = linear, held, offsets
-    led.args, led.fn, led.batch, led.dtype = nxt, fn, h.shape[0], h.dtype
-    led.offset = (offset or 0) + 1 if offsets else 0
+    led.linear, led.args, led.fn, led.batch, led.dtype = linear, nxt, fn, h.shape[0], h.dtype
+    led.offset = 0 if offset is None else offset + 1
     led.compile_attn = tuning.compile_attn
     return led
 
 
-def _replay_whole_step(cs, led, layers, cache, h):
+def _replay_whole_step(cs, led, cache, h):
     """``run_whole_step`` for a step whose caches are as the previous whole step left
     them (``_WholeLedger.matches``): the same compiled function on the arrays that step
     stored, its counters and MoE outputs, and the next row. Returns the final norm's
@@ -524,7 +521,7 @@ def _replay_whole_step(cs, led, layers, cache, h):
     except Exception:  # noqa: BLE001  (run_whole_step's full path reports it)
         return None
     it = iter(out[1:])
-    held, offsets, nxt = [], [], led.args
+    nxt, room = led.args, True
     for j, (lin, c) in enumerate(zip(led.linear, cache)):
         a, b, m = next(it), next(it), next(it)
         if lin:
@@ -535,17 +532,11 @@ def _replay_whole_step(cs, led, layers, cache, h):
             c.keys = a
             c.values = b
             c.offset += 1
-            if c.offset + 1 > a.shape[2]:
-                held = None
-            elif held is not None:
-                offsets.append(c.offset)
+            room = room and c.offset + 1 <= a.shape[2]
         c.__dict__[MOE_AFTER_ATTR] = m
-        if held is not None:
-            held += [a, b]
-            nxt[4 * j], nxt[4 * j + 1], nxt[4 * j + 3] = a, b, m
-    if held is not None:
-        led.held, led.offsets, led.args = held, offsets, nxt
-        led.offset += 1 if offsets else 0
+        nxt[4 * j], nxt[4 * j + 1], nxt[4 * j + 3] = a, b, m
+    if room:  # else the next step grows a KV cache on the full path
+        led.offset += 1 if led.offset else 0
         cs.ledger = led
     return out[0]
 

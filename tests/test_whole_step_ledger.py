@@ -10,6 +10,7 @@ Every Metal kernel runs on the emulator, with the compiled steps built as plain 
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import mlx.core as mx
@@ -172,59 +173,63 @@ def test_replay_sees_caches_changed_between_steps(model):
     assert not np.array_equal(plain[1:3], want[1:3])  # the scaled state and keys
 
 
+@contextlib.contextmanager
+def _whole_steps(model):
+    """``model`` patched, compiled steps on (built as plain functions) over the emulated
+    Metal kernels; yields its text model. Compiled steps are dropped before and after."""
+    dg.drop_compiled_steps()
+    try:
+        with emulated_metal(), dg.uncompiled(), pytest.MonkeyPatch.context() as mp:
+            mp.setenv("MLX_LILY_COMPILE", "1")  # emulated_metal turned it off (undone first)
+            with mlx_lily.patched(model):
+                yield model.language_model.model
+    finally:
+        dg.drop_compiled_steps()
+
+
 def test_a_dropped_cache_drops_the_ledger(model):
     """The ledger holds its caches weakly: once the user drops the cache list, its arrays
     are freed (no ledger left on the model)."""
     import gc
     import weakref
 
-    dg.drop_compiled_steps()
-    with emulated_metal(), dg.uncompiled(), pytest.MonkeyPatch.context() as mp:
-        mp.setenv("MLX_LILY_COMPILE", "1")
-        with mlx_lily.patched(model):
-            inner = model.language_model.model
-            c = make_prompt_cache(model)
-            model(mx.array([PROMPT[:20]]), cache=c)
-            for t in (3, 4):
-                model(mx.array([[t]]), cache=c)
-            assert inner._lily_steps.ledger is not None
-            refs = [weakref.ref(x) for x in c]
-            del c
-            gc.collect()
-            assert all(r() is None for r in refs)
-            assert inner._lily_steps.ledger is None
-    dg.drop_compiled_steps()
+    with _whole_steps(model) as inner:
+        c = make_prompt_cache(model)
+        model(mx.array([PROMPT[:20]]), cache=c)
+        for t in (3, 4):
+            model(mx.array([[t]]), cache=c)
+        assert inner._lily_steps.ledger is not None
+        refs = [weakref.ref(x) for x in c]
+        del c
+        gc.collect()
+        assert all(r() is None for r in refs)
+        assert inner._lily_steps.ledger is None
 
 
 def test_ledger_matches_only_its_own_caches(model):
     """``_WholeLedger.matches`` refuses another cache list, another batch size, a moved
     KV offset, a GDN cache with ``lengths`` (the model's forward sends such a step down
     the masked path before it gets here) and a cache holding another array."""
-    dg.drop_compiled_steps()
-    with emulated_metal(), dg.uncompiled(), pytest.MonkeyPatch.context() as mp:
-        mp.setenv("MLX_LILY_COMPILE", "1")
-        with mlx_lily.patched(model):
-            inner = model.language_model.model
-            c = make_prompt_cache(model)
-            model(mx.array([PROMPT[:20]]), cache=c)
-            model(mx.array([[3]]), cache=c)
-            led = inner._lily_steps.ledger
-            h = inner.embed_tokens(mx.array([[3]]))
-            assert led is not None and led.matches(c, h)
-            assert not led.matches(make_prompt_cache(model), h)
-            assert not led.matches(c, mx.concatenate([h, h]))
-            kv = next(x for x in c if hasattr(x, "offset"))
-            kv.offset -= 1
-            assert not led.matches(c, h)
-            kv.offset += 1
-            gdn = next(x for x in c if type(x).__name__ == "ArraysCache")
-            gdn.lengths = mx.array([1], dtype=mx.int32)
-            assert not led.matches(c, h)
-            gdn.lengths = None
-            assert led.matches(c, h)
-            gdn[0] = gdn[0] + 0
-            assert not led.matches(c, h)
-    dg.drop_compiled_steps()
+    with _whole_steps(model) as inner:
+        c = make_prompt_cache(model)
+        model(mx.array([PROMPT[:20]]), cache=c)
+        model(mx.array([[3]]), cache=c)
+        led = inner._lily_steps.ledger
+        h = inner.embed_tokens(mx.array([[3]]))
+        assert led is not None and led.matches(c, h)
+        assert not led.matches(make_prompt_cache(model), h)
+        assert not led.matches(c, mx.concatenate([h, h]))
+        kv = next(x for x in c if hasattr(x, "offset"))
+        kv.offset -= 1
+        assert not led.matches(c, h)
+        kv.offset += 1
+        gdn = next(x for x in c if type(x).__name__ == "ArraysCache")
+        gdn.lengths = mx.array([1], dtype=mx.int32)
+        assert not led.matches(c, h)
+        gdn.lengths = None
+        assert led.matches(c, h)
+        gdn[0] = gdn[0] + 0
+        assert not led.matches(c, h)
 
 
 def test_build_time_ledger_ab_runs_both_arms(tmp_path):

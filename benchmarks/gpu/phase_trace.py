@@ -169,7 +169,6 @@ def moe(rows, chain, distinct, reps, spin_ms):
     """``lily_moe_decode`` traced at ``rows`` token rows: ``_summarise``'s dict plus the
     tiles of each phase."""
     from mlx_lily.ops import moe_experts as M
-    from mlx_lily.ops import qgemv
     from mlx_lily.patches import layouts
     from mlx_lily.qproj import QProj
     from mlx_lily.testing.models import moe_block
@@ -184,13 +183,7 @@ def moe(rows, chain, distinct, reps, spin_ms):
         wts = layouts.decode_weights(blk.switch_mlp, blk.shared_expert)
         mx.eval(blk.parameters(), router.weight, router.scales, router.biases)
         plans.append(M.fused_plan(traced, wts, router, x0.shape, x0.dtype, K, True, 0))
-        tiles = M.fused_tiles(D, I, K, E, wts.bits, router.bits, rows)
-    rr, rg, rd = M.fused_rpw()
-    lr, lg, ld = (qgemv.lanes_per_row(D, router.bits), qgemv.lanes_per_row(D, wts.bits),
-                  qgemv.lanes_per_row(I, wts.bits))
-    rt = rows * -(-(E + 1) // (4 * (32 // lr) * rr))
-    gt = rows * (K + 1) * -(-I // (4 * (32 // lg) * rg))
-    assert rt + gt + rows * -(-D // (4 * (32 // ld) * rd)) == tiles
+    tiles = M.fused_phase_tiles(D, I, K, E, wts.bits, router.bits, rows)
     res = [mx.random.normal((rows, 1, D)).astype(mx.bfloat16) for _ in range(chain)]
     ctrs = [mx.zeros((M.FUSED_COUNTERS,), dtype=mx.int32) for _ in range(chain)]
     mx.eval(x0, nw, res, ctrs)
@@ -201,9 +194,9 @@ def moe(rows, chain, distinct, reps, spin_ms):
         return x
 
     runs = _run_chain(traced, run_chain, x0, reps, spin_ms)
-    out = _summarise(runs, lambda tr: _moe_launch(tr, (rt, gt, tiles - rt - gt)))
-    out.update({"rows": rows, "tiles": {"router": rt, "gate_up": gt, "down": tiles - rt - gt},
-                "rpw": [rr, rg, rd]})
+    out = _summarise(runs, lambda tr: _moe_launch(tr, tiles))
+    out.update({"rows": rows, "tiles": dict(zip(("router", "gate_up", "down"), tiles)),
+                "rpw": list(M.fused_rpw())})
     return out
 
 

@@ -552,12 +552,12 @@ def moe_experts_routed(x, router, k: int, norm_topk_prob: bool, experts: Experts
     return plain(x, logits)[0]
 
 
-def fused_tiles(d: int, i: int, k: int, e: int, bits: int, router_bits: int, rows: int,
-                rpw=None) -> int | None:
-    """Blocks of one ``lily_moe_decode`` launch: per row, ``ceil((e+1)/RPB_R)`` router
-    tiles + ``(k+1) * ceil(i/RPB_G)`` gate+up tiles + ``ceil(d/RPB_D)`` down tiles, with
-    ``RPB = 4 * (32 / LPR) * RPW`` per phase. None when a width does not map onto lane
-    groups."""
+def fused_phase_tiles(d: int, i: int, k: int, e: int, bits: int, router_bits: int,
+                      rows: int, rpw=None) -> tuple | None:
+    """Blocks of each phase of one ``lily_moe_decode`` launch, ``(router, gate+up,
+    down)``: per row ``ceil((e+1)/RPB_R)``, ``(k+1) * ceil(i/RPB_G)`` and
+    ``ceil(d/RPB_D)``, with ``RPB = 4 * (32 / LPR) * RPW`` per phase (the kernel serves
+    the tickets in that order). None when a width does not map onto lane groups."""
     lr = qgemv.lanes_per_row(d, router_bits)
     lg = qgemv.lanes_per_row(d, bits)
     ld = qgemv.lanes_per_row(i, bits)
@@ -565,8 +565,16 @@ def fused_tiles(d: int, i: int, k: int, e: int, bits: int, router_bits: int, row
         return None
     rpb = lambda lpr, r: 4 * (32 // lpr) * r  # noqa: E731
     rr, rg, rd = rpw or fused_rpw()
-    return rows * (-(-(e + 1) // rpb(lr, rr)) + (k + 1) * -(-i // rpb(lg, rg))
-                   + -(-d // rpb(ld, rd)))
+    return (rows * -(-(e + 1) // rpb(lr, rr)), rows * (k + 1) * -(-i // rpb(lg, rg)),
+            rows * -(-d // rpb(ld, rd)))
+
+
+def fused_tiles(d: int, i: int, k: int, e: int, bits: int, router_bits: int, rows: int,
+                rpw=None) -> int | None:
+    """Blocks of one ``lily_moe_decode`` launch: the sum of ``fused_phase_tiles``. None
+    when a width does not map onto lane groups."""
+    t = fused_phase_tiles(d, i, k, e, bits, router_bits, rows, rpw)
+    return None if t is None else sum(t)
 
 
 def fused_supported(router, k: int, wts: DecodeWeights | None, x_shape, x_dtype) -> bool:
