@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 import threading
 import warnings
 from dataclasses import dataclass
@@ -101,6 +102,18 @@ class Setting(NamedTuple):
     doc: str
 
 
+def warn_user(message: str, stacklevel: int = 2, category: type = UserWarning) -> None:
+    """Emit ``message`` as a ``category`` warning attributed ``stacklevel`` frames up from the
+    caller. Where the warning filters turn it into an exception (``python -W error``,
+    ``warnings.simplefilter("error")``), print it to stderr instead: every Lily warning
+    announces a fallback (a kernel off, the stock path for an op, a default setting), and
+    that fallback must still happen rather than fail the load or the forward."""
+    try:
+        warnings.warn(message, category, stacklevel=stacklevel + 1)
+    except Warning:
+        print(f"{category.__name__}: {message}", file=sys.stderr)
+
+
 #: (variable, raw value) pairs already warned about (one warning each per process).
 WARNED: set = set()
 _PARSED: dict = {}
@@ -113,8 +126,8 @@ def warn_bad(env: str, raw: str, accepted: str, detail: str = "", default_text: 
     WARNED.add((env, raw))
     what = f" ({detail})" if detail else ""
     then = default_text or "using the default"
-    warnings.warn(f"mlx-lily: {env}={raw!r} is not valid{what}; accepted: {accepted}; {then}",
-                  stacklevel=4)
+    warn_user(f"mlx-lily: {env}={raw!r} is not valid{what}; accepted: {accepted}; {then}",
+              stacklevel=4)
 
 
 def _parse(s: Setting, raw: str) -> tuple:

@@ -13,7 +13,6 @@ import functools
 import importlib
 import sys
 import threading
-import warnings
 
 from . import backend, config, tuning
 
@@ -152,7 +151,7 @@ def _stop_tracking() -> None:
             else:
                 setattr(nn.Module, name, own)
         else:
-            warnings.warn(f"mlx-lily: mlx.nn.Module.{name} was replaced by someone else "
+            config.warn_user(f"mlx-lily: mlx.nn.Module.{name} was replaced by someone else "
                           "after patching; left as it is", stacklevel=3)
     _TRACKING.clear()
     _TYPE_TRACKED.clear()
@@ -208,7 +207,7 @@ def prepare_model(model, *, warn: bool = True) -> bool:
             return True
     if warn and mt not in _WARNED_TYPES:
         _WARNED_TYPES.add(mt)
-        warnings.warn(
+        config.warn_user(
             f"mlx-lily: model type {mt!r} is not supported (supported: "
             f"{', '.join(supported_model_types())}); running stock mlx-lm.",
             stacklevel=2)
@@ -244,7 +243,7 @@ def check_checkpoint(model_path) -> bool:
         validate_checkpoint(root)
     except CheckpointError as e:
         if str(e) == NO_QUANT_MSG:
-            warnings.warn(f"mlx-lily: {root}: {NO_QUANT_MSG}; running stock mlx-lm for it.",
+            config.warn_user(f"mlx-lily: {root}: {NO_QUANT_MSG}; running stock mlx-lm for it.",
                           stacklevel=3)
             return False
         raise
@@ -292,7 +291,7 @@ def warmup(model, prompt_len: int = 8, record_lengths=WARMUP_RECORD_LENGTHS) -> 
             report = cuda_cache.precompile(launches)
             report["record_s"] = t_rec - t
         except Exception as e:  # noqa: BLE001  (MLX's own JIT still compiles them)
-            warnings.warn(f"mlx-lily: compiling CUDA kernels ahead of time failed ({e!r}); "
+            config.warn_user(f"mlx-lily: compiling CUDA kernels ahead of time failed ({e!r}); "
                           "MLX compiles them at first use", stacklevel=2)
             report = {"skipped": repr(e)}
     t_eval = time.perf_counter()
@@ -511,7 +510,7 @@ def _prefix_cache(on: bool) -> None:
         pc = importlib.import_module("mlx_lily.prefix_cache")
         pc.install_if_enabled() if on else pc.uninstall()
     except Exception as e:  # noqa: BLE001  (the kernels' patch stands without it)
-        warnings.warn(f"mlx-lily: prefix cache not {'installed' if on else 'removed'} "
+        config.warn_user(f"mlx-lily: prefix cache not {'installed' if on else 'removed'} "
                       f"({type(e).__name__}: {e}); mlx-lm's prompt cache serves", stacklevel=3)
 
 
@@ -630,7 +629,7 @@ def _qualify_then_serve(model_path) -> None:
     try:
         qualify.auto_qualify(model=str(model_path))
     except Exception as e:  # noqa: BLE001  (qualification must never fail a load)
-        warnings.warn(f"mlx-lily: qualification failed ({e!r})", stacklevel=3)
+        config.warn_user(f"mlx-lily: qualification failed ({e!r})", stacklevel=3)
     be = backend.current_backend()
     if first_contact.active_ops(be):
         _serve(handle)
@@ -750,7 +749,7 @@ def unpatch(handle: PatchHandle | None = None) -> bool:
         return False
     for owner, name, orig, repl in reversed(_ACTIVE.targets):
         if _get_raw(owner, name) is not repl:
-            warnings.warn(f"mlx-lily: {owner!r}.{name} was replaced by someone else after "
+            config.warn_user(f"mlx-lily: {owner!r}.{name} was replaced by someone else after "
                           "patching; restoring the original anyway", stacklevel=2)
         setattr(owner, name, orig)
         _ORIGINALS.pop((owner, name), None)

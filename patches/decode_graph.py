@@ -457,9 +457,8 @@ def run_whole_step(text_model, cs, layers, cache, h):
     try:
         out = fn(*args)
     except Exception as e:  # noqa: BLE001  (any tracing failure: per-layer path)
-        import warnings
 
-        warnings.warn(f"mlx-lily: compiling the whole decode step failed ({e!r}); layers "
+        config.warn_user(f"mlx-lily: compiling the whole decode step failed ({e!r}); layers "
                       "run one compiled function each", stacklevel=3)
         cs.whole = False
         return None
@@ -662,9 +661,8 @@ def run_compiled(steps, key, layer, h, x, c, fa_mask):
             out = fn(*args)
             steps[key] = fn
         except Exception as e:  # noqa: BLE001  (any tracing failure: run uncompiled)
-            import warnings
 
-            warnings.warn(f"mlx-lily: compiling decode layer {key[0]} failed ({e!r}); it "
+            config.warn_user(f"mlx-lily: compiling decode layer {key[0]} failed ({e!r}); it "
                           "runs uncompiled", stacklevel=3)
             steps[key] = False
             if layer.is_linear or whole_attn:

@@ -129,6 +129,58 @@ def test_load_with_a_broken_kernel_does_not_fail(model, monkeypatch):
     model.__dict__.pop("_lily_warm", None)
 
 
+def test_warn_user_prints_where_warnings_are_errors(capsys):
+    """A Lily warning announces a fallback: under ``-W error`` it goes to stderr instead of
+    raising, and as a warning otherwise."""
+    from mlx_lily import config
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        config.warn_user("mlx-lily: test fallback", category=RuntimeWarning)
+    assert capsys.readouterr().err == "RuntimeWarning: mlx-lily: test fallback\n"
+    with pytest.warns(UserWarning, match="test fallback"):
+        config.warn_user("mlx-lily: test fallback")
+    assert capsys.readouterr().err == ""
+
+
+@needs_emu
+def test_load_with_a_broken_kernel_under_warnings_as_errors(model, monkeypatch, capsys):
+    """With every warning an error (``python -W error``), a kernel that fails to build still
+    turns only its own op off: its warning goes to stderr, the patch stands, and the
+    report and answers equal those of the same load under the default filters."""
+    from mlx_lily import patching
+
+    warm = patching.warmup
+    monkeypatch.setenv(first_contact.INJECT_ENV, "moe_router_topk:build")
+    monkeypatch.setattr(first_contact, "PREFILL_LEN", 40)
+    got = {}
+    for action in ("error", "always"):
+        kernels.clear_runtime_disabled()
+        with emulated_metal():
+            stub, patching.warmup = patching.warmup, warm
+            try:
+                model.__dict__.pop("_lily_warm", None)
+                with warnings.catch_warnings(record=True) as w:
+                    warnings.simplefilter(action)
+                    with mlx_lily.patched(model, ops=OPS) as h:
+                        assert h.stepped_aside is None
+                        rep = patching.last_warmup["first_contact"]
+                        got[action] = (rep["failed"], rep["active"], _logits(model))
+            finally:
+                patching.warmup = stub
+                model.__dict__.pop("_lily_warm", None)
+        err = capsys.readouterr().err
+        off = [str(x.message) for x in w if "turned off" in str(x.message)]
+        if action == "error":
+            assert not off and err.count("kernels turned off") == 1, (off, err)
+            assert "UserWarning: mlx-lily: moe_router_topk kernels turned off" in err
+        else:
+            assert len(off) == 1 and "kernels turned off" not in err, (off, err)
+    assert set(got["error"][0]) == {"moe_router_topk"}, got["error"][0]
+    assert got["error"][:2] == got["always"][:2]
+    np.testing.assert_array_equal(got["error"][2], got["always"][2])
+
+
 @needs_emu
 def test_two_wrong_ops_are_both_found(model, monkeypatch):
     """Two ops giving wrong logits: the bisection finds each (one warning each); the third

@@ -585,16 +585,14 @@ def prefill_scan(backend: str) -> str:
     prep and norm kernels) and fp32 matmuls are fp32 (``tf32_matmuls`` False); else on
     Metal with ``MLX_LILY_GDN_SCAN_LOAD=staged`` ``"staged"`` (``lily_gdn_scan_staged``);
     else ``"kernel"`` (``lily_gdn_scan``, the default)."""
-    from .. import tuning
+    from .. import config, tuning
 
     kernel = "staged" if backend == "metal" and tuning.gdn_scan_load == "staged" else "kernel"
     if tuning.gdn_prefill != "chunked":
         return kernel
     if tf32_matmuls(backend):
-        import warnings
-
-        warnings.warn("mlx-lily: MLX_LILY_GDN_PREFILL=chunked ignored: MLX runs fp32 matmuls "
-                      "in TF32 here (set MLX_ENABLE_TF32=0 to use it)", stacklevel=3)
+        config.warn_user("mlx-lily: MLX_LILY_GDN_PREFILL=chunked ignored: MLX runs fp32 matmuls "
+                         "in TF32 here (set MLX_ENABLE_TF32=0 to use it)", stacklevel=3)
         return kernel
     return "chunked"
 

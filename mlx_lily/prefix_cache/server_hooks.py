@@ -23,7 +23,8 @@ from __future__ import annotations
 import importlib
 import sys
 import threading
-import warnings
+
+from .. import config
 
 _PATCHED: list = []  # (owner, name, original, replacement)
 _ACTIVE = [False]
@@ -113,10 +114,10 @@ def _hook_server(mod) -> None:
     if "_tokenize" not in rg.__dict__ or not callable(getattr(mod, "stream_generate", None)):
         if mod not in _WARNED:
             _WARNED.append(mod)
-            warnings.warn(f"mlx-lily: {mod.__name__} has no ResponseGenerator._tokenize or "
-                          "stream_generate (an mlx-lm version this prefix cache does not "
-                          "know): the server keeps mlx-lm's segments, no snapshots",
-                          stacklevel=3)
+            config.warn_user(f"mlx-lily: {mod.__name__} has no ResponseGenerator._tokenize or "
+                             "stream_generate (an mlx-lm version this prefix cache does not "
+                             "know): the server keeps mlx-lm's segments, no snapshots",
+                             stacklevel=3)
         return
     if not _patched(rg, "_tokenize"):
         _set(rg, "_tokenize", _wrap_tokenize(rg.__dict__["_tokenize"]))
