@@ -72,7 +72,8 @@
 #            fused) at MOE_MICRO_ROWS rows (default 1,2,8), limit MOE_MICRO_LIMIT_S
 #   phase-trace: per-block stamps of the one-launch MoE block and the GDN decode
 #            (phase_trace.py: 40 chained launches over 8 weight sets, production dims) at
-#            each row count of PHASE_TRACE_ROWS (default 1 8), limit PHASE_TRACE_LIMIT_S (240)
+#            each row count of PHASE_TRACE_ROWS (default 1 8), limit PHASE_TRACE_LIMIT_S (240);
+#            PHASE_TRACE_ARGS: more arguments (e.g. "--variants base,l2pf --rounds 2")
 #   fold-sweep: the GDN decode's batch fold (MLX_LILY_GDN_BATCH_FOLD) the same way, with
 #            batched decode on: FOLD_SWEEP settings (default: default, 4, 8), cases
 #            FOLD_SWEEP_CASES (default 512:128:2,512:128:8), FOLD_SWEEP_LIMIT_S
@@ -220,7 +221,7 @@ phase_phase_trace() {
   local n
   for n in ${PHASE_TRACE_ROWS:-1 8}; do
     step phase-trace-b$n ${PHASE_TRACE_LIMIT_S:-240} \
-      python3 "$R/benchmarks/gpu/phase_trace.py" --rows "$n" --out "$W/phase-trace"
+      python3 "$R/benchmarks/gpu/phase_trace.py" --rows "$n" ${PHASE_TRACE_ARGS:-} --out "$W/phase-trace"
   done
 }
 

@@ -11,7 +11,7 @@ a decode step (each layer's output feeds the next), each with its own counters, 
 model, where every layer has its own), after a GPU spin that covers the host's dispatch.
 
     python benchmarks/gpu/phase_trace.py --out DIR [--kernels moe,gdn] [--rows 1] \
-        [--chain 40] [--distinct 8] [--reps 5]
+        [--chain 40] [--distinct 8] [--reps 5] [--variants base,l2pf --rounds 2]
     python benchmarks/gpu/phase_trace.py --check-compile --nvrtc LIB [--include DIR]
         (CPU: the traced texts of a recorded decode step compile with NVRTC)
 
@@ -23,6 +23,11 @@ row normalised / gate+up and down: the wait over, 3 inputs in shared memory (gat
 4 math done, 5 the block's arrival done, 6 the ticket, 7 the SM; GDN 0 start, 1 row
 normalised, 2 projection rows written, 3 the head's last part goes on, 4 the step done,
 5 out_proj's share written, 6 the row's sum written (last head), 7 the SM.
+
+``--variants``: each kernel also built as an experiment (``VARIANTS``: a define ahead of its
+headers; ``l2pf``: the L2 prefetch hints of ``shaders/cuda/l2_prefetch.cuh``), measured in
+``--rounds`` rounds that alternate the variants in this process; the JSON then holds, per
+kernel, one summary per variant and round.
 """
 
 from __future__ import annotations
@@ -42,16 +47,20 @@ SLOTS = 8
 D, I, E, K = 2048, 512, 256, 8
 HK, HV, DK, DV, KS = 16, 32, 128, 128, 4
 TRACE_DEFINE = "#define LILY_PHASE_TRACE 1\n"
+#: Experiments: variant name -> the define added ahead of the kernel's headers.
+VARIANTS = {"base": "", "l2pf": "#define LILY_L2_PREFETCH 1\n"}
 
 
-def trace_kernel(spec):
-    """``spec``'s CUDA kernel built with ``LILY_PHASE_TRACE`` and a ``trace`` output."""
+def trace_kernel(spec, variant: str = "base"):
+    """``spec``'s CUDA kernel built with ``LILY_PHASE_TRACE`` (and ``variant``'s define)
+    and a ``trace`` output."""
     from mlx_lily import kernels
 
     head, body = kernels.cuda_parts(spec.stem)
-    return mx.fast.cuda_kernel(name=spec.name + "_trace", input_names=list(spec.inputs),
+    sfx = "" if variant == "base" else "_" + variant
+    return mx.fast.cuda_kernel(name=spec.name + "_trace" + sfx, input_names=list(spec.inputs),
                                output_names=list(spec.outputs) + ["trace"], source=body,
-                               header=TRACE_DEFINE + head,
+                               header=TRACE_DEFINE + VARIANTS[variant] + head,
                                ensure_row_contiguous=spec.ensure_row_contiguous)
 
 
@@ -165,15 +174,15 @@ def _summarise(runs, per_launch):
             "first_rep_first_launches": rows[:3]}
 
 
-def moe(rows, chain, distinct, reps, spin_ms):
-    """``lily_moe_decode`` traced at ``rows`` token rows: ``_summarise``'s dict plus the
-    tiles of each phase."""
+def moe(rows, chain, distinct, reps, spin_ms, variant="base"):
+    """``lily_moe_decode`` (as ``variant``) traced at ``rows`` token rows: ``_summarise``'s
+    dict plus the tiles of each phase."""
     from mlx_lily.ops import moe_experts as M
     from mlx_lily.patches import layouts
     from mlx_lily.qproj import QProj
     from mlx_lily.testing.models import moe_block
 
-    traced = Traced(trace_kernel(M.FUSED_SPEC))
+    traced = Traced(trace_kernel(M.FUSED_SPEC, variant))
     x0 = mx.random.normal((rows, 1, D)).astype(mx.bfloat16)
     nw = (1.0 + 0.1 * mx.random.normal((D,))).astype(mx.bfloat16)
     plans = []
@@ -200,13 +209,13 @@ def moe(rows, chain, distinct, reps, spin_ms):
     return out
 
 
-def gdn(rows, chain, distinct, reps, spin_ms):
-    """``lily_gdn_decode`` (PROJ + OUTP, ``proj_split`` blocks per head) traced at
-    ``rows`` batch rows: ``_summarise``'s dict plus the blocks per launch."""
+def gdn(rows, chain, distinct, reps, spin_ms, variant="base"):
+    """``lily_gdn_decode`` (PROJ + OUTP, ``proj_split`` blocks per head; as ``variant``)
+    traced at ``rows`` batch rows: ``_summarise``'s dict plus the blocks per launch."""
     from mlx_lily import kernels
     from mlx_lily.ops import gated_delta as G
 
-    traced = Traced(trace_kernel(G.DECODE))
+    traced = Traced(trace_kernel(G.DECODE, variant))
     rng = np.random.default_rng(0)
     T = mx.bfloat16
     C = 2 * HK * DK + HV * DV
@@ -251,11 +260,11 @@ def gdn(rows, chain, distinct, reps, spin_ms):
     return out
 
 
-def check_compile(nvrtc: str, includes: list, arch=(9, 0)) -> int:
+def check_compile(nvrtc: str, includes: list, arch=(9, 0), variants=("base",)) -> int:
     """CPU: every ``lily_moe_decode`` / ``lily_gdn_decode`` instantiation of a recorded
     B = 1 and B = 3 decode step (4 layers, stubbed kernels), rendered with
-    ``LILY_PHASE_TRACE`` and the ``trace`` output, compiles with NVRTC. Returns the number
-    that failed."""
+    ``LILY_PHASE_TRACE`` (and each of ``variants``' defines) and the ``trace`` output,
+    compiles with NVRTC. Returns the number that failed."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from source_forms import expand, record_step
     from mlx_lily import cuda_cache, kernels
@@ -265,12 +274,14 @@ def check_compile(nvrtc: str, includes: list, arch=(9, 0)) -> int:
     opts = cuda_cache.nvrtc_options(arch, cuda_cache.mlx_include_dirs() + list(includes))
     hdr = {cuda_cache.SHIM_NAME: cuda_cache._SHIM}
     seen, bad = set(), 0
-    for rows in (1, 3):
-        for ln in record_step(4, rows, kset):
-            if ln.name not in ("lily_moe_decode", "lily_gdn_decode"):
-                continue
-            tl = ln._replace(name=ln.name + "_trace",
-                             header=TRACE_DEFINE + expand(ln.header), source=expand(ln.source),
+    launches = [ln for rows in (1, 3) for ln in record_step(4, rows, kset)
+                if ln.name in ("lily_moe_decode", "lily_gdn_decode")]
+    for variant in variants:
+        sfx = "" if variant == "base" else "_" + variant
+        for ln in launches:
+            tl = ln._replace(name=ln.name + "_trace" + sfx,
+                             header=TRACE_DEFINE + VARIANTS[variant] + expand(ln.header),
+                             source=expand(ln.source),
                              output_names=tuple(ln.output_names) + ("trace",),
                              output_dtypes=tuple(ln.output_dtypes) + (mx.uint64,))
             name = cuda_cache.kernel_name(tl)
@@ -295,14 +306,21 @@ def main(argv=None) -> int:
     ap.add_argument("--distinct", type=int, default=8)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--spin-ms", type=float, default=200.0)
+    ap.add_argument("--variants", default="base",
+                    help=f"comma-separated, of {', '.join(VARIANTS)}")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="rounds alternating the variants (each --reps reps)")
     ap.add_argument("--check-compile", action="store_true")
     ap.add_argument("--nvrtc", default=None)
     ap.add_argument("--include", action="append", default=[])
     a = ap.parse_args(argv)
+    variants = a.variants.split(",")
+    if any(v not in VARIANTS for v in variants):
+        ap.error(f"--variants: each of {', '.join(VARIANTS)}")
     if a.check_compile:
         if not a.nvrtc:
             ap.error("--check-compile needs --nvrtc")
-        return 1 if check_compile(a.nvrtc, a.include) else 0
+        return 1 if check_compile(a.nvrtc, a.include, variants=variants) else 0
     from mlx_lily.bench import gpu_clock
 
     if not gpu_clock.available():
@@ -311,15 +329,29 @@ def main(argv=None) -> int:
     res = {"mlx": mx.__version__, "device": str(mx.default_device()), "rows": a.rows,
            "chain": a.chain, "distinct": a.distinct, "reps": a.reps}
     steps = {"moe": moe, "gdn": gdn}
+    several = variants != ["base"] or a.rounds > 1
+    if several:
+        res["variants"], res["rounds"] = variants, a.rounds
     for name in a.kernels.split(","):
-        t0 = time.time()
-        try:
-            res[name] = steps[name](a.rows, a.chain, a.distinct, a.reps, a.spin_ms)
-        except Exception as e:  # noqa: BLE001 - keep what was measured
-            res[name] = {"error": f"{type(e).__name__}: {e}"}
-        res[name]["elapsed_s"] = time.time() - t0
-        print(name, json.dumps({k: v for k, v in res[name].items()
-                                if k != "first_rep_first_launches"}, indent=1))
+        per = {v: [] for v in variants}
+        for rnd in range(a.rounds):
+            for v in variants:
+                t0 = time.time()
+                try:
+                    r = steps[name](a.rows, a.chain, a.distinct, a.reps, a.spin_ms, v)
+                except Exception as e:  # noqa: BLE001 - keep what was measured
+                    r = {"error": f"{type(e).__name__}: {e}"}
+                r["elapsed_s"] = time.time() - t0
+                per[v].append(r)
+                if several:
+                    ph = r.get("phases_us_median", {})
+                    print(f"{name} {v} round {rnd + 1}: gpu us/launch "
+                          f"{r.get('gpu_us_per_launch')}; end {ph.get('end')}; "
+                          + json.dumps({k: round(x, 3) for k, x in ph.items()}))
+                else:
+                    print(name, json.dumps({k: x for k, x in r.items()
+                                            if k != "first_rep_first_launches"}, indent=1))
+        res[name] = per if several else per["base"][0]
     a.out.mkdir(parents=True, exist_ok=True)
     (a.out / f"phase_trace-b{a.rows}.json").write_text(json.dumps(res, indent=1))
     return 0

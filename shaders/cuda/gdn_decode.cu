@@ -43,6 +43,7 @@
 // @header qgemv_common.cuh
 // @header qgemv_norm.cuh
 // @header phase_trace.cuh
+// @header l2_prefetch.cuh
 
 // Row of the fused q|k|v|z|b|a weight holding projection row p of v-head h (q/k head hk):
 // p in [0, Dk) q, [Dk, 2Dk) k, then Dv of v, Dv of z, then b, a.
@@ -171,6 +172,29 @@ __device__ __forceinline__ void lily_gdn_pending_norm(const T* hin, const T* res
     const int sl = lane % LPR;
     const int slot = (warp * SG + lane / LPR) * RPW;
     const int part = blockIdx.x;
+#ifdef LILY_L2_PREFETCH
+    if constexpr (OUTP) {
+      // this part's share of what the head's last part reads after the projection: the
+      // state of its rows (when contiguous) and head h's out_proj columns
+      for (int jr = 0; jr < nrows; ++jr) {
+        const int bj = bg * BN + jr;
+        if (state_strides[3] == 1 && state_strides[2] == Dk) {
+          const char* sp = reinterpret_cast<const char*>(
+              state + int64_t(bj) * state_strides[0] + int64_t(h) * state_strides[1]);
+          for (int l = part * NT + tid; l < Dv * Dk * 4 / 128; l += SPLIT * NT) {
+            LILY_PREFETCH_L2(sp + l * 128);
+          }
+        }
+      }
+      constexpr int OWR = Hv * Dv * BITS / 32;  // words per out_proj row
+      constexpr int OGR = Hv * Dv / GS;         // scale groups per out_proj row
+      for (int o = part * NT + tid; o < K; o += SPLIT * NT) {
+        LILY_PREFETCH_L2(ow + size_t(o) * OWR + h * (Dv * BITS / 32));
+        LILY_PREFETCH_L2(oscales + size_t(o) * OGR + h * (Dv / GS));
+        LILY_PREFETCH_L2(obiases + size_t(o) * OGR + h * (Dv / GS));
+      }
+    }
+#endif
 #pragma unroll 1
     for (int jr = 0; jr < nrows; ++jr) {
       const int bj = bg * BN + jr;

@@ -26,6 +26,7 @@
 // @header qgemv_norm.cuh
 // @header qgemv_route.cuh
 // @header phase_trace.cuh
+// @header l2_prefetch.cuh
 // An L2 (L1-bypassing) view of a buffer other blocks of the launch wrote.
 template <typename T>
 struct LilyL2 {
@@ -225,6 +226,27 @@ __device__ __forceinline__ void lily_copy_l2(T* dst, const T* src, int tid) {
       tu.load(reinterpret_cast<const uint4*>(up_w) + e * I * GKW, up_s + e * I * (D / GS),
               up_b + e * I * (D / GS), row0, I - 1, sl);
     }
+#ifdef LILY_L2_PREFETCH
+    {
+      // this tile's share (rows of gx) of the down rows its slot's expert will need
+      constexpr int DWR = I * BITS / 32;  // words per down row
+      constexpr int PR = (D + GX - 1) / GX;
+      const size_t pe = slot < K ? min(s_inds[slot], (unsigned)(E - 1)) : 0;
+      const int r0 = gx * PR;
+      const int nr = min(D, r0 + PR) - r0;
+      const char* pw = reinterpret_cast<const char*>(
+          (slot < K ? down_w + pe * D * DWR : sdown_w) + size_t(r0) * DWR);
+      const char* ps_ = reinterpret_cast<const char*>(
+          (slot < K ? down_s + pe * D * (I / GS) : sdown_s) + size_t(r0) * (I / GS));
+      const char* pb = reinterpret_cast<const char*>(
+          (slot < K ? down_b + pe * D * (I / GS) : sdown_b) + size_t(r0) * (I / GS));
+      for (int l = tid * 128; l < nr * DWR * 4; l += 128 * 32 * NWK) LILY_PREFETCH_L2(pw + l);
+      for (int l = tid * 128; l < nr * (I / GS) * int(sizeof(S)); l += 128 * 32 * NWK) {
+        LILY_PREFETCH_L2(ps_ + l);
+        LILY_PREFETCH_L2(pb + l);
+      }
+    }
+#endif
     // x as the row's first router tile normalised it (the add + RMSNorm once per row)
     lily_copy_l2<T, D, 32 * NWK>(xs, reinterpret_cast<const T*>(wn + O_XN), tid);
     __syncthreads();
