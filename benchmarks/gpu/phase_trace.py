@@ -25,7 +25,9 @@ normalised, 2 projection rows written, 3 the head's last part goes on, 4 the ste
 5 out_proj's share written, 6 the row's sum written (last head), 7 the SM.
 
 ``--variants``: each kernel also built as an experiment (``VARIANTS``: a define ahead of its
-headers; ``l2pf``: the L2 prefetch hints of ``shaders/cuda/l2_prefetch.cuh``), measured in
+headers; ``l2pf``: the L2 prefetch hints of ``shaders/cuda/l2_prefetch.cuh`` for what a
+phase reads after a wait, ``l2pf_proj``: also the GDN decode's projection rows during its
+norm), measured in
 ``--rounds`` rounds that alternate the variants in this process; the JSON then holds, per
 kernel, one summary per variant and round.
 """
@@ -48,7 +50,8 @@ D, I, E, K = 2048, 512, 256, 8
 HK, HV, DK, DV, KS = 16, 32, 128, 128, 4
 TRACE_DEFINE = "#define LILY_PHASE_TRACE 1\n"
 #: Experiments: variant name -> the define added ahead of the kernel's headers.
-VARIANTS = {"base": "", "l2pf": "#define LILY_L2_PREFETCH 1\n"}
+VARIANTS = {"base": "", "l2pf": "#define LILY_L2_PREFETCH 1\n",
+            "l2pf_proj": "#define LILY_L2_PREFETCH 1\n#define LILY_L2_PREFETCH_PROJ 1\n"}
 
 
 def trace_kernel(spec, variant: str = "base"):

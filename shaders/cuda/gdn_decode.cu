@@ -172,6 +172,20 @@ __device__ __forceinline__ void lily_gdn_pending_norm(const T* hin, const T* res
     const int sl = lane % LPR;
     const int slot = (warp * SG + lane / LPR) * RPW;
     const int part = blockIdx.x;
+#ifdef LILY_L2_PREFETCH_PROJ
+    // this part's projection rows (words, scales, biases), fetched while the row normalises
+    for (int p0 = part * RPP; p0 < NP; p0 += SPLIT * RPP) {
+      for (int i = tid / 8; i < RPP && p0 + i < NP; i += NT / 8) {
+        const int row = lily_gdn_proj_row<Hk, Hv, Dk, Dv>(p0 + i, h, hk);
+        const char* wr = reinterpret_cast<const char*>(w + size_t(row) * (K * BITS / 32));
+        for (int l = tid % 8; l * 128 < K * BITS / 8; l += 8) LILY_PREFETCH_L2(wr + l * 128);
+        if (tid % 8 == 0) {
+          LILY_PREFETCH_L2(scales + size_t(row) * (K / GS));
+          LILY_PREFETCH_L2(biases + size_t(row) * (K / GS));
+        }
+      }
+    }
+#endif
 #ifdef LILY_L2_PREFETCH
     if constexpr (OUTP) {
       // this part's share of what the head's last part reads after the projection: the
