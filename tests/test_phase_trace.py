@@ -66,6 +66,8 @@ def test_summary_takes_medians_and_gaps_between_launches():
     assert s["launches"] == 2 and s["gpu_us_per_launch"] == [10.0]
     assert s["gap_us_median"] == (30_000 - (10_000 + 12_200)) / 1e3
     assert s["phases_us_median"]["end"] == 12.2
+    assert s["end_us_spread"]["max"] == 12.2 and s["end_us_spread"]["p10"] == 12.2
+    assert s["gap_us_spread"]["p50"] == s["gap_us_median"]
 
 
 def test_gdn_phases_from_stamps():

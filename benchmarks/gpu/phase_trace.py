@@ -170,9 +170,16 @@ def _summarise(runs, per_launch):
     keys = [k for k in rows[0] if all(r.get(k) is not None for r in rows)]
     med = {k: statistics.median(r[k] for r in rows) for k in keys}
     n = len(runs[0]["trace"])
+
+    def spread(v):
+        q = np.quantile(np.asarray(v, dtype=np.float64), [0.1, 0.5, 0.9, 1.0]) if v else []
+        return dict(zip(("p10", "p50", "p90", "max"), (float(x) for x in q)))
+
     return {"launches": n, "gpu_us_per_launch": [1e6 * r["gpu_s"] / n for r in runs],
             "host_covered": all(r["host_covered"] for r in runs),
             "gap_us_median": statistics.median(gaps) if gaps else None,
+            "end_us_spread": spread([r["end"] for r in rows]),
+            "gap_us_spread": spread(gaps),
             "phases_us_median": med,
             "first_rep_first_launches": rows[:3]}
 
@@ -349,7 +356,8 @@ def main(argv=None) -> int:
                 if several:
                     ph = r.get("phases_us_median", {})
                     print(f"{name} {v} round {rnd + 1}: gpu us/launch "
-                          f"{r.get('gpu_us_per_launch')}; end {ph.get('end')}; "
+                          f"{r.get('gpu_us_per_launch')}; end {r.get('end_us_spread')}; "
+                          f"gap {r.get('gap_us_spread')}; "
                           + json.dumps({k: round(x, 3) for k, x in ph.items()}))
                 else:
                     print(name, json.dumps({k: x for k, x in r.items()
