@@ -193,6 +193,7 @@ def moe(rows, chain, distinct, reps, spin_ms, variant="base"):
     from mlx_lily.testing.models import moe_block
 
     traced = Traced(trace_kernel(M.FUSED_SPEC, variant))
+    mx.random.seed(0)  # the same rows (hence routing) for every variant and round
     x0 = mx.random.normal((rows, 1, D)).astype(mx.bfloat16)
     nw = (1.0 + 0.1 * mx.random.normal((D,))).astype(mx.bfloat16)
     plans = []
@@ -325,8 +326,10 @@ def main(argv=None) -> int:
     ap.add_argument("--include", action="append", default=[])
     a = ap.parse_args(argv)
     variants = a.variants.split(",")
-    if any(v not in VARIANTS for v in variants):
-        ap.error(f"--variants: each of {', '.join(VARIANTS)}")
+    if any(v not in VARIANTS for v in variants) or len(set(variants)) != len(variants):
+        ap.error(f"--variants: distinct names of {', '.join(VARIANTS)}")
+    if a.rounds < 1:
+        ap.error("--rounds must be at least 1")
     if a.check_compile:
         if not a.nvrtc:
             ap.error("--check-compile needs --nvrtc")
@@ -353,7 +356,9 @@ def main(argv=None) -> int:
                     r = {"error": f"{type(e).__name__}: {e}"}
                 r["elapsed_s"] = time.time() - t0
                 per[v].append(r)
-                if several:
+                if several and "error" in r:
+                    print(f"{name} {v} round {rnd + 1}: {r['error']}")
+                elif several:
                     ph = r.get("phases_us_median", {})
                     print(f"{name} {v} round {rnd + 1}: gpu us/launch "
                           f"{r.get('gpu_us_per_launch')}; end {r.get('end_us_spread')}; "
