@@ -102,7 +102,7 @@ class Setting(NamedTuple):
     doc: str
 
 
-def warn_user(message: str, stacklevel: int = 2, category: type = UserWarning) -> None:
+def warn_user(message: str, *, stacklevel: int = 2, category: type = UserWarning) -> None:
     """Emit ``message`` as a ``category`` warning attributed ``stacklevel`` frames up from the
     caller. Where the warning filters turn it into an exception (``python -W error``,
     ``warnings.simplefilter("error")``), print it to stderr instead: every Lily warning

@@ -426,8 +426,8 @@ def cuda_launch_parts(spec: KernelSpec) -> tuple[str, str]:
                 if not _INCLUDE_WARNED:
                     _INCLUDE_WARNED.append(True)
                     config.warn_user(f"mlx-lily: cannot keep CUDA kernel sources in {folder} "
-                                  f"({e}); handing MLX the full texts instead (slower "
-                                  "launches, same results)", stacklevel=2,
+                                     f"({e}); handing MLX the full texts instead (slower "
+                                     "launches, same results)", stacklevel=2,
                                      category=RuntimeWarning)
         parts = parts or texts
         _LAUNCH_PARTS[spec] = parts
@@ -659,9 +659,8 @@ def disable_for_process(op: str, reason: str) -> bool:
         return False
     _RUNTIME_OFF[op] = reason
     _RUNTIME_OFF_SET[0] = frozenset(_RUNTIME_OFF)
-
     config.warn_user(f"mlx-lily: {op} kernels turned off for this process (its reference "
-                  f"runs): {reason}", stacklevel=2)
+                     f"runs): {reason}", stacklevel=2)
     return True
 
 
@@ -736,9 +735,8 @@ def verified_ops(backend: str) -> frozenset:
                 tuning.set_qualified(qualify.record_variant_settings(backend)
                                      if _RECORD_OPS[backend] is not None else {})
             except Exception as e:  # noqa: BLE001  (an unreadable record is no record)
-
                 config.warn_user(f"mlx-lily: qualification record unreadable ({e!r}); ignored",
-                              stacklevel=2)
+                                 stacklevel=2)
     rec = _RECORD_OPS[backend]
     out = rec if rec is not None else (shipped if shipped_matches(backend) else frozenset())
     _VERIFIED_NOW[backend] = (shipped, out)

@@ -152,7 +152,7 @@ def _stop_tracking() -> None:
                 setattr(nn.Module, name, own)
         else:
             config.warn_user(f"mlx-lily: mlx.nn.Module.{name} was replaced by someone else "
-                          "after patching; left as it is", stacklevel=3)
+                             "after patching; left as it is", stacklevel=3)
     _TRACKING.clear()
     _TYPE_TRACKED.clear()
 
@@ -244,7 +244,7 @@ def check_checkpoint(model_path) -> bool:
     except CheckpointError as e:
         if str(e) == NO_QUANT_MSG:
             config.warn_user(f"mlx-lily: {root}: {NO_QUANT_MSG}; running stock mlx-lm for it.",
-                          stacklevel=3)
+                             stacklevel=3)
             return False
         raise
     return True
@@ -292,7 +292,7 @@ def warmup(model, prompt_len: int = 8, record_lengths=WARMUP_RECORD_LENGTHS) -> 
             report["record_s"] = t_rec - t
         except Exception as e:  # noqa: BLE001  (MLX's own JIT still compiles them)
             config.warn_user(f"mlx-lily: compiling CUDA kernels ahead of time failed ({e!r}); "
-                          "MLX compiles them at first use", stacklevel=2)
+                             "MLX compiles them at first use", stacklevel=2)
             report = {"skipped": repr(e)}
     t_eval = time.perf_counter()
     if not backend.tracing_active():  # a traced backend records graphs, runs nothing
@@ -511,7 +511,7 @@ def _prefix_cache(on: bool) -> None:
         pc.install_if_enabled() if on else pc.uninstall()
     except Exception as e:  # noqa: BLE001  (the kernels' patch stands without it)
         config.warn_user(f"mlx-lily: prefix cache not {'installed' if on else 'removed'} "
-                      f"({type(e).__name__}: {e}); mlx-lm's prompt cache serves", stacklevel=3)
+                         f"({type(e).__name__}: {e}); mlx-lm's prompt cache serves", stacklevel=3)
 
 
 STEP_ASIDE_ENV = "MLX_LILY_STEP_ASIDE"
@@ -750,7 +750,7 @@ def unpatch(handle: PatchHandle | None = None) -> bool:
     for owner, name, orig, repl in reversed(_ACTIVE.targets):
         if _get_raw(owner, name) is not repl:
             config.warn_user(f"mlx-lily: {owner!r}.{name} was replaced by someone else after "
-                          "patching; restoring the original anyway", stacklevel=2)
+                             "patching; restoring the original anyway", stacklevel=2)
         setattr(owner, name, orig)
         _ORIGINALS.pop((owner, name), None)
     handle = _ACTIVE

@@ -332,9 +332,8 @@ def record_variant_settings(backend: str) -> dict:
                 clash.add(var)
             out[var] = raw
     if clash:
-
         config.warn_user(f"mlx-lily: the qualification record's variants set {sorted(clash)} to "
-                      "different values; the defaults apply for them", stacklevel=2)
+                         "different values; the defaults apply for them", stacklevel=2)
     return {k: v for k, v in out.items() if k not in clash}
 
 

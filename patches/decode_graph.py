@@ -457,9 +457,8 @@ def run_whole_step(text_model, cs, layers, cache, h):
     try:
         out = fn(*args)
     except Exception as e:  # noqa: BLE001  (any tracing failure: per-layer path)
-
         config.warn_user(f"mlx-lily: compiling the whole decode step failed ({e!r}); layers "
-                      "run one compiled function each", stacklevel=3)
+                         "run one compiled function each", stacklevel=3)
         cs.whole = False
         return None
     if cs.whole is None or cs.whole[1] is not fn:
@@ -661,9 +660,8 @@ def run_compiled(steps, key, layer, h, x, c, fa_mask):
             out = fn(*args)
             steps[key] = fn
         except Exception as e:  # noqa: BLE001  (any tracing failure: run uncompiled)
-
             config.warn_user(f"mlx-lily: compiling decode layer {key[0]} failed ({e!r}); it "
-                          "runs uncompiled", stacklevel=3)
+                             "runs uncompiled", stacklevel=3)
             steps[key] = False
             if layer.is_linear or whole_attn:
                 h, r = layer_mixer(layer, x, None if layer.is_linear else fa_mask, c, h)

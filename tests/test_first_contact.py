@@ -138,8 +138,9 @@ def test_warn_user_prints_where_warnings_are_errors(capsys):
         warnings.simplefilter("error")
         config.warn_user("mlx-lily: test fallback", category=RuntimeWarning)
     assert capsys.readouterr().err == "RuntimeWarning: mlx-lily: test fallback\n"
-    with pytest.warns(UserWarning, match="test fallback"):
-        config.warn_user("mlx-lily: test fallback")
+    with pytest.warns(UserWarning, match="test fallback") as w:
+        config.warn_user("mlx-lily: test fallback", stacklevel=1)
+    assert w[0].filename == __file__  # stacklevel counts from the caller, as in warnings.warn
     assert capsys.readouterr().err == ""
 
 
